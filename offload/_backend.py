@@ -1,0 +1,109 @@
+"""Loads the compiled core `offload._C`, or records why it is not there.
+
+`import offload` must never fail because of the extension: a user who installed
+with OFFLOAD_BUILD_TARGET=none, whose build failed, or whose torch changed since the
+build still gets the pure-PyTorch path. We warn once, and only where it costs
+something (a machine with an accelerator); `python -m offload.info` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from . import _device
+
+_core = None
+_why_not: Optional[str] = None
+_build_info: dict = {}
+_warned = False
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _load() -> None:
+    global _core, _why_not, _build_info
+    if _truthy(os.environ.get("OFFLOAD_FORCE_FALLBACK")):
+        _why_not = "OFFLOAD_FORCE_FALLBACK is set"
+        return
+    try:
+        from . import _C  # type: ignore[attr-defined]
+    except ImportError as exc:
+        _why_not = f"offload._C could not be imported ({exc})"
+        return
+    except Exception as exc:  # a broken build must not break `import offload`
+        _why_not = f"offload._C failed to load: {type(exc).__name__}: {exc}"
+        return
+    _build_info = dict(_C.build_info())
+    built_target = _build_info.get("target", "cpu")
+    runtime = _device.compute_device_type()
+    if built_target == "cpu" and runtime != "cpu":
+        _why_not = (
+            f"offload._C was built for the CPU only but torch sees a {runtime} device; "
+            "rebuild with `pip install --no-build-isolation .` on this machine"
+        )
+        return
+    _core = _C
+
+
+_load()
+
+
+def core():
+    """The compiled module, or None when the pure-PyTorch path is in use."""
+    if _core is None and _why_not is not None:
+        _warn_once()
+    return _core
+
+
+def why_not() -> Optional[str]:
+    return _why_not
+
+
+def build_info() -> dict:
+    return dict(_build_info)
+
+
+def torch_mismatch() -> Optional[str]:
+    """A sentence when the running torch differs from the one offload was built against."""
+    built = _build_info.get("torch_version")
+    if built and built.split("+")[0] != torch.__version__.split("+")[0]:
+        return f"offload was built against torch {built} but torch {torch.__version__} is running"
+    return None
+
+
+def _warn_once() -> None:
+    global _warned
+    if _warned or _device.accelerator_type() is None:
+        return
+    if _truthy(os.environ.get("OFFLOAD_FORCE_FALLBACK")):
+        return  # the user asked for it; nothing to tell them
+    _warned = True
+    warnings.warn(
+        f"offload: using the pure-PyTorch path ({_why_not}). "
+        "Copies are correct but slower; `python -m offload.info` says more.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+@contextlib.contextmanager
+def force_fallback():
+    """Run the enclosed code on the pure-PyTorch path (tests compare both paths)."""
+    global _core
+    saved = _core
+    _core = None
+    try:
+        yield
+    finally:
+        _core = saved
+
+
+def native_available() -> bool:
+    return _core is not None

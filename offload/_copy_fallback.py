@@ -1,0 +1,226 @@
+"""The pure-PyTorch transfer path: one `copy_(non_blocking=True)` per tensor.
+
+It is the reference the native core is tested against and what runs when the
+core is not built. Same streams, events and errors as the native path; no packing.
+Stream ownership: sources belong to the caller's stream and are `record_stream`ed
+on the copy stream; host blocks are protected by torch's pinned allocator, which
+records an event on every non-blocking copy; device outputs are allocated on the
+caller's stream (their consumer) and recorded on the copy stream.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from . import _device
+from ._layout import compact, dense_view, is_dense
+
+
+class PyTransfer:
+    """The fallback's in-flight transfer (the native one is offload._C.Transfer)."""
+
+    def __init__(self, device, outputs, event, nbytes, restore):
+        self._device = device
+        self._outputs = outputs
+        self._event = event  # recorded on the copy stream after the last copy; None on CPU
+        self._nbytes = nbytes
+        self._restore = restore  # per output: original (sizes, strides) to restore, or None
+
+    def tensors(self) -> List[torch.Tensor]:
+        return self._outputs
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def device(self):
+        return self._device
+
+    def restore_specs(self):
+        return self._restore
+
+    def query(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def synchronize(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def wait_stream(self, stream) -> None:
+        if self._event is not None and stream is not None:
+            stream.wait_event(self._event)
+
+    def wait_stream_for(self, index: int, stream) -> None:
+        self.wait_stream(stream)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {list(t.shape)} and dtype {str(t.dtype).replace('torch.', '')}"
+
+
+def _check_source(fn: str, i: int, t: torch.Tensor, expected_type: str, first: Optional[torch.Tensor]) -> None:
+    if t.is_meta or t.device.type == "meta":
+        raise ValueError(f"{fn}: tensors[{i}] is a meta tensor, which has no data to copy")
+    if t.layout != torch.strided:
+        raise ValueError(f"{fn}: tensors[{i}] has layout {t.layout}; only strided (dense) tensors can be copied")
+    if t.device.type != expected_type:
+        where = "an accelerator" if expected_type != "cpu" else "the host"
+        raise ValueError(
+            f"{fn}: tensors[{i}] is on {t.device} but a {expected_type} tensor is expected (data on {where})"
+        )
+    if first is not None and t.device != first.device:
+        raise ValueError(
+            f"{fn}: tensors[{i}] is on {t.device} but tensors[0] is on {first.device}; all tensors must share one device"
+        )
+
+
+def _check_out(fn: str, i: int, src: torch.Tensor, dst: torch.Tensor, device_type: str, require_pinned: bool) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"{fn}: out[{i}] has {_describe(dst)} but tensors[{i}] has {_describe(src)}")
+    if dst.device.type != device_type:
+        raise ValueError(f"{fn}: out[{i}] is on {dst.device} but a {device_type} tensor is expected")
+    if device_type == "cpu" and require_pinned and _device.pinned_memory_supported() and not dst.is_pinned():
+        raise ValueError(
+            f"{fn}: out[{i}] is not pinned, so the copy would block the host; pass pinned memory "
+            "(offload.HostPool.empty, tensor.pin_memory()) or require_pinned=False"
+        )
+
+
+def _check_count(fn: str, tensors, out) -> None:
+    if out is not None and len(out) != len(tensors):
+        raise ValueError(f"{fn}: out has {len(out)} tensors but tensors has {len(tensors)}")
+
+
+def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_bytes) -> PyTransfer:
+    fn = "offload.copy_to_host"
+    device_type = _device.compute_device_type()
+    for i, t in enumerate(tensors):
+        _check_source(fn, i, t, device_type, tensors[0])
+    if out_handle is not None:
+        out = out_handle.tensors()
+    _check_count(fn, tensors, out)
+    if out is not None:
+        for i, (t, o) in enumerate(zip(tensors, out)):
+            _check_out(fn, i, t, o, "cpu", require_pinned)
+    device = tensors[0].device if tensors else _device.current_device()
+    on_accel = _device.is_accelerator(device)
+    copy_stream = (stream or _device.copy_streams(device)[0]) if on_accel else None
+
+    # Sources that are neither dense nor broadcast are made contiguous on the
+    # caller's stream, before the start event, so the copy stream sees them.
+    bases, expanded, restore = [], [], []
+    for t in tensors:
+        base, was_expanded = compact(t)
+        dense = is_dense(base)
+        bases.append(base if dense or out is not None else base.contiguous())
+        expanded.append(was_expanded)
+        restore.append(None if dense or out is not None else (tuple(t.shape), tuple(t.stride())))
+
+    start = None
+    if on_accel:
+        start = _device.new_event(device)
+        start.record(_device.current_stream(device))
+        copy_stream.wait_event(start)
+    outputs, nbytes = [], 0
+    with _device.stream_context(copy_stream):
+        for i, (t, base) in enumerate(zip(tensors, bases)):
+            if out is not None:
+                host = out[i]
+                _chunked_copy(host, t, chunk_bytes)
+                outputs.append(host)
+            else:
+                host = dense_view(pool.acquire(base.numel() * base.element_size()), base)
+                _chunked_copy(host, base, chunk_bytes)
+                outputs.append(host.expand(t.shape) if expanded[i] else host)
+            nbytes += base.numel() * base.element_size()
+            _device.record_stream(base, copy_stream)
+            _device.record_stream(t, copy_stream)
+    end = None
+    if on_accel:
+        end = _device.new_event(device)
+        end.record(copy_stream)
+    return PyTransfer(device, outputs, end, nbytes, restore)
+
+
+def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
+    """dst.copy_(src) in pieces of about chunk_bytes along the first dimension."""
+    nbytes = src.numel() * src.element_size()
+    if src.dim() == 0 or nbytes <= chunk_bytes or src.shape[0] <= 1:
+        dst.copy_(src, non_blocking=True)
+        return
+    rows_per_chunk = max(1, chunk_bytes // max(1, nbytes // src.shape[0]))
+    for start in range(0, src.shape[0], rows_per_chunk):
+        dst[start : start + rows_per_chunk].copy_(src[start : start + rows_per_chunk], non_blocking=True)
+
+
+def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, chunk_bytes) -> PyTransfer:
+    fn = "offload.copy_to_device"
+    for i, h in enumerate(sources):
+        _check_source(fn, i, h, "cpu", sources[0])
+        if require_pinned and _device.is_accelerator(device) and not h.is_pinned():
+            raise ValueError(
+                f"{fn}: tensors[{i}] is not pinned, so the copy would block the host; pass pinned memory "
+                "(offload.copy_to_host results, offload.HostPool.empty, tensor.pin_memory()) or require_pinned=False"
+            )
+    _check_count(fn, sources, out)
+    if out is not None:
+        for i, (h, o) in enumerate(zip(sources, out)):
+            _check_out(fn, i, h, o, device.type, require_pinned)
+            if o.device != device:
+                raise ValueError(f"{fn}: out[{i}] is on {o.device} but the destination is {device}")
+    restore = handle.restore_specs() if handle is not None else [None] * len(sources)
+    on_accel = _device.is_accelerator(device)
+    copy_stream = (stream or _device.copy_streams(device)[1]) if on_accel else None
+    consumer = _device.current_stream(device) if on_accel else None
+
+    # Outputs are allocated here, on the consumer's stream; the copy stream waits
+    # for everything the consumer queued so far (earlier users of that memory) and
+    # for the device-to-host copies that fill the sources.
+    targets, nbytes = [], 0
+    for i, h in enumerate(sources):
+        base, was_expanded = compact(h)
+        if not is_dense(base):
+            base = base.contiguous()
+        if out is not None:
+            dst = out[i]
+        else:
+            dst = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=device)
+        final = None
+        if out is None and restore[i] is not None:
+            sizes, strides = restore[i]
+            final = torch.empty_strided(sizes, strides, dtype=base.dtype, device=device)
+        targets.append((base, dst, was_expanded, final))
+        nbytes += base.numel() * base.element_size()
+    if on_accel:
+        start = _device.new_event(device)
+        start.record(consumer)
+        copy_stream.wait_event(start)
+        if handle is not None:
+            handle.wait_stream(copy_stream)
+    elif handle is not None:
+        handle.synchronize()
+
+    outputs = []
+    with _device.stream_context(copy_stream):
+        for i, (base, dst, was_expanded, final) in enumerate(targets):
+            if out is not None:
+                _chunked_copy(dst, sources[i], chunk_bytes)
+                result = dst
+            else:
+                _chunked_copy(dst, base, chunk_bytes)
+                result = dst
+                if final is not None:
+                    final.copy_(dst)  # restores the source's original strides
+                    _device.record_stream(final, copy_stream)
+                    result = final
+                elif was_expanded:
+                    result = dst.expand(sources[i].shape)
+            _device.record_stream(dst, copy_stream)
+            pool.record_stream(sources[i], copy_stream)
+            outputs.append(result)
+    end = None
+    if on_accel:
+        end = _device.new_event(device)
+        end.record(copy_stream)
+    return PyTransfer(device, outputs, end, nbytes, [None] * len(outputs))

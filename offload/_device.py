@@ -1,0 +1,224 @@
+"""The one module that knows CUDA from Ascend (torch_npu) from a CPU-only torch.
+
+Everything else in offload asks this module for the compute device, its streams,
+events, memory statistics and host-allocation calls. Keeping the accelerator
+namespace (`torch.cuda`, `torch.npu`) behind these functions is what lets the
+same engine run on NVIDIA and Ascend: nowhere else in the package may name it.
+
+On a CPU-only torch the "compute device" is the CPU itself. Streams and events do
+not exist there, so the helpers below degrade to synchronous no-ops and the
+engine's logic (planning, packing, pooling, hooks) still runs in CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Optional
+
+import torch
+
+try:  # Ascend: importing torch_npu registers the "npu" device with torch.
+    import torch_npu  # noqa: F401
+
+    _HAS_TORCH_NPU = True
+except Exception:  # pragma: no cover - depends on the machine
+    _HAS_TORCH_NPU = False
+
+
+@functools.lru_cache(maxsize=None)
+def accelerator_type() -> Optional[str]:
+    """'cuda', 'npu', or None when torch sees no accelerator."""
+    if _HAS_TORCH_NPU and torch.npu.is_available():  # pragma: no cover
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def compute_device_type() -> str:
+    """The device type tensors are offloaded *from*: the accelerator, else 'cpu'."""
+    return accelerator_type() or "cpu"
+
+
+def _module(device_type: str):
+    """The torch.<accelerator> namespace; only this file may touch it."""
+    if device_type == "cuda":
+        return torch.cuda
+    if device_type == "npu":  # pragma: no cover - Ascend only
+        return torch.npu
+    raise ValueError(f"offload: no accelerator module for device type {device_type!r}")
+
+
+def is_accelerator(device: torch.device) -> bool:
+    return device.type in ("cuda", "npu")
+
+
+def current_device() -> torch.device:
+    kind = accelerator_type()
+    if kind is None:
+        return torch.device("cpu")
+    return torch.device(kind, _module(kind).current_device())
+
+
+def normalize_device(device=None) -> torch.device:
+    """torch.device with an explicit index for accelerators ('cuda' -> 'cuda:0')."""
+    if device is None:
+        return current_device()
+    device = torch.device(device)
+    if is_accelerator(device) and device.index is None:
+        return torch.device(device.type, _module(device.type).current_device())
+    return device
+
+
+def device_name(device=None) -> str:
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return "cpu"
+    return _module(device.type).get_device_name(device.index)
+
+
+# ---------------------------------------------------------------- streams
+
+
+def current_stream(device=None):
+    """The stream compute is queued on; None on the CPU (everything is synchronous)."""
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return None
+    return _module(device.type).current_stream(device)
+
+
+def new_stream(device=None, priority: int = 0):
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return None
+    return _module(device.type).Stream(device=device, priority=priority)
+
+
+_copy_streams: dict = {}
+_copy_streams_lock = threading.Lock()
+
+
+def copy_streams(device=None):
+    """(device-to-host, host-to-device) streams of `device`, created once per process.
+
+    Two dedicated streams so the two directions use both copy engines at once and
+    neither waits behind compute queued on the current stream.
+    """
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return None, None
+    with _copy_streams_lock:
+        pair = _copy_streams.get(device)
+        if pair is None:
+            pair = (new_stream(device), new_stream(device))
+            _copy_streams[device] = pair
+        return pair
+
+
+def stream_context(stream):
+    """`with stream_context(s):` makes s current; a no-op for None (CPU)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return _module(stream.device.type).stream(stream)
+
+
+def new_event(device=None, timing: bool = False):
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return None
+    return _module(device.type).Event(enable_timing=timing)
+
+
+def synchronize(device=None) -> None:
+    device = normalize_device(device)
+    if is_accelerator(device):
+        _module(device.type).synchronize(device)
+
+
+def record_stream(tensor: torch.Tensor, stream) -> None:
+    """Tell the caching allocator `tensor` is in use on `stream` (no-op on CPU)."""
+    if stream is not None and is_accelerator(tensor.device):
+        tensor.record_stream(stream)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def memory_allocated(device=None) -> int:
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return 0
+    return _module(device.type).memory_allocated(device)
+
+
+def max_memory_allocated(device=None) -> int:
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return 0
+    return _module(device.type).max_memory_allocated(device)
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    device = normalize_device(device)
+    if is_accelerator(device):
+        _module(device.type).reset_peak_memory_stats(device)
+
+
+def mem_get_info(device=None):
+    """(free, total) bytes of device memory; (0, 0) on the CPU."""
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return 0, 0
+    return _module(device.type).mem_get_info(device)
+
+
+def empty_cache() -> None:
+    kind = accelerator_type()
+    if kind is not None:
+        _module(kind).empty_cache()
+
+
+def pinned_memory_supported() -> bool:
+    """Page-locked host memory exists only where torch has an accelerator."""
+    return accelerator_type() is not None
+
+
+def empty_pinned(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor from torch's own pinned allocator (plain memory on CPU)."""
+    return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=pinned_memory_supported())
+
+
+def host_empty_cache() -> None:
+    """Release torch's cached pinned blocks (torch >= 2.5 exposes this)."""
+    release = getattr(torch._C, "_host_emptyCache", None)
+    if release is not None and pinned_memory_supported():
+        release()
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    if not pinned_memory_supported() or tensor.device.type != "cpu":
+        return False
+    return tensor.is_pinned()
+
+
+# ---------------------------------------------------------------- versions
+
+
+def runtime_versions() -> dict:
+    """Versions of the accelerator runtime torch was built with."""
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if _HAS_TORCH_NPU:  # pragma: no cover - Ascend only
+        versions["torch_npu"] = getattr(torch_npu, "__version__", "unknown")
+        versions["cann"] = getattr(getattr(torch.version, "cann", None), "__str__", lambda: None)()
+    return versions
+
+
+def nvtx_range(name: str):
+    """An NVTX/msTX range on accelerators that have one; a no-op elsewhere."""
+    kind = accelerator_type()
+    if kind == "cuda":
+        return torch.cuda.nvtx.range(name)
+    return contextlib.nullcontext()

@@ -1,0 +1,228 @@
+"""`offload.HostPool`: a cache of pinned host blocks shared by every transfer.
+
+Two implementations behind one class:
+- native (`offload._C.HostPool`): slabs of ordinary memory, first-touched by
+  several threads and then registered with the driver (far faster than
+  cudaHostAlloc), carved into size classes; a block goes back to its free list
+  only after the events of every copy that used it have completed.
+- fallback (pure PyTorch): blocks come from torch's own caching pinned allocator,
+  which already delays reuse behind recorded copies; this class adds the limit and
+  the statistics. On a CPU-only torch it hands out plain host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from typing import Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import _backend, _device
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+          "tib": 1 << 40}
+
+
+def parse_bytes(value, what: str) -> int:
+    """'8GiB', '512M', '1.5e9' or an int -> bytes; ValueError naming `what` otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: expected a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ValueError(f"{what}: expected bytes such as 8589934592, '8GiB' or '512MB', got {value!r}")
+        number = int(float(match.group(1)) * _UNITS[unit])
+    if number < 0:
+        raise ValueError(f"{what}: must be >= 0 bytes, got {number}")
+    return number
+
+
+def _limit_from_env() -> int:
+    raw = os.environ.get("OFFLOAD_HOST_POOL_LIMIT")
+    return 0 if raw in (None, "") else parse_bytes(raw, "OFFLOAD_HOST_POOL_LIMIT")
+
+
+DEFAULT_SLAB_BYTES = 256 << 20
+
+
+class HostPool:
+    """Pinned host memory, cached by size class and reused only when no copy still uses it.
+
+    Args:
+        limit_bytes: most host memory the pool may hold (0: no limit). Defaults to
+            ``OFFLOAD_HOST_POOL_LIMIT`` when set.
+        slab_bytes: how much the pool grows by at a time (requests larger than this
+            get a slab of their own).
+
+    Blocks are handed out as uint8 host tensors (`acquire`) or typed tensors (`empty`);
+    a block returns to the pool when the last tensor viewing it dies, and is reused
+    only after every stream recorded on it (`record_stream`; offload's copies record
+    themselves) has passed that point.
+    """
+
+    def __init__(self, limit_bytes=None, slab_bytes=None, *, touch_threads: int = 8):
+        limit = _limit_from_env() if limit_bytes is None else parse_bytes(limit_bytes, "HostPool: limit_bytes")
+        slab = DEFAULT_SLAB_BYTES if slab_bytes is None else parse_bytes(slab_bytes, "HostPool: slab_bytes")
+        if slab == 0:
+            raise ValueError("HostPool: slab_bytes must be > 0, got 0")
+        if touch_threads < 1:
+            raise ValueError(f"HostPool: touch_threads must be >= 1, got {touch_threads}")
+        core = _backend.core()
+        device_type = _device.compute_device_type()
+        if core is not None:
+            if device_type != "cpu":
+                # The driver context must exist before host memory can be registered with it.
+                torch.empty(0, device=_device.current_device())
+            self._impl = core.HostPool(device_type, limit, slab, touch_threads)
+        else:
+            self._impl = _FallbackPool(limit)
+        self.native = core is not None
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host tensor of `nbytes` bytes (contents undefined)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"HostPool.acquire: nbytes must be an int, got {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"HostPool.acquire: nbytes must be >= 0, got {nbytes}")
+        return self._impl.allocate(nbytes)
+
+    def empty(self, size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A contiguous host tensor of `size` and `dtype` backed by a pooled block."""
+        size = torch.Size([size] if isinstance(size, int) else size)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"HostPool.empty: dtype must be a torch.dtype, got {dtype!r}")
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = size.numel() * itemsize
+        return self.acquire(nbytes)[:nbytes].view(dtype).view(size)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> bool:
+        """Keep `tensor`'s block from reuse until `stream` reaches this point. True if pooled here."""
+        if stream is None:
+            return False
+        return self._impl.record_stream(tensor, stream)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return self._impl.owns(tensor)
+
+    def reserve(self, nbytes) -> None:
+        """Grow ahead of the hot path so later acquires of up to `nbytes` hit the cache."""
+        self._impl.reserve(parse_bytes(nbytes, "HostPool.reserve: nbytes"))
+
+    def trim(self) -> int:
+        """Give every wholly free slab back to the system; returns the bytes released."""
+        return self._impl.trim()
+
+    def stats(self) -> dict:
+        """reserved/in-use/peak bytes, requests, cache hits, slabs, registration seconds."""
+        out = dict(self._impl.stats())
+        out["native"] = self.native
+        out["pinned"] = self.pinned
+        return out
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._impl.pinned())
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(self._impl.limit())
+
+    @limit_bytes.setter
+    def limit_bytes(self, value) -> None:
+        self._impl.set_limit(parse_bytes(value, "HostPool.limit_bytes"))
+
+
+class _FallbackPool:
+    """The pure-PyTorch pool: torch's pinned allocator plus a limit and statistics."""
+
+    def __init__(self, limit: int):
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._live: dict = {}  # data_ptr -> (StorageWeakRef, nbytes) of blocks handed out
+        self._requests = 0
+        self._peak = 0
+        self._alloc_seconds = 0.0
+
+    def _sweep(self) -> int:
+        self._live = {ptr: (ref, n) for ptr, (ref, n) in self._live.items() if not ref.expired()}
+        return sum(n for _, n in self._live.values())
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            self._requests += 1
+            in_use = self._sweep()
+            if self._limit and in_use + nbytes > self._limit:
+                raise RuntimeError(
+                    f"offload.HostPool: cannot acquire {nbytes} bytes: {in_use} of the {self._limit}-byte "
+                    "limit are in use; raise it with HostPool(limit_bytes=...), pool.limit_bytes = ... "
+                    "or OFFLOAD_HOST_POOL_LIMIT"
+                )
+            start = time.perf_counter()
+            block = _device.empty_pinned(nbytes)
+            self._alloc_seconds += time.perf_counter() - start
+            self._live[block.data_ptr()] = (StorageWeakRef(block.untyped_storage()), nbytes)
+            self._peak = max(self._peak, in_use + nbytes)
+            return block
+
+    def record_stream(self, tensor, stream) -> bool:
+        # torch's pinned allocator records an event itself on every non_blocking copy.
+        return False
+
+    def owns(self, tensor) -> bool:
+        with self._lock:
+            entry = self._live.get(tensor.untyped_storage().data_ptr())
+            return entry is not None and not entry[0].expired()
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes:
+            _device.empty_pinned(nbytes)  # cached by torch's allocator once freed
+
+    def trim(self) -> int:
+        _device.host_empty_cache()
+        return 0
+
+    def stats(self) -> dict:
+        with self._lock:
+            in_use = self._sweep()
+            return {
+                "reserved_bytes": in_use,
+                "in_use_bytes": in_use,
+                "peak_in_use_bytes": self._peak,
+                "requests": self._requests,
+                "cache_hits": 0,
+                "slabs": 0,
+                "pending_blocks": 0,
+                "allocation_seconds": self._alloc_seconds,
+                "registration_seconds": 0.0,
+                "limit_bytes": self._limit,
+            }
+
+    def pinned(self) -> bool:
+        return _device.pinned_memory_supported()
+
+    def limit(self) -> int:
+        return self._limit
+
+    def set_limit(self, value: int) -> None:
+        self._limit = value
+
+
+_default_pool: Optional[HostPool] = None
+_default_lock = threading.Lock()
+
+
+def default_host_pool() -> HostPool:
+    """The process-wide pool that offload's copies use unless given another."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool.native != _backend.native_available():
+            _default_pool = HostPool()
+        return _default_pool

@@ -1,0 +1,120 @@
+"""Builds offload._C against the torch that is already installed.
+
+    pip install --no-build-isolation .
+
+OFFLOAD_BUILD_TARGET picks what is compiled:
+    auto  (default) from how torch was built and which toolkits exist, never from
+          whether a GPU is visible, so a build node without a GPU builds the CUDA core
+    cuda  C++ core + CUDA kernels (needs a CUDA build of torch and nvcc)
+    npu   C++ core for Ascend (needs torch_npu)
+    cpu   C++ core only: the native logic, compiled and tested on a CPU-only torch
+    none  pure Python: the pure-PyTorch path everywhere
+MAX_JOBS caps parallel compile jobs (default: sized to cores and memory).
+"""
+
+import datetime
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:
+    sys.exit(
+        "offload: torch is not installed. Install torch first, then build offload against it with\n"
+        "    pip install --no-build-isolation .\n"
+        "(build isolation would build against a different torch than the one you run)."
+    )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGETS = ("auto", "cuda", "npu", "cpu", "none")
+
+
+def _has_torch_npu() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def choose_target():
+    """(target, reason): what to build and why, printed as one line."""
+    asked = os.environ.get("OFFLOAD_BUILD_TARGET", "auto").strip().lower()
+    if asked not in TARGETS:
+        sys.exit(f"offload: OFFLOAD_BUILD_TARGET must be one of {', '.join(TARGETS)}, got {asked!r}")
+    if asked == "cuda" and (torch.version.cuda is None or cpp_extension.CUDA_HOME is None):
+        sys.exit(
+            f"offload: OFFLOAD_BUILD_TARGET=cuda needs a CUDA build of torch (this one: {torch.__version__}) "
+            f"and the CUDA toolkit (CUDA_HOME: {cpp_extension.CUDA_HOME})"
+        )
+    if asked == "npu" and not _has_torch_npu():
+        sys.exit("offload: OFFLOAD_BUILD_TARGET=npu needs torch_npu installed")
+    if asked != "auto":
+        return asked, "OFFLOAD_BUILD_TARGET"
+    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
+        return "cuda", f"torch {torch.__version__} is a CUDA {torch.version.cuda} build and nvcc is at {cpp_extension.CUDA_HOME}"
+    if _has_torch_npu():
+        return "npu", "torch_npu is installed"
+    if torch.version.cuda is not None:
+        return "cpu", f"torch is a CUDA build but no CUDA toolkit was found (set CUDA_HOME); building the C++ core only"
+    return "cpu", f"torch {torch.__version__} has no accelerator build"
+
+
+def default_max_jobs() -> str:
+    """Each nvcc/g++ job on torch headers takes 1-2 GB; keep below memory (flash-attention's rule)."""
+    cores = os.cpu_count() or 1
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gb = 8
+    return str(max(1, min(cores, int(mem_gb // 3))))
+
+
+def extensions(target: str):
+    if target == "none":
+        return []
+    os.environ.setdefault("MAX_JOBS", default_max_jobs())
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    torch_version = torch.__version__
+    macros = [
+        ("OFFLOAD_TARGET", f'"{target}"'),
+        ("OFFLOAD_TORCH_VERSION", f'"{torch_version}"'),
+        ("OFFLOAD_BUILD_DATE", f'"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}"'),
+    ]
+    include_dirs = [os.path.join(HERE, "csrc", "include")]
+    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    if target == "cuda":
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+        macros += [("OFFLOAD_WITH_CUDA", "1"), ("OFFLOAD_CUDA_VERSION", f'"{torch.version.cuda}"')]
+        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+        return [
+            cpp_extension.CUDAExtension(
+                "offload._C",
+                sources,
+                include_dirs=include_dirs,
+                define_macros=macros,
+                extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            )
+        ]
+    if target == "npu":
+        macros += [("OFFLOAD_WITH_NPU", "1")]
+    return [
+        cpp_extension.CppExtension(
+            "offload._C", sources, include_dirs=include_dirs, define_macros=macros, extra_compile_args=cxx
+        )
+    ]
+
+
+TARGET, REASON = choose_target()
+print(f"offload: building target '{TARGET}' because {REASON}", flush=True)
+
+setup(
+    packages=find_packages(include=["offload", "offload.*"]),
+    ext_modules=extensions(TARGET),
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)

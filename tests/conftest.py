@@ -1,0 +1,47 @@
+"""Fixtures and markers shared by every test.
+
+Markers skip with a reason that names what is missing: `cuda`, `npu`, `multi_gpu`
+(two or more accelerators), `native` (the compiled core), `slow`.
+"""
+
+import pytest
+import torch
+
+from offload import _backend, _device
+
+
+def _accelerator_count() -> int:
+    kind = _device.accelerator_type()
+    return 0 if kind is None else _device._module(kind).device_count()
+
+
+def pytest_collection_modifyitems(config, items):
+    kind = _device.accelerator_type()
+    reasons = {
+        "cuda": None if kind == "cuda" else "needs a CUDA GPU (torch.cuda.is_available() is False)",
+        "npu": None if kind == "npu" else "needs an Ascend NPU with torch_npu",
+        "multi_gpu": None if _accelerator_count() >= 2 else f"needs 2+ accelerators, found {_accelerator_count()}",
+        "native": None if _backend.native_available() else f"needs the compiled core: {_backend.why_not()}",
+    }
+    for item in items:
+        for marker, reason in reasons.items():
+            if reason is not None and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The compute device: the accelerator when there is one, else the CPU."""
+    return _device.current_device()
+
+
+@pytest.fixture(params=["native", "fallback"])
+def backend(request):
+    """Runs a test once on the compiled core and once on the pure-PyTorch path."""
+    if request.param == "native":
+        if not _backend.native_available():
+            pytest.skip(f"needs the compiled core: {_backend.why_not()}")
+        yield "native"
+    else:
+        with _backend.force_fallback():
+            yield "fallback"
