@@ -1,0 +1,115 @@
+"""What every benchmark shares: an event timer, a result row, and the run context.
+
+A benchmark module `bench_<topic>.py` defines:
+    SECTION = "<topic>"
+    def applies(device_type: str) -> bool      # 'cuda', 'npu' or 'cpu'
+    def run(ctx: Context) -> list[dict]        # rows made with `row(...)`
+and `python -m offload.bench` finds and runs it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from offload import _device
+
+
+@dataclass
+class Context:
+    device: torch.device
+    quick: bool = False  # smaller sizes and fewer repeats (CPU, smoke runs)
+    progress: Callable[[str], None] = print
+    notes: dict = field(default_factory=dict)  # measured ceilings shared between sections
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10) -> dict:
+    """Median and spread of fn() in milliseconds, timed with device events after warm-up.
+
+    Each repeat is timed on its own, so the spread shows noise from other tenants.
+    """
+    for _ in range(warmup):
+        fn()
+    _device.synchronize(device)
+    samples = []
+    for _ in range(iters):
+        if _device.is_accelerator(device):
+            start, end = _device.new_event(device, timing=True), _device.new_event(device, timing=True)
+            start.record(_device.current_stream(device))
+            fn()
+            end.record(_device.current_stream(device))
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return summarize(samples)
+
+
+def time_host_ms(fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10) -> dict:
+    """Wall-clock of fn() including a device synchronize at the end (for host-side work)."""
+    for _ in range(warmup):
+        fn()
+        _device.synchronize(device)
+    samples = []
+    for _ in range(iters):
+        _device.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        _device.synchronize(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return summarize(samples)
+
+
+def summarize(samples_ms) -> dict:
+    samples = sorted(samples_ms)
+    return {
+        "median_ms": statistics.median(samples),
+        "min_ms": samples[0],
+        "max_ms": samples[-1],
+        "spread_pct": 100.0 * (samples[-1] - samples[0]) / max(statistics.median(samples), 1e-9),
+        "samples": len(samples),
+    }
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("inf")
+
+
+def row(
+    section: str,
+    case: str,
+    *,
+    offload: float,
+    baseline: Optional[float],
+    unit: str,
+    baseline_name: str,
+    higher_is_better: bool = True,
+    **extra,
+) -> dict:
+    """One line of the table: offload and the PyTorch baseline side by side, and their ratio.
+
+    ratio > 1 always means offload is better, whatever the unit.
+    """
+    ratio = None
+    if baseline not in (None, 0) and offload not in (None, 0):
+        ratio = offload / baseline if higher_is_better else baseline / offload
+    return {
+        "section": section,
+        "case": case,
+        "offload": offload,
+        "baseline": baseline,
+        "baseline_name": baseline_name,
+        "unit": unit,
+        "ratio": ratio,
+        **extra,
+    }
