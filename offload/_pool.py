@@ -50,7 +50,11 @@ def _limit_from_env() -> int:
     return 0 if raw in (None, "") else parse_bytes(raw, "OFFLOAD_HOST_POOL_LIMIT")
 
 
+# Pinned slabs are large because registering with the driver costs per call; a
+# CPU-only torch (CI, the pure-logic build) has nothing to register, so it grows
+# by less and keeps tests light.
 DEFAULT_SLAB_BYTES = 256 << 20
+DEFAULT_CPU_SLAB_BYTES = 16 << 20
 
 
 class HostPool:
@@ -70,7 +74,10 @@ class HostPool:
 
     def __init__(self, limit_bytes=None, slab_bytes=None, *, touch_threads: int = 8):
         limit = _limit_from_env() if limit_bytes is None else parse_bytes(limit_bytes, "HostPool: limit_bytes")
-        slab = DEFAULT_SLAB_BYTES if slab_bytes is None else parse_bytes(slab_bytes, "HostPool: slab_bytes")
+        if slab_bytes is None:
+            slab = DEFAULT_SLAB_BYTES if _device.pinned_memory_supported() else DEFAULT_CPU_SLAB_BYTES
+        else:
+            slab = parse_bytes(slab_bytes, "HostPool: slab_bytes")
         if slab == 0:
             raise ValueError("HostPool: slab_bytes must be > 0, got 0")
         if touch_threads < 1:

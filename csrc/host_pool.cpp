@@ -1,0 +1,339 @@
+// The pinned host pool (see include/offload/host_pool.h) and its Python binding.
+#include "offload/host_pool.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include <torch/extension.h>
+
+#include "offload/bindings_registry.h"
+#include "offload/checks.h"
+#include "offload/host_memory.h"
+
+namespace offload {
+namespace {
+
+constexpr size_t kMinBlock = 512;                 // keeps every block 16-byte aligned for vector copies
+constexpr size_t kSmallLimit = size_t(1) << 20;   // up to here: power-of-two classes
+constexpr size_t kLargeGranule = size_t(2) << 20; // above: 2 MiB steps (a huge page)
+
+size_t round_up(size_t value, size_t granule) { return (value + granule - 1) / granule * granule; }
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+size_t HostPool::size_class(size_t nbytes) {
+  if (nbytes <= kMinBlock) return kMinBlock;
+  if (nbytes <= kSmallLimit) {
+    size_t cls = kMinBlock;
+    while (cls < nbytes) cls <<= 1;
+    return cls;
+  }
+  return round_up(nbytes, kLargeGranule);
+}
+
+std::shared_ptr<HostPool> HostPool::create(c10::DeviceType device_type, size_t limit_bytes, size_t slab_bytes,
+                                           int touch_threads) {
+  TORCH_CHECK_VALUE(slab_bytes > 0, "offload.HostPool: slab_bytes must be > 0, got 0");
+  TORCH_CHECK_VALUE(touch_threads >= 1, "offload.HostPool: touch_threads must be >= 1, got ", touch_threads);
+  return std::shared_ptr<HostPool>(new HostPool(device_type, limit_bytes, slab_bytes, touch_threads));
+}
+
+HostPool::HostPool(c10::DeviceType device_type, size_t limit_bytes, size_t slab_bytes, int touch_threads)
+    : device_type_(device_type),
+      slab_bytes_(round_up(slab_bytes, kLargeGranule)),
+      touch_threads_(touch_threads),
+      pinner_(host_memory_pinner(device_type)),
+      limit_bytes_(limit_bytes) {}
+
+HostPool::~HostPool() {
+  // Every tensor holds a reference to the pool, so no block is handed out here.
+  for (auto& slab : slabs_) {
+    if (pinner_ != nullptr) pinner_->unpin(slab->base);
+    free_touched(slab->base);
+  }
+}
+
+at::Tensor HostPool::allocate(size_t nbytes) {
+  const size_t cls = size_class(nbytes);
+  Block* block = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.requests += 1;
+    process_pending_locked(/*wait=*/false);
+    block = find_free_locked(cls);
+    if (block != nullptr) {
+      stats_.cache_hits += 1;
+    } else {
+      block = carve_locked(cls, nbytes);
+    }
+    block->handed_out = true;
+    block->slab->live += 1;
+    stats_.in_use_bytes += block->size;
+    stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+  }
+  // The deleter keeps the pool alive until the last tensor on this block dies.
+  auto self = shared_from_this();
+  auto options = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  return at::for_blob(block->ptr, {static_cast<int64_t>(nbytes)})
+      .deleter([self, block](void*) { self->release(block); })
+      .options(options)
+      .target_device(c10::Device(at::kCPU))
+      .make_tensor();
+}
+
+void HostPool::release(Block* block) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  block->handed_out = false;
+  stats_.in_use_bytes -= block->size;
+  if (block->events.empty()) {
+    block->slab->live -= 1;
+    free_[block->size].push_back(block);
+  } else {
+    block->pending = true;
+    pending_.push_back(block);
+  }
+}
+
+HostPool::Block* HostPool::find_free_locked(size_t cls) {
+  auto it = free_.lower_bound(cls);
+  // Large blocks may serve a slightly smaller class (at most 1/8 wasted) rather
+  // than growing the pool; small classes must match exactly.
+  while (it != free_.end() && it->second.empty()) ++it;
+  if (it == free_.end()) return nullptr;
+  if (it->first != cls && (cls <= kSmallLimit || it->first > cls + cls / 8)) return nullptr;
+  Block* block = it->second.back();
+  it->second.pop_back();
+  return block;
+}
+
+HostPool::Block* HostPool::carve_locked(size_t cls, size_t nbytes) {
+  if (current_ == nullptr || current_->bytes - current_->carved < cls) {
+    size_t want = std::max(cls, slab_bytes_);
+    if (limit_bytes_ != 0 && stats_.reserved_bytes + want > limit_bytes_) {
+      // Before refusing, within the limit: wait for blocks whose copies are in
+      // flight, give wholly free slabs back, then grow only by what is needed.
+      process_pending_locked(/*wait=*/true);
+      if (Block* block = find_free_locked(cls)) return block;
+      trim_locked();
+      const size_t room = limit_bytes_ > stats_.reserved_bytes
+                              ? (limit_bytes_ - stats_.reserved_bytes) / kLargeGranule * kLargeGranule
+                              : 0;
+      if (room < cls) fail_limit_locked(nbytes, cls);
+      want = std::min(want, room);
+    }
+    current_ = grow_locked(want);
+  }
+  auto block = std::make_unique<Block>();
+  block->ptr = current_->base + current_->carved;
+  block->size = cls;
+  block->slab = current_;
+  current_->carved += cls;
+  Block* raw = block.get();
+  by_address_[reinterpret_cast<uintptr_t>(raw->ptr)] = raw;
+  current_->blocks.push_back(std::move(block));
+  return raw;
+}
+
+HostPool::Slab* HostPool::grow_locked(size_t bytes) {
+  auto slab = std::make_unique<Slab>();
+  slab->bytes = round_up(bytes, kLargeGranule);
+  const auto t0 = std::chrono::steady_clock::now();
+  slab->base = static_cast<char*>(allocate_touched(slab->bytes, touch_threads_));
+  if (pinner_ != nullptr) {
+    const auto t1 = std::chrono::steady_clock::now();
+    try {
+      pinner_->pin(slab->base, slab->bytes);
+    } catch (...) {
+      free_touched(slab->base);
+      throw;
+    }
+    stats_.registration_seconds += seconds_since(t1);
+  }
+  stats_.allocation_seconds += seconds_since(t0);
+  stats_.reserved_bytes += slab->bytes;
+  stats_.slabs += 1;
+  slabs_.push_back(std::move(slab));
+  return slabs_.back().get();
+}
+
+void HostPool::process_pending_locked(bool wait) {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    Block* block = *it;
+    bool done = true;
+    for (auto& entry : block->events) {
+      if (wait) entry.second.synchronize();
+      if (!entry.second.query()) {
+        done = false;
+        break;
+      }
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    block->events.clear();
+    block->pending = false;
+    block->slab->live -= 1;
+    free_[block->size].push_back(block);
+    it = pending_.erase(it);
+  }
+}
+
+size_t HostPool::trim_locked() {
+  size_t released = 0;
+  for (auto it = slabs_.begin(); it != slabs_.end();) {
+    Slab* slab = it->get();
+    if (slab->live != 0) {
+      ++it;
+      continue;
+    }
+    for (auto& block : slab->blocks) {
+      auto& list = free_[block->size];
+      list.erase(std::remove(list.begin(), list.end(), block.get()), list.end());
+      by_address_.erase(reinterpret_cast<uintptr_t>(block->ptr));
+    }
+    if (pinner_ != nullptr) pinner_->unpin(slab->base);
+    free_touched(slab->base);
+    released += slab->bytes;
+    stats_.reserved_bytes -= slab->bytes;
+    stats_.slabs -= 1;
+    if (current_ == slab) current_ = nullptr;
+    it = slabs_.erase(it);
+  }
+  for (auto it = free_.begin(); it != free_.end();) it = it->second.empty() ? free_.erase(it) : std::next(it);
+  return released;
+}
+
+void HostPool::fail_limit_locked(size_t nbytes, size_t cls) const {
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "offload.HostPool: cannot allocate ", human_bytes(nbytes), " (a ",
+                   human_bytes(cls), " block): ", human_bytes(stats_.in_use_bytes), " are in use and ",
+                   human_bytes(stats_.reserved_bytes), " reserved of the ", human_bytes(limit_bytes_),
+                   " limit. Raise it with HostPool(limit_bytes=...), pool.limit_bytes = ..., or "
+                   "OFFLOAD_HOST_POOL_LIMIT, or release host tensors from the pool");
+}
+
+HostPool::Block* HostPool::block_of_locked(const void* ptr) const {
+  auto address = reinterpret_cast<uintptr_t>(ptr);
+  auto it = by_address_.upper_bound(address);
+  if (it == by_address_.begin()) return nullptr;
+  --it;
+  Block* block = it->second;
+  return address < it->first + block->size ? block : nullptr;
+}
+
+bool HostPool::record_stream(const at::Tensor& tensor, const c10::Stream& stream) {
+  if (stream.device_type() == c10::DeviceType::CPU) return owns(tensor);  // CPU work is synchronous
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* block = block_of_locked(tensor.storage().data());
+  if (block == nullptr || !block->handed_out) return false;
+  for (auto& entry : block->events) {
+    if (entry.first == stream.id()) {
+      entry.second.record(stream);
+      return true;
+    }
+  }
+  block->events.emplace_back(stream.id(), c10::Event(stream.device_type()));
+  block->events.back().second.record(stream);
+  return true;
+}
+
+bool HostPool::owns(const at::Tensor& tensor) const {
+  if (!tensor.defined() || !tensor.has_storage()) return false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* block = block_of_locked(tensor.storage().data());
+  return block != nullptr && block->handed_out;
+}
+
+void HostPool::reserve(size_t nbytes) {
+  if (nbytes == 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t spare = current_ != nullptr ? current_->bytes - current_->carved : 0;
+  if (spare >= nbytes) return;
+  const size_t bytes = round_up(nbytes, kLargeGranule);
+  if (limit_bytes_ != 0 && stats_.reserved_bytes + bytes > limit_bytes_) {
+    process_pending_locked(/*wait=*/false);
+    trim_locked();
+    if (stats_.reserved_bytes + bytes > limit_bytes_) fail_limit_locked(nbytes, bytes);
+  }
+  current_ = grow_locked(bytes);
+}
+
+size_t HostPool::trim() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  process_pending_locked(/*wait=*/false);
+  return trim_locked();
+}
+
+HostPoolStats HostPool::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  HostPoolStats out = stats_;
+  out.limit_bytes = limit_bytes_;
+  out.pending_blocks = pending_.size();
+  out.free_bytes = 0;
+  for (const auto& entry : free_) out.free_bytes += entry.first * entry.second.size();
+  return out;
+}
+
+size_t HostPool::limit() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return limit_bytes_;
+}
+
+void HostPool::set_limit(size_t limit_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  limit_bytes_ = limit_bytes;
+}
+
+namespace {
+
+c10::DeviceType parse_device_type(const std::string& name) {
+  if (name == "cpu") return c10::DeviceType::CPU;
+  if (name == "cuda") return c10::DeviceType::CUDA;
+  if (name == "npu") return c10::DeviceType::PrivateUse1;
+  TORCH_CHECK_VALUE(false, "offload.HostPool: device_type must be 'cpu', 'cuda' or 'npu', got '", name, "'");
+  return c10::DeviceType::CPU;
+}
+
+void bind_host_pool(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
+      .def(py::init([](const std::string& device_type, size_t limit_bytes, size_t slab_bytes, int touch_threads) {
+             return HostPool::create(parse_device_type(device_type), limit_bytes, slab_bytes, touch_threads);
+           }),
+           py::arg("device_type"), py::arg("limit_bytes"), py::arg("slab_bytes"), py::arg("touch_threads"))
+      .def("allocate", &HostPool::allocate, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def("record_stream", &HostPool::record_stream, py::arg("tensor"), py::arg("stream"))
+      .def("owns", &HostPool::owns, py::arg("tensor"))
+      .def("reserve", &HostPool::reserve, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def("trim", &HostPool::trim, py::call_guard<py::gil_scoped_release>())
+      .def("pinned", &HostPool::pinned)
+      .def("limit", &HostPool::limit)
+      .def("set_limit", &HostPool::set_limit, py::arg("limit_bytes"))
+      .def_static("size_class", &HostPool::size_class, py::arg("nbytes"))
+      .def("stats", [](const HostPool& pool) {
+        const HostPoolStats s = pool.stats();
+        py::dict d;
+        d["reserved_bytes"] = s.reserved_bytes;
+        d["in_use_bytes"] = s.in_use_bytes;
+        d["peak_in_use_bytes"] = s.peak_in_use_bytes;
+        d["free_bytes"] = s.free_bytes;
+        d["pending_blocks"] = s.pending_blocks;
+        d["limit_bytes"] = s.limit_bytes;
+        d["requests"] = s.requests;
+        d["cache_hits"] = s.cache_hits;
+        d["slabs"] = s.slabs;
+        d["allocation_seconds"] = s.allocation_seconds;
+        d["registration_seconds"] = s.registration_seconds;
+        return d;
+      });
+}
+
+}  // namespace
+
+OFFLOAD_REGISTER_BINDINGS(a_host_pool, bind_host_pool);
+
+}  // namespace offload

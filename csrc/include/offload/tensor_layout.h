@@ -1,0 +1,31 @@
+// How a tensor's elements sit in memory, and which bytes a copy must move.
+// The same rules as offload/_layout.py (the pure-PyTorch path).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace offload {
+
+// True when the elements fill a gap-free span once each, in any stride order.
+bool is_dense(const at::Tensor& t);
+
+// `t` with every broadcast dimension (stride 0, size > 1) narrowed to one
+// element; `expanded` says whether any was. base.expand(t.sizes()) == t.
+at::Tensor compact(const at::Tensor& t, bool* expanded);
+
+// The `nbytes` bytes of `storage` starting at `byte_offset`, as a 1-d uint8 tensor.
+at::Tensor byte_span(const at::Storage& storage, int64_t byte_offset, int64_t nbytes,
+                     const at::TensorOptions& options);
+
+// A tensor of `like`'s dtype, sizes and strides whose first element sits at
+// `byte_offset` of `storage`; byte_offset must be a multiple of the element size.
+at::Tensor view_like(const at::Storage& storage, int64_t byte_offset, const at::Tensor& like,
+                     const at::Device& device);
+
+// The lowest address a dense tensor touches (its first element: strides are >= 0).
+inline const char* span_begin(const at::Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
+
+}  // namespace offload

@@ -1,0 +1,87 @@
+// The copy engine: batched, asynchronous transfers between a device and the host.
+//
+// Stream ownership, in one place:
+// - Sources of a device-to-host copy belong to the caller's stream. The copy
+//   stream first waits (on the device) for an event recorded there, so it sees
+//   every value the caller queued; the sources are then record_stream()ed on the
+//   copy stream so the caching allocator does not reuse them mid-copy.
+// - Device staging buffers are allocated while the copy stream is current and
+//   used only on it, so the allocator's stream order protects them.
+// - Host blocks come from the HostPool; every copy records its stream on them,
+//   so a block whose tensors die early is not reused before the copy completes.
+// - Outputs of a host-to-device copy are allocated on the caller's (consumer's)
+//   stream; the copy stream waits for an event recorded there first (earlier
+//   users of that memory) and record_stream()s them, and the consumer waits for
+//   the transfer's events before reading them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/util/Optional.h>
+
+#include "offload/host_pool.h"
+
+namespace offload {
+
+class Transfer {
+ public:
+  // Host layout of a device-to-host transfer, kept so a later transfer of
+  // tensors with the same shapes can reuse the host buffers (copy_to_host(out=...)).
+  struct Group {
+    bool packed = false;          // many small tensors in one block, one DMA
+    at::Tensor host_block;        // packed: the uint8 block they share
+    int64_t bytes = 0;
+    std::vector<int64_t> members;  // indices into the outputs
+    std::vector<int64_t> offsets;  // packed: byte offset of each member in the block
+  };
+  using Strides = std::pair<std::vector<int64_t>, std::vector<int64_t>>;
+
+  explicit Transfer(c10::Device device) : device_(device) {}
+
+  const std::vector<at::Tensor>& tensors() const { return outputs_; }
+  int64_t nbytes() const { return nbytes_; }
+  c10::Device device() const { return device_; }
+  // Original sizes and strides of sources that moved as contiguous copies.
+  const std::vector<c10::optional<Strides>>& restore_specs() const { return restore_; }
+
+  bool query() const;
+  void synchronize() const;
+  void wait_stream(const c10::Stream& stream) const;
+  void wait_stream_for(int64_t index, const c10::Stream& stream) const;
+
+ private:
+  friend class CopyEngine;
+  c10::Device device_;
+  std::vector<at::Tensor> outputs_;
+  std::vector<at::Tensor> host_bases_;  // device-to-host: what was written (outputs_ may be expanded views)
+  std::vector<c10::optional<Strides>> restore_;
+  std::vector<Group> groups_;
+  std::vector<c10::Event> events_;   // recorded on the copy stream, in order
+  std::vector<int32_t> event_of_;    // per output: the event after which it is complete (-1: no event)
+  int64_t nbytes_ = 0;
+};
+
+struct CopyOptions {
+  bool require_pinned = true;
+  int64_t small_bytes = int64_t(1) << 20;   // below: packed with others into one DMA
+  int64_t chunk_bytes = int64_t(64) << 20;  // large tensors move in pieces of this size
+};
+
+std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, HostPool& pool,
+                                       const c10::optional<c10::Stream>& stream,
+                                       const c10::optional<std::vector<at::Tensor>>& out,
+                                       const std::shared_ptr<Transfer>& out_transfer, const CopyOptions& options);
+
+std::shared_ptr<Transfer> copy_to_device(const std::vector<at::Tensor>& tensors,
+                                         const std::shared_ptr<Transfer>& from, const c10::Device& device,
+                                         HostPool& pool, const c10::optional<c10::Stream>& stream,
+                                         const c10::optional<std::vector<at::Tensor>>& out,
+                                         const CopyOptions& options);
+
+}  // namespace offload

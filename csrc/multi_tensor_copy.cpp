@@ -1,0 +1,59 @@
+// Device dispatch and the generic paths of multi_tensor_copy.
+#include "offload/multi_tensor_copy.h"
+
+#include <array>
+#include <cstring>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+namespace offload {
+namespace {
+
+using ImplTable = std::array<MultiTensorCopyFn, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>;
+
+ImplTable& impls() {
+  static ImplTable table{};
+  return table;
+}
+
+void copy_on_cpu(const std::vector<ByteRange>& ranges) {
+  // Small ranges dominate, so parallelise across ranges, not within one.
+  at::parallel_for(0, static_cast<int64_t>(ranges.size()), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(ranges[i].dst, ranges[i].src, ranges[i].nbytes);
+  });
+}
+
+void copy_with_foreach(const std::vector<ByteRange>& ranges, const c10::Device& device) {
+  std::vector<at::Tensor> srcs, dsts;
+  srcs.reserve(ranges.size());
+  dsts.reserve(ranges.size());
+  auto options = at::TensorOptions().dtype(at::kByte).device(device);
+  for (const auto& r : ranges) {
+    srcs.push_back(at::from_blob(const_cast<void*>(r.src), {r.nbytes}, options));
+    dsts.push_back(at::from_blob(r.dst, {r.nbytes}, options));
+  }
+  at::_foreach_copy_(dsts, srcs);
+}
+
+}  // namespace
+
+void set_multi_tensor_copy_impl(c10::DeviceType type, MultiTensorCopyFn fn) {
+  impls()[static_cast<size_t>(type)] = fn;
+}
+
+void multi_tensor_copy(const std::vector<ByteRange>& ranges, const c10::Device& device) {
+  if (ranges.empty()) return;
+  if (device.is_cpu()) {
+    copy_on_cpu(ranges);
+    return;
+  }
+  if (MultiTensorCopyFn fn = impls()[static_cast<size_t>(device.type())]) {
+    fn(ranges, device);
+    return;
+  }
+  copy_with_foreach(ranges, device);
+}
+
+}  // namespace offload

@@ -1,0 +1,54 @@
+// Tensor layout helpers for the copy engine (see include/offload/tensor_layout.h).
+#include "offload/tensor_layout.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "offload/checks.h"
+
+namespace offload {
+
+bool is_dense(const at::Tensor& t) {
+  if (t.is_contiguous()) return true;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size), size-1 dims carry no layout
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) != 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& dim : dims) {
+    if (dim.first != expected) return false;
+    expected *= dim.second;
+  }
+  return true;
+}
+
+at::Tensor compact(const at::Tensor& t, bool* expanded) {
+  *expanded = false;
+  at::Tensor base = t;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) == 0 && t.size(d) > 1) {
+      base = base.narrow(d, 0, 1);
+      *expanded = true;
+    }
+  }
+  return base;
+}
+
+at::Tensor byte_span(const at::Storage& storage, int64_t byte_offset, int64_t nbytes,
+                     const at::TensorOptions& options) {
+  at::Tensor out = at::empty({0}, options.dtype(at::kByte));
+  out.set_(storage, byte_offset, {nbytes}, {1});
+  return out;
+}
+
+at::Tensor view_like(const at::Storage& storage, int64_t byte_offset, const at::Tensor& like,
+                     const at::Device& device) {
+  const int64_t itemsize = static_cast<int64_t>(like.element_size());
+  TORCH_INTERNAL_ASSERT(byte_offset % itemsize == 0, "offload: misaligned view at byte ", byte_offset);
+  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(like.scalar_type()).device(device));
+  out.set_(storage, byte_offset / itemsize, like.sizes(), like.strides());
+  return out;
+}
+
+}  // namespace offload
