@@ -204,6 +204,18 @@ def is_pinned(tensor: torch.Tensor) -> bool:
     return tensor.is_pinned()
 
 
+def spin(device, cycles: int) -> None:
+    """Queue a kernel that busy-waits `cycles` clock cycles (tests and benchmarks
+    use it to hold a stream so that ordering bugs show). A no-op on the CPU."""
+    device = normalize_device(device)
+    if device.type == "cuda":
+        torch.cuda._sleep(int(cycles))
+    elif device.type == "npu":  # pragma: no cover - no sleep kernel; a large matmul holds the stream
+        a = torch.empty(4096, 4096, device=device)
+        for _ in range(max(1, int(cycles) // 50_000_000)):
+            a @ a
+
+
 # ---------------------------------------------------------------- versions
 
 

@@ -167,7 +167,7 @@ class _FallbackPool:
             self._requests += 1
             in_use = self._sweep()
             if self._limit and in_use + nbytes > self._limit:
-                raise RuntimeError(
+                raise torch.OutOfMemoryError(
                     f"offload.HostPool: cannot acquire {nbytes} bytes: {in_use} of the {self._limit}-byte "
                     "limit are in use; raise it with HostPool(limit_bytes=...), pool.limit_bytes = ... "
                     "or OFFLOAD_HOST_POOL_LIMIT"

@@ -9,9 +9,30 @@
 
 namespace offload {
 
+// The dtype as Python spells it (torch.float32 -> "float32"), so messages match.
+inline std::string dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kBool: return "bool";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case at::kFloat8_e5m2: return "float8_e5m2";
+    default: return c10::toString(type);
+  }
+}
+
 inline std::string describe(const at::Tensor& t) {
   std::ostringstream out;
-  out << "shape " << t.sizes() << " and dtype " << c10::toString(t.scalar_type());
+  out << "shape " << t.sizes() << " and dtype " << dtype_name(t.scalar_type());
   return out.str();
 }
 

@@ -1,0 +1,274 @@
+"""copy_to_host / copy_to_device: bitwise round trips for every dtype and layout,
+batching of many small tensors, reuse of host buffers, and the errors a user can hit.
+Each test runs on the compiled core and on the pure-PyTorch path (`backend`)."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import offload
+from offload import _device
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
+
+
+def random_tensor(shape, dtype, device, generator=None):
+    """Random bits of `dtype` (every bit pattern a copy must preserve, NaNs included)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool().to(device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).reshape(shape).to(device)
+
+
+def bits(t):
+    flat = t.contiguous().cpu().reshape(-1)
+    return flat.view(torch.uint8) if t.dtype != torch.bool else flat
+
+
+def assert_bitwise(expected, actual):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert torch.equal(bits(expected), bits(actual))
+
+
+def layouts(device, dtype):
+    base = random_tensor((6, 10), dtype, device)
+    return {
+        "contiguous": base,
+        "transposed": base.t(),
+        "sliced": base[1:5, ::3],
+        "expanded": random_tensor((10,), dtype, device).expand(4, 10),
+        "scalar": random_tensor((), dtype, device),
+        "empty": random_tensor((0, 7), dtype, device),
+        "odd": random_tensor((1023,), dtype, device),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_round_trip_is_bitwise_for_every_dtype_and_layout(backend, device, dtype):
+    sources = layouts(device, dtype)
+    handle = offload.copy_to_host(list(sources.values()))
+    host = handle.wait()
+    for (name, src), h in zip(sources.items(), host):
+        assert h.device.type == "cpu", name
+        assert_bitwise(src, h)
+    back = offload.copy_to_device(handle, device).wait()
+    for (name, src), b in zip(sources.items(), back):
+        assert b.device == src.device, name
+        assert_bitwise(src, b)
+        assert b.stride() == src.stride(), f"{name}: strides {b.stride()} != {src.stride()}"
+
+
+def test_copy_many_tiny_tensors_and_large_ones_mixed(backend, device):
+    gen = torch.Generator().manual_seed(0)
+    sources = [random_tensor((int(n),), torch.float32, device, gen)
+               for n in torch.randint(1, 40, (2000,), generator=gen)]
+    sources.insert(500, random_tensor((300_000,), torch.float32, device, gen))  # above small_bytes
+    handle = offload.copy_to_host(sources, small_bytes=64 << 10, chunk_bytes=256 << 10)
+    for src, h in zip(sources, handle.wait()):
+        assert_bitwise(src, h)
+    assert handle.nbytes == sum(t.numel() * 4 for t in sources)
+    for src, b in zip(sources, offload.copy_to_device(handle, device).wait()):
+        assert_bitwise(src, b)
+
+
+def test_copy_large_tensor_moves_in_chunks(backend, device):
+    src = random_tensor((3, 1_000_003), torch.int16, device)
+    (host,) = offload.copy_to_host([src], chunk_bytes=1 << 20).wait()
+    assert_bitwise(src, host)
+    (back,) = offload.copy_to_device([host], device, chunk_bytes=1 << 20).wait()
+    assert_bitwise(src, back)
+
+
+def test_copy_to_host_reuses_a_handles_buffers(backend, device):
+    sources = [random_tensor((n,), torch.bfloat16, device) for n in (5, 700, 40_000)]
+    first = offload.copy_to_host(sources, small_bytes=10_000)
+    first_ptrs = [t.data_ptr() for t in first.wait()]
+    for t in sources:
+        t.add_(1)  # queued on the current stream: the next copy must see it
+    second = offload.copy_to_host(sources, out=first, small_bytes=10_000)
+    for src, h in zip(sources, second.wait()):
+        assert_bitwise(src, h)
+    assert [t.data_ptr() for t in second.tensors] == first_ptrs
+
+
+def test_copy_into_given_host_tensors(backend, device):
+    pool = offload.HostPool(slab_bytes=4 << 20)
+    sources = [random_tensor((4, 9), torch.float32, device), random_tensor((3, 8), torch.int64, device).t()]
+    out = [pool.empty(tuple(s.shape), s.dtype) for s in sources]
+    handle = offload.copy_to_host(sources, out=out, pool=pool)
+    result = handle.wait()
+    assert all(r is o or r.data_ptr() == o.data_ptr() for r, o in zip(result, out))
+    for src, o in zip(sources, out):
+        assert_bitwise(src, o)
+
+
+def test_copy_to_device_into_given_tensors(backend, device):
+    hosts = offload.copy_to_host([random_tensor((n,), torch.float16, device) for n in (3, 1000, 70_000)]).wait()
+    out = [torch.empty_like(h, device=device) for h in hosts]
+    result = offload.copy_to_device(hosts, device, out=out).wait()
+    for h, o, r in zip(hosts, out, result):
+        assert_bitwise(h, o)
+        assert r.data_ptr() == o.data_ptr()
+
+
+def test_copy_handle_waits_per_tensor_and_reports(backend, device):
+    sources = [random_tensor((100,), torch.float32, device), random_tensor((300_000,), torch.float32, device)]
+    handle = offload.copy_to_host(sources, small_bytes=1 << 16)
+    assert len(handle) == 2
+    handle.wait_stream()
+    for i in range(2):
+        assert_bitwise(sources[i], handle.wait_tensor(i))
+    assert handle.ready()
+    assert "2 tensors" in repr(handle)
+    with pytest.raises(IndexError, match="out of range"):
+        handle.wait_tensor(2)
+
+
+def test_copy_of_no_tensors(backend, device):
+    handle = offload.copy_to_host([])
+    assert handle.wait() == [] and handle.nbytes == 0
+    assert offload.copy_to_device(handle, device).wait() == []
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    specs=st.lists(
+        st.tuples(st.lists(st.integers(0, 9), min_size=0, max_size=3), st.sampled_from(DTYPES[:8]),
+                  st.sampled_from(["plain", "t", "slice", "expand"])),
+        min_size=1, max_size=12),
+    small=st.sampled_from([0, 64, 4096, 1 << 20]),
+)
+def test_copy_round_trip_fuzzed(backend, device, specs, small):
+    sources = []
+    for shape, dtype, form in specs:
+        t = random_tensor(tuple(shape), dtype, device)
+        if form == "t" and t.dim() >= 2:
+            t = t.transpose(0, 1)
+        elif form == "slice" and t.dim() >= 1 and t.shape[0] > 1:
+            t = t[::2]
+        elif form == "expand" and t.dim() >= 1:
+            t = t[:1].expand(3, *t.shape[1:]) if t.shape[0] > 0 else t
+        sources.append(t)
+    handle = offload.copy_to_host(sources, small_bytes=small, chunk_bytes=1 << 12)
+    for src, h in zip(sources, handle.wait()):
+        assert_bitwise(src, h)
+    for src, b in zip(sources, offload.copy_to_device(handle, device, small_bytes=small).wait()):
+        assert_bitwise(src, b)
+        assert b.stride() == src.stride()
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_copy_rejects_a_single_tensor_or_non_tensors(backend, device):
+    t = torch.zeros(3, device=device)
+    with pytest.raises(TypeError, match="list of tensors, got a single tensor"):
+        offload.copy_to_host(t)
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a torch.Tensor, got int"):
+        offload.copy_to_host([t, 3])
+    with pytest.raises(TypeError, match="pool must be an offload.HostPool"):
+        offload.copy_to_host([t], pool="big")
+
+
+def test_copy_rejects_meta_and_sparse_tensors(backend, device):
+    with pytest.raises(ValueError, match=r"tensors\[0\] is a meta tensor"):
+        offload.copy_to_host([torch.empty(3, device="meta")])
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(ValueError, match=r"tensors\[0\] (has layout|is on)"):
+        offload.copy_to_host([sparse.to(device)])
+
+
+def test_copy_rejects_a_wrong_destination(backend, device):
+    src = [torch.zeros(4, 4, device=device)]
+    with pytest.raises(ValueError, match=r"out\[0\] has shape \[4, 3\] and dtype float32 but tensors\[0\] has shape"):
+        offload.copy_to_host(src, out=[torch.zeros(4, 3)], require_pinned=False)
+    with pytest.raises(ValueError, match=r"out\[0\] has shape \[4, 4\] and dtype float16"):
+        offload.copy_to_host(src, out=[torch.zeros(4, 4, dtype=torch.float16)], require_pinned=False)
+    with pytest.raises(ValueError, match="out has 2 tensors but tensors has 1"):
+        offload.copy_to_host(src, out=[torch.zeros(4, 4), torch.zeros(4, 4)], require_pinned=False)
+    handle = offload.copy_to_host([torch.zeros(5, device=device)])
+    with pytest.raises(ValueError, match=r"tensors\[0\]"):
+        offload.copy_to_host([torch.zeros(6, device=device)], out=handle)
+
+
+def test_copy_rejects_bad_sizes(backend, device):
+    with pytest.raises(ValueError, match="chunk_bytes must be > 0"):
+        offload.copy_to_host([torch.zeros(2, device=device)], chunk_bytes=0)
+    with pytest.raises(ValueError, match="small_bytes must be >= 0"):
+        offload.copy_to_device([torch.zeros(2)], small_bytes=-1)
+
+
+@pytest.mark.cuda
+def test_copy_rejects_host_tensors_where_device_tensors_are_expected(backend, device):
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on cpu but a cuda tensor is expected"):
+        offload.copy_to_host([torch.zeros(2, device=device), torch.zeros(2)])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on cuda:0 but a cpu tensor is expected"):
+        offload.copy_to_device([torch.zeros(2, device=device)], device)
+
+
+@pytest.mark.cuda
+def test_copy_rejects_unpinned_memory_where_pinned_is_required(backend, device):
+    with pytest.raises(ValueError, match=r"out\[0\] is not pinned"):
+        offload.copy_to_host([torch.zeros(8, device=device)], out=[torch.zeros(8)])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is not pinned"):
+        offload.copy_to_device([torch.zeros(8)], device)
+    (result,) = offload.copy_to_device([torch.arange(8.0)], device, require_pinned=False).wait()
+    assert torch.equal(result.cpu(), torch.arange(8.0))
+
+
+@pytest.mark.multi_gpu
+def test_copy_rejects_tensors_on_two_devices(backend):
+    a, b = torch.zeros(2, device="cuda:0"), torch.zeros(2, device="cuda:1")
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on cuda:1 but tensors\[0\] is on cuda:0"):
+        offload.copy_to_host([a, b])
+
+
+# ---------------------------------------------------------------- streams (GPU)
+
+
+@pytest.mark.cuda
+def test_copy_sees_work_queued_before_the_call(backend, device):
+    x = torch.zeros(1 << 22, device=device)
+    _device.spin(device, 100_000_000)
+    x.fill_(3.0)  # queued behind the spin on the current stream
+    (host,) = offload.copy_to_host([x]).wait()
+    assert bool((host == 3.0).all())
+
+
+@pytest.mark.cuda
+def test_copy_sources_freed_early_are_not_reused_mid_copy(backend, device):
+    x = torch.randn(1 << 22, device=device)
+    expected = x.cpu()
+    _device.spin(device, 200_000_000)  # the copy stream waits behind this
+    handle = offload.copy_to_host([x])
+    del x
+    y = torch.full((1 << 22,), 7.0, device=device)  # would reuse x's memory without record_stream
+    (host,) = handle.wait()
+    assert torch.equal(host, expected)
+    del y
+
+
+@pytest.mark.cuda
+def test_copy_consumer_waits_on_the_device_not_the_host(backend, device):
+    hosts = offload.copy_to_host([torch.randn(1 << 20, device=device)]).wait()
+    _device.spin(device, 50_000_000)
+    handle = offload.copy_to_device(hosts, device)
+    handle.wait_stream()  # device-side: returns at once
+    (result,) = handle.tensors
+    total = result.sum()  # ordered after the copy on the current stream
+    assert torch.equal(total.cpu(), hosts[0].sum())
+
+
+@pytest.mark.cuda
+def test_copy_both_directions_at_once(backend, device):
+    down = [torch.randn(1 << 22, device=device) for _ in range(4)]
+    up_src = offload.copy_to_host([torch.randn(1 << 22, device=device) for _ in range(4)]).wait()
+    h_down = offload.copy_to_host(down)
+    h_up = offload.copy_to_device(up_src, device)
+    for src, h in zip(down, h_down.wait()):
+        assert torch.equal(src.cpu(), h)
+    for h, d in zip(up_src, h_up.wait()):
+        assert torch.equal(h, d.cpu())

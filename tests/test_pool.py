@@ -1,0 +1,217 @@
+"""offload.HostPool: size classes, reuse, limits, reserve/trim, statistics, threads,
+and that a block is never reused while a copy still reads it."""
+
+import random
+import threading
+
+import pytest
+import torch
+
+import offload
+from offload import _backend, _device
+
+MiB = 1 << 20
+
+
+def small_pool(**kwargs):
+    kwargs.setdefault("slab_bytes", 4 * MiB)
+    return offload.HostPool(**kwargs)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize(
+    "nbytes, expected",
+    [(0, 512), (1, 512), (512, 512), (513, 1024), (MiB, MiB), (MiB + 1, 2 * MiB),
+     (5 * MiB + 1, 6 * MiB), (1280 * MiB, 1280 * MiB)],
+)
+def test_pool_size_class(nbytes, expected):
+    # 1.25 GiB costs 1.25 GiB, not the 2 GiB a power-of-two cache would take.
+    assert _backend.core().HostPool.size_class(nbytes) == expected
+
+
+@pytest.mark.native
+def test_pool_reuses_a_released_block():
+    pool = small_pool()
+    first = pool.acquire(3000)
+    ptr = first.data_ptr()
+    del first
+    second = pool.acquire(4000)  # same 4 KiB class
+    assert second.data_ptr() == ptr
+    stats = pool.stats()
+    assert stats["requests"] == 2 and stats["cache_hits"] == 1 and stats["slabs"] == 1
+
+
+@pytest.mark.native
+def test_pool_views_keep_the_block_alive():
+    pool = small_pool()
+    block = pool.acquire(4096)
+    view = block[100:200]
+    ptr = block.data_ptr()
+    del block
+    assert pool.stats()["in_use_bytes"] == 4096
+    other = pool.acquire(4096)
+    assert other.data_ptr() != ptr  # still referenced through the view
+    del view
+    assert pool.stats()["in_use_bytes"] == 4096
+
+
+@pytest.mark.native
+def test_pool_large_requests_get_their_own_slab_without_power_of_two_rounding():
+    pool = small_pool()
+    t = pool.acquire(5 * MiB + 1)
+    stats = pool.stats()
+    assert stats["in_use_bytes"] == 6 * MiB
+    assert stats["reserved_bytes"] == 6 * MiB
+    del t
+
+
+def test_pool_acquire_gives_writable_memory_of_the_right_size(backend):
+    pool = small_pool()
+    t = pool.acquire(12345)
+    assert t.dtype == torch.uint8 and t.shape == (12345,) and t.device.type == "cpu"
+    t.fill_(7)
+    assert int(t.sum()) == 7 * 12345
+    typed = pool.empty((3, 5), torch.bfloat16)
+    assert typed.shape == (3, 5) and typed.dtype == torch.bfloat16 and typed.is_contiguous()
+    assert pool.pinned == _device.pinned_memory_supported()
+
+
+def test_pool_limit_raises_an_actionable_error(backend):
+    pool = small_pool(limit_bytes=4 * MiB)
+    held = pool.acquire(3 * MiB)
+    with pytest.raises(torch.OutOfMemoryError, match=r"(?s)limit.*OFFLOAD_HOST_POOL_LIMIT"):
+        pool.acquire(3 * MiB)
+    del held
+
+
+def test_pool_limit_from_environment(backend, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_HOST_POOL_LIMIT", "8MiB")
+    pool = small_pool()
+    assert pool.limit_bytes == 8 * MiB
+    pool.limit_bytes = "16MiB"
+    assert pool.limit_bytes == 16 * MiB
+    monkeypatch.setenv("OFFLOAD_HOST_POOL_LIMIT", "lots")
+    with pytest.raises(ValueError, match="OFFLOAD_HOST_POOL_LIMIT"):
+        small_pool()
+
+
+def test_pool_rejects_bad_arguments(backend):
+    with pytest.raises(ValueError, match="slab_bytes"):
+        offload.HostPool(slab_bytes=0)
+    with pytest.raises(ValueError, match="limit_bytes"):
+        offload.HostPool(limit_bytes=-1)
+    pool = small_pool()
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        pool.acquire(-5)
+    with pytest.raises(TypeError, match="nbytes must be an int"):
+        pool.acquire(1.5)
+    with pytest.raises(TypeError, match="dtype"):
+        pool.empty(4, "float32")
+
+
+@pytest.mark.native
+def test_pool_limit_reclaims_free_slabs_before_failing():
+    pool = small_pool(limit_bytes=8 * MiB)
+    a = pool.acquire(6 * MiB)  # a slab of its own
+    del a
+    b = pool.acquire(7 * MiB)  # needs 8 MiB: only fits once the free 6 MiB slab is returned
+    assert pool.stats()["reserved_bytes"] <= 8 * MiB
+    del b
+
+
+@pytest.mark.native
+def test_pool_reserve_then_acquire_hits_the_reserved_slab():
+    pool = small_pool()
+    pool.reserve(16 * MiB)
+    stats = pool.stats()
+    assert stats["slabs"] == 1 and stats["reserved_bytes"] == 16 * MiB
+    blocks = [pool.acquire(MiB) for _ in range(16)]
+    assert pool.stats()["slabs"] == 1
+    del blocks
+
+
+@pytest.mark.native
+def test_pool_trim_returns_only_wholly_free_slabs():
+    pool = small_pool()
+    keep = pool.acquire(MiB)
+    assert pool.trim() == 0  # the slab still has a live block
+    del keep
+    assert pool.trim() == 4 * MiB
+    stats = pool.stats()
+    assert stats["reserved_bytes"] == 0 and stats["slabs"] == 0 and stats["free_bytes"] == 0
+    again = pool.acquire(MiB)  # the pool grows again after a trim
+    assert again.numel() == MiB
+
+
+def test_pool_statistics(backend):
+    pool = small_pool()
+    a = pool.acquire(1000)
+    b = pool.acquire(MiB)
+    stats = pool.stats()
+    for key in ("reserved_bytes", "in_use_bytes", "peak_in_use_bytes", "requests", "cache_hits", "slabs",
+                "allocation_seconds", "registration_seconds", "limit_bytes"):
+        assert key in stats, key
+    assert stats["requests"] == 2
+    assert stats["in_use_bytes"] >= 1000 + MiB
+    peak = stats["peak_in_use_bytes"]
+    del a, b
+    stats = pool.stats()
+    assert stats["in_use_bytes"] == 0 and stats["peak_in_use_bytes"] == peak
+
+
+def test_pool_threads_acquire_and_release_without_overlap(backend):
+    pool = small_pool()
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        held = []
+        try:
+            for step in range(150):
+                t = pool.acquire(rng.choice([100, 4000, 70_000, 300_000]))
+                t.fill_(seed)
+                held.append(t)
+                if len(held) > 4 or rng.random() < 0.3:
+                    victim = held.pop(rng.randrange(len(held)))
+                    # Nobody else wrote into this block while we held it.
+                    if not bool((victim == seed).all()):
+                        errors.append(f"thread {seed}: block overwritten at step {step}")
+            held.clear()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i + 1,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert pool.stats()["in_use_bytes"] == 0
+    assert pool.stats()["requests"] == 8 * 150
+
+
+@pytest.mark.cuda
+def test_pool_block_not_reused_while_a_copy_still_reads_it(backend, device):
+    """Drop a host block while its host-to-device copy is held back, take a new
+    block of the same size and overwrite it: the device must still get the old data."""
+    pool = small_pool()
+    n = 8 * MiB
+    host = pool.acquire(n)
+    host.fill_(11)
+    _device.spin(device, 200_000_000)  # ~0.1 s: the copy stream waits for it
+    handle = offload.copy_to_device([host], device, pool=pool)
+    del host
+    fresh = pool.acquire(n)
+    fresh.fill_(99)  # would land in the in-flight block if it were reused
+    (result,) = handle.wait()
+    assert bool((result == 11).all())
+    del fresh
+
+
+@pytest.mark.cuda
+def test_pool_pinned_growth_is_registered(device):
+    pool = offload.HostPool(slab_bytes=64 * MiB)
+    t = pool.acquire(MiB)
+    assert t.is_pinned()
+    if pool.native:
+        assert pool.stats()["registration_seconds"] > 0
