@@ -1,0 +1,200 @@
+"""Copy engine and host pool against PyTorch's own copies, in one run.
+
+Baselines: `host.copy_(dev, non_blocking=True)` into preallocated pinned memory
+(one call per tensor), `.to(device, non_blocking=True)`, pageable `.cpu()`, two
+side streams for both directions at once, and `torch.empty(pin_memory=True)` for
+pool growth and cached allocation. The bus peak is torch's 1 GiB pinned copy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import offload
+from common import gbps, row, summarize, time_ms
+from offload import _device
+
+SECTION = "copy"
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def applies(device_type: str) -> bool:
+    return True  # on the CPU it measures the engine's host-side cost
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return _device.empty_pinned(nbytes)
+
+
+def _single_tensor_sweep(ctx, sizes, iters):
+    dev, rows = ctx.device, []
+    for size in sizes:
+        ctx.progress(f"single tensor {size // KiB} KiB")
+        src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev)
+        host = _pinned(size)
+        handle = offload.copy_to_host([src])
+        reps = iters if size < 64 * MiB else max(3, iters // 4)
+        t_torch = time_ms(lambda: host.copy_(src, non_blocking=True), dev, iters=reps)
+        t_off = time_ms(lambda: offload.copy_to_host([src], out=handle).wait_stream(), dev, iters=reps)
+        rows.append(row(SECTION, f"D2H 1 x {_fmt(size)}", offload=gbps(size, t_off["median_ms"]),
+                        baseline=gbps(size, t_torch["median_ms"]), unit="GB/s",
+                        baseline_name="pinned copy_(non_blocking)", size_bytes=size, plot="D2H",
+                        spread_pct=t_off["spread_pct"]))
+        dst = torch.empty_like(src)
+        t_torch = time_ms(lambda: dst.copy_(host, non_blocking=True), dev, iters=reps)
+        t_off = time_ms(lambda: offload.copy_to_device([host], dev, out=[dst]).wait_stream(), dev, iters=reps)
+        rows.append(row(SECTION, f"H2D 1 x {_fmt(size)}", offload=gbps(size, t_off["median_ms"]),
+                        baseline=gbps(size, t_torch["median_ms"]), unit="GB/s",
+                        baseline_name="pinned copy_(non_blocking)", size_bytes=size, plot="H2D",
+                        spread_pct=t_off["spread_pct"]))
+        if size == sizes[-1]:
+            ctx.notes["bus_peak_d2h_gbps"] = rows[-2]["baseline"]
+            ctx.notes["bus_peak_h2d_gbps"] = rows[-1]["baseline"]
+        del src, host, dst, handle
+    return rows
+
+
+def _many_tensors(ctx, count, each, iters):
+    dev = ctx.device
+    ctx.progress(f"{count} x {each // KiB} KiB")
+    srcs = [torch.randint(0, 255, (each,), dtype=torch.uint8, device=dev) for _ in range(count)]
+    total = count * each
+    hosts = [_pinned(each) for _ in range(count)]
+    handle = offload.copy_to_host(srcs)
+
+    def torch_d2h():
+        for h, s in zip(hosts, srcs):
+            h.copy_(s, non_blocking=True)
+
+    t_torch = time_ms(torch_d2h, dev, iters=iters)
+    t_off = time_ms(lambda: offload.copy_to_host(srcs, out=handle).wait_stream(), dev, iters=iters)
+    peak = max(ctx.notes.get("bus_peak_d2h_gbps", 0), 1e-9)
+    out = [row(SECTION, f"D2H {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
+               baseline=gbps(total, t_torch["median_ms"]), unit="GB/s", baseline_name="copy_ per tensor",
+               of_bus_peak=gbps(total, t_off["median_ms"]) / peak, spread_pct=t_off["spread_pct"])]
+    host_list = handle.wait()
+
+    def torch_h2d():
+        return [h.to(dev, non_blocking=True) for h in hosts]
+
+    t_torch = time_ms(torch_h2d, dev, iters=iters)
+    t_off = time_ms(lambda: offload.copy_to_device(host_list, dev).wait_stream(), dev, iters=iters)
+    peak = max(ctx.notes.get("bus_peak_h2d_gbps", 0), 1e-9)
+    out.append(row(SECTION, f"H2D {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
+                   baseline=gbps(total, t_torch["median_ms"]), unit="GB/s",
+                   baseline_name=".to(non_blocking) per tensor",
+                   of_bus_peak=gbps(total, t_off["median_ms"]) / peak, spread_pct=t_off["spread_pct"]))
+    return out
+
+
+def _both_directions(ctx, size, iters):
+    dev = ctx.device
+    ctx.progress(f"both directions at once, {_fmt(size)} each")
+    down_src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev)
+    down_dst = _pinned(size)
+    up_src = _pinned(size)
+    up_dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    s1, s2 = _device.new_stream(dev), _device.new_stream(dev)
+    current = _device.current_stream(dev)
+
+    def torch_both():
+        for s in (s1, s2):
+            s.wait_stream(current)
+        with _device.stream_context(s1):
+            down_dst.copy_(down_src, non_blocking=True)
+        with _device.stream_context(s2):
+            up_dst.copy_(up_src, non_blocking=True)
+        current.wait_stream(s1)
+        current.wait_stream(s2)
+
+    handle = offload.copy_to_host([down_src])
+
+    def offload_both():
+        a = offload.copy_to_host([down_src], out=handle)
+        b = offload.copy_to_device([up_src], dev, out=[up_dst])
+        a.wait_stream()
+        b.wait_stream()
+
+    t_torch = time_ms(torch_both, dev, iters=iters)
+    t_off = time_ms(offload_both, dev, iters=iters)
+    return [row(SECTION, f"D2H+H2D at once {_fmt(size)} each", offload=gbps(2 * size, t_off["median_ms"]),
+                baseline=gbps(2 * size, t_torch["median_ms"]), unit="GB/s",
+                baseline_name="copy_ on two side streams", spread_pct=t_off["spread_pct"])]
+
+
+def _pageable(ctx, size, iters):
+    dev = ctx.device
+    ctx.progress(f"pageable .cpu() {_fmt(size)}")
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev)
+    handle = offload.copy_to_host([src])
+    t_torch = time_ms(lambda: src.cpu(), dev, iters=iters)
+    t_off = time_ms(lambda: offload.copy_to_host([src], out=handle).wait_stream(), dev, iters=iters)
+    return [row(SECTION, f"D2H {_fmt(size)} vs pageable", offload=gbps(size, t_off["median_ms"]),
+                baseline=gbps(size, t_torch["median_ms"]), unit="GB/s", baseline_name="pageable .cpu()")]
+
+
+def _pool_growth(ctx, size):
+    ctx.progress(f"pool growth by {_fmt(size)}")
+    t0 = time.perf_counter()
+    pinned = _pinned(size)
+    t_torch = time.perf_counter() - t0
+    del pinned
+    _device.host_empty_cache()
+    pool = offload.HostPool(slab_bytes=size)
+    t0 = time.perf_counter()
+    pool.reserve(size)
+    t_off = time.perf_counter() - t0
+    stats = pool.stats()
+    pool.trim()
+    return [row(SECTION, f"pool growth {_fmt(size)}", offload=t_off * 1e3, baseline=t_torch * 1e3, unit="ms",
+                baseline_name="torch.empty(pin_memory=True)", higher_is_better=False,
+                registration_ms=stats["registration_seconds"] * 1e3)]
+
+
+def _cached_acquire(ctx, iters):
+    ctx.progress("cached acquire/release")
+    pool = offload.HostPool()
+    pool.reserve(4 * MiB)
+
+    def per_op_us(fn):
+        for _ in range(100):
+            fn()
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+        return summarize(samples)["median_ms"]  # the values are microseconds here
+
+    t_off = per_op_us(lambda: pool.acquire(MiB))
+    t_torch = per_op_us(lambda: _pinned(MiB))
+    return [row(SECTION, "cached acquire+release 1 MiB", offload=t_off, baseline=t_torch, unit="us",
+                baseline_name="torch.empty(pin_memory=True)", higher_is_better=False)]
+
+
+def _fmt(nbytes: int) -> str:
+    if nbytes >= GiB:
+        return f"{nbytes // GiB} GiB"
+    if nbytes >= MiB:
+        return f"{nbytes // MiB} MiB"
+    return f"{nbytes // KiB} KiB"
+
+
+def run(ctx) -> list:
+    if ctx.quick:
+        rows = _single_tensor_sweep(ctx, [64 * KiB, MiB, 16 * MiB], iters=5)
+        rows += _many_tensors(ctx, 200, 256 * KiB, iters=3)
+        rows += _many_tensors(ctx, 400, 16 * KiB, iters=3)
+        rows += _pool_growth(ctx, 64 * MiB)
+        rows += _cached_acquire(ctx, iters=2000)
+        return rows
+    rows = _single_tensor_sweep(ctx, [64 * KiB, MiB, 16 * MiB, 256 * MiB, GiB], iters=20)
+    rows += _many_tensors(ctx, 2000, 256 * KiB, iters=10)
+    rows += _many_tensors(ctx, 4096, 16 * KiB, iters=10)
+    rows += _both_directions(ctx, GiB, iters=10)
+    rows += _pageable(ctx, GiB, iters=3)
+    rows += _pool_growth(ctx, 4 * GiB)
+    rows += _cached_acquire(ctx, iters=10000)
+    return rows
