@@ -64,7 +64,7 @@ void check_out(const char* fn, size_t i, const at::Tensor& src, const at::Tensor
   if (where.type() != c10::DeviceType::CPU) {
     TORCH_CHECK_VALUE(dst.device() == where, fn, ": out[", i, "] is on ", dst.device(), " but the destination is ",
                       where);
-  } else if (require_pinned && pinning) {
+  } else if (require_pinned && pinning && dst.numel() > 0) {  // nothing to move, nothing to pin
     TORCH_CHECK_VALUE(dst.is_pinned(), fn, ": out[", i, "] is not pinned, so the copy would block the host; pass "
                       "pinned memory (offload.HostPool.empty, tensor.pin_memory()) or require_pinned=False");
   }
@@ -246,7 +246,7 @@ class CopyEngine {
     const bool on_device = !device.is_cpu();
     for (size_t i = 0; i < n; ++i) {
       check_source(fn, i, tensors[i], c10::DeviceType::CPU, tensors[0]);
-      if (on_device && options.require_pinned && !from) {
+      if (on_device && options.require_pinned && !from && tensors[i].numel() > 0) {
         TORCH_CHECK_VALUE(tensors[i].is_pinned(), fn, ": tensors[", i, "] is not pinned, so the copy would block "
                           "the host; pass pinned memory (offload.copy_to_host results, offload.HostPool.empty, "
                           "tensor.pin_memory()) or require_pinned=False");

@@ -80,7 +80,8 @@ def _check_out(fn: str, i: int, src: torch.Tensor, dst: torch.Tensor, device_typ
         raise ValueError(f"{fn}: out[{i}] has {_describe(dst)} but tensors[{i}] has {_describe(src)}")
     if dst.device.type != device_type:
         raise ValueError(f"{fn}: out[{i}] is on {dst.device} but a {device_type} tensor is expected")
-    if device_type == "cpu" and require_pinned and _device.pinned_memory_supported() and not dst.is_pinned():
+    if device_type == "cpu" and require_pinned and _device.pinned_memory_supported() and dst.numel() \
+            and not dst.is_pinned():
         raise ValueError(
             f"{fn}: out[{i}] is not pinned, so the copy would block the host; pass pinned memory "
             "(offload.HostPool.empty, tensor.pin_memory()) or require_pinned=False"
