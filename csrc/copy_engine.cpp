@@ -10,7 +10,9 @@
 #include "offload/transfer.h"
 
 #include <algorithm>
+#include <deque>
 #include <map>
+#include <mutex>
 #include <unordered_set>
 
 #include <c10/core/DeviceGuard.h>
@@ -70,16 +72,14 @@ void check_out(const char* fn, size_t i, const at::Tensor& src, const at::Tensor
   }
 }
 
-// Copies `nbytes` of dense `src` into dense `dst` with identical strides, in chunks.
-void copy_bytes(const at::Tensor& dst, const at::Tensor& src, int64_t chunk_bytes) {
+// Copies the bytes of dense `src` into dense `dst` (identical strides), in chunks,
+// on the current stream of `device`.
+void copy_bytes(const at::Tensor& dst, const at::Tensor& src, int64_t chunk_bytes, const c10::Device& device) {
   const int64_t nbytes = tensor_nbytes(src);
-  if (nbytes == 0) return;
-  const int64_t itemsize = static_cast<int64_t>(src.element_size());
-  at::Tensor s = byte_span(src.storage(), src.storage_offset() * itemsize, nbytes, src.options());
-  at::Tensor d = byte_span(dst.storage(), dst.storage_offset() * itemsize, nbytes, dst.options());
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
   for (int64_t at = 0; at < nbytes; at += chunk_bytes) {
-    const int64_t len = std::min(chunk_bytes, nbytes - at);
-    d.narrow(0, at, len).copy_(s.narrow(0, at, len), /*non_blocking=*/true);
+    copy_bytes_async(d + at, dst.is_cpu(), s + at, src.is_cpu(), std::min(chunk_bytes, nbytes - at), device);
   }
 }
 
@@ -89,10 +89,52 @@ bool same_layout(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-bool Transfer::query() const { return events_.empty() || events_.back().query(); }
+// Transfers whose copies are still running, kept referenced (and with them
+// every tensor they read or write) until their last event completes, so the
+// caching allocator cannot give that memory to anyone else mid-copy even if the
+// caller drops the tensors and the handle at once. One reference per transfer
+// replaces a record_stream per tensor, which cost ~1 us each in a 4096-tensor
+// batch. Drained on every new transfer and on every query of one.
+class InFlight {
+ public:
+  static InFlight& instance() {
+    static InFlight* registry = new InFlight();  // never destroyed: it may hold CUDA tensors at exit
+    return *registry;
+  }
+  void add(std::shared_ptr<Transfer> transfer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    drain_locked();
+    if (!transfer->keepalive_.empty() || !transfer->events_.empty()) transfers_.push_back(std::move(transfer));
+  }
+  void drain() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    drain_locked();
+  }
+
+ private:
+  void drain_locked() {
+    for (auto it = transfers_.begin(); it != transfers_.end();) {
+      if ((*it)->events_.empty() || (*it)->events_.back().query()) {
+        (*it)->keepalive_.clear();
+        it = transfers_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  std::mutex mutex_;
+  std::deque<std::shared_ptr<Transfer>> transfers_;
+};
+
+bool Transfer::query() const {
+  const bool done = events_.empty() || events_.back().query();
+  if (done) InFlight::instance().drain();
+  return done;
+}
 
 void Transfer::synchronize() const {
   if (!events_.empty()) events_.back().synchronize();
+  InFlight::instance().drain();
 }
 
 void Transfer::wait_stream(const c10::Stream& stream) const {
@@ -167,9 +209,9 @@ class CopyEngine {
       start.record(current_stream(device));
       start.block(*stream);
       stream_guard.emplace(*stream);
+      r.keepalive_ = tensors;
       for (size_t i = 0; i < n; ++i) {
-        tensors[i].record_stream(*stream);
-        if (!bases[i].is_same(tensors[i])) bases[i].record_stream(*stream);
+        if (!bases[i].is_same(tensors[i])) r.keepalive_.push_back(bases[i]);
       }
     }
 
@@ -187,7 +229,7 @@ class CopyEngine {
       for (size_t i = 0; i < n; ++i) {
         const at::Tensor& dst = (*out)[i];
         if (is_dense(dst) && same_layout(dst, bases[i])) {
-          copy_bytes(dst, bases[i], options.chunk_bytes);
+          copy_bytes(dst, bases[i], options.chunk_bytes, device);
         } else if (tensor_nbytes(bases[i]) > 0) {
           dst.copy_(tensors[i], /*non_blocking=*/true);
         }
@@ -201,29 +243,43 @@ class CopyEngine {
           pending = 0;
         }
       }
+      if (on_device) InFlight::instance().add(result);
       return result;
     }
 
     if (reuse) {
       r.groups_ = reuse->groups_;
-      r.host_bases_ = reuse->host_bases_;
     } else {
       plan_host_groups(bases, options, r.groups_);
     }
+    // Enqueue every copy first; the host-side views are made afterwards, while
+    // the DMAs already run.
     for (auto& group : r.groups_) {
+      if (!reuse) group.host_block = pool.allocate(static_cast<size_t>(group.bytes));
       if (group.packed) {
-        if (!reuse) group.host_block = pool.allocate(static_cast<size_t>(group.bytes));
         run_packed_group(group, bases, device, on_device, r);
       } else {
         const int64_t i = group.members[0];
         at::Tensor host = reuse ? reuse->host_bases_[i]
-                                : view_like(pool.allocate(static_cast<size_t>(group.bytes)).storage(), 0, bases[i],
-                                            c10::Device(at::kCPU));
-        copy_bytes(host, bases[i], options.chunk_bytes);
-        if (on_device) pool.record_stream(host, *stream);
+                                : view_like(group.host_block.storage(), 0, bases[i], c10::Device(at::kCPU));
+        copy_bytes(host, bases[i], options.chunk_bytes, device);
         r.host_bases_[i] = host;
       }
+      if (on_device) pool.record_stream(group.host_block, *stream);
       finish_group(group.members);
+    }
+    if (on_device) InFlight::instance().add(result);
+    if (reuse) {
+      r.host_bases_ = reuse->host_bases_;
+      r.outputs_ = reuse->outputs_;
+      return result;
+    }
+    for (const auto& group : r.groups_) {
+      if (!group.packed) continue;
+      for (size_t k = 0; k < group.members.size(); ++k) {
+        const int64_t i = group.members[k];
+        r.host_bases_[i] = view_like(group.host_block.storage(), group.offsets[k], bases[i], c10::Device(at::kCPU));
+      }
     }
     for (size_t i = 0; i < n; ++i) {
       if (!r.host_bases_[i].defined()) {  // empty tensors: nothing to move
@@ -285,23 +341,21 @@ class CopyEngine {
     // Plan: small tensors grouped into spans of one host storage; the rest alone.
     std::vector<Span> spans = plan_spans(bases, options, out.has_value());
 
-    // Outputs are allocated now, on the consumer's stream (see transfer.h).
+    // Outputs are allocated now, on the consumer's stream (see transfer.h): one
+    // device buffer per span, viewed per tensor.
     std::vector<at::Tensor> targets(n), finals(n);
     for (auto& span : spans) {
-      if (span.members.size() > 1 || (span.members.size() == 1 && !out)) {
-        if (!out) {
-          span.device_buffer = at::empty({span.bytes}, device_options);
-          for (size_t k = 0; k < span.members.size(); ++k) {
-            const int64_t i = span.members[k];
-            targets[i] = view_like(span.device_buffer.storage(), span.offsets[k], bases[i], device);
-          }
-        }
+      if (out) break;
+      span.device_buffer = at::empty({span.bytes}, device_options);
+      for (size_t k = 0; k < span.members.size(); ++k) {
+        const int64_t i = span.members[k];
+        targets[i] = view_like(span.device_buffer.storage(), span.offsets[k], bases[i], device);
       }
     }
     for (size_t i = 0; i < n; ++i) {
       if (out) {
         targets[i] = (*out)[i];
-      } else if (!targets[i].defined()) {
+      } else if (!targets[i].defined()) {  // empty tensors sit in no span
         targets[i] = at::empty_strided(bases[i].sizes(), bases[i].strides(), bases[i].options().device(device));
       }
       if (from && !out && from->restore_.size() == n && from->restore_[i]) {
@@ -317,6 +371,7 @@ class CopyEngine {
       start.block(*stream);
       if (from) from->wait_stream(*stream);
       stream_guard.emplace(*stream);
+      r.keepalive_ = bases;  // host sources: their blocks stay ours until the copies end
     }
 
     auto finish_group = [&](const std::vector<int64_t>& members) {
@@ -332,43 +387,43 @@ class CopyEngine {
 
     for (auto& span : spans) {
       const at::Tensor& first = bases[span.members[0]];
-      if (span.bytes > 0) {
-        at::Tensor host_bytes = byte_span(first.storage(), span.storage_offset, span.bytes, first.options());
-        if (out) {
-          // Into caller-owned tensors: DMA the span into staging (owned by the copy
-          // stream), then one multi-tensor copy scatters it.
-          at::Tensor staging = at::empty({span.bytes}, device_options);
-          staging.copy_(host_bytes, /*non_blocking=*/true);
-          std::vector<ByteRange> ranges;
-          for (size_t k = 0; k < span.members.size(); ++k) {
-            const int64_t i = span.members[k];
-            at::Tensor view = view_like(staging.storage(), span.offsets[k], bases[i], device);
-            if (same_layout(targets[i], view) && is_dense(view)) {
-              ranges.push_back({view.data_ptr(), targets[i].data_ptr(), tensor_nbytes(view)});
-            } else {
-              targets[i].copy_(expanded[i] ? view.expand(tensors[i].sizes()) : view, /*non_blocking=*/true);
-            }
-          }
-          multi_tensor_copy(ranges, device);
-        } else if (span.members.size() == 1 && !span.device_buffer.defined()) {
-          copy_bytes(targets[span.members[0]], first, options.chunk_bytes);
-        } else {
-          span.device_buffer.copy_(host_bytes, /*non_blocking=*/true);
+      const char* host_ptr = static_cast<const char*>(first.storage().data()) + span.storage_offset;
+      if (!out) {
+        for (int64_t at = 0; at < span.bytes; at += options.chunk_bytes) {
+          copy_bytes_async(static_cast<char*>(span.device_buffer.data_ptr()) + at, false, host_ptr + at, true,
+                           std::min(options.chunk_bytes, span.bytes - at), device);
         }
-        for (int64_t i : span.members) protect_source(bases[i]);
+      } else if (span.members.size() == 1 && same_layout(targets[span.members[0]], first) &&
+                 is_dense(targets[span.members[0]])) {
+        copy_bytes(targets[span.members[0]], first, options.chunk_bytes, device);
+      } else if (span.bytes > 0) {
+        // Into caller-owned tensors: DMA the span into staging (allocated while the
+        // copy stream is current, so it owns it), then one multi-tensor copy scatters it.
+        at::Tensor staging = at::empty({span.bytes}, device_options);
+        copy_bytes_async(staging.data_ptr(), false, host_ptr, true, span.bytes, device);
+        std::vector<ByteRange> ranges;
+        for (size_t k = 0; k < span.members.size(); ++k) {
+          const int64_t i = span.members[k];
+          at::Tensor view = view_like(staging.storage(), span.offsets[k], bases[i], device);
+          if (same_layout(targets[i], view) && is_dense(view)) {
+            ranges.push_back({view.data_ptr(), targets[i].data_ptr(), tensor_nbytes(view)});
+          } else {
+            targets[i].copy_(expanded[i] ? view.expand(tensors[i].sizes()) : view, /*non_blocking=*/true);
+          }
+        }
+        multi_tensor_copy(ranges, device);
+        if (on_device) r.keepalive_.push_back(staging);
       }
+      if (span.bytes > 0) protect_source(first);
       for (int64_t i : span.members) {
         if (finals[i].defined()) finals[i].copy_(targets[i], /*non_blocking=*/true);
       }
       finish_group(span.members);
     }
+    if (on_device) InFlight::instance().add(result);
 
     for (size_t i = 0; i < n; ++i) {
       at::Tensor result_i = finals[i].defined() ? finals[i] : targets[i];
-      if (on_device) {
-        targets[i].record_stream(*stream);
-        if (finals[i].defined()) finals[i].record_stream(*stream);
-      }
       if (expanded[i] && !out) result_i = result_i.expand(tensors[i].sizes());
       r.outputs_[i] = result_i;
     }
@@ -421,12 +476,12 @@ class CopyEngine {
                                const c10::Device& device, bool on_device, Transfer& r) {
     std::vector<ByteRange> ranges;
     ranges.reserve(group.members.size());
-    at::Tensor staging;
     char* target = static_cast<char*>(group.host_block.data_ptr());
     if (on_device) {
       // Allocated while the copy stream is current: it owns the staging buffer.
-      staging = at::empty({group.bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+      at::Tensor staging = at::empty({group.bytes}, at::TensorOptions().dtype(at::kByte).device(device));
       target = static_cast<char*>(staging.data_ptr());
+      r.keepalive_.push_back(staging);
     }
     for (size_t k = 0; k < group.members.size(); ++k) {
       const at::Tensor& base = bases[group.members[k]];
@@ -434,11 +489,7 @@ class CopyEngine {
     }
     multi_tensor_copy(ranges, device);
     if (on_device) {
-      group.host_block.narrow(0, 0, group.bytes).copy_(staging, /*non_blocking=*/true);
-    }
-    for (size_t k = 0; k < group.members.size(); ++k) {
-      const int64_t i = group.members[k];
-      r.host_bases_[i] = view_like(group.host_block.storage(), group.offsets[k], bases[i], c10::Device(at::kCPU));
+      copy_bytes_async(group.host_block.data_ptr(), true, target, false, group.bytes, device);
     }
   }
 

@@ -18,6 +18,13 @@ ImplTable& impls() {
   return table;
 }
 
+using BytesTable = std::array<CopyBytesFn, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>;
+
+BytesTable& bytes_impls() {
+  static BytesTable table{};
+  return table;
+}
+
 void copy_on_cpu(const std::vector<ByteRange>& ranges) {
   // Small ranges dominate, so parallelise across ranges, not within one.
   at::parallel_for(0, static_cast<int64_t>(ranges.size()), 16, [&](int64_t begin, int64_t end) {
@@ -41,6 +48,26 @@ void copy_with_foreach(const std::vector<ByteRange>& ranges, const c10::Device& 
 
 void set_multi_tensor_copy_impl(c10::DeviceType type, MultiTensorCopyFn fn) {
   impls()[static_cast<size_t>(type)] = fn;
+}
+
+void set_copy_bytes_impl(c10::DeviceType type, CopyBytesFn fn) { bytes_impls()[static_cast<size_t>(type)] = fn; }
+
+void copy_bytes_async(void* dst, bool dst_on_host, const void* src, bool src_on_host, int64_t nbytes,
+                      const c10::Device& device) {
+  if (nbytes == 0) return;
+  if (device.is_cpu()) {
+    std::memcpy(dst, src, static_cast<size_t>(nbytes));
+    return;
+  }
+  if (CopyBytesFn fn = bytes_impls()[static_cast<size_t>(device.type())]) {
+    fn(dst, src, nbytes, device);
+    return;
+  }
+  auto host = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  auto on_device = at::TensorOptions().dtype(at::kByte).device(device);
+  at::Tensor d = at::from_blob(dst, {nbytes}, dst_on_host ? host : on_device);
+  at::Tensor s = at::from_blob(const_cast<void*>(src), {nbytes}, src_on_host ? host : on_device);
+  d.copy_(s, /*non_blocking=*/true);
 }
 
 void multi_tensor_copy(const std::vector<ByteRange>& ranges, const c10::Device& device) {

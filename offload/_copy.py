@@ -88,6 +88,13 @@ def _stream_or_current(stream, device):
     return _device.current_stream(device)
 
 
+def _as_list(fn: str, tensors, name: str = "tensors"):
+    """O(1) shape check for the native path (the core checks every element itself)."""
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a list of tensors, got a single tensor; wrap it in a list")
+    return tensors if isinstance(tensors, (list, tuple)) else _check_list(fn, tensors, name)
+
+
 def _check_list(fn: str, tensors, name: str = "tensors") -> List[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a list of tensors, got a single tensor; wrap it in a list")
@@ -126,23 +133,30 @@ def copy_to_host(
     the values as of this call. Sources are protected from reuse until it completes.
     """
     fn = "offload.copy_to_host"
-    tensors = _check_list(fn, tensors)
+    tensors = _as_list(fn, tensors)
     _check_sizes(fn, small_bytes, chunk_bytes)
     pool = default_host_pool() if pool is None else pool
     if not isinstance(pool, HostPool):
         raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
     out_handle = out._impl if isinstance(out, CopyHandle) else None
-    out_list = None if out is None or out_handle is not None else _check_list(fn, out, "out")
+    out_list = None if out is None or out_handle is not None else _as_list(fn, out, "out")
     core = _backend.core()
     if core is not None and pool.native:
-        device = tensors[0].device if tensors else _device.current_device()
-        copy_stream = stream if stream is not None else _device.copy_streams(_device.normalize_device(device))[0]
-        impl = core.copy_to_host(
-            tensors, pool._impl, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes
-        )
+        device = tensors[0].device if len(tensors) else _device.current_device()
+        copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
+        try:
+            impl = core.copy_to_host(
+                tensors, pool._impl, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes
+            )
+        except TypeError:  # say which element was not a tensor, then re-raise
+            _check_list(fn, tensors)
+            _check_list(fn, out_list or [], "out")
+            raise
         return CopyHandle(impl)
     from ._copy_fallback import copy_to_host as fallback
 
+    tensors = _check_list(fn, tensors)
+    out_list = None if out_list is None else _check_list(fn, out_list, "out")
     return CopyHandle(fallback(tensors, pool, stream, out_list, out_handle, require_pinned, chunk_bytes))
 
 
@@ -173,20 +187,29 @@ def copy_to_device(
     """
     fn = "offload.copy_to_device"
     handle = tensors._impl if isinstance(tensors, CopyHandle) else None
-    sources = list(handle.tensors()) if handle is not None else _check_list(fn, tensors)
-    out_list = None if out is None else _check_list(fn, out, "out")
+    sources = handle.tensors() if handle is not None else _as_list(fn, tensors)
+    out_list = None if out is None else _as_list(fn, out, "out")
     _check_sizes(fn, small_bytes, chunk_bytes)
     device = _device.normalize_device(device)
     pool = default_host_pool() if pool is None else pool
+    if not isinstance(pool, HostPool):
+        raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
     core = _backend.core()
     if core is not None and pool.native:
         copy_stream = stream if stream is not None else _device.copy_streams(device)[1]
-        impl = core.copy_to_device(
-            sources, handle, device, pool._impl, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes
-        )
+        try:
+            impl = core.copy_to_device(
+                sources, handle, device, pool._impl, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes
+            )
+        except TypeError:
+            _check_list(fn, sources)
+            _check_list(fn, out_list or [], "out")
+            raise
         return CopyHandle(impl)
     from ._copy_fallback import copy_to_device as fallback
 
+    sources = _check_list(fn, sources)
+    out_list = None if out_list is None else _check_list(fn, out_list, "out")
     return CopyHandle(fallback(sources, handle, device, pool, stream, out_list, require_pinned, chunk_bytes))
 
 

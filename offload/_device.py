@@ -107,6 +107,9 @@ def copy_streams(device=None):
     Two dedicated streams so the two directions use both copy engines at once and
     neither waits behind compute queued on the current stream.
     """
+    pair = _copy_streams.get(device)
+    if pair is not None:  # the hot path: one dict lookup
+        return pair
     device = normalize_device(device)
     if not is_accelerator(device):
         return None, None

@@ -101,8 +101,16 @@ void multi_tensor_copy_cuda(const std::vector<ByteRange>& ranges, const c10::Dev
   if (batch.count > 0) launch(batch, tiles, stream);
 }
 
+void copy_bytes_cuda(void* dst, const void* src, int64_t nbytes, const c10::Device& device) {
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyDefault, stream));
+}
+
 struct Register {
-  Register() { set_multi_tensor_copy_impl(c10::DeviceType::CUDA, &multi_tensor_copy_cuda); }
+  Register() {
+    set_multi_tensor_copy_impl(c10::DeviceType::CUDA, &multi_tensor_copy_cuda);
+    set_copy_bytes_impl(c10::DeviceType::CUDA, &copy_bytes_cuda);
+  }
 } register_cuda_multi_tensor_copy;
 
 }  // namespace

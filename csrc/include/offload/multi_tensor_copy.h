@@ -26,4 +26,13 @@ void multi_tensor_copy(const std::vector<ByteRange>& ranges, const c10::Device& 
 using MultiTensorCopyFn = void (*)(const std::vector<ByteRange>&, const c10::Device&);
 void set_multi_tensor_copy_impl(c10::DeviceType type, MultiTensorCopyFn fn);
 
+// One asynchronous copy of `nbytes` between host and `device` (either way, or
+// within the device) on the device's current stream. On CUDA it is a bare
+// cudaMemcpyAsync: a few microseconds less per call than Tensor::copy_, which
+// is what a small transfer's latency is made of.
+void copy_bytes_async(void* dst, bool dst_on_host, const void* src, bool src_on_host, int64_t nbytes,
+                      const c10::Device& device);
+using CopyBytesFn = void (*)(void*, const void*, int64_t, const c10::Device&);
+void set_copy_bytes_impl(c10::DeviceType type, CopyBytesFn fn);
+
 }  // namespace offload

@@ -16,6 +16,10 @@ bool is_dense(const at::Tensor& t);
 // element; `expanded` says whether any was. base.expand(t.sizes()) == t.
 at::Tensor compact(const at::Tensor& t, bool* expanded);
 
+// A tensor over `storage` with the given dtype, sizes, strides and element offset.
+at::Tensor make_view(const at::Storage& storage, at::ScalarType dtype, const at::Device& device,
+                     at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset_elements);
+
 // The `nbytes` bytes of `storage` starting at `byte_offset`, as a 1-d uint8 tensor.
 at::Tensor byte_span(const at::Storage& storage, int64_t byte_offset, int64_t nbytes,
                      const at::TensorOptions& options);

@@ -3,8 +3,9 @@
 // Stream ownership, in one place:
 // - Sources of a device-to-host copy belong to the caller's stream. The copy
 //   stream first waits (on the device) for an event recorded there, so it sees
-//   every value the caller queued; the sources are then record_stream()ed on the
-//   copy stream so the caching allocator does not reuse them mid-copy.
+//   every value the caller queued; the transfer then holds the sources until its
+//   last event completes (copy_engine.cpp, InFlight), so the caching allocator
+//   cannot reuse them mid-copy.
 // - Device staging buffers are allocated while the copy stream is current and
 //   used only on it, so the allocator's stream order protects them.
 // - Host blocks come from the HostPool; every copy records its stream on them,
@@ -57,6 +58,7 @@ class Transfer {
 
  private:
   friend class CopyEngine;
+  friend class InFlight;
   c10::Device device_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> host_bases_;  // device-to-host: what was written (outputs_ may be expanded views)
@@ -65,6 +67,9 @@ class Transfer {
   std::vector<c10::Event> events_;   // recorded on the copy stream, in order
   std::vector<int32_t> event_of_;    // per output: the event after which it is complete (-1: no event)
   int64_t nbytes_ = 0;
+  // Tensors that must outlive the copies (sources, staging buffers): released by
+  // InFlight once the last event has completed.
+  std::vector<at::Tensor> keepalive_;
 };
 
 struct CopyOptions {
