@@ -43,6 +43,7 @@ thread: completion is observed by whoever waits on the future.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import threading
@@ -427,6 +428,10 @@ class AsyncStager(_StagerProtocol):
             raise TypeError(f"{fn}: unexpected keyword arguments {sorted(kwargs)}")
         if self._closed:
             raise RuntimeError(f"{fn}: the stager is closed; make a new offload.AsyncStager")
+        with _gc_paused():
+            return self._stage(fn, state_dict)
+
+    def _stage(self, fn, state_dict):
         t_enter = time.perf_counter()
         leaves, plan, locals_ = self._resolve(fn, state_dict)
         replanned = plan is not self._plan
@@ -784,6 +789,25 @@ class AsyncStager(_StagerProtocol):
             end.record(_device.copy_streams(device)[0])
             pair[1] = end
         return (timing or None), time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Hold off the cycle collector while a save builds thousands of small tuples.
+
+    Every shape and stride tuple counts toward the collector's allocation
+    threshold; in a process holding a model, the collections they trigger cost
+    several times the save's own work. Nothing built here forms a cycle, so
+    reference counting frees it all.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _resolve_timing(record: dict) -> None:
