@@ -65,7 +65,7 @@ def _describe_path(path: Tuple) -> str:
     return "state_dict" + "".join(f"[{k!r}]" for k in path)
 
 
-def _dtensor_type():
+def dtensor_type() -> Optional[type]:
     """torch.distributed.tensor.DTensor, or None where torch has no distributed support."""
     try:
         import torch.distributed as dist
@@ -91,7 +91,7 @@ class StateTree:
         if not isinstance(root, Mapping):
             raise TypeError(f"{fn}: state_dict must be a dict (a Mapping), got {type(root).__name__}")
         self._fn = fn
-        self._dtensor = _dtensor_type()
+        self._dtensor = dtensor_type()
         self.paths: List[Tuple] = []  # per leaf: the keys and indices leading to it
         self.leaf_types: List[type] = []
         self.tensor_pos: List[int] = []  # leaf indices holding tensors, in leaf order
@@ -179,7 +179,9 @@ class StateTree:
         if local.is_meta or local.device.type == "meta":
             raise ValueError(f"{self._fn}: {where} is a meta tensor, which has no data to stage")
         if local.layout != torch.strided:
-            raise ValueError(f"{self._fn}: {where} has layout {local.layout}; only strided (dense) tensors can be staged")
+            raise ValueError(
+                f"{self._fn}: {where} has layout {local.layout}; only strided (dense) tensors can be staged"
+            )
 
     # ------------------------------------------------------------ generated code
 
@@ -244,7 +246,3 @@ def _compile(source: str, name: str, keys, types):
     if name == "extract":
         return lambda root: fn(root, keys, types, Mismatch)
     return lambda L, T: fn(L, T, keys, types)
-
-
-def dtensor_type() -> Optional[type]:
-    return _dtensor_type()

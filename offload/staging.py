@@ -51,14 +51,14 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from operator import attrgetter, itemgetter
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from . import _device
 from ._copy import copy_to_host
 from ._pool import HostPool, default_host_pool, parse_bytes
-from ._state_tree import Mismatch, StateTree
+from ._state_tree import Mismatch, StateTree, dtensor_type
 
 try:  # the protocol DCP's async_save expects; absent where torch lacks distributed
     from torch.distributed.checkpoint.staging import AsyncStager as _StagerProtocol
@@ -94,6 +94,10 @@ def _extent_bytes(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _layout_of(t: torch.Tensor) -> Tuple:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 def _async_save_takes_futures() -> bool:
@@ -210,8 +214,8 @@ class _Plan:
 
     def _add_cluster(self, slots, locals_, paths, base) -> None:
         first = locals_[slots[0]]
-        layout = (first.data_ptr(), first.shape, first.stride(), first.dtype)
-        if all((locals_[s].data_ptr(), locals_[s].shape, locals_[s].stride(), locals_[s].dtype) == layout for s in slots):
+        layout = _layout_of(first)
+        if all(_layout_of(locals_[s]) == layout for s in slots):
             self._add_tensor_unit(slots, first, paths)  # tied: one copy, shared
             return
         # Overlapping views: copy the byte span that covers them, from an offset
@@ -725,8 +729,6 @@ class AsyncStager(_StagerProtocol):
                 host_leaves[slot] = view
         watch = [leaf for leaf in host_leaves]
         if plan.specs is not None:
-            from ._state_tree import dtensor_type
-
             dtensor = dtensor_type()
             for slot, spec in zip(plan.tree.dtensor_slots, plan.specs):
                 # The DTensor constructor (not from_local) keeps the local tensor on the host.
@@ -762,9 +764,8 @@ class AsyncStager(_StagerProtocol):
                     first = locals_[unit.slots[0]]
                     storage = first.untyped_storage()
                     offset = first.data_ptr() - storage.data_ptr() + unit.span_rel
-                    sources.append(
-                        torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (unit.nbytes,), (1,))
-                    )
+                    span = torch.empty(0, dtype=torch.uint8, device=first.device)
+                    sources.append(span.set_(storage, offset, (unit.nbytes,), (1,)))
                 dsts = buffer_set.dsts[number]
                 if not batch.asynchronous:
                     for dst, src in zip(dsts, sources):

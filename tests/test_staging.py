@@ -22,7 +22,8 @@ def _snapshot(obj):
     if isinstance(obj, dict):
         return {k: _snapshot(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_snapshot(v) for v in obj)
+        items = [_snapshot(v) for v in obj]
+        return type(obj)(*items) if hasattr(type(obj), "_fields") else type(obj)(items)
     return obj
 
 
@@ -79,7 +80,11 @@ def test_staging_dcp_ten_saves_bit_exact(tmp_path, backend, device):
         fresh_model, fresh_optimizer = _model(device)
         _train_step(fresh_model, fresh_optimizer, device)
         _train_step(fresh_model, fresh_optimizer, device)
-        target = {"model": fresh_model.state_dict(), "optim": fresh_optimizer.state_dict(), "extra": {"step": -1, "tag": ""}}
+        target = {
+            "model": fresh_model.state_dict(),
+            "optim": fresh_optimizer.state_dict(),
+            "extra": {"step": -1, "tag": ""},
+        }
         dcp.load(target, checkpoint_id=str(tmp_path / f"ckpt{step}"))
         _assert_same(target, expected[step])
 
@@ -100,7 +105,8 @@ def _rich_state(device):
         + [torch.randint(-5, 5, (9,), device=device), torch.rand(11, device=device) > 0.5],
         "fp8": torch.randn(13, device=device).to(torch.float8_e4m3fn) if hasattr(torch, "float8_e4m3fn") else None,
         "nested": collections.OrderedDict(
-            lst=[1, 2.5, "s", None, (True, b"x")], tup=(torch.ones(2, device=device), {"deep": torch.zeros(3, 2, device=device)})
+            lst=[1, 2.5, "s", None, (True, b"x")],
+            tup=(torch.ones(2, device=device), {"deep": torch.zeros(3, 2, device=device)}),
         ),
     }
 
@@ -445,3 +451,29 @@ def test_staging_warnings_are_ours_only():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         offload.AsyncStager().synchronize_staging()
+
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def test_staging_shape_changes_after_generated_code(backend, device):
+    """Saves 2+ of one shape run generated code; every kind of change must still be seen."""
+    stager = offload.AsyncStager(ring_size=1)
+    w = torch.randn(6, device=device)
+    shapes = [
+        {"a": w, "l": [1, 2], "p": Pair(w, 3)},
+        {"a": w, "l": [1, 2], "p": Pair(w, 4)},
+        {"a": w, "l": [1, 2], "p": Pair(w, 5)},  # generated code from here on
+        {"b": w, "l": [1, 2], "p": Pair(w, 5)},  # key renamed, same length
+        {"b": w, "l": [1, 2, 3], "p": Pair(w, 5)},  # list grew
+        {"b": w, "l": [1, torch.ones(2, device=device)], "p": Pair(w, 5)},  # leaf became a tensor
+        {"b": w, "l": [1, 2], "p": (w, 5)},  # namedtuple became a tuple
+        {"b": w.view(2, 3), "l": [1, 2], "p": (w, 5)},  # same storage, other shape
+    ]
+    for state in shapes:
+        staged = stager.stage(state).result()
+        _assert_same(staged, _snapshot(state))
+        assert type(staged["p"]) is type(state["p"])
+        del staged
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False, True, True, True, True, True]
+    stager.close()
