@@ -6,10 +6,12 @@ The public API, nothing else; see README.md.
 from ._backend import native_available
 from ._copy import CopyHandle, copy_to_device, copy_to_host
 from ._pool import HostPool, default_host_pool
+from .staging import AsyncStager
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncStager",
     "CopyHandle",
     "HostPool",
     "copy_to_device",

@@ -1,0 +1,241 @@
+"""Checkpoint staging: offload.AsyncStager against `.cpu()` and DCP's DefaultStager.
+
+Two state dicts: 4 GiB of bf16 in 64 tensors, and 4,000 tensors of 256 KiB (on
+the CPU, quick mode: tiny sizes). Ten consecutive saves each, the tensors changed
+between saves; per save the caller-blocked time (inside `stage()`) and the staging
+time (until the host copy is complete), reported for the first save (buffers
+allocated) and as the median of saves 2-10. Then a training loop of bf16
+transformer-style blocks with a staged save every step, against no save.
+
+Timing is wall clock on the host (what the training loop sees), with the device
+synchronized before each save so one save's copy does not spill into the next.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import Future
+
+import torch
+from common import gbps, row, time_host_ms
+
+import offload
+from offload import _device
+
+SECTION = "staging"
+SAVES = 10
+
+
+def applies(device_type: str) -> bool:
+    return True
+
+
+def _state(count: int, numel: int, device) -> dict:
+    return {"model": {f"layer{i}.weight": torch.randn(numel, device=device).to(torch.bfloat16) for i in range(count)}}
+
+
+def _bytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in state["model"].values())
+
+
+class _Naive:
+    name = ".cpu()"
+
+    def stage(self, state):
+        return {"model": {k: v.cpu() for k, v in state["model"].items()}}
+
+    def close(self):
+        pass
+
+
+def _stagers(device):
+    """(name, factory) for every stager this torch has; DefaultStager in its option combinations."""
+    out = [(".cpu()", _Naive)]
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return out
+    accel = _device.is_accelerator(device)
+    combos = [
+        (False, False, False, False),  # what dcp.async_save builds when given no stager
+        (True, False, False, False),
+        (True, False, True, True),
+        (True, True, True, True),  # DefaultStager()'s defaults
+    ]
+    for pinned, shared, asynchronous, non_blocking in combos:
+        if non_blocking and not accel:
+            continue  # needs an accelerator
+        options = StagingOptions(
+            use_pinned_memory=pinned,
+            use_shared_memory=shared,
+            use_async_staging=asynchronous,
+            use_non_blocking_copy=non_blocking,
+        )
+        name = f"DefaultStager(pin={int(pinned)},shm={int(shared)},async={int(asynchronous)},nb={int(non_blocking)})"
+        out.append((name, lambda options=options: DefaultStager(options)))
+    return out
+
+
+def _run_saves(make, state, device):
+    """Ten saves; returns (blocked ms per save, staging ms per save) or an error string."""
+    stager = make()
+    blocked, staged_ms = [], []
+    try:
+        for _ in range(SAVES):
+            for t in state["model"].values():
+                t.add_(1)  # the training step between saves
+            _device.synchronize(device)
+            t0 = time.perf_counter()
+            out = stager.stage(state)
+            t1 = time.perf_counter()
+            if isinstance(out, Future):
+                out = out.result()
+            if hasattr(stager, "synchronize_staging") and not isinstance(stager, offload.AsyncStager):
+                stager.synchronize_staging()
+            t2 = time.perf_counter()
+            blocked.append((t1 - t0) * 1e3)
+            staged_ms.append((t2 - t0) * 1e3)
+            del out  # the upload finished: its buffers may be reused
+    except Exception as error:  # DefaultStager on torch 2.11 fails its second stage()
+        return f"{type(error).__name__}: {error}"[:120]
+    finally:
+        stager.close()
+    return blocked, staged_ms
+
+
+def _size_cases(quick: bool):
+    if quick:
+        return [("64 tensors x 64 KiB", 64, 32 << 10), ("400 tensors x 4 KiB", 400, 2 << 10)]
+    return [("64 tensors x 64 MiB (4 GiB)", 64, 32 << 20), ("4000 tensors x 256 KiB", 4000, 128 << 10)]
+
+
+def _staging_rows(ctx) -> list:
+    rows = []
+    device = ctx.device
+    for label, count, numel in _size_cases(ctx.quick):
+        state = _state(count, numel, device)
+        nbytes = _bytes(state)
+        results = {}
+        for name, make in [("offload.AsyncStager", offload.AsyncStager)] + _stagers(device):
+            ctx.progress(f"{label}: {name}")
+            results[name] = _run_saves(make, state, device)
+        ours = results.pop("offload.AsyncStager")
+        if isinstance(ours, str):
+            raise RuntimeError(f"offload.AsyncStager failed: {ours}")
+        o_blocked, o_staged = ours
+        o_first, o_steady = o_staged[0], statistics.median(o_staged[1:])
+        for name, result in results.items():
+            common = {"size_bytes": nbytes, "tensors": count}
+            if isinstance(result, str):
+                rows.append(row(SECTION, f"{label}: staging, saves 2-10", offload=gbps(nbytes, o_steady),
+                                baseline=None, unit="GB/s", baseline_name=f"{name} failed: {result}", **common))
+                continue
+            b_blocked, b_staged = result
+            rows.append(row(SECTION, f"{label}: staging, first save", offload=gbps(nbytes, o_first),
+                            baseline=gbps(nbytes, b_staged[0]), unit="GB/s", baseline_name=name, **common))
+            rows.append(row(SECTION, f"{label}: staging, saves 2-10 (median)", offload=gbps(nbytes, o_steady),
+                            baseline=gbps(nbytes, statistics.median(b_staged[1:])), unit="GB/s",
+                            baseline_name=name, **common))
+            rows.append(row(SECTION, f"{label}: caller blocked, saves 2-10 (median)",
+                            offload=statistics.median(o_blocked[1:]), baseline=statistics.median(b_blocked[1:]),
+                            unit="ms", baseline_name=name, higher_is_better=False, **common))
+        del state
+        _device.empty_cache()
+    return rows
+
+
+class _Block(torch.nn.Module):
+    """Pre-norm attention + MLP, the shape of a transformer layer."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+def _training_rows(ctx) -> list:
+    device = ctx.device
+    dim, heads, layers, batch, seq = (64, 4, 2, 2, 32) if ctx.quick else (1024, 16, 8, 8, 2048)
+    model = torch.nn.Sequential(*[_Block(dim, heads) for _ in range(layers)]).to(device, torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    x = torch.randn(batch, seq, dim, device=device, dtype=torch.bfloat16)
+
+    def step(save=None):
+        if save is not None:
+            # Saved at the top of the step, as the DCP tutorial does: the copy of
+            # the weights the last step wrote overlaps this step's forward and
+            # backward, and optimizer.step() waits for it (protect / result()).
+            save()
+        model(x).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    def state():
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    step()  # optimizer state exists from here on
+    ours = offload.AsyncStager()
+    protection = ours.protect(optimizer)
+    iters = 5 if ctx.quick else 20
+    ctx.progress("training loop: no save")
+    plain = time_host_ms(step, device, warmup=2, iters=iters)
+    ctx.progress("training loop: offload.AsyncStager every step")
+    staged = time_host_ms(lambda: step(lambda: ours.stage(state())), device, warmup=2, iters=iters)
+    state_bytes = ours.metrics()[-1]["bytes"]
+    protection.remove()
+    ours.close()
+    rows = [
+        row(SECTION, f"train step, {layers} bf16 blocks d={dim}, save every step ({state_bytes >> 20} MiB)",
+            offload=staged["median_ms"], baseline=plain["median_ms"], unit="ms/step",
+            baseline_name="same loop without saves", higher_is_better=False, spread_pct=staged["spread_pct"])
+    ]
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return rows
+    accel = _device.is_accelerator(device)
+    theirs = DefaultStager(StagingOptions(True, False, accel, accel))
+
+    pending = []
+
+    def their_save():
+        pending.append(theirs.stage(state()))
+
+    def their_step():
+        step(their_save)
+
+    def their_wait(*_):
+        # torch's tutorial: staging must be complete before optimizer.step() changes the weights.
+        while pending:
+            out = pending.pop()
+            if isinstance(out, Future):
+                out.result()
+
+    hook = optimizer.register_step_pre_hook(their_wait)
+    ctx.progress("training loop: DefaultStager every step")
+    try:
+        theirs_ms = time_host_ms(their_step, device, warmup=2, iters=iters)
+        rows.append(row(SECTION, "train step with a save every step", offload=staged["median_ms"],
+                        baseline=theirs_ms["median_ms"], unit="ms/step", higher_is_better=False,
+                        baseline_name=f"DefaultStager(pin=1,async={int(accel)},nb={int(accel)})"))
+    except Exception as error:
+        rows.append(row(SECTION, "train step with a save every step", offload=staged["median_ms"], baseline=None,
+                        unit="ms/step", baseline_name=f"DefaultStager failed: {type(error).__name__}: {error}"[:120]))
+    finally:
+        hook.remove()
+        theirs.close()
+    return rows
+
+
+def run(ctx) -> list:
+    return _staging_rows(ctx) + _training_rows(ctx)

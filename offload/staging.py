@@ -1,0 +1,845 @@
+"""`offload.AsyncStager`: checkpoint staging that does not block the training loop.
+
+Saving a checkpoint starts by copying the state dict from the device to host
+memory ("staging"); until that copy is complete, training must not change the
+parameters it reads. `AsyncStager` implements the `AsyncStager` protocol of
+`torch.distributed.checkpoint`, so it plugs into `dcp.async_save`:
+
+    stager = offload.AsyncStager()
+    stager.protect(optimizer)          # optimizer.step() waits, on the device, for the copy
+    for step in ...:
+        loss = model(batch).sum(); loss.backward()
+        if step % every == 0:
+            dcp.async_save(state, checkpoint_id=..., async_stager=stager)
+        optimizer.step(); optimizer.zero_grad()
+
+How a save runs:
+- `stage(state_dict)` flattens the state dict with code generated for its shape
+  (`_state_tree.StateTree`), checks it against the cached copy plan, picks a free
+  set of host buffers and enqueues one batched `offload.copy_to_host` per device
+  (the device-to-host stream first waits, on the device, for everything already
+  queued on the current stream, so the copy holds the values as of the call). It
+  returns a `concurrent.futures.Future` of the host state dict right after
+  enqueueing; `dcp.async_save` hands it to its upload thread, which waits for it
+  (the wait releases the interpreter lock) and then writes.
+- Host buffers come from the pinned pool, allocated on the first save and reused
+  by every later save whose tensors have the same path, shape and dtype (whatever
+  storages they live in). A changed structure allocates only what changed.
+- A ring of buffer sets (default 2): a set is busy while its copy runs or while
+  anyone still holds the state dict staged into it or any tensor in it (DCP's
+  upload drops it when the write finishes). A save uses a free set, allocates the
+  next one, or, when all `ring_size` sets are busy, waits (or raises, with
+  `when_busy="raise"`); it never writes into a set someone still reads.
+- Tensors that share memory (tied weights) are copied once and stay shared in
+  the staged dict; overlapping views of one storage are copied as one byte span.
+- DTensors (FSDP2) stage their local shard and come back as DTensors with the
+  same mesh and placements, wrapping host memory (DCP writes the local shard).
+
+Stream ownership: the sources belong to the caller's (compute) stream and are
+recorded on the copy stream by `copy_to_host`; the host buffers belong to this
+stager and are handed out read-only in the staged dict. Nothing here runs a
+thread: completion is observed by whoever waits on the future.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from operator import attrgetter, itemgetter
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import _device
+from ._copy import copy_to_host
+from ._pool import HostPool, default_host_pool, parse_bytes
+from ._state_tree import Mismatch, StateTree, dtensor_type
+
+try:  # the protocol DCP's async_save expects; absent where torch lacks distributed
+    from torch.distributed.checkpoint.staging import AsyncStager as _StagerProtocol
+except Exception:  # pragma: no cover - builds without torch.distributed
+    _StagerProtocol = object
+
+# Host buffers start on this boundary inside a pooled block: a cache line, and a
+# multiple of every dtype's size so typed views of the block are legal.
+_ALIGN = 64
+# The metrics of this many recent saves are kept.
+_METRICS_KEPT = 256
+
+_META = attrgetter("shape", "dtype", "device")
+_data_ptr = torch.Tensor.data_ptr
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _pick(seq, indices) -> list:
+    """[seq[i] for i in indices], at C speed for long lists."""
+    if not indices:
+        return []
+    if len(indices) == 1:
+        return [seq[indices[0]]]
+    return list(itemgetter(*indices)(seq))
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from t's first element to just past its last (strides are never negative)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _layout_of(t: torch.Tensor) -> Tuple:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def _async_save_takes_futures() -> bool:
+    """torch >= 2.9: async_save accepts a Future from stage() (AsyncSaveResponse)."""
+    try:
+        from torch.distributed.checkpoint import state_dict_saver
+
+        return hasattr(state_dict_saver, "AsyncSaveResponse")
+    except Exception:  # pragma: no cover - builds without torch.distributed
+        return True
+
+
+# ---------------------------------------------------------------- the copy plan
+
+
+class _Unit:
+    """One copy: a tensor, tied tensors (copied once, shared) or overlapping views (one byte span)."""
+
+    __slots__ = ("kind", "slots", "key", "nbytes", "device", "early", "shape", "dtype", "span_rel", "members")
+
+    def __init__(self, kind, slots, key, nbytes, device, shape=None, dtype=None, span_rel=0, members=()):
+        self.kind = kind  # "tensor" (one or tied slots) or "span"
+        self.slots = slots  # tensor slots this unit fills
+        self.key = key  # what a buffer must match to be reused
+        self.nbytes = nbytes
+        self.device = device
+        self.early = False
+        self.shape = shape
+        self.dtype = dtype
+        self.span_rel = span_rel  # span: its start relative to slots[0]'s first byte (<= 0)
+        self.members = members  # span: per slot (byte offset in span, shape, stride, dtype)
+
+
+class _Batch:
+    """The units copied by one call: same device, same phase (forward buffers first)."""
+
+    __slots__ = ("device", "early", "asynchronous", "units", "src_slots", "spans")
+
+    def __init__(self, device, early, asynchronous):
+        self.device = device
+        self.early = early
+        self.asynchronous = asynchronous  # through copy_to_host; else a host copy_ (CPU sources)
+        self.units: List[_Unit] = []
+        self.src_slots: List[int] = []  # tensor units: the slot whose tensor is the source
+        self.spans: List[_Unit] = []  # span units, after the tensor units
+
+
+class _Plan:
+    """How one state dict (shape, tensor layouts, aliasing) is copied."""
+
+    def __init__(self, fn, tree: StateTree, locals_, specs, early_ptrs, early_paths, tensor_paths):
+        self.tree = tree
+        self.meta = list(map(_META, locals_))
+        self.ptrs = list(map(_data_ptr, locals_))
+        self.specs = specs
+        self.units: List[_Unit] = []
+        compute = _device.compute_device_type()
+        for slot, (shape, dtype, device) in enumerate(self.meta):
+            if device.type not in (compute, "cpu"):
+                raise ValueError(
+                    f"{fn}: state_dict{''.join(f'[{k!r}]' for k in tensor_paths[slot])} is on {device}; "
+                    f"staging copies tensors from {compute} or the host"
+                )
+        self._group(locals_, tensor_paths)
+        for unit in self.units:
+            unit.early = any(
+                tensor_paths[s] in early_paths or (locals_[s].device, self.ptrs[s]) in early_ptrs for s in unit.slots
+            )
+        batches: Dict[Tuple, _Batch] = {}
+        for unit in self.units:
+            key = (not unit.early, str(unit.device))
+            batch = batches.get(key)
+            if batch is None:
+                asynchronous = unit.device.type == compute
+                batch = batches[key] = _Batch(unit.device, unit.early, asynchronous)
+            batch.units.append(unit)
+        self.batches = [batches[k] for k in sorted(batches)]
+        for batch in self.batches:
+            batch.units.sort(key=lambda u: u.kind == "span")
+            batch.src_slots = [u.slots[0] for u in batch.units if u.kind == "tensor"]
+            batch.spans = [u for u in batch.units if u.kind == "span"]
+        self.span_slots = [s for u in self.units if u.kind == "span" for s in u.slots]
+        self.span_strides = [locals_[s].stride() for s in self.span_slots]
+        self.copy_bytes = sum(u.nbytes for u in self.units)
+        self.host_bytes = sum(_align(u.nbytes) for u in self.units)
+        self.signature = tuple((u.key, u.slots, u.early) for b in self.batches for u in b.units)
+
+    def _group(self, locals_, paths) -> None:
+        """Units from tensors: memory that overlaps within one storage is copied once."""
+        by_storage: Dict[Tuple, list] = {}
+        for slot, t in enumerate(locals_):
+            extent = _extent_bytes(t)
+            if extent == 0:
+                self._add_tensor_unit([slot], t, paths)
+                continue
+            start = t.data_ptr()
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((start, start + extent, slot))
+        for (_, base), items in by_storage.items():
+            items.sort()
+            cluster, end = [], -1
+            for start, stop, slot in items + [(None, None, None)]:
+                if slot is not None and start < end:
+                    cluster.append(slot)
+                    end = max(end, stop)
+                    continue
+                if cluster:
+                    self._add_cluster(cluster, locals_, paths, base)
+                cluster, end = [slot], stop
+
+    def _add_tensor_unit(self, slots, t, paths) -> None:
+        key = ("tensor", paths[slots[0]], tuple(t.shape), t.dtype)
+        nbytes = t.numel() * t.element_size()
+        self.units.append(_Unit("tensor", slots, key, nbytes, t.device, tuple(t.shape), t.dtype))
+
+    def _add_cluster(self, slots, locals_, paths, base) -> None:
+        first = locals_[slots[0]]
+        layout = _layout_of(first)
+        if all(_layout_of(locals_[s]) == layout for s in slots):
+            self._add_tensor_unit(slots, first, paths)  # tied: one copy, shared
+            return
+        # Overlapping views: copy the byte span that covers them, from an offset
+        # aligned to 16 bytes relative to the storage so every dtype's view is legal.
+        start = min(locals_[s].data_ptr() for s in slots)
+        stop = max(locals_[s].data_ptr() + _extent_bytes(locals_[s]) for s in slots)
+        start -= (start - base) % 16
+        members = tuple(
+            (locals_[s].data_ptr() - start, tuple(locals_[s].shape), tuple(locals_[s].stride()), locals_[s].dtype)
+            for s in slots
+        )
+        key = ("span", tuple(paths[s] for s in slots), stop - start, members)
+        self.units.append(
+            _Unit("span", slots, key, stop - start, first.device, span_rel=start - first.data_ptr(), members=members)
+        )
+
+
+# ---------------------------------------------------------------- host buffer sets
+
+
+class _BufferSet:
+    """One set of host buffers for a whole state dict; the ring holds `ring_size` of them."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.plan: Optional[_Plan] = None
+        self.buffers: Dict[Any, Tuple[torch.Tensor, int]] = {}  # unit key -> (host tensor, block number)
+        self.blocks: Dict[int, torch.Tensor] = {}  # block number -> pooled uint8 block
+        self.next_block = 0
+        self.dsts: List[List[torch.Tensor]] = []  # per batch: host destinations in source order
+        self.host_leaves: List[Any] = []  # per tensor slot: what the staged dict holds
+        self.handles: List[Any] = []  # per batch: the CopyHandle of the last save, or None
+        self.watch: List[Any] = []  # objects whose extra references mean a reader
+        self.ref_base: List[int] = []
+        self.use_base: List[int] = []
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.numel() for b in self.blocks.values())
+
+    def busy_reason(self) -> Optional[str]:
+        """Why the set cannot be written now, or None."""
+        for handle in self.handles:
+            if handle is not None and not handle.ready():
+                return "its copy is still running"
+        # Every reader of a staged dict holds one of these objects (or a view of a
+        # block); the counts taken right after the copy was enqueued are ours.
+        if any(map(int.__gt__, map(sys.getrefcount, self.watch), self.ref_base)):
+            return "the state dict staged into it is still referenced (an upload in progress?)"
+        if _use_count is not None and any(
+            map(int.__gt__, (_use_count(b.untyped_storage()._cdata) for b in self.blocks.values()), self.use_base)
+        ):
+            return "a view of its host buffers is still referenced"
+        return None
+
+    def mark_baseline(self) -> None:
+        """Record the reference counts this stager itself holds (call with no staged dict alive)."""
+        self.ref_base = list(map(sys.getrefcount, self.watch))
+        if _use_count is not None:
+            self.use_base = [_use_count(b.untyped_storage()._cdata) for b in self.blocks.values()]
+
+    def release(self) -> None:
+        self.plan = None
+        self.buffers, self.blocks, self.dsts, self.host_leaves, self.handles = {}, {}, [], [], []
+        self.watch, self.ref_base, self.use_base = [], [], []
+
+
+# ---------------------------------------------------------------- the future
+
+
+class StagingFuture(Future):
+    """The host state dict of one `stage()` call, complete once its copies are.
+
+    No thread watches the copies: the future completes when someone asks —
+    `result()` (which waits; the wait releases the interpreter lock), `done()`,
+    `exception()` or `AsyncStager.synchronize_staging()`. DCP's upload thread calls
+    `result()` at once, so `AsyncSaveResponse.staging_completion` fires on time.
+    While this future (or the dict it returns) is alive, its buffer set is busy.
+    """
+
+    def __init__(self, staged, handles):
+        super().__init__()
+        self._staged = staged
+        self._pending = [h for h in handles if h is not None]
+        self._finish_lock = threading.Lock()
+        self._finish(block=False)
+
+    def _finish(self, block: bool, timeout: Optional[float] = None) -> None:
+        if Future.done(self):
+            return
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            if block and timeout is not None:
+                deadline = time.perf_counter() + timeout
+                while not all(h.ready() for h in pending):
+                    if time.perf_counter() >= deadline:
+                        return
+                    time.sleep(0.0005)
+            elif block:
+                for handle in pending:
+                    handle.wait()
+            elif not all(h.ready() for h in pending):
+                return
+        except BaseException as error:  # a failed copy fails the future, not the waiter's thread
+            with self._finish_lock:
+                if not Future.done(self):
+                    self._pending = self._staged = None
+                    self.set_exception(error)
+            return
+        with self._finish_lock:
+            if not Future.done(self):
+                staged, self._staged, self._pending = self._staged, None, None
+                self.set_result(staged)
+
+    def done(self) -> bool:
+        self._finish(block=False)
+        return super().done()
+
+    def result(self, timeout: Optional[float] = None):
+        self._finish(block=True, timeout=timeout)
+        return super().result(timeout=None if super().done() else 0)
+
+    def exception(self, timeout: Optional[float] = None):
+        self._finish(block=True, timeout=timeout)
+        return super().exception(timeout=None if super().done() else 0)
+
+
+# ---------------------------------------------------------------- the stager
+
+
+class AsyncStager(_StagerProtocol):
+    """Stages state dicts into reused pinned host buffers without blocking the caller.
+
+    Args:
+        ring_size: host buffer sets kept (>= 1). A save while every set is still
+            read (copy running, or its staged dict alive, e.g. an upload in
+            progress) waits for one or raises, per `when_busy`.
+        pool: where host buffers come from (default `offload.default_host_pool()`).
+        limit_bytes: most host memory all sets together may hold (int or '8GiB';
+            None: only the pool's limit). The ring does not grow past it; a single
+            state dict larger than it raises RuntimeError.
+        when_busy: "wait" (default) or "raise" when all sets are busy.
+        busy_timeout_s: longest wait for a busy set before RuntimeError.
+        forward_buffers: tensors that change during the forward pass (BatchNorm
+            running statistics, fp8 scaling history): an nn.Module (all its
+            buffers) or state-dict paths ("model.bn.running_mean", keys joined by
+            dots). They are copied first, and the compute stream waits for that
+            small copy on the device, so the next forward cannot change them
+            before they are copied. Parameters and optimizer state are guarded by
+            `protect(optimizer)` instead.
+
+    `stage()` returns a `StagingFuture` (a `concurrent.futures.Future`) of the
+    host state dict; with a torch whose `async_save` cannot take a future
+    (< 2.9) it waits for the copy and returns the dict itself.
+    """
+
+    # DCP must not block after starting the upload: the future says when staging is done.
+    _synchronize_after_execute: bool = False
+
+    def __init__(
+        self,
+        ring_size: int = 2,
+        *,
+        pool: Optional[HostPool] = None,
+        limit_bytes=None,
+        when_busy: str = "wait",
+        busy_timeout_s: float = 600.0,
+        forward_buffers=None,
+    ):
+        fn = "offload.AsyncStager"
+        if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
+            raise ValueError(f"{fn}: ring_size must be an int >= 1, got {ring_size!r}")
+        if when_busy not in ("wait", "raise"):
+            raise ValueError(f"{fn}: when_busy must be 'wait' or 'raise', got {when_busy!r}")
+        if not busy_timeout_s > 0:
+            raise ValueError(f"{fn}: busy_timeout_s must be > 0, got {busy_timeout_s!r}")
+        if pool is not None and not isinstance(pool, HostPool):
+            raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
+        self._pool = pool
+        self._limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, f"{fn}: limit_bytes")
+        self._ring_size = ring_size
+        self._when_busy = when_busy
+        self._busy_timeout_s = float(busy_timeout_s)
+        self._forward_module, self._forward_paths = _forward_buffers(fn, forward_buffers)
+        self._return_future = _async_save_takes_futures()
+        self._tree: Optional[StateTree] = None
+        self._plan: Optional[_Plan] = None
+        self._sets: List[_BufferSet] = []
+        # (set, batch) -> the handle the compute stream has not waited on yet; keyed so
+        # it never holds a handle the set itself has dropped (see _BufferSet.busy_reason).
+        self._unwaited: Dict[Tuple[int, int], Any] = {}
+        self._metrics: deque = deque(maxlen=_METRICS_KEPT)
+        self._saves = 0
+        self._closed = False
+
+    # ------------------------------------------------------------ protocol
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict, **kwargs):
+        """Enqueue the copy of `state_dict` to host buffers; return a future of the host copy.
+
+        The copy holds every tensor's value as of this call (the copy stream waits,
+        on the device, for the work queued before it). The caller must not change
+        the tensors on the host side or on another stream until the copy is done;
+        `protect(optimizer)` makes the optimizer's step wait for it on the device.
+        """
+        fn = "offload.AsyncStager.stage"
+        if kwargs:
+            raise TypeError(f"{fn}: unexpected keyword arguments {sorted(kwargs)}")
+        if self._closed:
+            raise RuntimeError(f"{fn}: the stager is closed; make a new offload.AsyncStager")
+        with _gc_paused():
+            return self._stage(fn, state_dict)
+
+    def _stage(self, fn, state_dict):
+        t_enter = time.perf_counter()
+        leaves, plan, locals_ = self._resolve(fn, state_dict)
+        replanned = plan is not self._plan
+        self._plan = plan
+        t_wait = time.perf_counter()
+        buffer_set = self._acquire_set(fn, plan)
+        waited_ms = (time.perf_counter() - t_wait) * 1e3
+        reused, allocated, allocated_bytes = len(plan.units), 0, 0
+        if buffer_set.plan is not plan:
+            reused, allocated, allocated_bytes = self._prepare(fn, buffer_set, plan)
+        timing, copy_seconds = self._enqueue(plan, buffer_set, locals_)
+        buffer_set.mark_baseline()
+        staged = plan.tree.build(leaves, buffer_set.host_leaves)
+        future = StagingFuture(staged, buffer_set.handles)
+        del staged
+        self._saves += 1
+        self._metrics.append(
+            {
+                "save": self._saves,
+                "set": buffer_set.index,
+                "bytes": plan.copy_bytes,
+                "tensors": len(plan.meta),
+                "copies": len(plan.units),
+                "blocked_ms": (time.perf_counter() - t_enter) * 1e3,
+                "waited_ms": waited_ms,
+                "copy_ms": None if timing else copy_seconds * 1e3,
+                "gbps": None,
+                "replanned": replanned,
+                "buffers_reused": reused,
+                "buffers_allocated": allocated,
+                "allocated_bytes": allocated_bytes,
+                "host_bytes": self.host_bytes(),
+                "_timing": timing,
+            }
+        )
+        if self._return_future:
+            return future
+        return future.result()
+
+    def synchronize_staging(self) -> None:
+        """Block the host until every enqueued staging copy has completed."""
+        for buffer_set in self._sets:
+            for handle in buffer_set.handles:
+                if handle is not None:
+                    handle.wait()
+
+    def close(self) -> None:
+        """Wait for running copies and drop every buffer set.
+
+        Buffers go back to the pool once the last staged dict that uses them is
+        released. The stager cannot stage after this.
+        """
+        if self._closed:
+            return
+        self.synchronize_staging()
+        for buffer_set in self._sets:
+            buffer_set.release()
+        self._sets = []
+        self._unwaited = {}
+        self._tree = self._plan = None
+        self._closed = True
+
+    def __enter__(self) -> "AsyncStager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ keeping the snapshot consistent
+
+    def wait_stream(self, stream=None) -> None:
+        """Make `stream` (default: the current one) wait, on the device, for the staging copies.
+
+        Call it before anything that writes the staged tensors on the device (the
+        optimizer step); `protect(optimizer)` does it for you. The host is not blocked.
+        """
+        pending, self._unwaited = self._unwaited, {}
+        for handle in pending.values():
+            handle.wait_stream(stream)
+
+    def protect(self, optimizer):
+        """Make `optimizer.step()` wait (on the device, not the host) for the last staging copy.
+
+        Returns the hook handle; `.remove()` undoes it.
+        """
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            raise TypeError(
+                "offload.AsyncStager.protect: optimizer must be a torch.optim.Optimizer, "
+                f"got {type(optimizer).__name__}"
+            )
+        return optimizer.register_step_pre_hook(lambda *_: self.wait_stream())
+
+    # ------------------------------------------------------------ introspection
+
+    def metrics(self) -> List[dict]:
+        """Per save, oldest first: bytes, tensors, blocked_ms (time inside stage),
+        waited_ms (of it, waiting for a free buffer set), copy_ms and gbps (None
+        until the copy is observed complete), replanned, buffers_reused,
+        buffers_allocated, allocated_bytes, host_bytes, set."""
+        out = []
+        for record in self._metrics:
+            _resolve_timing(record)
+            out.append({k: v for k, v in record.items() if not k.startswith("_")})
+        return out
+
+    def host_bytes(self) -> int:
+        """Host memory held by all buffer sets."""
+        return sum(s.held_bytes for s in self._sets)
+
+    @property
+    def ring_size(self) -> int:
+        return self._ring_size
+
+    # ------------------------------------------------------------ planning
+
+    def _resolve(self, fn, state_dict):
+        """(leaves, plan, local tensors): reuse the cached tree and plan where they still fit."""
+        tree = self._tree
+        leaves = None
+        if tree is not None:
+            try:
+                leaves = tree.leaves(state_dict)
+            except Mismatch:
+                tree = None
+        if tree is None:
+            tree = StateTree(fn, state_dict)
+            leaves = tree.leaves(state_dict)
+            self._tree = tree
+        tensors = _pick(leaves, tree.tensor_pos)
+        specs = None
+        locals_ = tensors
+        if tree.dtensor_slots:
+            locals_ = list(tensors)
+            for slot in tree.dtensor_slots:
+                locals_[slot] = tensors[slot]._local_tensor
+            specs = [tensors[slot]._spec for slot in tree.dtensor_slots]
+        plan = self._plan
+        if (
+            plan is None
+            or plan.tree is not tree
+            or list(map(_META, locals_)) != plan.meta
+            or specs != plan.specs
+            or (plan.span_slots and [locals_[s].stride() for s in plan.span_slots] != plan.span_strides)
+        ):
+            plan = self._new_plan(fn, tree, locals_, specs)
+        elif list(map(_data_ptr, locals_)) != plan.ptrs:
+            # New storages (a state dict rebuilt from reallocated tensors): the
+            # aliasing may have changed; keep the plan if it did not.
+            fresh = self._new_plan(fn, tree, locals_, specs)
+            if fresh.signature == plan.signature:
+                plan.ptrs = fresh.ptrs
+            else:
+                plan = fresh
+        return leaves, plan, locals_
+
+    def _new_plan(self, fn, tree, locals_, specs) -> _Plan:
+        early_ptrs = set()
+        if self._forward_module is not None:
+            early_ptrs = {(b.device, b.data_ptr()) for b in self._forward_module.buffers() if b.numel()}
+        early_paths = set()
+        if self._forward_paths:
+            dotted = {".".join(map(str, tree.paths[pos])): tree.paths[pos] for pos in tree.tensor_pos}
+            missing = sorted(set(self._forward_paths) - set(dotted))
+            if missing:
+                known = ", ".join(sorted(dotted)[:5])
+                raise ValueError(
+                    f"{fn}: forward_buffers names {missing} which are not tensors of the state dict; "
+                    f"paths are keys joined by dots, e.g. {known}"
+                )
+            early_paths = {dotted[p] for p in self._forward_paths}
+        tensor_paths = [tree.paths[pos] for pos in tree.tensor_pos]
+        return _Plan(fn, tree, locals_, specs, early_ptrs, early_paths, tensor_paths)
+
+    # ------------------------------------------------------------ the ring
+
+    def _acquire_set(self, fn, plan: _Plan) -> _BufferSet:
+        deadline = time.perf_counter() + self._busy_timeout_s
+        collected, pause = False, 0.0005
+        while True:
+            reasons = []
+            for buffer_set in self._sets:
+                reason = buffer_set.busy_reason()
+                if reason is None:
+                    return buffer_set
+                reasons.append(f"set {buffer_set.index}: {reason}")
+            if len(self._sets) < self._ring_size and self._fits_new_set(fn, plan):
+                buffer_set = _BufferSet(len(self._sets))
+                self._sets.append(buffer_set)
+                return buffer_set
+            if self._when_busy == "raise":
+                raise RuntimeError(
+                    f"{fn}: all {len(self._sets)} host buffer sets are busy ({'; '.join(reasons)}); wait for "
+                    "the previous save (response.upload_completion.result()), release its staged dict, or "
+                    "raise ring_size (and limit_bytes)"
+                )
+            running = [h for s in self._sets for h in s.handles if h is not None and not h.ready()]
+            if running:
+                running[0].wait()
+                continue
+            if not collected:  # a staged dict caught in a reference cycle is freed only by the collector
+                gc.collect()
+                collected = True
+                continue
+            if time.perf_counter() >= deadline:
+                raise RuntimeError(
+                    f"{fn}: waited {self._busy_timeout_s:.0f} s for a free host buffer set, all "
+                    f"{len(self._sets)} still busy ({'; '.join(reasons)}); release old staged dicts "
+                    "or raise ring_size / busy_timeout_s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _fits_new_set(self, fn, plan: _Plan) -> bool:
+        if not self._limit:
+            return True
+        held = self.host_bytes()
+        if held + plan.host_bytes <= self._limit:
+            return True
+        if not self._sets:
+            raise RuntimeError(
+                f"{fn}: the state dict needs {plan.host_bytes} bytes of host buffers but limit_bytes is "
+                f"{self._limit}; raise AsyncStager(limit_bytes=...)"
+            )
+        return False  # wait for a set in use rather than grow past the limit
+
+    def _prepare(self, fn, buffer_set: _BufferSet, plan: _Plan) -> Tuple[int, int, int]:
+        """Fit the set's buffers to the plan: keep matching ones, allocate the rest in one block."""
+        kept: Dict[Any, Tuple[torch.Tensor, int]] = {}
+        needed: List[_Unit] = []
+        for unit in plan.units:
+            found = buffer_set.buffers.get(unit.key)
+            if found is not None and unit.key not in kept:
+                kept[unit.key] = found
+            else:
+                needed.append(unit)
+        kept_bytes = sum(_align(buffer.numel() * buffer.element_size()) for buffer, _ in kept.values())
+        if needed and kept_bytes * 2 < buffer_set.held_bytes:
+            # Mostly new: start a fresh block rather than keep old blocks half empty.
+            kept, needed = {}, list(plan.units)
+        used_blocks = {block for _, block in kept.values()}
+        new_bytes = sum(_align(u.nbytes) for u in needed)
+        if self._limit and needed:
+            after = self.host_bytes() - sum(
+                b.numel() for i, b in buffer_set.blocks.items() if i not in used_blocks
+            ) + new_bytes
+            if after > self._limit:
+                raise RuntimeError(
+                    f"{fn}: staging needs {new_bytes} more bytes of host buffers ({after} in all) but "
+                    f"limit_bytes is {self._limit}; raise AsyncStager(limit_bytes=...) or ring_size=1"
+                )
+        blocks = {i: b for i, b in buffer_set.blocks.items() if i in used_blocks}
+        if needed:
+            pool = self._pool if self._pool is not None else default_host_pool()
+            try:
+                block = pool.acquire(new_bytes)
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"{fn}: cannot allocate {new_bytes} bytes of host staging buffers for set "
+                    f"{buffer_set.index}: {error}"
+                ) from error
+            number = buffer_set.next_block
+            buffer_set.next_block += 1
+            blocks[number] = block
+            offset = 0
+            for unit in needed:
+                piece = block[offset : offset + unit.nbytes]
+                host = piece if unit.kind == "span" else piece.view(unit.dtype).view(unit.shape)
+                kept[unit.key] = (host, number)
+                offset += _align(unit.nbytes)
+        buffer_set.buffers = kept
+        buffer_set.blocks = blocks
+        self._bind(buffer_set, plan)
+        return len(plan.units) - len(needed), len(needed), new_bytes
+
+    def _bind(self, buffer_set: _BufferSet, plan: _Plan) -> None:
+        """Destinations per batch and the staged dict's tensor leaves, from the set's buffers."""
+        host_leaves: List[Any] = [None] * len(plan.meta)
+        for unit in plan.units:
+            host = buffer_set.buffers[unit.key][0]
+            if unit.kind == "tensor":
+                for slot in unit.slots:
+                    host_leaves[slot] = host
+                continue
+            views: Dict[Tuple, torch.Tensor] = {}
+            for slot, (offset, shape, stride, dtype) in zip(unit.slots, unit.members):
+                view = views.get((offset, shape, stride, dtype))
+                if view is None:
+                    extent = (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * dtype.itemsize
+                    view = host[offset : offset + extent].view(dtype).as_strided(shape, stride)
+                    views[(offset, shape, stride, dtype)] = view
+                host_leaves[slot] = view
+        watch = [leaf for leaf in host_leaves]
+        if plan.specs is not None:
+            dtensor = dtensor_type()
+            for slot, spec in zip(plan.tree.dtensor_slots, plan.specs):
+                # The DTensor constructor (not from_local) keeps the local tensor on the host.
+                host_leaves[slot] = dtensor(host_leaves[slot], spec, requires_grad=False)
+                watch.append(host_leaves[slot])
+        buffer_set.dsts = [
+            [buffer_set.buffers[u.key][0] for u in batch.units if u.kind == "tensor"]
+            + [buffer_set.buffers[u.key][0] for u in batch.spans]
+            for batch in plan.batches
+        ]
+        buffer_set.host_leaves = host_leaves
+        buffer_set.watch = list({id(o): o for o in watch + [d for ds in buffer_set.dsts for d in ds]}.values())
+        buffer_set.handles = [None] * len(plan.batches)
+        buffer_set.plan = plan
+
+    # ------------------------------------------------------------ copying
+
+    def _enqueue(self, plan: _Plan, buffer_set: _BufferSet, locals_):
+        """Enqueue every batch; returns (per-device timing events, or None on the host; host copy seconds)."""
+        timing: Dict[Any, list] = {}
+        t0 = time.perf_counter()
+        early_handles = []
+        with torch.no_grad():
+            for number, batch in enumerate(plan.batches):
+                if not batch.early and early_handles:
+                    # The next forward may change these buffers: the compute stream
+                    # waits (on the device) for their small copy, not for the rest.
+                    for handle in early_handles:
+                        handle.wait_stream()
+                    early_handles = []
+                sources = _pick(locals_, batch.src_slots)
+                for unit in batch.spans:
+                    first = locals_[unit.slots[0]]
+                    storage = first.untyped_storage()
+                    offset = first.data_ptr() - storage.data_ptr() + unit.span_rel
+                    span = torch.empty(0, dtype=torch.uint8, device=first.device)
+                    sources.append(span.set_(storage, offset, (unit.nbytes,), (1,)))
+                dsts = buffer_set.dsts[number]
+                if not batch.asynchronous:
+                    for dst, src in zip(dsts, sources):
+                        dst.copy_(src)
+                    continue
+                device = batch.device
+                if _device.is_accelerator(device) and device not in timing:
+                    start = _device.new_event(device, timing=True)
+                    start.record(_device.current_stream(device))
+                    timing[device] = [start, None]
+                previous = buffer_set.handles[number]
+                handle = copy_to_host(sources, out=previous if previous is not None else dsts, pool=self._pool)
+                buffer_set.handles[number] = handle
+                if batch.early:
+                    early_handles.append(handle)
+                if _device.is_accelerator(device):
+                    self._unwaited[(buffer_set.index, number)] = handle
+            for handle in early_handles:
+                handle.wait_stream()
+        for device, pair in timing.items():
+            end = _device.new_event(device, timing=True)
+            end.record(_device.copy_streams(device)[0])
+            pair[1] = end
+        return (timing or None), time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Hold off the cycle collector while a save builds thousands of small tuples.
+
+    Every shape and stride tuple counts toward the collector's allocation
+    threshold; in a process holding a model, the collections they trigger cost
+    several times the save's own work. Nothing built here forms a cycle, so
+    reference counting frees it all.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _resolve_timing(record: dict) -> None:
+    timing = record.get("_timing")
+    if timing:
+        if not all(end.query() for _, end in timing.values()):
+            return
+        record["copy_ms"] = max(start.elapsed_time(end) for start, end in timing.values())
+        record["_timing"] = None
+    if record["copy_ms"] is not None and record["gbps"] is None and record["copy_ms"] > 0:
+        record["gbps"] = record["bytes"] / (record["copy_ms"] * 1e-3) / 1e9
+
+
+def _forward_buffers(fn, value):
+    """(module or None, tuple of dotted paths) from the forward_buffers argument."""
+    if value is None:
+        return None, ()
+    if isinstance(value, torch.nn.Module):
+        return value, ()
+    if isinstance(value, str):
+        value = [value]
+    try:
+        paths = tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"{fn}: forward_buffers must be an nn.Module or state-dict paths, got {type(value).__name__}"
+        ) from None
+    for path in paths:
+        if not isinstance(path, str):
+            raise TypeError(f"{fn}: forward_buffers paths must be str such as 'model.bn.running_mean', got {path!r}")
+    return None, paths
+
+
+__all__ = ["AsyncStager", "StagingFuture"]

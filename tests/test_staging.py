@@ -1,0 +1,481 @@
+"""offload.AsyncStager: DCP async checkpoint staging into reused host buffer sets."""
+
+import collections
+import gc
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import offload
+from offload import _device
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def _snapshot(obj):
+    """A deep copy of a nested state dict, tensors cloned (the expected staged values)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_snapshot(v) for v in obj]
+        return type(obj)(*items) if hasattr(type(obj), "_fields") else type(obj)(items)
+    return obj
+
+
+def _assert_same(actual, expected, path="sd"):
+    """Bitwise equality of nested state dicts; tensors compared as raw bytes on the host."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.shape == expected.shape and actual.dtype == expected.dtype, path
+        assert torch.equal(actual.cpu().contiguous().view(-1).view(torch.uint8),
+                           expected.cpu().contiguous().view(-1).view(torch.uint8)), path
+        return
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected), path
+        for k in expected:
+            _assert_same(actual[k], expected[k], f"{path}[{k!r}]")
+        return
+    if isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _assert_same(a, e, f"{path}[{i}]")
+        return
+    assert actual == expected, path
+
+
+def _model(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
+    ).to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model, optimizer, device):
+    model(torch.randn(4, 16, device=device)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_staging_dcp_ten_saves_bit_exact(tmp_path, backend, device):
+    model, optimizer = _model(device)
+    _train_step(model, optimizer, device)
+    stager = offload.AsyncStager()
+    expected, responses = [], []
+    for step in range(10):
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": {"step": step, "tag": "run"}}
+        expected.append(_snapshot(state))
+        responses.append(dcp.async_save(state, checkpoint_id=str(tmp_path / f"ckpt{step}"), async_stager=stager))
+        _train_step(model, optimizer, device)  # change every tensor before the upload finishes
+    for response in responses:
+        upload = getattr(response, "upload_completion", response)
+        upload.result()
+    stager.close()
+    for step in range(10):
+        fresh_model, fresh_optimizer = _model(device)
+        _train_step(fresh_model, fresh_optimizer, device)
+        _train_step(fresh_model, fresh_optimizer, device)
+        target = {
+            "model": fresh_model.state_dict(),
+            "optim": fresh_optimizer.state_dict(),
+            "extra": {"step": -1, "tag": ""},
+        }
+        dcp.load(target, checkpoint_id=str(tmp_path / f"ckpt{step}"))
+        _assert_same(target, expected[step])
+
+
+def _rich_state(device):
+    base = torch.arange(64, dtype=torch.float32, device=device).view(8, 8)
+    tied = torch.randn(5, 3, device=device)
+    return {
+        "tied_a": tied,
+        "tied_b": tied,
+        "matrix": base,
+        "rows": base[2:5],  # overlaps `matrix`
+        "transposed": base.t(),  # same memory, other layout
+        "gappy": torch.randn(6, 10, device=device)[:, ::3],  # not dense
+        "empty": torch.empty(0, 4, device=device),
+        "scalar": torch.tensor(3.5, device=device),
+        "dtypes": [torch.randn(7, device=device).to(dt) for dt in (torch.bfloat16, torch.float16, torch.float64)]
+        + [torch.randint(-5, 5, (9,), device=device), torch.rand(11, device=device) > 0.5],
+        "fp8": torch.randn(13, device=device).to(torch.float8_e4m3fn) if hasattr(torch, "float8_e4m3fn") else None,
+        "nested": collections.OrderedDict(
+            lst=[1, 2.5, "s", None, (True, b"x")],
+            tup=(torch.ones(2, device=device), {"deep": torch.zeros(3, 2, device=device)}),
+        ),
+    }
+
+
+def test_staging_nested_tied_and_noncontiguous(backend, device):
+    state = _rich_state(device)
+    expected = _snapshot(state)
+    with offload.AsyncStager() as stager:
+        future = stager.stage(state)
+        for t in (state["matrix"], state["tied_a"], state["gappy"], state["nested"]["tup"][0]):
+            t.fill_(-9)  # after stage(): the host copy must not see it (the CPU copy is synchronous)
+        staged = future.result()
+        _assert_same(staged, expected)
+        assert all(t.device.type == "cpu" for t in _tensors(staged))
+        assert staged["tied_a"] is staged["tied_b"]
+        assert staged["rows"].untyped_storage().data_ptr() == staged["matrix"].untyped_storage().data_ptr()
+        assert staged["transposed"].untyped_storage().data_ptr() == staged["matrix"].untyped_storage().data_ptr()
+        assert staged["transposed"].stride() == (1, 8)
+        assert isinstance(staged["nested"]["lst"][4], tuple)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for v in values for t in _tensors(v)]
+
+
+def test_staging_reuses_buffers_of_rebuilt_state_dict(backend, device):
+    stager = offload.AsyncStager(ring_size=1)
+    pointers = None
+    for step in range(4):
+        state = {"w": torch.full((64, 64), float(step), device=device), "b": torch.arange(8, device=device) + step,
+                 "step": step}
+        staged = stager.stage(state).result()
+        _assert_same(staged, _snapshot(state))
+        now = [staged["w"].data_ptr(), staged["b"].data_ptr()]
+        assert pointers is None or now == pointers  # same host buffers, though the storages are new
+        pointers = now
+        del staged
+    records = stager.metrics()
+    assert [r["buffers_allocated"] for r in records] == [2, 0, 0, 0]
+    assert [r["buffers_reused"] for r in records] == [0, 2, 2, 2]
+    assert records[0]["bytes"] == 64 * 64 * 4 + 8 * 8
+    assert all(r["copy_ms"] is not None and r["blocked_ms"] >= 0 and r["tensors"] == 2 for r in records)
+    stager.close()
+
+
+def test_staging_structure_change_replans_only_what_changed(backend, device):
+    stager = offload.AsyncStager(ring_size=1)
+    a, b, c = torch.randn(100, device=device), torch.randn(50, device=device), torch.randn(10, device=device)
+    first = stager.stage({"a": a, "b": b, "c": c}).result()
+    a_ptr = first["a"].data_ptr()
+    del first
+    d = torch.randn(3, 3, device=device)
+    second = stager.stage({"a": a, "b": b.view(5, 10), "d": d}).result()  # b changed shape, c gone, d new
+    _assert_same(second, {"a": a, "b": b.view(5, 10), "d": d})
+    assert second["a"].data_ptr() == a_ptr
+    record = stager.metrics()[-1]
+    assert (record["replanned"], record["buffers_reused"], record["buffers_allocated"]) == (True, 1, 2)
+    stager.close()
+
+
+def test_staging_ring_uses_next_set_then_raises_when_all_busy(backend, device):
+    stager = offload.AsyncStager(ring_size=2, when_busy="raise")
+    w = torch.zeros(256, device=device)
+    held_first = stager.stage({"w": w})  # holding the future keeps set 0 busy, like an upload in progress
+    w.fill_(1)
+    held_second = stager.stage({"w": w})
+    assert [r["set"] for r in stager.metrics()] == [0, 1]
+    w.fill_(2)
+    with pytest.raises(RuntimeError, match="all 2 host buffer sets are busy"):
+        stager.stage({"w": w})
+    assert torch.equal(held_first.result()["w"], torch.zeros(256))  # neither set was overwritten
+    assert torch.equal(held_second.result()["w"], torch.ones(256))
+    del held_first
+    third = stager.stage({"w": w}).result()
+    assert stager.metrics()[-1]["set"] == 0 and torch.equal(third["w"], torch.full((256,), 2.0))
+    assert torch.equal(held_second.result()["w"], torch.ones(256))
+    stager.close()
+
+
+def test_staging_kept_tensor_or_view_keeps_set_busy(backend, device):
+    stager = offload.AsyncStager(ring_size=1, when_busy="raise")
+    w = torch.ones(32, device=device)
+    kept = stager.stage({"w": w, "n": 1}).result()["w"]  # the dict is gone, one tensor of it is not
+    with pytest.raises(RuntimeError, match="busy"):
+        stager.stage({"w": w, "n": 2})
+    part = kept[4:8]  # a new view of the host buffer, not the object handed out
+    del kept
+    gc.collect()
+    if offload.staging._use_count is not None:
+        with pytest.raises(RuntimeError, match="busy"):
+            stager.stage({"w": w, "n": 3})
+    assert torch.equal(part, torch.ones(4))
+    del part
+    assert torch.equal(stager.stage({"w": w * 3, "n": 4}).result()["w"], torch.full((32,), 3.0))
+    stager.close()
+
+
+def test_staging_waits_for_reader_to_release(backend, device):
+    stager = offload.AsyncStager(ring_size=1, when_busy="wait", busy_timeout_s=30)
+    w = torch.zeros(64, device=device)
+    holder = [stager.stage({"w": w})]
+    seen = []
+
+    def reader():
+        seen.append(holder[0].result()["w"].clone())
+        holder.clear()  # the upload finished: its staged dict is released
+
+    timer = threading.Timer(0.2, reader)
+    timer.start()
+    w.fill_(5)
+    second = stager.stage({"w": w}).result()  # waits for the reader, then reuses set 0
+    timer.join()
+    assert torch.equal(seen[0], torch.zeros(64))
+    assert torch.equal(second["w"], torch.full((64,), 5.0))
+    assert stager.metrics()[-1]["waited_ms"] >= 50
+    stager.close()
+
+
+def test_staging_wait_times_out_with_clear_error(backend, device):
+    stager = offload.AsyncStager(ring_size=1, busy_timeout_s=0.1)
+    held = stager.stage({"w": torch.ones(8, device=device)})
+    with pytest.raises(RuntimeError, match=r"waited 0 s for a free host buffer set"):
+        stager.stage({"w": torch.ones(8, device=device)})
+    del held
+    stager.close()
+
+
+def test_staging_limit_bytes(backend, device):
+    state = {"w": torch.ones(1024, device=device)}
+    with pytest.raises(RuntimeError, match="needs 4096 bytes of host buffers but limit_bytes is 1000"):
+        offload.AsyncStager(limit_bytes=1000).stage(state)
+    stager = offload.AsyncStager(ring_size=2, limit_bytes="6KiB", when_busy="raise")
+    held = stager.stage(state)
+    with pytest.raises(RuntimeError, match="busy"):  # a second set would pass the limit: the ring stays at one
+        stager.stage(state)
+    del held
+    stager.stage(state).result()
+    assert stager.host_bytes() == 4096
+    stager.close()
+
+
+def test_staging_close_returns_buffers(backend, device):
+    pool = offload.HostPool()
+    stager = offload.AsyncStager(pool=pool)
+    staged = stager.stage({"w": torch.ones(4096, device=device)}).result()
+    assert pool.stats()["in_use_bytes"] >= 4096 * 4
+    stager.close()
+    assert stager.host_bytes() == 0
+    assert torch.equal(staged["w"], torch.ones(4096))  # still readable after close
+    del staged
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        stager.stage({"w": torch.ones(1, device=device)})
+
+
+def test_staging_bad_input(device):
+    stager = offload.AsyncStager()
+    with pytest.raises(ValueError, match=r"state_dict\['m'\]\['w'\] is a meta tensor"):
+        stager.stage({"m": {"w": torch.empty(3, device="meta")}})
+    with pytest.raises(TypeError, match=r"state_dict\['cfg'\]\[1\] is a builtins.object"):
+        stager.stage({"cfg": [1, object()]})
+    with pytest.raises(TypeError, match=r"state_dict\['f'\] is a builtins.function"):
+        stager.stage({"f": lambda: 0})
+    with pytest.raises(ValueError, match="layout torch.sparse_coo"):
+        stager.stage({"s": torch.eye(3, device=device).to_sparse()})
+    with pytest.raises(TypeError, match="state_dict must be a dict"):
+        stager.stage([torch.ones(1)])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        stager.stage({}, bogus=1)
+    with pytest.raises(ValueError, match="ring_size must be an int >= 1"):
+        offload.AsyncStager(ring_size=0)
+    with pytest.raises(ValueError, match="when_busy must be 'wait' or 'raise'"):
+        offload.AsyncStager(when_busy="block")
+    with pytest.raises(ValueError, match=r"forward_buffers names \['model.nope'\]"):
+        offload.AsyncStager(forward_buffers=["model.nope"]).stage({"model": {"w": torch.ones(1, device=device)}})
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        stager.protect(object())
+
+
+def test_staging_scalars_change_without_replanning(backend, device):
+    stager = offload.AsyncStager()
+    w = torch.ones(4, device=device)
+    for step in range(3):
+        staged = stager.stage({"w": w, "meta": {"step": step, "lr": 0.1 * step}}).result()
+        assert staged["meta"] == {"step": step, "lr": 0.1 * step}
+        del staged
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False]
+    stager.close()
+
+
+def test_staging_forward_buffers_and_protect(backend, device):
+    model, optimizer = _model(device)
+    _train_step(model, optimizer, device)
+    stager = offload.AsyncStager(forward_buffers=model)
+    hook = stager.protect(optimizer)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    expected = _snapshot(state)
+    future = stager.stage(state)
+    _train_step(model, optimizer, device)  # forward changes BatchNorm statistics, step changes the rest
+    _assert_same(future.result(), expected)
+    plan = stager._plan
+    early = [u for b in plan.batches if b.early for u in b.units]
+    assert len(early) == 3  # running_mean, running_var, num_batches_tracked
+    hook.remove()
+    stager.close()
+
+
+@pytest.fixture
+def gloo_world():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_staging_dtensor_keeps_placement(tmp_path, gloo_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    full = torch.randn(8, 4)
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "plain": torch.ones(3)}
+    stager = offload.AsyncStager()
+    staged = stager.stage(state).result()
+    assert isinstance(staged["w"], DTensor)
+    assert staged["w"].placements == state["w"].placements and staged["w"].device_mesh == mesh
+    assert torch.equal(staged["w"].to_local(), full)
+    del staged
+    response = dcp.async_save(state, checkpoint_id=str(tmp_path), async_stager=stager)
+    state["w"].to_local().fill_(0)
+    getattr(response, "upload_completion", response).result()
+    target = {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]), "plain": torch.zeros(3)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    assert torch.equal(target["w"].to_local(), full) and torch.equal(target["plain"], torch.ones(3))
+    stager.close()
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _busy_compute(device, ms_of_work=200):
+    """Queue long work on the current stream so a copy that does not wait for it reads too early."""
+    a = torch.randn(2048, 2048, device=device)
+    for _ in range(ms_of_work // 2):
+        a = a @ a
+        a = a / a.norm()
+    return a
+
+
+@pytest.mark.cuda
+def test_staging_sees_writes_queued_before_stage(backend, device):
+    stager = offload.AsyncStager()
+    x = torch.zeros(32 << 20, device=device)
+    _busy_compute(device)
+    x.fill_(7.0)  # queued behind the long work, before stage()
+    staged = stager.stage({"x": x}).result()
+    assert torch.equal(staged["x"], torch.full_like(staged["x"], 7.0))
+    stager.close()
+
+
+@pytest.mark.cuda
+def test_staging_protect_keeps_pre_step_values(backend, device):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64 << 20, device=device)) for _ in range(2)]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    stager = offload.AsyncStager()
+    stager.protect(optimizer)
+    expected = [p.detach().clone() for p in params]
+    future = stager.stage({f"p{i}": p for i, p in enumerate(params)})
+    optimizer.step()  # at once: without protect it would race the copy
+    staged = future.result()
+    for i, e in enumerate(expected):
+        assert torch.equal(staged[f"p{i}"], e.cpu())
+    stager.close()
+
+
+@pytest.mark.cuda
+def test_staging_large_source_overwritten_after_stage(backend, device):
+    stager = offload.AsyncStager()
+    x = torch.randn(256 << 20, device=device, dtype=torch.bfloat16)
+    expected = x.cpu()
+    future = stager.stage({"x": x})
+    stager.wait_stream()  # the compute stream waits for the copy on the device; the host is not blocked
+    x.fill_(-1)
+    assert torch.equal(future.result()["x"], expected)
+    stager.close()
+
+
+@pytest.mark.cuda
+def test_staging_forward_buffers_wait_only_for_their_copy(backend, device):
+    model, optimizer = _model(device)
+    _train_step(model, optimizer, device)
+    stager = offload.AsyncStager(forward_buffers=model)
+    stager.protect(optimizer)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    expected = _snapshot(state)
+    future = stager.stage(state)
+    _train_step(model, optimizer, device)
+    _assert_same(future.result(), expected)
+    stager.close()
+
+
+@pytest.mark.cuda
+def test_staging_no_memory_growth_over_100_saves(backend, device):
+    pool = offload.HostPool()
+    stager = offload.AsyncStager(pool=pool)
+    model, optimizer = _model(device)
+    big = torch.randn(16 << 20, device=device)
+    for _ in range(4):  # saves not waited for: both sets of the ring get allocated here
+        _train_step(model, optimizer, device)
+        stager.stage({"model": model.state_dict(), "optim": optimizer.state_dict(), "big": big})
+    stager.synchronize_staging()
+    _device.synchronize(device)
+    gc.collect()
+    device_before, host_before = _device.memory_allocated(device), pool.stats()["reserved_bytes"]
+    for _ in range(100):
+        _train_step(model, optimizer, device)
+        stager.stage({"model": model.state_dict(), "optim": optimizer.state_dict(), "big": big})
+    stager.synchronize_staging()
+    _device.synchronize(device)
+    gc.collect()
+    assert _device.memory_allocated(device) <= device_before + (1 << 20)
+    assert pool.stats()["reserved_bytes"] <= host_before
+    assert stager.host_bytes() <= 2 * (big.numel() * 4 + (1 << 20))
+    records = stager.metrics()
+    assert all(r["buffers_allocated"] == 0 for r in records[-100:])
+    assert records[-1]["gbps"] is not None
+    stager.close()
+
+
+def test_staging_warnings_are_ours_only():
+    # The stager implements synchronize_staging itself: no deprecation warning from the protocol.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload.AsyncStager().synchronize_staging()
+
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def test_staging_shape_changes_after_generated_code(backend, device):
+    """Saves 2+ of one shape run generated code; every kind of change must still be seen."""
+    stager = offload.AsyncStager(ring_size=1)
+    w = torch.randn(6, device=device)
+    shapes = [
+        {"a": w, "l": [1, 2], "p": Pair(w, 3)},
+        {"a": w, "l": [1, 2], "p": Pair(w, 4)},
+        {"a": w, "l": [1, 2], "p": Pair(w, 5)},  # generated code from here on
+        {"b": w, "l": [1, 2], "p": Pair(w, 5)},  # key renamed, same length
+        {"b": w, "l": [1, 2, 3], "p": Pair(w, 5)},  # list grew
+        {"b": w, "l": [1, torch.ones(2, device=device)], "p": Pair(w, 5)},  # leaf became a tensor
+        {"b": w, "l": [1, 2], "p": (w, 5)},  # namedtuple became a tuple
+        {"b": w.view(2, 3), "l": [1, 2], "p": (w, 5)},  # same storage, other shape
+    ]
+    for state in shapes:
+        staged = stager.stage(state).result()
+        _assert_same(staged, _snapshot(state))
+        assert type(staged["p"]) is type(state["p"])
+        del staged
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False, True, True, True, True, True]
+    stager.close()
