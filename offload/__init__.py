@@ -6,11 +6,19 @@ The public API, nothing else; see README.md.
 from ._backend import native_available
 from ._copy import CopyHandle, copy_to_device, copy_to_host
 from ._pool import HostPool, default_host_pool
+from .buckets import BucketEntry, BucketPlan, PackedBucket, default_bucket_bytes, pack_buckets, plan_buckets, unpack_bucket
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketEntry",
+    "BucketPlan",
     "CopyHandle",
+    "PackedBucket",
+    "default_bucket_bytes",
+    "pack_buckets",
+    "plan_buckets",
+    "unpack_bucket",
     "HostPool",
     "copy_to_device",
     "copy_to_host",
