@@ -15,7 +15,6 @@
 
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/util/TypeCast.h>
 #include <torch/extension.h>
 
 #include "offload/bindings_registry.h"
@@ -33,58 +32,33 @@ namespace {
 // one huge tensor against many small ones; 1 MiB amortises the task overhead.
 constexpr int64_t kPieceBytes = 1 << 20;
 
-template <typename S, typename D>
-void cast_span(const void* src, void* dst, int64_t begin, int64_t end) {
-  const S* s = static_cast<const S*>(src);
-  D* d = static_cast<D*>(dst);
-  for (int64_t i = begin; i < end; ++i) d[i] = c10::convert<D>(s[i]);
-}
-
-using CastFn = void (*)(const void*, void*, int64_t, int64_t);
-
-template <typename S>
-CastFn cast_to(c10::ScalarType dst) {
-  switch (dst) {
-    case at::kDouble: return &cast_span<S, double>;
-    case at::kFloat: return &cast_span<S, float>;
-    case at::kHalf: return &cast_span<S, c10::Half>;
-    case at::kBFloat16: return &cast_span<S, c10::BFloat16>;
-    default: return nullptr;
-  }
-}
-
-CastFn cast_fn(c10::ScalarType src, c10::ScalarType dst) {
-  switch (src) {
-    case at::kDouble: return cast_to<double>(dst);
-    case at::kFloat: return cast_to<float>(dst);
-    case at::kHalf: return cast_to<c10::Half>(dst);
-    case at::kBFloat16: return cast_to<c10::BFloat16>(dst);
-    default: return nullptr;
-  }
-}
-
 void copy_spans_cpu(const std::vector<CopySpan>& spans) {
+  // Casts go through torch's own CPU copy (vectorized and parallel itself), so a
+  // packed value is bit for bit what tensor.to(dtype) gives, NaN payloads included
+  // (torch's vectorized and scalar bf16 casts differ there). Same-dtype spans are
+  // cut into pieces and memcpy'd in parallel.
   struct Piece {
     size_t span;
-    int64_t begin, end;  // elements
+    int64_t begin, end;  // bytes
   };
   std::vector<Piece> pieces;
   for (size_t i = 0; i < spans.size(); ++i) {
     const auto& s = spans[i];
-    int64_t per = std::max<int64_t>(1, kPieceBytes / static_cast<int64_t>(c10::elementSize(s.src_dtype)));
-    for (int64_t b = 0; b < s.numel; b += per) pieces.push_back({i, b, std::min(s.numel, b + per)});
+    if (s.src_dtype != s.dst_dtype) {
+      auto src = at::from_blob(const_cast<void*>(s.src), {s.numel}, at::TensorOptions().dtype(s.src_dtype));
+      auto dst = at::from_blob(s.dst, {s.numel}, at::TensorOptions().dtype(s.dst_dtype));
+      dst.copy_(src);
+      continue;
+    }
+    const int64_t nbytes = s.numel * static_cast<int64_t>(c10::elementSize(s.src_dtype));
+    for (int64_t b = 0; b < nbytes; b += kPieceBytes) pieces.push_back({i, b, std::min(nbytes, b + kPieceBytes)});
   }
   at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
       const Piece& piece = pieces[p];
       const CopySpan& s = spans[piece.span];
-      if (s.src_dtype == s.dst_dtype) {
-        const size_t item = c10::elementSize(s.src_dtype);
-        std::memcpy(static_cast<char*>(s.dst) + piece.begin * item,
-                    static_cast<const char*>(s.src) + piece.begin * item, (piece.end - piece.begin) * item);
-      } else {
-        cast_fn(s.src_dtype, s.dst_dtype)(s.src, s.dst, piece.begin, piece.end);
-      }
+      std::memcpy(static_cast<char*>(s.dst) + piece.begin, static_cast<const char*>(s.src) + piece.begin,
+                  piece.end - piece.begin);
     }
   });
 }
@@ -176,11 +150,12 @@ void unpack_bucket(const at::Tensor& bucket, const std::vector<at::Tensor>& dest
 }
 
 void bind_buckets(pybind11::module_& m) {
+  // The GIL is released: a host-cache sender packs on its own thread while the trainer runs.
   m.def("pack_bucket", &pack_bucket, "Pack spans of many tensors into one uint8 bucket, casting on the way",
-        pybind11::arg("bucket"), pybind11::arg("sources"), pybind11::arg("starts"), pybind11::arg("numels"),
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("bucket"), pybind11::arg("sources"), pybind11::arg("starts"), pybind11::arg("numels"),
         pybind11::arg("offsets"), pybind11::arg("dtypes"));
   m.def("unpack_bucket", &unpack_bucket, "Copy spans of a uint8 bucket into many tensors, casting on the way",
-        pybind11::arg("bucket"), pybind11::arg("destinations"), pybind11::arg("starts"), pybind11::arg("numels"),
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("bucket"), pybind11::arg("destinations"), pybind11::arg("starts"), pybind11::arg("numels"),
         pybind11::arg("offsets"), pybind11::arg("dtypes"));
 }
 

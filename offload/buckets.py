@@ -244,9 +244,14 @@ class Planner:
         common = dict(name=name, dtype=dtype_name(target), shape=shape, source_dtype=dtype_name(source))
         closed: List[int] = []
         total = numel * itemsize
+        # Every tensor starts at least at its natural alignment, whatever `alignment` is.
+        self.cursor = min(_align_up(self.cursor, itemsize), self.bucket_bytes)
+        if total == 0:  # takes no room; offset 0 is valid in any bucket, however little it holds
+            self.open_entries += 1
+            return [BucketEntry(bucket=self.bucket, offset=0, nbytes=0, numel=0, **common)], closed
         if self.cursor + total <= self.bucket_bytes:
             entry = BucketEntry(bucket=self.bucket, offset=self.cursor, nbytes=total, numel=numel, **common)
-            self.used = self.cursor + total if total else self.used
+            self.used = self.cursor + total
             self.cursor = min(_align_up(self.cursor + total, self.alignment), self.bucket_bytes)
             self.open_entries += 1
             return [entry], closed
