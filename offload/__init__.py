@@ -6,6 +6,8 @@ The public API, nothing else; see README.md.
 from ._backend import native_available
 from ._copy import CopyHandle, copy_to_device, copy_to_host
 from ._pool import HostPool, default_host_pool
+from .param_offload import offload_params, params_offloaded, reload_params
+from .weight_sync import WeightReceiver, WeightSender
 from .buckets import BucketEntry, BucketPlan, PackedBucket, default_bucket_bytes, pack_buckets, plan_buckets, unpack_bucket
 
 __version__ = "0.1.0"
@@ -15,6 +17,8 @@ __all__ = [
     "BucketPlan",
     "CopyHandle",
     "PackedBucket",
+    "WeightReceiver",
+    "WeightSender",
     "default_bucket_bytes",
     "pack_buckets",
     "plan_buckets",
@@ -24,5 +28,8 @@ __all__ = [
     "copy_to_host",
     "default_host_pool",
     "native_available",
+    "offload_params",
+    "params_offloaded",
+    "reload_params",
     "__version__",
 ]

@@ -192,13 +192,19 @@ class WeightSender:
         self.dtype = dtype
         self.keep_dtype = keep_dtype
         self.alignment = alignment
-        self.pool = pool if pool is not None else default_host_pool()
+        self._pool = pool
         self.is_src = dist.get_rank() == self.src
         self._buffers = _Buffers()
         self._host_buffers = _Buffers()
         self._snapshots: "OrderedDict[int, _Snapshot]" = OrderedDict()
         self._next_version = 0
         self._lock = threading.Lock()  # snapshot() on the trainer thread, send() on another
+
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:  # only host_cache mode and host-staged sends need one
+            self._pool = default_host_pool()
+        return self._pool
 
     # ------------------------------------------------------------ host cache
 

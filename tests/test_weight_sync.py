@@ -134,6 +134,7 @@ def _scenario_host_cache(rank, device):
         sender.wait_snapshot(v0)
         _train_step(model, 0)  # the trainer goes on: v0 must not see this
         v1 = sender.snapshot(model)
+        sender.wait_snapshot(v1)
         _train_step(model, 1)
         t = sender.send(version=v0)
         assert t["version"] == v0 and t["host_copy_ms"] > 0 and t["transfer_ms"] >= 0
