@@ -30,6 +30,7 @@ strings such as ``"*.mlp.gate.weight"`` or compiled regular expressions).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -68,13 +69,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def parse_dtype(name: str, what: str) -> torch.dtype:
+@functools.lru_cache(maxsize=None)
+def _dtype_or_none(name: str):
     dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def parse_dtype(name: str, what: str) -> torch.dtype:
+    dtype = _dtype_or_none(name)  # cached: the pack path parses one per entry per bucket
+    if dtype is None:
         raise ValueError(f"{what}: {name!r} is not a torch dtype name")
     return dtype
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
