@@ -40,6 +40,7 @@ transfer is the span from the first broadcast posted to the last one completed.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -198,6 +199,9 @@ class WeightSender:
         self._host_buffers = _Buffers()
         self._snapshots: "OrderedDict[int, _Snapshot]" = OrderedDict()
         self._next_version = 0
+        self._signature = None  # names, shapes, dtypes of the last plan sent on this group
+        self._cached_plan: Optional[BucketPlan] = None
+        self._plan_id = 0
         self._lock = threading.Lock()  # snapshot() on the trainer thread, send() on another
 
     @property
@@ -290,6 +294,17 @@ class WeightSender:
             return self._gather_only(items, version)
         return self._send_items(fn, items, version, self.device, host_copy_ms=0.0)
 
+    def _plan(self, items) -> Tuple[BucketPlan, int, bool]:
+        """The plan for these tensors (cached on their names, shapes and dtypes), its id, and whether it is new."""
+        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in items)
+        if signature == self._signature:
+            return self._cached_plan, self._plan_id, False
+        plan = plan_buckets(items, self.bucket_bytes, dtype=self.dtype, keep_dtype=self.keep_dtype,
+                            alignment=self.alignment, device=self.device)
+        self._signature, self._cached_plan = signature, plan
+        self._plan_id = random.getrandbits(62) + 1  # names this plan for receivers, whichever sender made it
+        return plan, self._plan_id, True
+
     def _gather_only(self, items, version) -> dict:
         timer = PhaseTimer(_device.current_device(), PHASES)
         with timer.phase("gather"):
@@ -306,12 +321,18 @@ class WeightSender:
         return self._send_items(fn, items, snap.version, torch.device("cpu"), host_copy_ms=snap.copy_ms())
 
     def _send_items(self, fn: str, items, version: int, pack_device: torch.device, host_copy_ms: float) -> dict:
-        plan = plan_buckets(items, self.bucket_bytes, dtype=self.dtype, keep_dtype=self.keep_dtype,
-                            alignment=self.alignment, device=self.device)
         timer = PhaseTimer(self.device, PHASES)
         timer.add_host("host_copy", host_copy_ms / 1e3)
-        header = {"plan": plan.to_dict(), "version": version}
-        dist.broadcast_object_list([header], src=self.src, group=self.group, device=_object_device(self.group))
+        plan, plan_id, fresh = self._plan(items)
+        # A small tensor first: the version, the plan's id and whether the plan
+        # follows. The plan (an object broadcast, pickled) is sent only when this
+        # sender's names, shapes or dtypes changed, so a steady-state sync costs one
+        # tiny collective of metadata; receivers keep the plans they have seen by id.
+        flag = torch.tensor([version, plan_id, int(fresh)], dtype=torch.int64, device=self.device)
+        dist.broadcast(flag, src=self.src, group=self.group)
+        if fresh:
+            dist.broadcast_object_list([plan.to_dict()], src=self.src, group=self.group,
+                                       device=_object_device(self.group))
         per_bucket: List[List[BucketEntry]] = [[] for _ in range(plan.num_buckets)]
         for e in plan.entries:
             per_bucket[e.bucket].append(e)
@@ -388,16 +409,26 @@ class WeightReceiver:
         self._buffers = _Buffers()
         self.version: Optional[int] = None
         self.timings: dict = {}
+        self._plans: Dict[int, BucketPlan] = {}  # plans seen, by id; a sender resends only a changed plan
 
     def _header(self) -> Tuple[BucketPlan, int]:
-        box = [None]
-        dist.broadcast_object_list(box, src=self.src, group=self.group, device=_object_device(self.group))
-        header = box[0]
-        if not isinstance(header, dict) or "plan" not in header:
-            raise RuntimeError(f"offload.WeightReceiver: expected a weight-sync header from rank {self.src}, "
-                               f"got {type(header).__name__}")
-        self.version = header["version"]
-        return BucketPlan.from_dict(header["plan"]), header["version"]
+        flag = torch.empty(3, dtype=torch.int64, device=self.device)
+        dist.broadcast(flag, src=self.src, group=self.group)
+        version, plan_id, fresh = (int(v) for v in flag.tolist())
+        if fresh:
+            box = [None]
+            dist.broadcast_object_list(box, src=self.src, group=self.group, device=_object_device(self.group))
+            if not isinstance(box[0], dict) or "entries" not in box[0]:
+                raise RuntimeError(f"offload.WeightReceiver: expected a bucket plan from rank {self.src}, "
+                                   f"got {type(box[0]).__name__}")
+            self._plans[plan_id] = BucketPlan.from_dict(box[0])
+            while len(self._plans) > 8:  # a few senders may share a group; keep their recent plans
+                self._plans.pop(next(iter(self._plans)))
+        elif plan_id not in self._plans:
+            raise RuntimeError(f"offload.WeightReceiver: rank {self.src} refers to plan {plan_id}, which this "
+                               "receiver never received; was it created after the sender's first sync?")
+        self.version = version
+        return self._plans[plan_id], version
 
     def _buckets(self, plan: BucketPlan, timer: PhaseTimer) -> Iterator[Tuple[torch.Tensor, List[BucketEntry]]]:
         """Each received bucket with its entries; bucket k+1 is posted before k is handed out."""
