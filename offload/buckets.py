@@ -369,23 +369,32 @@ def _check_device(fn: str, name: str, t: torch.Tensor, device: torch.device) -> 
 def pack_into(data: torch.Tensor, sources: Sequence[torch.Tensor], entries: Sequence[BucketEntry], fn: str) -> None:
     """Write each entry's elements of its source (cast to the entry's dtype) into `data`, on the current stream."""
     _check_bucket(fn, data, entries)
-    live = [(s, e) for s, e in zip(sources, entries) if e.numel]
-    for s, e in live:
+    for s, e in zip(sources, entries):
         _check_device(fn, e.name, s, data.device)
+    _copy_spans(data, sources, entries, pack=True)
+
+
+def _copy_spans(data: torch.Tensor, tensors, entries, pack: bool) -> None:
+    """Bucket <- tensors (pack) or tensors <- bucket: one native call, or views and `_foreach_copy_`."""
+    live = [(t, e) for t, e in zip(tensors, entries) if e.numel]
     core = _backend.core()
-    if core is not None and hasattr(core, "pack_bucket"):
-        core.pack_bucket(
+    name = "pack_bucket" if pack else "unpack_bucket"
+    if core is not None and hasattr(core, name):
+        getattr(core, name)(
             data,
-            [s for s, _ in live],
+            [t for t, _ in live],
             [e.start for _, e in live],
             [e.numel for _, e in live],
             [e.offset for _, e in live],
             [e.torch_dtype for _, e in live],
         )
         return
-    dsts = [_typed_view(data, e) for _, e in live]
-    srcs = [s.reshape(-1)[e.start : e.start + e.numel] for s, e in live]
-    _foreach_copy(dsts, srcs)
+    in_bucket = [_typed_view(data, e) for _, e in live]
+    in_tensors = [t.reshape(-1)[e.start : e.start + e.numel] for t, e in live]
+    if pack:
+        _foreach_copy(in_bucket, in_tensors)
+    else:
+        _foreach_copy(in_tensors, in_bucket)
 
 
 def _foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
@@ -535,16 +544,4 @@ def load_into(data: torch.Tensor, dsts: Sequence[torch.Tensor], entries: Sequenc
     """Copy each entry of `data` into its destination, on the current stream (checked)."""
     for e, d in zip(entries, dsts):
         check_destination(fn, e, d, data.device)
-    live = [(d.detach(), e) for d, e in zip(dsts, entries) if e.numel]
-    core = _backend.core()
-    if core is not None and hasattr(core, "unpack_bucket"):
-        core.unpack_bucket(
-            data,
-            [d for d, _ in live],
-            [e.start for _, e in live],
-            [e.numel for _, e in live],
-            [e.offset for _, e in live],
-            [e.torch_dtype for _, e in live],
-        )
-        return
-    _foreach_copy([d.reshape(-1)[e.start : e.start + e.numel] for d, e in live], [_typed_view(data, e) for _, e in live])
+    _copy_spans(data, [d.detach() for d in dsts], entries, pack=False)
