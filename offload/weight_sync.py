@@ -137,6 +137,7 @@ class _Snapshot:
         self.done_event = done_event  # completes with the copy (accelerators), None on the CPU
         self.start_event = start_event
         self.host_seconds = host_seconds
+        self.readers = 0  # sends in progress from this snapshot (guarded by the sender's lock)
 
     def tensors(self) -> List[torch.Tensor]:
         return self.handle.wait()
@@ -229,7 +230,8 @@ class WeightSender:
             if len(self._snapshots) >= self.keep_versions:
                 _, oldest = self._snapshots.popitem(last=False)
                 old = oldest.handle.tensors
-                if [(o.shape, o.dtype) for o in old] == [(t.shape, t.dtype) for t in tensors]:
+                same = [(o.shape, o.dtype) for o in old] == [(t.shape, t.dtype) for t in tensors]
+                if same and oldest.readers == 0:  # never overwrite a snapshot another thread is sending
                     oldest.handle.wait()  # a sender may still be reading it
                     reuse = oldest.handle
         start = done = None
@@ -260,7 +262,7 @@ class WeightSender:
         with self._lock:
             return list(self._snapshots)
 
-    def _get_snapshot(self, fn: str, version: Optional[int]) -> _Snapshot:
+    def _get_snapshot(self, fn: str, version: Optional[int], reader: bool = False) -> _Snapshot:
         with self._lock:
             if not self._snapshots:
                 raise ValueError(f"{fn}: no snapshot is cached; call snapshot(model) first")
@@ -268,7 +270,9 @@ class WeightSender:
                 version = next(reversed(self._snapshots))
             if version not in self._snapshots:
                 raise ValueError(f"{fn}: version {version} is not cached; cached versions: {list(self._snapshots)}")
-            return self._snapshots[version]
+            snap = self._snapshots[version]
+            snap.readers += int(reader)  # in the same lock as the lookup: eviction cannot slip in between
+            return snap
 
     # ------------------------------------------------------------ send
 
@@ -283,7 +287,7 @@ class WeightSender:
         if self.mode == "host_cache":
             if source is not None:
                 version = self.snapshot(source, version)
-            return self._send_snapshot(fn, self._get_snapshot(fn, version))
+            return self._send_snapshot(fn, self._get_snapshot(fn, version, reader=True))
         if source is None:
             raise ValueError(f"{fn}: mode 'device' needs a source (a module, state dict or (name, tensor) pairs)")
         items = _named_sources(fn, source)
@@ -314,11 +318,16 @@ class WeightSender:
         return timer.result(bytes=0, buckets=0, version=version)
 
     def _send_snapshot(self, fn: str, snap: _Snapshot) -> dict:
-        tensors = snap.tensors()  # host wait for the device-to-host copy
-        items = list(zip(snap.names, tensors))
-        if not self.is_src:
-            return PhaseTimer(torch.device("cpu"), PHASES).result(bytes=0, buckets=0, version=snap.version)
-        return self._send_items(fn, items, snap.version, torch.device("cpu"), host_copy_ms=snap.copy_ms())
+        """Send a snapshot that `_get_snapshot(..., reader=True)` marked as read."""
+        try:
+            if not self.is_src:
+                return PhaseTimer(torch.device("cpu"), PHASES).result(bytes=0, buckets=0, version=snap.version)
+            tensors = snap.tensors()  # host wait for the device-to-host copy
+            items = list(zip(snap.names, tensors))
+            return self._send_items(fn, items, snap.version, torch.device("cpu"), host_copy_ms=snap.copy_ms())
+        finally:
+            with self._lock:
+                snap.readers -= 1
 
     def _send_items(self, fn: str, items, version: int, pack_device: torch.device, host_copy_ms: float) -> dict:
         timer = PhaseTimer(self.device, PHASES)

@@ -20,13 +20,16 @@
 // Limits: numel up to 2^63; any number of spans (several launches beyond
 // kMaxSpans per dtype pair); pointers must be aligned to their element size.
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <map>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <c10/util/TypeCast.h>
@@ -93,22 +96,39 @@ __global__ void __launch_bounds__(kThreads) copy_spans_kernel(SpanTable table) {
     }
     const int64_t nvec = (n - head) / V;
     const int64_t end = nvec < begin + kTileUnits ? nvec : begin + kTileUnits;
-    const VecS* __restrict__ vsrc = reinterpret_cast<const VecS*>(src + head);
-    VecD* __restrict__ vdst = reinterpret_cast<VecD*>(dst + head);
-    VecS loaded[kUnitsPerThread];
+    if constexpr (std::is_same<S, D>::value) {
+      // Raw bytes: uint4 loads and stores, nothing else in registers.
+      const uint4* __restrict__ vsrc = reinterpret_cast<const uint4*>(src + head);
+      uint4* __restrict__ vdst = reinterpret_cast<uint4*>(dst + head);
+      uint4 loaded[kUnitsPerThread];
 #pragma unroll
-    for (int k = 0; k < kUnitsPerThread; ++k) {
-      const int64_t i = begin + threadIdx.x + k * kThreads;
-      if (i < end) loaded[k] = vsrc[i];
-    }
+      for (int k = 0; k < kUnitsPerThread; ++k) {
+        const int64_t i = begin + threadIdx.x + k * kThreads;
+        if (i < end) loaded[k] = vsrc[i];
+      }
 #pragma unroll
-    for (int k = 0; k < kUnitsPerThread; ++k) {
-      const int64_t i = begin + threadIdx.x + k * kThreads;
-      if (i < end) {
-        VecD out;
+      for (int k = 0; k < kUnitsPerThread; ++k) {
+        const int64_t i = begin + threadIdx.x + k * kThreads;
+        if (i < end) vdst[i] = loaded[k];
+      }
+    } else {
+      const VecS* __restrict__ vsrc = reinterpret_cast<const VecS*>(src + head);
+      VecD* __restrict__ vdst = reinterpret_cast<VecD*>(dst + head);
+      VecS loaded[kUnitsPerThread];
 #pragma unroll
-        for (int j = 0; j < V; ++j) out.v[j] = c10::convert<D>(loaded[k].v[j]);
-        vdst[i] = out;
+      for (int k = 0; k < kUnitsPerThread; ++k) {
+        const int64_t i = begin + threadIdx.x + k * kThreads;
+        if (i < end) loaded[k] = vsrc[i];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnitsPerThread; ++k) {
+        const int64_t i = begin + threadIdx.x + k * kThreads;
+        if (i < end) {
+          VecD out;
+#pragma unroll
+          for (int j = 0; j < V; ++j) out.v[j] = c10::convert<D>(loaded[k].v[j]);
+          vdst[i] = out;
+        }
       }
     }
     if (local == 0) {  // the unaligned head and the tail shorter than one vector
@@ -178,13 +198,25 @@ void launch_cast(c10::ScalarType src, c10::ScalarType dst, const std::vector<Cop
   }
 }
 
+// SM count per device, asked once (a driver call per pack would cost more than small packs).
+int multiprocessors(c10::DeviceIndex index) {
+  static std::array<std::atomic<int>, 64> cache{};
+  auto& slot = cache.at(static_cast<size_t>(index));
+  int count = slot.load(std::memory_order_relaxed);
+  if (count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, index));
+    slot.store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
+
 }  // namespace
 
 void copy_spans_cuda(const std::vector<CopySpan>& spans, c10::Device device) {
   c10::cuda::CUDAGuard guard(device);
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   // Enough resident blocks to keep every SM's load units busy; the rest loop.
-  const int max_blocks = at::cuda::getDeviceProperties(device.index())->multiProcessorCount * 8;
+  const int max_blocks = multiprocessors(device.index()) * 8;
   std::vector<CopySpan> bytes;
   std::map<std::pair<int, int>, std::vector<CopySpan>> casts;
   for (const CopySpan& span : spans) {
