@@ -49,7 +49,8 @@ def _case(ctx, label, shapes, dtype=torch.bfloat16):
     def slice_loop():
         for entries, s in zip(per_bucket, srcs):
             for e, t in zip(entries, s):
-                buf[e.offset : e.offset + e.nbytes].view(e.torch_dtype).copy_(t.reshape(-1)[e.start : e.start + e.numel])
+                chunk = t.reshape(-1)[e.start : e.start + e.numel]
+                buf[e.offset : e.offset + e.nbytes].view(e.torch_dtype).copy_(chunk)
 
     def foreach():
         for f, v in zip(flat, views):

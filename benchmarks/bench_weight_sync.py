@@ -13,7 +13,6 @@ per-tensor broadcast. On a CPU-only machine a quick gloo variant runs the same c
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 

@@ -12,7 +12,7 @@ import torch
 
 
 def qwen2_5_1_5b(quick: bool = False) -> List[Tuple[str, Tuple[int, ...]]]:
-    """Qwen2.5-1.5B: hidden 1536, 28 layers, intermediate 8960, vocab 151936, 12 heads, 2 kv heads, tied: 339 tensors."""
+    """Qwen2.5-1.5B: hidden 1536, 28 layers, intermediate 8960, vocab 151936, 12/2 heads, tied: 339 tensors."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if quick:
@@ -43,14 +43,7 @@ def _shapes(cls, config):
     return [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
 
 
-def materialize(shapes, dtype, device, fill: bool = False):
-    """name -> tensor of each shape; tied names share nothing here (each is its own tensor)."""
-    out = {}
-    for i, (name, shape) in enumerate(shapes):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        if fill:
-            t.normal_(generator=None) if t.is_floating_point() else t.fill_(i)
-        else:
-            t.fill_(0.5 + (i % 7))
-        out[name] = t
-    return out
+def materialize(shapes, dtype, device):
+    """name -> tensor of each shape, filled with a constant; tied names get tensors of their own."""
+    return {name: torch.full(shape, 0.5 + (i % 7), dtype=dtype, device=device)
+            for i, (name, shape) in enumerate(shapes)}

@@ -8,7 +8,15 @@ from ._copy import CopyHandle, copy_to_device, copy_to_host
 from ._pool import HostPool, default_host_pool
 from .param_offload import offload_params, params_offloaded, reload_params
 from .weight_sync import WeightReceiver, WeightSender
-from .buckets import BucketEntry, BucketPlan, PackedBucket, default_bucket_bytes, pack_buckets, plan_buckets, unpack_bucket
+from .buckets import (
+    BucketEntry,
+    BucketPlan,
+    PackedBucket,
+    default_bucket_bytes,
+    pack_buckets,
+    plan_buckets,
+    unpack_bucket,
+)
 
 __version__ = "0.1.0"
 

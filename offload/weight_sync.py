@@ -40,6 +40,7 @@ transfer is the span from the first broadcast posted to the last one completed.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -356,7 +357,9 @@ class WeightSender:
             if works[slot] is not None:
                 works[slot].wait()  # device-side on NCCL: the buffer's previous broadcast is done
             sources = []
-            with timer.phase("gather"):
+            # Timed only when something is gathered: a phase that did not run reports 0.
+            gathers = any(_is_dtensor(tensors[e.name]) for e in entries)
+            with timer.phase("gather") if gathers else contextlib.nullcontext():
                 for e in entries:
                     src = gathered.get(e.name)
                     if src is None:

@@ -86,7 +86,7 @@ def test_param_offload_mirror_allocated_once_and_tied_weights_move_once(device):
 
 def test_param_offload_bad_calls_raise(device):
     model = _model(device)
-    with pytest.raises(RuntimeError, match="offload.reload_params: the parameters of this Sequential are not offloaded"):
+    with pytest.raises(RuntimeError, match="reload_params: the parameters of this Sequential are not offloaded"):
         offload.reload_params(model)
     offload.offload_params(model)
     with pytest.raises(RuntimeError, match="offload.offload_params: the parameters of this Sequential are already "
