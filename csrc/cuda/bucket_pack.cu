@@ -60,12 +60,32 @@ struct alignas(A) Vec {
   T v[N];
 };
 
+// One unit of the aligned body: V = 16 / sizeof(S) source elements read with one
+// 16-byte load, converted, written with one store of V * sizeof(D) bytes.
+template <typename S, typename D>
+struct VecUnits {
+  static constexpr int V = kVecBytes / sizeof(S);
+  using In = Vec<S, V, kVecBytes>;
+  using Out = Vec<D, V, ((V * sizeof(D)) < kVecBytes ? (V * sizeof(D)) : kVecBytes)>;
+  static __device__ __forceinline__ Out convert(const In& in) {
+    Out out;
+#pragma unroll
+    for (int j = 0; j < V; ++j) out.v[j] = c10::convert<D>(in.v[j]);
+    return out;
+  }
+};
+
+// Raw bytes: plain uint4 loads and stores, nothing else in registers.
+template <>
+struct VecUnits<uint8_t, uint8_t> {
+  using In = uint4;
+  using Out = uint4;
+  static __device__ __forceinline__ Out convert(const In& in) { return in; }
+};
+
 template <typename S, typename D>
 __global__ void __launch_bounds__(kThreads) copy_spans_kernel(SpanTable table) {
   constexpr int V = kVecBytes / sizeof(S);
-  constexpr int kDstAlign = (V * sizeof(D)) < kVecBytes ? (V * sizeof(D)) : kVecBytes;
-  using VecS = Vec<S, V, kVecBytes>;
-  using VecD = Vec<D, V, kDstAlign>;
   const int64_t total = table.tile_begin[table.count];
   for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
     int lo = 0, hi = table.count - 1;  // the last span whose first tile is <= tile
@@ -96,40 +116,19 @@ __global__ void __launch_bounds__(kThreads) copy_spans_kernel(SpanTable table) {
     }
     const int64_t nvec = (n - head) / V;
     const int64_t end = nvec < begin + kTileUnits ? nvec : begin + kTileUnits;
-    if constexpr (std::is_same<S, D>::value) {
-      // Raw bytes: uint4 loads and stores, nothing else in registers.
-      const uint4* __restrict__ vsrc = reinterpret_cast<const uint4*>(src + head);
-      uint4* __restrict__ vdst = reinterpret_cast<uint4*>(dst + head);
-      uint4 loaded[kUnitsPerThread];
+    using Units = VecUnits<S, D>;
+    const auto* __restrict__ vsrc = reinterpret_cast<const typename Units::In*>(src + head);
+    auto* __restrict__ vdst = reinterpret_cast<typename Units::Out*>(dst + head);
+    typename Units::In loaded[kUnitsPerThread];
 #pragma unroll
-      for (int k = 0; k < kUnitsPerThread; ++k) {
-        const int64_t i = begin + threadIdx.x + k * kThreads;
-        if (i < end) loaded[k] = vsrc[i];
-      }
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      const int64_t i = begin + threadIdx.x + k * kThreads;
+      if (i < end) loaded[k] = vsrc[i];
+    }
 #pragma unroll
-      for (int k = 0; k < kUnitsPerThread; ++k) {
-        const int64_t i = begin + threadIdx.x + k * kThreads;
-        if (i < end) vdst[i] = loaded[k];
-      }
-    } else {
-      const VecS* __restrict__ vsrc = reinterpret_cast<const VecS*>(src + head);
-      VecD* __restrict__ vdst = reinterpret_cast<VecD*>(dst + head);
-      VecS loaded[kUnitsPerThread];
-#pragma unroll
-      for (int k = 0; k < kUnitsPerThread; ++k) {
-        const int64_t i = begin + threadIdx.x + k * kThreads;
-        if (i < end) loaded[k] = vsrc[i];
-      }
-#pragma unroll
-      for (int k = 0; k < kUnitsPerThread; ++k) {
-        const int64_t i = begin + threadIdx.x + k * kThreads;
-        if (i < end) {
-          VecD out;
-#pragma unroll
-          for (int j = 0; j < V; ++j) out.v[j] = c10::convert<D>(loaded[k].v[j]);
-          vdst[i] = out;
-        }
-      }
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      const int64_t i = begin + threadIdx.x + k * kThreads;
+      if (i < end) vdst[i] = Units::convert(loaded[k]);
     }
     if (local == 0) {  // the unaligned head and the tail shorter than one vector
       for (int64_t i = threadIdx.x; i < head; i += kThreads) dst[i] = c10::convert<D>(src[i]);
