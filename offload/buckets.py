@@ -1,0 +1,547 @@
+"""`offload.plan_buckets` / `offload.pack_buckets` / `offload.unpack_bucket`: many tensors as few flat buffers.
+
+Moving a model's weights (to another process, to host memory) one tensor at a
+time costs a launch or a collective per tensor; moving them as a handful of large
+buffers runs at the bandwidth of the link. A *bucket* is one uint8 buffer of at
+most `bucket_bytes` holding many tensors at aligned offsets, each possibly cast
+to a target dtype on the way in (fp32 master weights sent as bf16).
+
+- The planner assigns each named tensor a place: `BucketEntry(name, dtype, shape,
+  bucket, offset, nbytes, chunk, num_chunks, start, numel, source_dtype)`. It is
+  plain data (`to_dict`/`from_dict`) that another process can receive and unpack
+  by. A tensor larger than what is left of a bucket is split into chunks across
+  buckets, so an 8 GB fused tensor does not need an 8 GB bucket.
+- The planner streams: it needs only names, shapes and dtypes, one tensor at a
+  time, so `pack_buckets` can consume an iterator (a sharded model gathered one
+  tensor at a time) and yield each bucket as soon as it is full.
+- Packing reads every source once, casts, and writes the bucket: one multi-tensor
+  kernel per (source dtype, bucket dtype) pair on CUDA (csrc/cuda/bucket_pack.cu),
+  a parallel C++ loop on the CPU (csrc/buckets.cpp), `torch._foreach_copy_`
+  when the core is not built. Work is queued on the current stream.
+- Unpacking gives zero-copy typed views into the bucket, or copies into existing
+  tensors (load in place) with the same one-launch machinery.
+
+dtype policy: `dtype` applies to floating-point tensors of fp64/fp32/fp16/bf16
+only; integer, bool and fp8 tensors always keep their dtype (they are copied as
+raw bytes), as do tensors whose name matches a `keep_dtype` pattern (fnmatch
+strings such as ``"*.mlp.gate.weight"`` or compiled regular expressions).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _backend, _device
+
+# Offsets in a bucket are multiples of this: 256 bytes is the device allocator's
+# own alignment, so a view into a bucket is as aligned as a fresh tensor and the
+# kernels can use 16-byte vector loads and stores on every tensor.
+DEFAULT_ALIGNMENT = 256
+# Default bucket size: 1/32 of free device memory (a sender and a receiver each
+# keep two buckets in flight, so at most 1/16 of what is free), clamped to
+# [64 MiB, 1 GiB]. Above ~64 MiB a broadcast or DMA runs at its peak; more only
+# costs memory. On a CPU-only torch: 256 MiB.
+MIN_DEFAULT_BUCKET_BYTES = 64 << 20
+MAX_DEFAULT_BUCKET_BYTES = 1 << 30
+CPU_DEFAULT_BUCKET_BYTES = 256 << 20
+
+# Casts the kernels implement; everything else is copied as raw bytes.
+_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def default_bucket_bytes(device=None) -> int:
+    """The bucket size used when none is given (see the module docstring)."""
+    device = _device.normalize_device(device)
+    if not _device.is_accelerator(device):
+        return CPU_DEFAULT_BUCKET_BYTES
+    free, _ = _device.mem_get_info(device)
+    size = min(MAX_DEFAULT_BUCKET_BYTES, max(MIN_DEFAULT_BUCKET_BYTES, free // 32))
+    return size - size % DEFAULT_ALIGNMENT
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_or_none(name: str):
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def parse_dtype(name: str, what: str) -> torch.dtype:
+    dtype = _dtype_or_none(name)  # cached: the pack path parses one per entry per bucket
+    if dtype is None:
+        raise ValueError(f"{what}: {name!r} is not a torch dtype name")
+    return dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """Where (a chunk of) one tensor lives: plain data, picklable, `to_dict()` for JSON.
+
+    `dtype` is the dtype in the bucket; `start`/`numel` are the elements of the
+    flattened tensor this chunk holds (the whole tensor when `num_chunks == 1`).
+    """
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+    chunk: int = 0
+    num_chunks: int = 1
+    start: int = 0
+    numel: int = 0
+    source_dtype: str = ""
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BucketEntry":
+        data = dict(data)
+        data["shape"] = tuple(int(s) for s in data["shape"])
+        return cls(**data)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype, f"offload: metadata of tensor {self.name!r}")
+
+
+@dataclass
+class BucketPlan:
+    """Every entry, and the bytes used in each bucket (a bucket's buffer needs only that much)."""
+
+    entries: List[BucketEntry]
+    bucket_sizes: List[int]
+    bucket_bytes: int
+    alignment: int
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_sizes)
+
+    def bucket_entries(self, index: int) -> List[BucketEntry]:
+        return [e for e in self.entries if e.bucket == index]
+
+    def to_dict(self) -> dict:
+        return {
+            "entries": [e.to_dict() for e in self.entries],
+            "bucket_sizes": list(self.bucket_sizes),
+            "bucket_bytes": self.bucket_bytes,
+            "alignment": self.alignment,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BucketPlan":
+        return cls(
+            [BucketEntry.from_dict(e) for e in data["entries"]],
+            [int(s) for s in data["bucket_sizes"]],
+            int(data["bucket_bytes"]),
+            int(data["alignment"]),
+        )
+
+
+@dataclass
+class PackedBucket:
+    """One packed bucket: `data` (uint8, on the sources' device) and the entries it holds."""
+
+    index: int
+    data: torch.Tensor
+    entries: List[BucketEntry]
+
+
+class DtypePolicy:
+    """Which dtype each tensor gets in a bucket: `dtype` unless the name matches `keep_dtype`."""
+
+    def __init__(self, dtype: Optional[torch.dtype] = None, keep_dtype=(), fn: str = "offload.pack_buckets"):
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{fn}: dtype must be a torch.dtype or None, got {dtype!r}")
+        if dtype is not None and dtype not in _CASTABLE:
+            raise ValueError(
+                f"{fn}: dtype must be one of {', '.join(dtype_name(d) for d in _CASTABLE)} or None, got {dtype}"
+            )
+        if isinstance(keep_dtype, (str, re.Pattern)):
+            keep_dtype = [keep_dtype]
+        patterns = []
+        for p in keep_dtype:
+            if isinstance(p, re.Pattern):
+                patterns.append(p)
+            elif isinstance(p, str):
+                patterns.append(re.compile(fnmatch.translate(p)))
+            else:
+                raise TypeError(f"{fn}: keep_dtype entries must be str or re.Pattern, got {type(p).__name__}")
+        self.dtype = dtype
+        self.patterns = patterns
+
+    def target(self, name: str, source: torch.dtype) -> torch.dtype:
+        if self.dtype is None or source not in _CASTABLE:
+            return source
+        if any(p.fullmatch(name) for p in self.patterns):
+            return source
+        return self.dtype
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+class Planner:
+    """Places tensors one at a time; reports buckets as they close (streaming)."""
+
+    def __init__(self, bucket_bytes, alignment: int, policy: DtypePolicy, fn: str, device=None):
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+            raise ValueError(f"{fn}: alignment must be a positive int, got {alignment!r}")
+        if alignment & (alignment - 1):
+            raise ValueError(f"{fn}: alignment must be a power of two, got {alignment}")
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(device)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+            raise TypeError(f"{fn}: bucket_bytes must be an int, got {type(bucket_bytes).__name__}")
+        if bucket_bytes < alignment:
+            raise ValueError(
+                f"{fn}: bucket_bytes ({bucket_bytes}) is smaller than one alignment unit ({alignment} bytes); "
+                "raise bucket_bytes or lower alignment"
+            )
+        self.fn = fn
+        self.bucket_bytes = bucket_bytes
+        self.alignment = alignment
+        self.policy = policy
+        self.bucket = 0
+        self.cursor = 0  # next free (aligned) byte of the open bucket
+        self.used = 0  # end of the last entry in the open bucket
+        self.sizes: List[int] = []
+        self.names = set()
+        self.open_entries = 0  # entries placed in the open bucket
+
+    def _close(self) -> int:
+        self.sizes.append(self.used)
+        closed = self.bucket
+        self.bucket += 1
+        self.cursor = self.used = self.open_entries = 0
+        return closed
+
+    def add(self, name: str, shape, source: torch.dtype) -> Tuple[List[BucketEntry], List[int]]:
+        """Entries for one tensor, and the indices of buckets this closed (complete, packable now)."""
+        if not isinstance(name, str):
+            raise TypeError(f"{self.fn}: tensor names must be str, got {type(name).__name__} ({name!r})")
+        if name in self.names:
+            raise ValueError(f"{self.fn}: tensor name {name!r} appears twice; names must be unique")
+        self.names.add(name)
+        target = self.policy.target(name, source)
+        itemsize = _itemsize(target)
+        shape = tuple(int(s) for s in shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        common = dict(name=name, dtype=dtype_name(target), shape=shape, source_dtype=dtype_name(source))
+        closed: List[int] = []
+        total = numel * itemsize
+        # Every tensor starts at least at its natural alignment, whatever `alignment` is.
+        self.cursor = min(_align_up(self.cursor, itemsize), self.bucket_bytes)
+        if total == 0:  # takes no room; offset 0 is valid in any bucket, however little it holds
+            self.open_entries += 1
+            return [BucketEntry(bucket=self.bucket, offset=0, nbytes=0, numel=0, **common)], closed
+        if self.cursor + total <= self.bucket_bytes:
+            entry = BucketEntry(bucket=self.bucket, offset=self.cursor, nbytes=total, numel=numel, **common)
+            self.used = self.cursor + total
+            self.cursor = min(_align_up(self.cursor + total, self.alignment), self.bucket_bytes)
+            self.open_entries += 1
+            return [entry], closed
+        if total <= self.bucket_bytes:
+            closed.append(self._close())
+            entry = BucketEntry(bucket=self.bucket, offset=0, nbytes=total, numel=numel, **common)
+            self.used = total
+            self.cursor = min(_align_up(total, self.alignment), self.bucket_bytes)
+            self.open_entries = 1
+            return [entry], closed
+        # Split: chunks hold whole alignment units, so the next chunk starts aligned in
+        # both the bucket and the source (a multiple of alignment bytes in, too).
+        unit = max(1, self.alignment // itemsize)
+        if unit * itemsize > self.bucket_bytes:
+            raise ValueError(
+                f"{self.fn}: tensor {name!r} ({dtype_name(target)}) needs buckets of at least "
+                f"{unit * itemsize} bytes, got bucket_bytes={self.bucket_bytes}"
+            )
+        pieces = []
+        start = 0
+        while start < numel:
+            fit = (self.bucket_bytes - self.cursor) // itemsize // unit * unit
+            if fit == 0:
+                closed.append(self._close())
+                continue
+            count = min(fit, numel - start)
+            pieces.append((self.bucket, self.cursor, start, count))
+            self.used = self.cursor + count * itemsize
+            self.cursor = min(_align_up(self.used, self.alignment), self.bucket_bytes)
+            self.open_entries += 1
+            start += count
+        entries = [
+            BucketEntry(bucket=b, offset=o, nbytes=c * itemsize, chunk=i, num_chunks=len(pieces), start=s, numel=c,
+                        **common)
+            for i, (b, o, s, c) in enumerate(pieces)
+        ]
+        return entries, closed
+
+    def finish(self) -> List[int]:
+        """Close the last bucket (if it holds anything); returns its index."""
+        return [self._close()] if self.open_entries else []
+
+
+def _named_items(tensors, fn: str):
+    """(name, tensor) pairs from a mapping or an iterable of pairs, lazily."""
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"{fn}: tensors must be a mapping or an iterable of (name, tensor) pairs, got a tensor")
+    items = tensors.items() if hasattr(tensors, "items") else tensors
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"{fn}: item {i} must be a (name, tensor) pair, got {type(item).__name__}")
+        name, t = item
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: tensor {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        yield name, t
+
+
+def plan_buckets(
+    tensors,
+    bucket_bytes: Optional[int] = None,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    keep_dtype=(),
+    alignment: int = DEFAULT_ALIGNMENT,
+    device=None,
+) -> BucketPlan:
+    """Place named tensors (a mapping or (name, tensor) pairs) into buckets; reads only shapes and dtypes.
+
+    Meta tensors and DTensors (their global shape) are fine here: nothing is read.
+    `bucket_bytes` defaults to `default_bucket_bytes(device)`.
+    """
+    fn = "offload.plan_buckets"
+    planner = Planner(bucket_bytes, alignment, DtypePolicy(dtype, keep_dtype, fn), fn, device)
+    entries: List[BucketEntry] = []
+    for name, t in _named_items(tensors, fn):
+        new, _ = planner.add(name, t.shape, t.dtype)
+        entries.extend(new)
+    planner.finish()
+    return BucketPlan(entries, planner.sizes, planner.bucket_bytes, alignment)
+
+
+# ---------------------------------------------------------------- pack
+
+
+def _materialize(name: str, t: torch.Tensor, fn: str) -> torch.Tensor:
+    """A local dense tensor for `t`: DTensors are gathered here (one tensor at a time)."""
+    full_tensor = getattr(t, "full_tensor", None)
+    if full_tensor is not None and type(t).__name__ == "DTensor":
+        t = full_tensor()
+    if t.is_meta:
+        raise ValueError(f"{fn}: tensor {name!r} is a meta tensor, which has no data to pack")
+    if t.layout != torch.strided:
+        raise ValueError(f"{fn}: tensor {name!r} has layout {t.layout}; only strided (dense) tensors can be packed")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{fn}: tensor {name!r} is not contiguous (shape {list(t.shape)}, stride {list(t.stride())}); "
+            "pass t.contiguous()"
+        )
+    return t.detach()
+
+
+def _check_device(fn: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{fn}: tensor {name!r} is on {t.device} but the bucket is on {device}")
+
+
+def pack_into(data: torch.Tensor, sources: Sequence[torch.Tensor], entries: Sequence[BucketEntry], fn: str) -> None:
+    """Write each entry's elements of its source (cast to the entry's dtype) into `data`, on the current stream."""
+    _check_bucket(fn, data, entries)
+    for s, e in zip(sources, entries):
+        _check_device(fn, e.name, s, data.device)
+    _copy_spans(data, sources, entries, pack=True)
+
+
+def _copy_spans(data: torch.Tensor, tensors, entries, pack: bool) -> None:
+    """Bucket <- tensors (pack) or tensors <- bucket: one native call, or views and `_foreach_copy_`."""
+    live = [(t, e) for t, e in zip(tensors, entries) if e.numel]
+    core = _backend.core()
+    name = "pack_bucket" if pack else "unpack_bucket"
+    if core is not None and hasattr(core, name):
+        getattr(core, name)(
+            data,
+            [t for t, _ in live],
+            [e.start for _, e in live],
+            [e.numel for _, e in live],
+            [e.offset for _, e in live],
+            [e.torch_dtype for _, e in live],
+        )
+        return
+    in_bucket = [_typed_view(data, e) for _, e in live]
+    in_tensors = [t.reshape(-1)[e.start : e.start + e.numel] for t, e in live]
+    if pack:
+        _foreach_copy(in_bucket, in_tensors)
+    else:
+        _foreach_copy(in_tensors, in_bucket)
+
+
+def _foreach_copy(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+    if not dsts:
+        return
+    if _device.is_accelerator(dsts[0].device):
+        torch._foreach_copy_(dsts, srcs)
+    else:  # the CPU foreach is a loop of copy_ too; skip its overhead
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+
+def _typed_view(data: torch.Tensor, e: BucketEntry) -> torch.Tensor:
+    return data[e.offset : e.offset + e.nbytes].view(e.torch_dtype)
+
+
+def _check_bucket(fn: str, data: torch.Tensor, entries: Sequence[BucketEntry]) -> None:
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+        what = f"{data.dtype} tensor of shape {list(data.shape)}" if isinstance(data, torch.Tensor) else type(data)
+        raise TypeError(f"{fn}: a bucket must be a 1-D uint8 tensor, got {what}")
+    if not data.is_contiguous():
+        raise ValueError(f"{fn}: the bucket must be contiguous")
+    size = data.numel()
+    for e in entries:
+        if not isinstance(e, BucketEntry):
+            raise TypeError(f"{fn}: entries must be BucketEntry, got {type(e).__name__}")
+        itemsize = _itemsize(e.torch_dtype)
+        if e.nbytes != e.numel * itemsize or e.offset < 0 or e.offset + e.nbytes > size or e.offset % itemsize:
+            raise ValueError(
+                f"{fn}: metadata of tensor {e.name!r} (chunk {e.chunk}) does not match bucket {e.bucket}: "
+                f"it claims bytes [{e.offset}, {e.offset + e.nbytes}) for {e.numel} {e.dtype} elements, "
+                f"but the bucket has {size} bytes"
+            )
+
+
+def pack_buckets(
+    tensors,
+    bucket_bytes: Optional[int] = None,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    keep_dtype=(),
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> Iterator[PackedBucket]:
+    """Pack named tensors into buckets; yields each `PackedBucket` as soon as it is full.
+
+    Args:
+        tensors: a mapping name -> tensor (a state dict) or an iterable of (name,
+            tensor) pairs, consumed lazily; all on one device; contiguous. DTensors
+            are gathered (`full_tensor()`) one at a time as they are packed.
+        bucket_bytes: the most bytes per bucket (default: `default_bucket_bytes()`).
+        dtype: cast floating-point tensors to this dtype (see the dtype policy).
+        keep_dtype: names (fnmatch patterns or regexes) that keep their own dtype.
+        alignment: every tensor starts at a multiple of this many bytes.
+
+    The packs are queued on the current stream; buckets are fresh tensors owned by it.
+    """
+    fn = "offload.pack_buckets"
+    policy = DtypePolicy(dtype, keep_dtype, fn)
+    planner: Optional[Planner] = None
+    pending: Dict[int, List[Tuple[torch.Tensor, BucketEntry]]] = {}
+    device = None
+    for name, t in _named_items(tensors, fn):
+        if planner is None:
+            device = t.device
+            planner = Planner(bucket_bytes, alignment, policy, fn, device if device.type != "meta" else None)
+        entries, closed = planner.add(name, t.shape, t.dtype)
+        local = _materialize(name, t, fn)
+        if local.device != device:
+            raise ValueError(f"{fn}: tensor {name!r} is on {local.device} but earlier tensors are on {device}")
+        for e in entries:  # before the closed buckets: a split tensor's chunks may be in them
+            pending.setdefault(e.bucket, []).append((local, e))
+        for index in closed:
+            yield _pack_pending(pending.pop(index, []), index, planner.sizes[index], device, fn)
+    if planner is None:
+        return
+    for index in planner.finish():
+        yield _pack_pending(pending.pop(index, []), index, planner.sizes[index], device, fn)
+
+
+def _pack_pending(items, index: int, size: int, device, fn: str) -> PackedBucket:
+    data = torch.empty(size, dtype=torch.uint8, device=device)
+    entries = [e for _, e in items]
+    pack_into(data, [t for t, _ in items], entries, fn)
+    return PackedBucket(index, data, entries)
+
+
+# ---------------------------------------------------------------- unpack
+
+
+def unpack_bucket(
+    data: torch.Tensor,
+    entries: Sequence[BucketEntry],
+    out: Optional[Union[Dict[str, torch.Tensor], Sequence[torch.Tensor]]] = None,
+) -> List[Tuple[str, torch.Tensor]]:
+    """The tensors of one bucket: zero-copy views, or copies into `out` (load in place).
+
+    Without `out`: (name, view) pairs; a whole tensor is viewed in its shape and
+    bucket dtype, a chunk of a split tensor as a 1-D view of its elements.
+    With `out` (a mapping name -> tensor, or a list matching `entries`): each entry
+    is copied into its destination (the chunk's element range for split tensors) in
+    one launch on the current stream; shapes and dtypes must match the metadata.
+    Returns (name, destination) pairs.
+    """
+    fn = "offload.unpack_bucket"
+    entries = list(entries)
+    _check_bucket(fn, data, entries)
+    if out is None:
+        views = []
+        for e in entries:
+            view = _typed_view(data, e)
+            views.append((e.name, view.view(e.shape) if e.num_chunks == 1 else view))
+        return views
+    dsts = _destinations(fn, out, entries)
+    load_into(data, dsts, entries, fn)
+    return [(e.name, d) for e, d in zip(entries, dsts)]
+
+
+def _destinations(fn: str, out, entries: List[BucketEntry]) -> List[torch.Tensor]:
+    if hasattr(out, "items"):
+        missing = [e.name for e in entries if e.name not in out]
+        if missing:
+            raise ValueError(f"{fn}: out has no tensor named {missing[0]!r} (the bucket holds it)")
+        return [out[e.name] for e in entries]
+    out = list(out)
+    if len(out) != len(entries):
+        raise ValueError(f"{fn}: out has {len(out)} tensors but the bucket holds {len(entries)} entries")
+    return out
+
+
+def check_destination(fn: str, e: BucketEntry, dst: torch.Tensor, device: torch.device) -> None:
+    """Raise naming the tensor unless `dst` can receive entry `e` in place."""
+    if not isinstance(dst, torch.Tensor):
+        raise TypeError(f"{fn}: destination of tensor {e.name!r} must be a torch.Tensor, got {type(dst).__name__}")
+    if tuple(dst.shape) != tuple(e.shape):
+        raise ValueError(f"{fn}: tensor {e.name!r} has shape {list(e.shape)} in the bucket but the destination "
+                         f"has shape {list(dst.shape)}")
+    if dst.dtype != e.torch_dtype:
+        raise ValueError(f"{fn}: tensor {e.name!r} is {e.dtype} in the bucket but the destination is "
+                         f"{dtype_name(dst.dtype)}")
+    if dst.is_meta or dst.layout != torch.strided or not dst.is_contiguous():
+        raise ValueError(f"{fn}: the destination of tensor {e.name!r} must be a contiguous strided tensor with data")
+    if dst.device != device:
+        raise ValueError(f"{fn}: the destination of tensor {e.name!r} is on {dst.device} but the bucket is on {device}")
+
+
+def load_into(data: torch.Tensor, dsts: Sequence[torch.Tensor], entries: Sequence[BucketEntry], fn: str) -> None:
+    """Copy each entry of `data` into its destination, on the current stream (checked)."""
+    for e, d in zip(entries, dsts):
+        check_destination(fn, e, d, data.device)
+    _copy_spans(data, [d.detach() for d in dsts], entries, pack=False)

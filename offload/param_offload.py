@@ -1,0 +1,204 @@
+"""`offload.offload_params(module)` / `offload.reload_params(module)`: park a model in pinned host memory.
+
+While rollouts run, an RL trainer's parameters (and gradients and optimizer state)
+have no business in device memory. This moves them to a persistent pinned host
+mirror and back, for plain modules, FSDP (flat parameters) and FSDP2 (DTensor
+parameters) alike.
+
+How: the unit moved is the *storage* under each tensor, not the tensor. Every
+parameter, FSDP flat parameter and DTensor local shard is a view into some
+storage; we copy each distinct storage's bytes (padding included) into the
+mirror and then `untyped_storage().resize_(0)`, which frees the device memory
+while every tensor, view, Parameter and DTensor keeps its identity, sizes,
+strides and offsets. Reload resizes the storages back (allocating on the current
+stream) and copies the bytes in, so the model is bitwise what it was and
+optimizers, hooks and FSDP's own references still point at the same tensors.
+Tied weights and views share a storage and move once.
+
+The mirror is one host block of exactly the bytes needed (each storage at a
+512-byte aligned offset), taken from the host pool on the first offload and kept
+on the module for every later one. Copies go through `offload.copy_to_host` /
+`offload.copy_to_device` on the dedicated streams, in large chunks. Offloading
+frees the device blocks at once; the caching allocator reuses them only after the
+copy that reads them (they are recorded on the copy stream). Reloading leaves the
+current stream waiting (on the device) for the copy, so the next forward is
+ordered after it without a host block.
+
+Both calls return timings: the copy's device time (`copy_ms`, events), the host
+time of the call (`total_ms`), bytes and GB/s. They wait for their copy to finish
+(an event, not a device-wide synchronize) so the numbers are final.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from . import _device
+from ._copy import copy_to_device, copy_to_host
+from ._pool import HostPool, default_host_pool
+
+_STATE_ATTR = "_offload_param_mirror"
+# Storages start at multiples of this in the mirror: DMA engines run best from
+# aligned host addresses, and 512 covers every dtype and vector width.
+_MIRROR_ALIGNMENT = 512
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns memory: a DTensor's local shard, else the tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None and type(t).__name__ == "DTensor" else t
+
+
+def _tensors(module: torch.nn.Module, grads: bool, optimizer) -> List[torch.Tensor]:
+    out = []
+    for p in module.parameters():
+        out.append(_local(p))
+        if grads and p.grad is not None:
+            out.append(_local(p.grad))
+    for b in module.buffers():
+        out.append(_local(b))
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    out.append(_local(value))
+    return out
+
+
+class _Mirror:
+    """The storages of one module and where their bytes live on the host."""
+
+    def __init__(self, storages, sizes: List[int], offsets: List[int], host: torch.Tensor, device):
+        self.storages = storages  # UntypedStorage objects, resized to 0 while offloaded
+        self.sizes = sizes
+        self.offsets = offsets
+        self.host = host  # one pinned uint8 block, exact size
+        self.device = device
+        self.offloaded = False
+
+    def host_views(self) -> List[torch.Tensor]:
+        return [self.host[o : o + n] for o, n in zip(self.offsets, self.sizes)]
+
+    def device_views(self) -> List[torch.Tensor]:
+        return [torch.empty(0, dtype=torch.uint8, device=self.device).set_(s, 0, (n,), (1,))
+                for s, n in zip(self.storages, self.sizes)]
+
+
+def _collect(fn: str, module: torch.nn.Module, grads: bool, optimizer, pool: HostPool):
+    seen: Dict[int, int] = {}
+    storages, sizes, device = [], [], None
+    for t in _tensors(module, grads, optimizer):
+        if t.is_meta or not _device.is_accelerator(t.device) and _device.accelerator_type() is not None:
+            continue  # host tensors (an optimizer's step counter) stay where they are
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        if device is not None and t.device != device:
+            raise ValueError(f"{fn}: the module's tensors are on {device} and {t.device}; offload one device at a time")
+        device = t.device
+        seen[storage.data_ptr()] = len(storages)
+        storages.append(storage)
+        sizes.append(storage.nbytes())
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += (n + _MIRROR_ALIGNMENT - 1) // _MIRROR_ALIGNMENT * _MIRROR_ALIGNMENT
+    try:
+        host = pool.acquire(total)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{fn}: could not get {total} bytes of pinned host memory for the mirror ({exc}); raise the pool's "
+            "limit (OFFLOAD_HOST_POOL_LIMIT, HostPool(limit_bytes=...)) or free host memory"
+        ) from exc
+    return _Mirror(storages, sizes, offsets, host, device or _device.current_device())
+
+
+def _finish(start_event, handle, device, t0: float, nbytes: int, count: int) -> dict:
+    """Wait for `handle`'s copy on a private stream, read the events, build the timings."""
+    if start_event is not None:
+        marker = _device.new_stream(device)
+        handle.wait_stream(marker)
+        end = _device.new_event(device, timing=True)
+        end.record(marker)
+        end.synchronize()
+        copy_ms = start_event.elapsed_time(end)
+    else:
+        handle.wait()
+        copy_ms = (time.perf_counter() - t0) * 1e3
+    total_ms = (time.perf_counter() - t0) * 1e3
+    return {"copy_ms": copy_ms, "total_ms": total_ms, "bytes": nbytes, "storages": count,
+            "gbps": nbytes / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else 0.0}
+
+
+def _start(device):
+    if not _device.is_accelerator(device):
+        return None
+    event = _device.new_event(device, timing=True)
+    event.record(_device.current_stream(device))
+    return event
+
+
+def offload_params(
+    module: torch.nn.Module,
+    *,
+    grads: bool = False,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    pool: Optional[HostPool] = None,
+    chunk_bytes: int = 64 << 20,
+) -> dict:
+    """Move `module`'s parameters and buffers (and `grads`, and `optimizer`'s state) to pinned host memory.
+
+    The device memory is freed; the module must not run until `reload_params(module)`.
+    The set of tensors moved is fixed by the first call (the mirror is sized for it);
+    pass the same `grads` and `optimizer` every time.
+    """
+    fn = "offload.offload_params"
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{fn}: module must be a torch.nn.Module, got {type(module).__name__}")
+    mirror: Optional[_Mirror] = getattr(module, _STATE_ATTR, None)
+    if mirror is not None and mirror.offloaded:
+        raise RuntimeError(f"{fn}: the parameters of this {type(module).__name__} are already offloaded; "
+                           "call offload.reload_params(module) first")
+    if mirror is None:
+        mirror = _collect(fn, module, grads, optimizer, pool if pool is not None else default_host_pool())
+        object.__setattr__(module, _STATE_ATTR, mirror)
+    else:
+        now = [s.nbytes() for s in mirror.storages]
+        if now != mirror.sizes:
+            raise RuntimeError(f"{fn}: the module's storages changed size since the mirror was made "
+                               f"({sum(mirror.sizes)} -> {sum(now)} bytes); this is not supported")
+    t0 = time.perf_counter()
+    start = _start(mirror.device)
+    handle = copy_to_host(mirror.device_views(), out=mirror.host_views(), chunk_bytes=chunk_bytes)
+    for storage in mirror.storages:
+        # Freed now; the allocator hands the block out again only after the copy
+        # stream passes the copy (copy_to_host recorded the sources on it).
+        storage.resize_(0)
+    mirror.offloaded = True
+    return _finish(start, handle, mirror.device, t0, sum(mirror.sizes), len(mirror.storages))
+
+
+def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> dict:
+    """Bring back what `offload_params` moved, bitwise; the current stream waits for the copy on the device."""
+    fn = "offload.reload_params"
+    mirror: Optional[_Mirror] = getattr(module, _STATE_ATTR, None)
+    if mirror is None or not mirror.offloaded:
+        raise RuntimeError(f"{fn}: the parameters of this {type(module).__name__} are not offloaded; "
+                           "call offload.offload_params(module) first")
+    t0 = time.perf_counter()
+    with _device.stream_context(_device.current_stream(mirror.device)):
+        for storage, n in zip(mirror.storages, mirror.sizes):
+            storage.resize_(n)  # allocated on the current stream, its consumer
+    start = _start(mirror.device)
+    handle = copy_to_device(mirror.host_views(), mirror.device, out=mirror.device_views(), chunk_bytes=chunk_bytes)
+    handle.wait_stream()
+    mirror.offloaded = False
+    return _finish(start, handle, mirror.device, t0, sum(mirror.sizes), len(mirror.storages))
+
+
+def params_offloaded(module: torch.nn.Module) -> bool:
+    mirror = getattr(module, _STATE_ATTR, None)
+    return bool(mirror is not None and mirror.offloaded)

@@ -1,0 +1,538 @@
+"""`offload.WeightSender` / `offload.WeightReceiver`: trainer-to-rollout weight sync in buckets.
+
+RL post-training moves the whole model from the trainer to the inference engines
+after every update. Here the sender packs the weights into buckets (cast on the
+way, `offload.pack_buckets`) and broadcasts them over a torch.distributed group;
+each receiver either yields `(name, tensor)` pairs, the convention of vLLM's and
+SGLang's `model.load_weights(weights)`, or loads them into a module in place.
+
+Protocol, per sync: one object broadcast with the plan (every tensor's name,
+dtype, shape, bucket and offset; the version), then one broadcast per bucket.
+
+Pipelining: two bucket buffers on each side. The sender packs bucket k+1 on the
+current stream while bucket k is on the wire (the collective runs on the process
+group's own stream, which waits for the pack it needs); before packing bucket k+2
+into the buffer of k, the current stream waits for k's broadcast (`work.wait()` on
+NCCL is a device-side wait). The receiver posts the broadcast of k+1 before it
+hands out bucket k. No device-wide synchronize anywhere; `send()` and the end of
+`receive()` wait (host) only for their own last broadcast, to read the timings.
+
+Modes (sender):
+- ``"device"`` (default): pack straight from the training parameters.
+- ``"host_cache"``: `snapshot(model)` copies the weights to pinned host memory
+  (`offload.copy_to_host`, on the copy stream, behind the work already queued)
+  and tags them with a version; the trainer goes on while `send(version=v)` (from
+  this or another thread) packs from the snapshot on the host and broadcasts it.
+  Call `wait_snapshot()` (a device-side wait) before changing the parameters in
+  place, e.g. before `optimizer.step()`. The `keep_versions` latest snapshots are
+  kept; the oldest one's host buffers are reused for the next.
+
+FSDP2 / DTensor sources are gathered with `full_tensor()` one tensor at a time as
+their bucket is packed, never the whole model at once. Every rank of the FSDP mesh
+must call `send()` with the same source in the same order (ranks other than `src`
+only take part in the gathers), as in verl.
+
+Timings (`send()` / `load()` return them; `receiver.timings` after `receive()`):
+gather_ms, pack_ms, host_copy_ms, transfer_ms, unpack_ms, total_ms, plus bytes,
+buckets and version. Phases overlap by design, so they need not sum to the total;
+transfer is the span from the first broadcast posted to the last one completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections import OrderedDict
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _device
+from ._copy import copy_to_host
+from ._phases import PhaseTimer
+from ._pool import HostPool, default_host_pool
+from .buckets import (
+    DEFAULT_ALIGNMENT,
+    BucketEntry,
+    BucketPlan,
+    check_destination,
+    load_into,
+    pack_into,
+    plan_buckets,
+)
+
+PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
+MODES = ("device", "host_cache")
+_DEVICE_BACKENDS = ("nccl", "hccl")
+
+
+def _resolve_group(fn: str, group, ranks, backend):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{fn}: torch.distributed is not initialized; call dist.init_process_group first")
+    if group is not None and ranks is not None:
+        raise ValueError(f"{fn}: pass either group or ranks, not both")
+    if ranks is not None:
+        # new_group is collective over the whole world: every rank must build it.
+        return dist.new_group(sorted(int(r) for r in ranks), backend=backend)
+    return group if group is not None else dist.group.WORLD
+
+
+def _transport_device(group) -> torch.device:
+    """Buckets live where the group's backend reads them: the accelerator for NCCL/HCCL, else the host."""
+    backend = str(dist.get_backend(group)).lower()
+    if backend in _DEVICE_BACKENDS:
+        return _device.current_device()
+    return torch.device("cpu")
+
+
+def _named_sources(fn: str, source) -> List[Tuple[str, torch.Tensor]]:
+    """(name, tensor) references: module state dict, mapping, or pairs. Nothing is gathered here."""
+    if isinstance(source, torch.nn.Module):
+        items = list(source.state_dict(keep_vars=True).items())
+    elif hasattr(source, "items"):
+        items = list(source.items())
+    else:
+        try:
+            items = list(source)
+        except TypeError:
+            raise TypeError(
+                f"{fn}: source must be a module, a state dict or (name, tensor) pairs, got {type(source).__name__}"
+            ) from None
+    out = []
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"{fn}: source item {i} must be a (name, tensor) pair, got {item!r:.80}")
+        out.append((item[0], item[1].detach()))
+    return out
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
+
+
+class _Buffers:
+    """Two bucket buffers, grown (never shrunk) to the largest bucket of a sync."""
+
+    def __init__(self):
+        self.slots: List[Optional[torch.Tensor]] = [None, None]
+
+    def get(self, slot: int, nbytes: int, device, pool: Optional[HostPool] = None) -> torch.Tensor:
+        buf = self.slots[slot]
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            if pool is not None:  # host buckets that are copied up: pinned, from the pool
+                buf = pool.acquire(max(nbytes, 1))
+            else:
+                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self.slots[slot] = buf
+        return buf[:nbytes]
+
+
+class _Snapshot:
+    def __init__(self, version: int, names: List[str], handle, done_event, start_event, host_seconds: float):
+        self.version = version
+        self.names = names
+        self.handle = handle  # CopyHandle of the device-to-host copy
+        self.done_event = done_event  # completes with the copy (accelerators), None on the CPU
+        self.start_event = start_event
+        self.host_seconds = host_seconds
+        self.readers = 0  # sends in progress from this snapshot (guarded by the sender's lock)
+
+    def tensors(self) -> List[torch.Tensor]:
+        return self.handle.wait()
+
+    def copy_ms(self) -> float:
+        if self.done_event is None:
+            return self.host_seconds * 1e3
+        self.done_event.synchronize()
+        return self.start_event.elapsed_time(self.done_event)
+
+
+class WeightSender:
+    """Broadcasts a model's weights in buckets to the receivers of a process group.
+
+    Args:
+        group: the process group (sender and receivers); default: the world. Or
+            `ranks` to build one (every rank of the world must construct with the
+            same ranks, since `new_group` is collective).
+        src: global rank of the sender.
+        bucket_bytes: most bytes per bucket (default `offload.default_bucket_bytes()`).
+        dtype, keep_dtype: the cast policy of `offload.pack_buckets` (e.g. bf16, with
+            router weights kept in fp32).
+        mode: "device" or "host_cache" (see the module docstring).
+        keep_versions: host snapshots kept in "host_cache" mode.
+        pool: host pool for snapshots and host buckets.
+    """
+
+    def __init__(
+        self,
+        group=None,
+        *,
+        src: int = 0,
+        ranks=None,
+        backend: Optional[str] = None,
+        bucket_bytes: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
+        keep_dtype=(),
+        alignment: int = DEFAULT_ALIGNMENT,
+        mode: str = "device",
+        keep_versions: int = 2,
+        pool: Optional[HostPool] = None,
+    ):
+        fn = "offload.WeightSender"
+        if mode not in MODES:
+            raise ValueError(f"{fn}: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 1:
+            raise ValueError(f"{fn}: keep_versions must be an int >= 1, got {keep_versions!r}")
+        self.group = _resolve_group(fn, group, ranks, backend)
+        self.src = int(src)
+        self.mode = mode
+        self.keep_versions = keep_versions
+        self.device = _transport_device(self.group)
+        self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
+        self.keep_dtype = keep_dtype
+        self.alignment = alignment
+        self._pool = pool
+        self.is_src = dist.get_rank() == self.src
+        self._buffers = _Buffers()
+        self._host_buffers = _Buffers()
+        self._snapshots: "OrderedDict[int, _Snapshot]" = OrderedDict()
+        self._next_version = 0
+        self._signature = None  # names, shapes, dtypes of the last plan sent on this group
+        self._cached_plan: Optional[BucketPlan] = None
+        self._plan_id = 0
+        self._lock = threading.Lock()  # snapshot() on the trainer thread, send() on another
+
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:  # only host_cache mode and host-staged sends need one
+            self._pool = default_host_pool()
+        return self._pool
+
+    # ------------------------------------------------------------ host cache
+
+    def snapshot(self, source, version: Optional[int] = None) -> int:
+        """Copy `source`'s weights to pinned host memory, asynchronously; returns the version tag."""
+        fn = "offload.WeightSender.snapshot"
+        items = [(n, t.full_tensor() if _is_dtensor(t) else t) for n, t in _named_sources(fn, source)]
+        names = [n for n, _ in items]
+        tensors = [t for _, t in items]
+        device = tensors[0].device if tensors else _device.current_device()
+        with self._lock:
+            if version is None:
+                version = self._next_version
+            if version in self._snapshots:
+                raise ValueError(f"{fn}: version {version} is already cached; pass a new version")
+            self._next_version = max(self._next_version, version + 1)
+            reuse = None
+            if len(self._snapshots) >= self.keep_versions:
+                _, oldest = self._snapshots.popitem(last=False)
+                old = oldest.handle.tensors
+                same = [(o.shape, o.dtype) for o in old] == [(t.shape, t.dtype) for t in tensors]
+                if same and oldest.readers == 0:  # never overwrite a snapshot another thread is sending
+                    oldest.handle.wait()  # a sender may still be reading it
+                    reuse = oldest.handle
+        start = done = None
+        t0 = time.perf_counter()
+        if _device.is_accelerator(device):
+            start = _device.new_event(device, timing=True)
+            start.record(_device.current_stream(device))
+        handle = copy_to_host(tensors, out=reuse, pool=self.pool)
+        if start is not None:
+            # A private stream waits for the copy, so the end event marks its completion
+            # without the current (training) stream waiting for anything.
+            marker = _device.new_stream(device)
+            handle.wait_stream(marker)
+            done = _device.new_event(device, timing=True)
+            done.record(marker)
+        host_seconds = time.perf_counter() - t0 if start is None else 0.0
+        snap = _Snapshot(version, names, handle, done, start, host_seconds)
+        with self._lock:
+            self._snapshots[version] = snap
+        return version
+
+    def wait_snapshot(self, version: Optional[int] = None, stream=None) -> None:
+        """Make `stream` (default: current) wait, on the device, until the snapshot's copy has read the weights."""
+        self._get_snapshot("offload.WeightSender.wait_snapshot", version).handle.wait_stream(stream)
+
+    @property
+    def versions(self) -> List[int]:
+        with self._lock:
+            return list(self._snapshots)
+
+    def _get_snapshot(self, fn: str, version: Optional[int], reader: bool = False) -> _Snapshot:
+        with self._lock:
+            if not self._snapshots:
+                raise ValueError(f"{fn}: no snapshot is cached; call snapshot(model) first")
+            if version is None:
+                version = next(reversed(self._snapshots))
+            if version not in self._snapshots:
+                raise ValueError(f"{fn}: version {version} is not cached; cached versions: {list(self._snapshots)}")
+            snap = self._snapshots[version]
+            snap.readers += int(reader)  # in the same lock as the lookup: eviction cannot slip in between
+            return snap
+
+    # ------------------------------------------------------------ send
+
+    def send(self, source=None, *, version: Optional[int] = None) -> dict:
+        """Broadcast weights to the receivers; returns per-phase timings.
+
+        "device" mode: `source` is a module, state dict or (name, tensor) pairs.
+        "host_cache" mode: send the cached snapshot `version` (default: the latest),
+        or snapshot `source` first when given.
+        """
+        fn = "offload.WeightSender.send"
+        if self.mode == "host_cache":
+            if source is not None:
+                version = self.snapshot(source, version)
+            return self._send_snapshot(fn, self._get_snapshot(fn, version, reader=True))
+        if source is None:
+            raise ValueError(f"{fn}: mode 'device' needs a source (a module, state dict or (name, tensor) pairs)")
+        items = _named_sources(fn, source)
+        if version is None:
+            version = self._next_version
+        self._next_version = max(self._next_version, version + 1)
+        if not self.is_src:  # another rank of the FSDP mesh: only take part in the gathers
+            return self._gather_only(items, version)
+        return self._send_items(fn, items, version, self.device, host_copy_ms=0.0)
+
+    def _plan(self, items) -> Tuple[BucketPlan, int, bool]:
+        """The plan for these tensors (cached on their names, shapes and dtypes), its id, and whether it is new."""
+        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in items)
+        if signature == self._signature:
+            return self._cached_plan, self._plan_id, False
+        plan = plan_buckets(items, self.bucket_bytes, dtype=self.dtype, keep_dtype=self.keep_dtype,
+                            alignment=self.alignment, device=self.device)
+        self._signature, self._cached_plan = signature, plan
+        self._plan_id = random.getrandbits(62) + 1  # names this plan for receivers, whichever sender made it
+        return plan, self._plan_id, True
+
+    def _gather_only(self, items, version) -> dict:
+        timer = PhaseTimer(_device.current_device(), PHASES)
+        with timer.phase("gather"):
+            for _, t in items:
+                if _is_dtensor(t):
+                    t.full_tensor()
+        return timer.result(bytes=0, buckets=0, version=version)
+
+    def _send_snapshot(self, fn: str, snap: _Snapshot) -> dict:
+        """Send a snapshot that `_get_snapshot(..., reader=True)` marked as read."""
+        try:
+            if not self.is_src:
+                return PhaseTimer(torch.device("cpu"), PHASES).result(bytes=0, buckets=0, version=snap.version)
+            tensors = snap.tensors()  # host wait for the device-to-host copy
+            items = list(zip(snap.names, tensors))
+            return self._send_items(fn, items, snap.version, torch.device("cpu"), host_copy_ms=snap.copy_ms())
+        finally:
+            with self._lock:
+                snap.readers -= 1
+
+    def _send_items(self, fn: str, items, version: int, pack_device: torch.device, host_copy_ms: float) -> dict:
+        timer = PhaseTimer(self.device, PHASES)
+        timer.add_host("host_copy", host_copy_ms / 1e3)
+        plan, plan_id, fresh = self._plan(items)
+        # A small tensor first: the version, the plan's id and whether the plan
+        # follows. The plan (an object broadcast, pickled) is sent only when this
+        # sender's names, shapes or dtypes changed, so a steady-state sync costs one
+        # tiny collective of metadata; receivers keep the plans they have seen by id.
+        flag = torch.tensor([version, plan_id, int(fresh)], dtype=torch.int64, device=self.device)
+        dist.broadcast(flag, src=self.src, group=self.group)
+        if fresh:
+            dist.broadcast_object_list([plan.to_dict()], src=self.src, group=self.group,
+                                       device=_object_device(self.group))
+        per_bucket: List[List[BucketEntry]] = [[] for _ in range(plan.num_buckets)]
+        for e in plan.entries:
+            per_bucket[e.bucket].append(e)
+        tensors = dict(items)
+        staged = pack_device != self.device  # host snapshot sent over NCCL: pack on the host, then copy up
+        works: List = [None, None]
+        uploads: List = [None, None]  # events: host bucket slot free again (its upload has completed)
+        gathered: Dict[str, torch.Tensor] = {}
+        for k, entries in enumerate(per_bucket):
+            slot = k % 2
+            size = plan.bucket_sizes[k]
+            if works[slot] is not None:
+                works[slot].wait()  # device-side on NCCL: the buffer's previous broadcast is done
+            sources = []
+            # Timed only when something is gathered: a phase that did not run reports 0.
+            gathers = any(_is_dtensor(tensors[e.name]) for e in entries)
+            with timer.phase("gather") if gathers else contextlib.nullcontext():
+                for e in entries:
+                    src = gathered.get(e.name)
+                    if src is None:
+                        src = tensors[e.name]
+                        src = src.full_tensor() if _is_dtensor(src) else src
+                        if e.chunk + 1 < e.num_chunks:
+                            gathered[e.name] = src  # more chunks follow in later buckets
+                    elif e.chunk + 1 == e.num_chunks:
+                        del gathered[e.name]
+                    sources.append(src)
+            for e, s in zip(entries, sources):
+                if s.device != pack_device:
+                    raise ValueError(f"{fn}: tensor {e.name!r} is on {s.device} but this group's backend "
+                                     f"({dist.get_backend(self.group)}) sends from {pack_device}")
+            if staged:
+                if uploads[slot] is not None:
+                    uploads[slot].synchronize()  # the host writes this slot next
+                host = self._host_buffers.get(slot, size, torch.device("cpu"), self.pool)
+                with timer.phase("pack"):
+                    pack_into(host, sources, entries, fn)
+                data = self._buffers.get(slot, size, self.device)
+                with timer.phase("host_copy"):
+                    data.copy_(host, non_blocking=True)
+                uploads[slot] = _device.new_event(self.device)
+                uploads[slot].record(_device.current_stream(self.device))
+            else:
+                data = self._buffers.get(slot, size, self.device)
+                with timer.phase("pack"):
+                    pack_into(data, sources, entries, fn)
+            if k == 0:
+                timer.mark_span("transfer")
+            with _device.nvtx_range(f"offload.weight_sync.bucket{k}"):
+                works[slot] = dist.broadcast(data, src=self.src, group=self.group, async_op=True)
+        for w in works:
+            if w is not None:
+                w.wait()
+        timer.mark_span("transfer")
+        return timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
+
+
+def _object_device(group):
+    """Where broadcast_object_list stages its bytes: the accelerator for NCCL/HCCL, else None (host)."""
+    device = _transport_device(group)
+    return device if device.type != "cpu" else None
+
+
+class WeightReceiver:
+    """Receives what a `WeightSender` broadcasts.
+
+    Args:
+        group / ranks / src: as for `WeightSender` (the same group, the sender's rank).
+    """
+
+    def __init__(self, group=None, *, src: int = 0, ranks=None, backend: Optional[str] = None):
+        fn = "offload.WeightReceiver"
+        self.group = _resolve_group(fn, group, ranks, backend)
+        self.src = int(src)
+        self.device = _transport_device(self.group)
+        self._buffers = _Buffers()
+        self.version: Optional[int] = None
+        self.timings: dict = {}
+        self._plans: Dict[int, BucketPlan] = {}  # plans seen, by id; a sender resends only a changed plan
+
+    def _header(self) -> Tuple[BucketPlan, int]:
+        flag = torch.empty(3, dtype=torch.int64, device=self.device)
+        dist.broadcast(flag, src=self.src, group=self.group)
+        version, plan_id, fresh = (int(v) for v in flag.tolist())
+        if fresh:
+            box = [None]
+            dist.broadcast_object_list(box, src=self.src, group=self.group, device=_object_device(self.group))
+            if not isinstance(box[0], dict) or "entries" not in box[0]:
+                raise RuntimeError(f"offload.WeightReceiver: expected a bucket plan from rank {self.src}, "
+                                   f"got {type(box[0]).__name__}")
+            self._plans[plan_id] = BucketPlan.from_dict(box[0])
+            while len(self._plans) > 8:  # a few senders may share a group; keep their recent plans
+                self._plans.pop(next(iter(self._plans)))
+        elif plan_id not in self._plans:
+            raise RuntimeError(f"offload.WeightReceiver: rank {self.src} refers to plan {plan_id}, which this "
+                               "receiver never received; was it created after the sender's first sync?")
+        self.version = version
+        return self._plans[plan_id], version
+
+    def _buckets(self, plan: BucketPlan, timer: PhaseTimer) -> Iterator[Tuple[torch.Tensor, List[BucketEntry]]]:
+        """Each received bucket with its entries; bucket k+1 is posted before k is handed out."""
+        per_bucket: List[List[BucketEntry]] = [[] for _ in range(plan.num_buckets)]
+        for e in plan.entries:
+            per_bucket[e.bucket].append(e)
+        works: List = [None, None]
+        datas: List = [None, None]
+
+        def post(k):
+            slot = k % 2
+            datas[slot] = self._buffers.get(slot, plan.bucket_sizes[k], self.device)
+            works[slot] = dist.broadcast(datas[slot], src=self.src, group=self.group, async_op=True)
+
+        if plan.num_buckets:
+            timer.mark_span("transfer")
+            post(0)
+        for k in range(plan.num_buckets):
+            if k + 1 < plan.num_buckets:
+                # The slot of k+1 last held k-1, which the consumer is done with: it
+                # asked for bucket k. On NCCL the broadcast also waits for the
+                # consumer's copies already queued on the current stream.
+                post(k + 1)
+            works[k % 2].wait()
+            yield datas[k % 2], per_bucket[k]
+        timer.mark_span("transfer")
+
+    def receive(self, copy: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) pairs as they arrive, for `model.load_weights(receiver.receive())`.
+
+        Tensors are views into a bucket buffer, valid until the next bucket is
+        requested (one further bucket after this one's last tensor), unless
+        `copy=True`; tensors split across buckets are assembled into new tensors.
+        Timings are in `self.timings` once the generator is exhausted.
+        """
+        plan, version = self._header()
+        timer = PhaseTimer(self.device, PHASES)
+        partial: Dict[str, torch.Tensor] = {}
+        for data, entries in self._buckets(plan, timer):
+            for e in entries:
+                view = data[e.offset : e.offset + e.nbytes].view(e.torch_dtype)
+                if e.num_chunks == 1:
+                    tensor = view.view(e.shape)
+                    yield e.name, (tensor.clone() if copy else tensor)
+                    continue
+                with timer.phase("unpack"):
+                    whole = partial.get(e.name)
+                    if whole is None:
+                        whole = partial[e.name] = torch.empty(e.shape, dtype=e.torch_dtype, device=self.device)
+                    whole.view(-1)[e.start : e.start + e.numel].copy_(view)
+                if e.chunk + 1 == e.num_chunks:
+                    yield e.name, partial.pop(e.name)
+        self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
+
+    def load(self, target, strict: bool = True) -> dict:
+        """Receive into `target` (a module's state dict tensors, or a mapping name -> tensor) in place.
+
+        Every received tensor must exist in `target` with the same shape and dtype
+        (the sender's cast dtype); with `strict`, every target tensor must be sent.
+        On a mismatch the buckets are still received (the other ranks are not left
+        hanging in the collective) and then ValueError names the tensor.
+        Returns the timings.
+        """
+        fn = "offload.WeightReceiver.load"
+        if isinstance(target, torch.nn.Module):
+            dsts = {n: t.detach() for n, t in target.state_dict(keep_vars=True).items()}
+        elif hasattr(target, "items"):
+            dsts = {n: t.detach() for n, t in target.items()}
+        else:
+            raise TypeError(f"{fn}: target must be a module or a mapping name -> tensor, got {type(target).__name__}")
+        plan, version = self._header()
+        error = None
+        try:
+            sent = set()
+            for e in plan.entries:
+                if e.name not in dsts:
+                    raise ValueError(f"{fn}: received tensor {e.name!r} but the target has no tensor of that name")
+                check_destination(fn, e, dsts[e.name], self.device)
+                sent.add(e.name)
+            missing = [n for n in dsts if n not in sent]
+            if strict and missing:
+                raise ValueError(f"{fn}: the target's tensor {missing[0]!r} was not sent ({len(missing)} missing); "
+                                 "pass strict=False to allow it")
+        except ValueError as exc:
+            error = exc
+        timer = PhaseTimer(self.device, PHASES)
+        with torch.no_grad():
+            for data, entries in self._buckets(plan, timer):
+                if error is None:
+                    with timer.phase("unpack"):
+                        load_into(data, [dsts[e.name] for e in entries], entries, fn)
+        if error is not None:
+            raise error
+        self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
+        return self.timings

@@ -1,0 +1,243 @@
+"""Bucket planning, packing and unpacking: round trips bit for bit, casts equal to tensor.to(dtype)."""
+
+import pickle
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import offload
+from offload.buckets import BucketEntry, BucketPlan
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+          torch.bool, torch.int8]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+
+def _random(shape, dtype, device, gen):
+    if dtype.is_floating_point:
+        t = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
+        return t.to(dtype).to(device)
+    if dtype == torch.bool:
+        return (torch.randint(0, 2, shape, generator=gen) == 1).to(device)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen, dtype=torch.int64).to(
+        dtype).to(device)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose equality is bitwise (NaN payloads and -0.0 included)."""
+    if t.dtype == torch.bool or t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _expected(t, name, dtype, keep):
+    castable = t.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    if dtype is None or not castable or any(re.fullmatch(k.replace("*", ".*"), name) for k in keep):
+        return t
+    return t.to(dtype)
+
+
+def _round_trip(tensors, bucket_bytes, dtype=None, keep=(), alignment=offload.buckets.DEFAULT_ALIGNMENT):
+    """Pack, then unpack both ways; check views and in-place loads against the expected values."""
+    buckets = list(offload.pack_buckets(tensors, bucket_bytes, dtype=dtype, keep_dtype=keep, alignment=alignment))
+    plan = offload.plan_buckets(tensors, bucket_bytes, dtype=dtype, keep_dtype=keep, alignment=alignment)
+    assert [b.entries for b in buckets] == [plan.bucket_entries(i) for i in range(plan.num_buckets)]
+    assert [b.data.numel() for b in buckets] == plan.bucket_sizes
+    assert all(b.data.numel() <= bucket_bytes for b in buckets)
+    # In place: destinations in the bucket dtype, filled chunk by chunk.
+    out = {}
+    for name, t in tensors.items():
+        want = _expected(t, name, dtype, keep)
+        out[name] = torch.full_like(want, 7) if want.dtype != torch.bool else torch.zeros_like(want)
+    for b in buckets:
+        offload.unpack_bucket(b.data, b.entries, out=out)
+        for e in b.entries:
+            assert e.offset % alignment == 0
+    for name, t in tensors.items():
+        assert torch.equal(_bits(out[name]), _bits(_expected(t, name, dtype, keep))), name
+    # Views: whole tensors come back in their shape; chunks as flat pieces.
+    pieces = {}
+    for b in buckets:
+        for (name, view), e in zip(offload.unpack_bucket(b.data, b.entries), b.entries):
+            pieces.setdefault(name, []).append((e.start, view))
+    for name, t in tensors.items():
+        want = _expected(t, name, dtype, keep)
+        flat = torch.cat([v.reshape(-1) for _, v in sorted(pieces[name], key=lambda p: p[0])])
+        assert torch.equal(_bits(flat), _bits(want.reshape(-1))), name
+    return buckets
+
+
+def test_buckets_round_trip_every_dtype(backend, device):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}.{str(d)[6:]}": _random((3, 5 + i), d, device, gen) for i, d in enumerate(DTYPES)}
+    _round_trip(tensors, 1024)
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_buckets_cast_equals_to(backend, device, target):
+    gen = torch.Generator().manual_seed(1)
+    tensors = {f"w{i}": _random((37, 11), d, device, gen) for i, d in enumerate(
+        [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])}
+    # Values that stress rounding: ties, subnormals, infinities, NaN.
+    tensors["special"] = torch.tensor([0.0, -0.0, 1e-40, -1e-45, float("inf"), float("-inf"), float("nan"),
+                                       1.00390625, 1.0009765625, 65520.0, 3.4e38], device=device)
+    _round_trip(tensors, 4096, dtype=target)
+
+
+def test_buckets_keep_dtype_patterns(backend, device):
+    gen = torch.Generator().manual_seed(2)
+    tensors = {
+        "layers.0.mlp.gate.weight": _random((4, 8), torch.float32, device, gen),
+        "layers.0.mlp.up.weight": _random((4, 8), torch.float32, device, gen),
+        "layers.0.router.bias": _random((8,), torch.float32, device, gen),
+    }
+    buckets = _round_trip(tensors, 1 << 16, dtype=torch.bfloat16, keep=["*.gate.weight"])
+    dtypes = {e.name: e.dtype for b in buckets for e in b.entries}
+    assert dtypes == {"layers.0.mlp.gate.weight": "float32", "layers.0.mlp.up.weight": "bfloat16",
+                      "layers.0.router.bias": "bfloat16"}
+    regex = offload.plan_buckets(tensors, 1 << 16, dtype=torch.bfloat16, keep_dtype=[re.compile(r".*router.*")])
+    assert {e.name: e.dtype for e in regex.entries}["layers.0.router.bias"] == "float32"
+
+
+def test_buckets_split_large_tensor(backend, device):
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"small": _random((10,), torch.float32, device, gen),
+               "big": _random((1000, 3), torch.float32, device, gen),  # 12000 bytes over 1024-byte buckets
+               "after": _random((5,), torch.float16, device, gen)}
+    buckets = _round_trip(tensors, 1024, dtype=torch.bfloat16)
+    chunks = [e for b in buckets for e in b.entries if e.name == "big"]
+    assert len(chunks) > 5 and [c.chunk for c in chunks] == list(range(len(chunks)))
+    assert sum(c.numel for c in chunks) == 3000 and all(c.num_chunks == len(chunks) for c in chunks)
+    assert len({c.bucket for c in chunks}) == len(chunks)
+
+
+def test_buckets_empty_and_many_tiny(backend, device):
+    gen = torch.Generator().manual_seed(4)
+    tensors = {"empty0": torch.empty(0, device=device), "empty1": torch.empty(3, 0, dtype=torch.bfloat16,
+                                                                              device=device)}
+    for i in range(2000):
+        tensors[f"tiny.{i}"] = _random((1 + i % 3,), torch.float32, device, gen)
+    buckets = _round_trip(tensors, 1 << 14, dtype=torch.bfloat16, alignment=16)  # 2000 * 16 bytes
+    assert len(buckets) == 2
+
+
+def test_buckets_iterator_streams_one_bucket_at_a_time(backend, device):
+    gen = torch.Generator().manual_seed(5)
+    seen = []
+
+    def lazy():
+        for i in range(6):
+            seen.append(i)
+            yield f"t{i}", _random((64,), torch.float32, device, gen)  # 256 bytes each
+
+    it = offload.pack_buckets(lazy(), 512)
+    first = next(it)
+    assert [e.name for e in first.entries] == ["t0", "t1"] and seen == [0, 1, 2]
+    assert len(list(it)) == 2
+
+
+def test_buckets_metadata_is_plain_data(device):
+    tensors = {"a": torch.zeros(10, 3, device=device), "b": torch.zeros(4000, device=device)}
+    plan = offload.plan_buckets(tensors, 4096, dtype=torch.bfloat16)
+    again = BucketPlan.from_dict(pickle.loads(pickle.dumps(plan.to_dict())))
+    assert again == plan
+    assert BucketEntry.from_dict(plan.entries[0].to_dict()) == plan.entries[0]
+    meta = offload.plan_buckets({"m": torch.empty(1 << 20, device="meta")}, 1 << 16)  # nothing read
+    assert sum(e.numel for e in meta.entries) == 1 << 20
+
+
+def test_buckets_default_size_is_documented_range(device):
+    size = offload.buckets.default_bucket_bytes(device)
+    if device.type == "cpu":
+        assert size == offload.buckets.CPU_DEFAULT_BUCKET_BYTES
+    else:
+        assert offload.buckets.MIN_DEFAULT_BUCKET_BYTES <= size <= offload.buckets.MAX_DEFAULT_BUCKET_BYTES
+
+
+# ---------------------------------------------------------------- fuzz
+
+_FUZZ_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.float64]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=3), min_size=1, max_size=12),
+    dtypes=st.lists(st.sampled_from(_FUZZ_DTYPES), min_size=12, max_size=12),
+    target=st.sampled_from([None, torch.bfloat16, torch.float32, torch.float16]),
+    alignment=st.sampled_from([1, 8, 16, 64, 256]),
+    bucket_units=st.integers(1, 40),
+)
+def test_buckets_fuzz_round_trip(backend, device, shapes, dtypes, target, alignment, bucket_units):
+    gen = torch.Generator().manual_seed(len(shapes) * 31 + bucket_units)
+    tensors = {f"p{i}": _random(tuple(s), dtypes[i], device, gen) for i, s in enumerate(shapes)}
+    bucket_bytes = max(alignment, 8) * bucket_units + (bucket_units % 3) * 8
+    _round_trip(tensors, bucket_bytes, dtype=target, alignment=alignment)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_buckets_name_twice_raises():
+    with pytest.raises(ValueError, match="tensor name 'w' appears twice"):
+        offload.plan_buckets([("w", torch.zeros(2)), ("w", torch.zeros(3))], 1024)
+
+
+def test_buckets_bucket_smaller_than_alignment_raises():
+    with pytest.raises(ValueError, match=r"bucket_bytes \(100\) is smaller than one alignment unit \(256"):
+        offload.plan_buckets({"a": torch.zeros(2)}, 100)
+    with pytest.raises(ValueError, match="alignment must be a power of two"):
+        offload.plan_buckets({"a": torch.zeros(2)}, 1024, alignment=24)
+
+
+def test_buckets_unsupported_tensors_raise(backend):
+    with pytest.raises(ValueError, match="tensor 'nc' is not contiguous"):
+        list(offload.pack_buckets({"nc": torch.zeros(4, 6).t()}, 1024))
+    with pytest.raises(ValueError, match="tensor 'sp' has layout torch.sparse_coo"):
+        list(offload.pack_buckets({"sp": torch.zeros(4, 4).to_sparse()}, 1024))
+    with pytest.raises(ValueError, match="tensor 'm' is a meta tensor"):
+        list(offload.pack_buckets({"m": torch.empty(4, device="meta")}, 1024))
+    with pytest.raises(TypeError, match="tensor 'x' must be a torch.Tensor"):
+        list(offload.pack_buckets({"x": [1, 2]}, 1024))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        offload.plan_buckets({"a": torch.zeros(2)}, 1024, dtype=torch.int8)
+
+
+def test_buckets_metadata_mismatch_raises(backend):
+    (bucket,) = offload.pack_buckets({"a": torch.arange(10.0), "b": torch.arange(4.0)}, 1024)
+    lie = [BucketEntry(**{**bucket.entries[1].to_dict(), "shape": (400,), "numel": 400, "nbytes": 1600})]
+    with pytest.raises(ValueError, match="metadata of tensor 'b' .* does not match bucket 0"):
+        offload.unpack_bucket(bucket.data, lie)
+    with pytest.raises(ValueError, match="tensor 'a' has shape \\[10\\] in the bucket but the destination has"):
+        offload.unpack_bucket(bucket.data, bucket.entries, out={"a": torch.zeros(11), "b": torch.zeros(4)})
+    with pytest.raises(ValueError, match="tensor 'b' is float32 in the bucket but the destination is float64"):
+        offload.unpack_bucket(bucket.data, bucket.entries, out={"a": torch.zeros(10),
+                                                                "b": torch.zeros(4, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="out has no tensor named 'b'"):
+        offload.unpack_bucket(bucket.data, bucket.entries, out={"a": torch.zeros(10)})
+
+
+@pytest.mark.native
+def test_buckets_native_checks_spans():
+    core = offload._backend.core()
+    bucket = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="do not fit a bucket of 64 bytes"):
+        core.pack_bucket(bucket, [torch.zeros(32)], [0], [32], [0], [torch.float32])
+    with pytest.raises(ValueError, match="cannot cast sources\\[0\\] between Int and Float"):
+        core.pack_bucket(bucket, [torch.zeros(4, dtype=torch.int32)], [0], [4], [0], [torch.float32])
+
+
+@pytest.mark.cuda
+def test_buckets_cuda_unaligned_sources_and_big_tensor(backend, device):
+    """Sources that start off the 16-byte grid (slices) take the head/tail path; many spans take several launches."""
+    gen = torch.Generator().manual_seed(6)
+    base = _random((1 << 20) + 7, torch.float32, device, gen)
+    tensors = {"off1": base[1:1001], "off3": base[3:70001], "big": base[5:(1 << 20) + 5]}
+    for i in range(300):  # more spans than one kernel table holds
+        tensors[f"s{i}"] = _random((i + 1,), torch.bfloat16, device, gen)
+    _round_trip(tensors, 1 << 21, dtype=torch.float16, alignment=16)
+    _round_trip(tensors, 1 << 21)

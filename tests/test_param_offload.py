@@ -1,0 +1,152 @@
+"""Parameter offload: memory really released, bitwise identical after reload, training goes on identically."""
+
+import socket
+import traceback
+
+import pytest
+import torch
+
+import offload
+from offload import _device
+
+
+def _model(device, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 48), torch.nn.GELU(),
+                                torch.nn.LayerNorm(48), torch.nn.Linear(48, 64))
+    model[4].weight = torch.nn.Parameter(torch.randn(64, 48))  # odd sizes, fresh storage
+    return model.to(device)
+
+
+def _step(model, opt, step: int) -> float:
+    gen = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 64, (4, 7), generator=gen).to(next(model.parameters()).device)
+    loss = torch.nn.functional.cross_entropy(model(ids).reshape(-1, 64), ids.reshape(-1))
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _snapshot(model, opt):
+    params = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    state = [v.detach().clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return params, grads, state
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            assert u.dtype == v.dtype and torch.equal(u, v)
+
+
+def test_param_offload_round_trip_and_training_identical(device):
+    model, ref = _model(device), _model(device)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        _step(model, opt, step)
+        _step(ref, ref_opt, step)
+    before = _snapshot(model, opt)
+    allocated = _device.memory_allocated(device)
+
+    out = offload.offload_params(model, grads=True, optimizer=opt)
+    assert offload.params_offloaded(model)
+    moved = sum(p.numel() * p.element_size() for p in model.parameters()) * 4  # params, grads, exp_avg(_sq)
+    count = len(list(model.parameters()))
+    # params, grads, exp_avg, exp_avg_sq (+ the step counters where they live on the compute device)
+    assert out["bytes"] >= moved and out["copy_ms"] >= 0 and out["storages"] >= 4 * count
+    for p in model.parameters():  # storages released, tensors keep their shape and identity
+        assert p.untyped_storage().nbytes() == 0 and p.grad.untyped_storage().nbytes() == 0
+    if _device.is_accelerator(device):
+        assert allocated - _device.memory_allocated(device) >= moved
+
+    back = offload.reload_params(model)
+    assert not offload.params_offloaded(model) and back["bytes"] == out["bytes"]
+    _assert_same(_snapshot(model, opt), before)
+    for step in range(2, 4):  # the optimizer still holds the same tensors: training is unchanged
+        assert torch.equal(_step(model, opt, step), _step(ref, ref_opt, step))
+    _assert_same(_snapshot(model, opt), _snapshot(ref, ref_opt))
+
+
+def test_param_offload_mirror_allocated_once_and_tied_weights_move_once(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False)).to(device)
+    model[1].weight = model[0].weight  # tied, as in LMs with tie_word_embeddings
+    names = {id(p) for p in model.parameters()}
+    first = offload.offload_params(model)
+    host_ptr = getattr(model, "_offload_param_mirror").host.data_ptr()
+    offload.reload_params(model)
+    second = offload.offload_params(model)
+    assert getattr(model, "_offload_param_mirror").host.data_ptr() == host_ptr
+    assert first["storages"] == second["storages"] == len(names)
+    offload.reload_params(model)
+    assert model[1].weight is model[0].weight
+
+
+def test_param_offload_bad_calls_raise(device):
+    model = _model(device)
+    with pytest.raises(RuntimeError, match="reload_params: the parameters of this Sequential are not offloaded"):
+        offload.reload_params(model)
+    offload.offload_params(model)
+    with pytest.raises(RuntimeError, match="offload.offload_params: the parameters of this Sequential are already "
+                                           "offloaded"):
+        offload.offload_params(model)
+    offload.reload_params(model)
+    with pytest.raises(TypeError, match="offload.offload_params: module must be a torch.nn.Module"):
+        offload.offload_params([torch.zeros(3)])
+
+
+# ---------------------------------------------------------------- FSDP2 on two GPUs
+
+
+def _fsdp2_worker(rank, port, failures):
+    try:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        _device._module("cuda").set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        device = _device.current_device()
+        model, ref = _model(device), _model(device)
+        for m in (model, ref):
+            for layer in m:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer)
+            fully_shard(m)
+        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        _step(model, opt, 0)
+        _step(ref, ref_opt, 0)
+        allocated = _device.memory_allocated(device)
+        out = offload.offload_params(model, grads=True, optimizer=opt)
+        assert _device.memory_allocated(device) <= allocated - out["bytes"] + (1 << 20)
+        offload.reload_params(model)
+        for step in range(1, 3):
+            assert torch.equal(_step(model, opt, step), _step(ref, ref_opt, step))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.to_local(), q.to_local())
+        dist.destroy_process_group()
+    except BaseException:
+        failures.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.cuda
+@pytest.mark.multi_gpu
+def test_param_offload_fsdp2_two_gpus():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_fsdp2_worker, args=(r, port, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or "a rank hung or crashed"

@@ -1,0 +1,224 @@
+"""Weight sync between two processes: a gloo world on the CPU (CI) and an NCCL world on two GPUs.
+
+The sender owns a small Llama built from a config (no downloads); the receiver
+rebuilds the same model with the same seed and the same edits, so it knows what
+must arrive, and checks bit for bit after every sync.
+"""
+
+import socket
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import offload
+
+SRC = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _llama(seed: int, device="cpu"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(device).eval()
+
+
+def _train_step(model, step: int) -> None:
+    """A deterministic in-place change of every weight (the same on both ranks)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.device, p.dtype))
+
+
+def _sd(model):
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def _assert_equal(got, want, what):
+    assert got.keys() == want.keys(), what
+    for n in want:
+        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{what}: {n}"
+
+
+def _run(rank, world, port, scenario, device_type, failures):
+    try:
+        if device_type == "cuda":
+            offload._device._module("cuda").set_device(rank)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        device = offload._device.current_device()
+        scenario(rank, device)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        failures.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+def _spawn(scenario, device_type="cpu"):
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_run, args=(r, 2, port, scenario, device_type, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or "a rank hung or crashed"
+
+
+# ---------------------------------------------------------------- scenarios (module level: spawn pickles them)
+
+
+def _scenario_syncs(rank, device):
+    """Device mode three times with training in between, cast with kept dtypes, then the iterator."""
+    model = _llama(0, device)
+    keep = ["*norm.weight"]
+    if rank == SRC:
+        sender = offload.WeightSender(src=SRC, bucket_bytes=16 << 10)
+        cast = offload.WeightSender(src=SRC, bucket_bytes=16 << 10, dtype=torch.bfloat16, keep_dtype=keep)
+        for step in range(3):
+            _train_step(model, step)
+            t = sender.send(model)
+            assert t["buckets"] > 3 and t["pack_ms"] > 0 and t["version"] == step
+            assert t["host_copy_ms"] == 0.0 and t["gather_ms"] == 0.0  # phases that did not run
+        cast.send(model)
+        sender.send(model.state_dict())
+        return
+    receiver = offload.WeightReceiver(src=SRC)
+    mine = _llama(1, device)  # different values until the sync
+    replica = _llama(0, device)
+    for step in range(3):
+        _train_step(replica, step)
+        t = receiver.load(mine)
+        assert receiver.version == step and t["unpack_ms"] > 0 and t["gather_ms"] == 0.0
+        _assert_equal(_sd(mine), _sd(replica), f"sync {step}")
+    # bf16 except the norms, which keep fp32
+    low = _llama(1, device).to(torch.bfloat16)
+    for name, mod in low.named_modules():
+        if name.endswith("norm"):
+            mod.weight.data = mod.weight.data.float()
+    receiver.load(low)
+    want = {n: (t if n.endswith("norm.weight") else t.to(torch.bfloat16)) for n, t in _sd(replica).items()}
+    _assert_equal(_sd(low), want, "cast")
+    got = dict(receiver.receive(copy=True))  # lm_head and embed_tokens are split over 16 KiB buckets
+    _assert_equal(got, _sd(replica), "receive")
+
+
+def _scenario_host_cache(rank, device):
+    """Snapshots taken while training goes on; an older version is what arrives; eviction."""
+    model = _llama(0, device)
+    replica = _llama(0, device)
+    if rank == SRC:
+        sender = offload.WeightSender(src=SRC, bucket_bytes=32 << 10, mode="host_cache", keep_versions=2)
+        v0 = sender.snapshot(model)
+        sender.wait_snapshot(v0)
+        _train_step(model, 0)  # the trainer goes on: v0 must not see this
+        v1 = sender.snapshot(model)
+        sender.wait_snapshot(v1)
+        _train_step(model, 1)
+        t = sender.send(version=v0)
+        assert t["version"] == v0 and t["host_copy_ms"] > 0 and t["transfer_ms"] >= 0
+        sender.send(version=v1)
+        sender.send(model)  # snapshot v2 and send it; v0 is evicted
+        assert sender.versions == [1, 2]
+        with pytest.raises(ValueError, match="version 0 is not cached"):
+            sender.send(version=0)
+        return
+    receiver = offload.WeightReceiver(src=SRC)
+    mine = _llama(1, device)
+    receiver.load(mine)
+    assert receiver.version == 0
+    _assert_equal(_sd(mine), _sd(replica), "version 0")
+    _train_step(replica, 0)
+    receiver.load(mine)
+    _assert_equal(_sd(mine), _sd(replica), "version 1")
+    _train_step(replica, 1)
+    receiver.load(mine)
+    assert receiver.version == 2
+    _assert_equal(_sd(mine), _sd(replica), "version 2")
+
+
+def _scenario_bad_receiver(rank, device):
+    """A receiver whose parameter has the wrong shape or dtype raises naming it; the sender is not left hanging."""
+    model = _llama(0, device)
+    if rank == SRC:
+        sender = offload.WeightSender(src=SRC, bucket_bytes=64 << 10)
+        for _ in range(4):
+            sender.send(model)
+        return
+    receiver = offload.WeightReceiver(src=SRC)
+    wrong = _llama(1, device)
+    sd = wrong.state_dict()
+    bad_shape = dict(sd, **{"model.norm.weight": torch.zeros(65, device=device)})
+    with pytest.raises(ValueError, match="tensor 'model.norm.weight' has shape \\[64\\] in the bucket but the "
+                                         "destination has shape \\[65\\]"):
+        receiver.load(bad_shape)
+    bad_dtype = dict(sd, **{"lm_head.weight": sd["lm_head.weight"].double()})
+    with pytest.raises(ValueError, match="tensor 'lm_head.weight' is float32 in the bucket but the destination "
+                                         "is float64"):
+        receiver.load(bad_dtype)
+    missing = {n: t for n, t in sd.items() if n != "model.norm.weight"}
+    with pytest.raises(ValueError, match="received tensor 'model.norm.weight' but the target has no tensor"):
+        receiver.load(missing)
+    receiver.load(wrong)  # and the next sync works
+    _assert_equal(_sd(wrong), _sd(model), "after errors")
+
+
+@pytest.mark.slow
+def test_weight_sync_gloo_device_mode_consecutive_syncs():
+    _spawn(_scenario_syncs)
+
+
+@pytest.mark.slow
+def test_weight_sync_gloo_host_cache_versions():
+    _spawn(_scenario_host_cache)
+
+
+@pytest.mark.slow
+def test_weight_sync_gloo_bad_receiver_names_tensor():
+    _spawn(_scenario_bad_receiver)
+
+
+def test_weight_sync_needs_initialized_group():
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        offload.WeightSender()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        offload.WeightReceiver()
+
+
+@pytest.mark.cuda
+@pytest.mark.multi_gpu
+def test_weight_sync_nccl_device_mode():
+    _spawn(_scenario_syncs, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.multi_gpu
+def test_weight_sync_nccl_host_cache():
+    _spawn(_scenario_host_cache, "cuda")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
