@@ -13,6 +13,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <c10/core/DeviceGuard.h>
@@ -29,7 +30,9 @@ namespace offload {
 namespace {
 
 constexpr int64_t kAlign = 16;                          // packed offsets: 16-byte vector copies
-constexpr int64_t kMaxGroupBytes = int64_t(32) << 20;   // one staging buffer and one DMA
+// One staging buffer and one DMA. 8 MiB already runs the DMA at ~97% of its
+// peak, and smaller groups start the first DMA sooner after the call.
+constexpr int64_t kMaxGroupBytes = int64_t(8) << 20;
 constexpr int64_t kMaxSpanGap = int64_t(64) << 10;      // host gap worth reading to save a DMA
 
 int64_t align_up(int64_t value) { return (value + kAlign - 1) / kAlign * kAlign; }
@@ -300,10 +303,18 @@ class CopyEngine {
     const char* fn = "offload.copy_to_device";
     const size_t n = tensors.size();
     const bool on_device = !device.is_cpu();
+    // Asking the driver whether memory is pinned costs ~1 us, so ask once per storage.
+    std::unordered_map<const void*, bool> pinned_storages;
+    auto is_pinned = [&](const at::Tensor& t) {
+      const void* key = t.storage().data();
+      auto it = pinned_storages.find(key);
+      if (it == pinned_storages.end()) it = pinned_storages.emplace(key, pool.owns(t) || t.is_pinned()).first;
+      return it->second;
+    };
     for (size_t i = 0; i < n; ++i) {
       check_source(fn, i, tensors[i], c10::DeviceType::CPU, tensors[0]);
       if (on_device && options.require_pinned && !from && tensors[i].numel() > 0) {
-        TORCH_CHECK_VALUE(tensors[i].is_pinned(), fn, ": tensors[", i, "] is not pinned, so the copy would block "
+        TORCH_CHECK_VALUE(is_pinned(tensors[i]), fn, ": tensors[", i, "] is not pinned, so the copy would block "
                           "the host; pass pinned memory (offload.copy_to_host results, offload.HostPool.empty, "
                           "tensor.pin_memory()) or require_pinned=False");
       }

@@ -1,6 +1,7 @@
 // Argument checks that name the function, the argument, the rule and what arrived.
 #pragma once
 
+#include <cstdio>
 #include <sstream>
 #include <string>
 
@@ -37,16 +38,15 @@ inline std::string describe(const at::Tensor& t) {
 }
 
 inline std::string human_bytes(size_t bytes) {
-  std::ostringstream out;
-  out.precision(3);
+  char text[64];
   if (bytes >= (size_t(1) << 30)) {
-    out << double(bytes) / double(size_t(1) << 30) << " GiB";
+    std::snprintf(text, sizeof(text), "%.3g GiB", double(bytes) / double(size_t(1) << 30));
   } else if (bytes >= (size_t(1) << 20)) {
-    out << double(bytes) / double(size_t(1) << 20) << " MiB";
+    std::snprintf(text, sizeof(text), "%.3g MiB", double(bytes) / double(size_t(1) << 20));
   } else {
-    out << bytes << " bytes";
+    std::snprintf(text, sizeof(text), "%zu bytes", bytes);
   }
-  return out.str();
+  return text;
 }
 
 inline int64_t tensor_nbytes(const at::Tensor& t) {
