@@ -248,11 +248,12 @@ class _BufferSet:
     handed out in a staged dict is instead a view of `aliases[n]`: the same
     bytes as `blocks[n]` under a storage object of its own (made through DLPack,
     whose context keeps the pooled block alive), which the copy engine never
-    sees. Right after the stager builds those views (`_bind`) and with no staged
-    dict alive, `mark_baseline` records (a) the Python reference count of every
-    object it hands out and (b) the use count of every alias storage. Any later
-    excess is a reader: the staged dict or one of its tensors kept (a), or a new
-    view or a DTensor's local tensor taken from one (b).
+    sees. On every save to a set found free (so no reader exists), after those
+    views are built (`_bind`) and before the staged dict is, `mark_baseline`
+    records (a) the Python reference count of every object it hands out and (b)
+    the use count of every alias storage: exactly the stager's own references.
+    Any later excess is a reader: the staged dict or one of its tensors kept (a),
+    or a new view taken from one (b).
     """
 
     def __init__(self, index: int):
@@ -288,7 +289,7 @@ class _BufferSet:
         return [_use_count(a.untyped_storage()._cdata) for a in self.aliases.values()]
 
     def mark_baseline(self) -> None:
-        """Record the references this stager itself holds (call right after `_bind` or with no staged dict alive)."""
+        """Record the references this stager itself holds (call with no staged dict or reader alive)."""
         self.ref_base = list(map(sys.getrefcount, self.watch))
         if _use_count is not None:
             self.use_base = self._alias_uses()
