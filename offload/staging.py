@@ -237,18 +237,36 @@ class _Plan:
 
 
 class _BufferSet:
-    """One set of host buffers for a whole state dict; the ring holds `ring_size` of them."""
+    """One set of host buffers for a whole state dict; the ring holds `ring_size` of them.
+
+    How the set knows it is still read, whatever the copy backend holds: the
+    copy engine writes into views of `blocks` (`dsts`), and may keep its own
+    references to them, to their storages and to views it makes (the native
+    `Transfer` holds its outputs, host bases and packed blocks for as long as the
+    handle lives; the fallback holds fewer). Those counts are the backend's
+    business and change with it, so none of them is looked at. Every tensor
+    handed out in a staged dict is instead a view of `aliases[n]`: the same
+    bytes as `blocks[n]` under a storage object of its own (made through DLPack,
+    whose context keeps the pooled block alive), which the copy engine never
+    sees. On every save to a set found free (so no reader exists), after those
+    views are built (`_bind`) and before the staged dict is, `mark_baseline`
+    records (a) the Python reference count of every object it hands out and (b)
+    the use count of every alias storage: exactly the stager's own references.
+    Any later excess is a reader: the staged dict or one of its tensors kept (a),
+    or a new view taken from one (b).
+    """
 
     def __init__(self, index: int):
         self.index = index
         self.plan: Optional[_Plan] = None
         self.buffers: Dict[Any, Tuple[torch.Tensor, int]] = {}  # unit key -> (host tensor, block number)
-        self.blocks: Dict[int, torch.Tensor] = {}  # block number -> pooled uint8 block
+        self.blocks: Dict[int, torch.Tensor] = {}  # block number -> pooled uint8 block (the engine writes it)
+        self.aliases: Dict[int, torch.Tensor] = {}  # block number -> the same bytes, another storage (readers)
         self.next_block = 0
-        self.dsts: List[List[torch.Tensor]] = []  # per batch: host destinations in source order
-        self.host_leaves: List[Any] = []  # per tensor slot: what the staged dict holds
+        self.dsts: List[List[torch.Tensor]] = []  # per batch: host destinations in source order (engine side)
+        self.host_leaves: List[Any] = []  # per tensor slot: what the staged dict holds (alias views)
         self.handles: List[Any] = []  # per batch: the CopyHandle of the last save, or None
-        self.watch: List[Any] = []  # objects whose extra references mean a reader
+        self.watch: List[Any] = []  # the objects handed out; extra references to them mean a reader
         self.ref_base: List[int] = []
         self.use_base: List[int] = []
 
@@ -261,26 +279,46 @@ class _BufferSet:
         for handle in self.handles:
             if handle is not None and not handle.ready():
                 return "its copy is still running"
-        # Every reader of a staged dict holds one of these objects (or a view of a
-        # block); the counts taken right after the copy was enqueued are ours.
         if any(map(int.__gt__, map(sys.getrefcount, self.watch), self.ref_base)):
             return "the state dict staged into it is still referenced (an upload in progress?)"
-        if _use_count is not None and any(
-            map(int.__gt__, (_use_count(b.untyped_storage()._cdata) for b in self.blocks.values()), self.use_base)
-        ):
+        if _use_count is not None and any(map(int.__gt__, self._alias_uses(), self.use_base)):
             return "a view of its host buffers is still referenced"
         return None
 
+    def _alias_uses(self) -> List[int]:
+        return [_use_count(a.untyped_storage()._cdata) for a in self.aliases.values()]
+
     def mark_baseline(self) -> None:
-        """Record the reference counts this stager itself holds (call with no staged dict alive)."""
+        """Record the references this stager itself holds (call with no staged dict or reader alive)."""
         self.ref_base = list(map(sys.getrefcount, self.watch))
         if _use_count is not None:
-            self.use_base = [_use_count(b.untyped_storage()._cdata) for b in self.blocks.values()]
+            self.use_base = self._alias_uses()
 
     def release(self) -> None:
         self.plan = None
-        self.buffers, self.blocks, self.dsts, self.host_leaves, self.handles = {}, {}, [], [], []
+        self.buffers, self.blocks, self.aliases, self.dsts, self.host_leaves, self.handles = {}, {}, {}, [], [], []
         self.watch, self.ref_base, self.use_base = [], [], []
+
+
+def _private_alias(block: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over `block`'s bytes whose storage no one else holds.
+
+    DLPack gives a new storage whose deleter holds `block`, so the pooled memory
+    stays alive (and out of the pool) while any view of the alias does.
+    """
+    alias = torch.from_dlpack(block)
+    if alias.untyped_storage().data_ptr() != block.data_ptr() or (
+        alias.untyped_storage()._cdata == block.untyped_storage()._cdata
+    ):  # pragma: no cover - a torch whose from_dlpack returns a view of the same storage
+        alias = torch.from_numpy(block.numpy())  # the array, held by the new storage, holds the block
+    return alias
+
+
+def _alias_view(alias: torch.Tensor, block: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """The view of `alias` at the bytes where `host` (a dense view of `block`) lies."""
+    offset = host.data_ptr() - block.data_ptr() if host.numel() else 0
+    piece = alias[offset : offset + host.numel() * host.element_size()]
+    return piece.view(host.dtype).view(host.shape)
 
 
 # ---------------------------------------------------------------- the future
@@ -687,6 +725,7 @@ class AsyncStager(_StagerProtocol):
                     f"limit_bytes is {self._limit}; raise AsyncStager(limit_bytes=...) or ring_size=1"
                 )
         blocks = {i: b for i, b in buffer_set.blocks.items() if i in used_blocks}
+        aliases = {i: a for i, a in buffer_set.aliases.items() if i in used_blocks}
         if needed:
             pool = self._pool if self._pool is not None else default_host_pool()
             try:
@@ -699,6 +738,7 @@ class AsyncStager(_StagerProtocol):
             number = buffer_set.next_block
             buffer_set.next_block += 1
             blocks[number] = block
+            aliases[number] = _private_alias(block)
             offset = 0
             for unit in needed:
                 piece = block[offset : offset + unit.nbytes]
@@ -707,14 +747,17 @@ class AsyncStager(_StagerProtocol):
                 offset += _align(unit.nbytes)
         buffer_set.buffers = kept
         buffer_set.blocks = blocks
+        buffer_set.aliases = aliases
         self._bind(buffer_set, plan)
         return len(plan.units) - len(needed), len(needed), new_bytes
 
     def _bind(self, buffer_set: _BufferSet, plan: _Plan) -> None:
-        """Destinations per batch and the staged dict's tensor leaves, from the set's buffers."""
+        """Destinations per batch (views of the blocks) and the staged dict's tensor
+        leaves (views of the aliases, made here and never given to the copy engine)."""
         host_leaves: List[Any] = [None] * len(plan.meta)
         for unit in plan.units:
-            host = buffer_set.buffers[unit.key][0]
+            engine_side, number = buffer_set.buffers[unit.key]
+            host = _alias_view(buffer_set.aliases[number], buffer_set.blocks[number], engine_side)
             if unit.kind == "tensor":
                 for slot in unit.slots:
                     host_leaves[slot] = host
@@ -740,7 +783,7 @@ class AsyncStager(_StagerProtocol):
             for batch in plan.batches
         ]
         buffer_set.host_leaves = host_leaves
-        buffer_set.watch = list({id(o): o for o in watch + [d for ds in buffer_set.dsts for d in ds]}.values())
+        buffer_set.watch = list({id(o): o for o in watch}.values())
         buffer_set.handles = [None] * len(plan.batches)
         buffer_set.plan = plan
 
@@ -776,8 +819,10 @@ class AsyncStager(_StagerProtocol):
                     start = _device.new_event(device, timing=True)
                     start.record(_device.current_stream(device))
                     timing[device] = [start, None]
-                previous = buffer_set.handles[number]
-                handle = copy_to_host(sources, out=previous if previous is not None else dsts, pool=self._pool)
+                # Always the destination list, never out=<previous handle>: a native
+                # Transfer made from an out= list keeps no copy groups, so reusing it
+                # as out= copies nothing (the staged values would be stale).
+                handle = copy_to_host(sources, out=dsts, pool=self._pool)
                 buffer_set.handles[number] = handle
                 if batch.early:
                     early_handles.append(handle)

@@ -5,8 +5,11 @@ rebuilds the same model with the same seed and the same edits, so it knows what
 must arrive, and checks bit for bit after every sync.
 """
 
-import socket
+import datetime
+import os
+import shutil
 import sys
+import tempfile
 import traceback
 
 import pytest
@@ -19,10 +22,15 @@ import offload
 SRC = 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Rendezvous through a file in a fresh directory, not a TCP port: a port picked
+# free in the parent (bind to 0, close) stays free only until some other process
+# on the machine takes it, and spawning two interpreters that import torch and
+# transformers takes seconds on a loaded machine. Then rank 0's store fails with
+# EADDRINUSE (or rank 1 joins another test's store) and the other rank waits until
+# the join timeout: a failure seen only when many tests run at once. Gloo's own
+# connections bind ports chosen by the OS and exchange them through the store.
+_INIT_TIMEOUT = datetime.timedelta(seconds=120)
+_JOIN_TIMEOUT_S = 240
 
 
 def _llama(seed: int, device="cpu"):
@@ -52,12 +60,12 @@ def _assert_equal(got, want, what):
         assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{what}: {n}"
 
 
-def _run(rank, world, port, scenario, device_type, failures):
+def _run(rank, world, init_method, scenario, device_type, failures):
     try:
         if device_type == "cuda":
             offload._device._module("cuda").set_device(rank)
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_INIT_TIMEOUT)
         torch.set_num_threads(1)
         device = offload._device.current_device()
         scenario(rank, device)
@@ -71,19 +79,25 @@ def _run(rank, world, port, scenario, device_type, failures):
 def _spawn(scenario, device_type="cpu"):
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_run, args=(r, 2, port, scenario, device_type, failures)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    rendezvous = tempfile.mkdtemp(prefix="offload-weight-sync-")
+    init_method = "file://" + os.path.join(rendezvous, "store")
+    procs = [ctx.Process(target=_run, args=(r, 2, init_method, scenario, device_type, failures)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=_JOIN_TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(rendezvous, ignore_errors=True)
     errors = []
     while not failures.empty():
         errors.append(failures.get())
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or "a rank hung or crashed"
+    codes = [p.exitcode for p in procs]
+    assert not errors and codes == [0, 0], "\n".join(errors) or f"a rank hung or crashed (exit codes {codes})"
 
 
 # ---------------------------------------------------------------- scenarios (module level: spawn pickles them)
