@@ -152,6 +152,25 @@ void Transfer::wait_stream_for(int64_t index, const c10::Stream& stream) const {
   if (event >= 0) events_[event].block(stream);
 }
 
+// A side stream per device for packing, so that packing group k+1 on the SMs
+// overlaps the DMA of group k on the copy engine (on one stream they would
+// take turns, ~6% of a small-tensor transfer).
+c10::Stream pack_stream(const c10::Device& device) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, c10::Stream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(static_cast<int>(device.type()), static_cast<int>(device.index()));
+  auto it = streams.find(key);
+  if (it == streams.end()) {
+    it = streams.emplace(key, c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device)).first;
+  }
+  return it->second;
+}
+
+// Staging buffers a device-to-host transfer packs into: kSlots of them, reused
+// in turn; packing into a slot waits (on the device) for the DMA that last read it.
+constexpr int kSlots = 3;
+
 class CopyEngine {
  public:
   // ------------------------------------------------------------ device -> host
@@ -163,134 +182,28 @@ class CopyEngine {
     const c10::DeviceType expected = pool.device_type();
     const size_t n = tensors.size();
     for (size_t i = 0; i < n; ++i) check_source(fn, i, tensors[i], expected, tensors[0]);
-    const std::vector<at::Tensor>* dests = out ? &*out : reuse ? &reuse->host_bases_ : nullptr;
-    if (dests != nullptr) {
-      TORCH_CHECK_VALUE(dests->size() == n, fn, ": out has ", dests->size(), " tensors but tensors has ", n);
+    if (out) {
+      TORCH_CHECK_VALUE(out->size() == n, fn, ": out has ", out->size(), " tensors but tensors has ", n);
+      for (size_t i = 0; i < n; ++i) check_out(fn, i, tensors[i], (*out)[i], c10::Device(at::kCPU),
+                                               options.require_pinned, pool.pinned());
+    } else if (reuse) {
+      TORCH_CHECK_VALUE(reuse->host_bases_.size() == n, fn, ": out has ", reuse->host_bases_.size(),
+                        " tensors but tensors has ", n);
     }
-    const c10::Device device = n ? tensors[0].device() : c10::Device(expected);
+    const c10::Device device = n ? tensors[0].device() : c10::Device(at::kCPU);
     const bool on_device = !device.is_cpu();
     TORCH_CHECK_VALUE(!on_device || stream.has_value(), fn, ": a copy stream is required for ", device);
 
     auto result = std::make_shared<Transfer>(device);
-    Transfer& r = *result;
-    r.outputs_.resize(n);
-    r.host_bases_.resize(n);
-    r.restore_.resize(n);
-    r.event_of_.assign(n, -1);
-
-    // Sources that are neither dense nor broadcast become contiguous here, on the
-    // caller's stream and before the start event, so the copy stream sees them.
-    std::vector<at::Tensor> bases(n);
-    std::vector<char> expanded(n, 0);
-    for (size_t i = 0; i < n; ++i) {
-      bool was_expanded = false;
-      bases[i] = compact(tensors[i], &was_expanded);
-      expanded[i] = was_expanded;
-      if (!is_dense(bases[i]) && out == c10::nullopt) {
-        bases[i] = bases[i].contiguous();
-        r.restore_[i] = Transfer::Strides(tensors[i].sizes().vec(), tensors[i].strides().vec());
-      }
-      r.nbytes_ += tensor_nbytes(bases[i]);
-    }
-    if (out) {
-      for (size_t i = 0; i < n; ++i) check_out(fn, i, tensors[i], (*out)[i], c10::Device(at::kCPU),
-                                               options.require_pinned, pool.pinned());
-    } else if (reuse) {
-      for (size_t i = 0; i < n; ++i) {
-        const at::Tensor& host = reuse->host_bases_[i];
-        TORCH_CHECK_VALUE(same_layout(host, bases[i]), fn, ": out (a CopyHandle) was made for tensors[", i, "] with ",
-                          describe(host), " and strides ", host.strides(), " but tensors[", i, "] now has ",
-                          describe(bases[i]), " and strides ", bases[i].strides());
-      }
-    }
-
-    c10::OptionalDeviceGuard device_guard;
-    c10::optional<c10::StreamGuard> stream_guard;
-    if (on_device) {
-      device_guard.reset_device(device);
-      c10::Event start(device.type());
-      start.record(current_stream(device));
-      start.block(*stream);
-      stream_guard.emplace(*stream);
-      r.keepalive_ = tensors;
-      for (size_t i = 0; i < n; ++i) {
-        if (!bases[i].is_same(tensors[i])) r.keepalive_.push_back(bases[i]);
-      }
-    }
-
-    auto finish_group = [&](const std::vector<int64_t>& members) {
-      if (!on_device) return;
-      r.events_.emplace_back(device.type());
-      r.events_.back().record(*stream);
-      for (int64_t i : members) r.event_of_[i] = static_cast<int32_t>(r.events_.size() - 1);
-    };
-
-    if (out) {
-      // Caller-owned destinations of any layout: one copy each, events every chunk_bytes.
-      std::vector<int64_t> members;
-      int64_t pending = 0;
-      for (size_t i = 0; i < n; ++i) {
-        const at::Tensor& dst = (*out)[i];
-        if (is_dense(dst) && same_layout(dst, bases[i])) {
-          copy_bytes(dst, bases[i], options.chunk_bytes, device);
-        } else if (tensor_nbytes(bases[i]) > 0) {
-          dst.copy_(tensors[i], /*non_blocking=*/true);
-        }
-        if (on_device) pool.record_stream(dst, *stream);
-        r.outputs_[i] = r.host_bases_[i] = dst;
-        members.push_back(static_cast<int64_t>(i));
-        pending += tensor_nbytes(bases[i]);
-        if (pending >= options.chunk_bytes || i + 1 == n) {
-          finish_group(members);
-          members.clear();
-          pending = 0;
-        }
-      }
-      if (on_device) InFlight::instance().add(result);
-      return result;
-    }
-
-    if (reuse) {
-      r.groups_ = reuse->groups_;
-    } else {
-      plan_host_groups(bases, options, r.groups_);
-    }
-    // Enqueue every copy first; the host-side views are made afterwards, while
-    // the DMAs already run.
-    for (auto& group : r.groups_) {
-      if (!reuse) group.host_block = pool.allocate(static_cast<size_t>(group.bytes));
-      if (group.packed) {
-        run_packed_group(group, bases, device, on_device, r);
-      } else {
-        const int64_t i = group.members[0];
-        at::Tensor host = reuse ? reuse->host_bases_[i]
-                                : view_like(group.host_block.storage(), 0, bases[i], c10::Device(at::kCPU));
-        copy_bytes(host, bases[i], options.chunk_bytes, device);
-        r.host_bases_[i] = host;
-      }
-      if (on_device) pool.record_stream(group.host_block, *stream);
-      finish_group(group.members);
+    ToHost job(tensors, pool, stream, options, *result, on_device);
+    try {
+      job.run(out, reuse);
+    } catch (...) {
+      if (on_device) InFlight::instance().add(result);  // copies already queued keep their tensors
+      throw;
     }
     if (on_device) InFlight::instance().add(result);
-    if (reuse) {
-      r.host_bases_ = reuse->host_bases_;
-      r.outputs_ = reuse->outputs_;
-      return result;
-    }
-    for (const auto& group : r.groups_) {
-      if (!group.packed) continue;
-      for (size_t k = 0; k < group.members.size(); ++k) {
-        const int64_t i = group.members[k];
-        r.host_bases_[i] = view_like(group.host_block.storage(), group.offsets[k], bases[i], c10::Device(at::kCPU));
-      }
-    }
-    for (size_t i = 0; i < n; ++i) {
-      if (!r.host_bases_[i].defined()) {  // empty tensors: nothing to move
-        r.host_bases_[i] = at::empty_strided(bases[i].sizes(), bases[i].strides(),
-                                             bases[i].options().device(at::kCPU));
-      }
-      r.outputs_[i] = expanded[i] ? r.host_bases_[i].expand(tensors[i].sizes()) : r.host_bases_[i];
-    }
+    job.finish_views(out.has_value(), reuse);
     return result;
   }
 
@@ -302,7 +215,7 @@ class CopyEngine {
                                              const CopyOptions& options) {
     const char* fn = "offload.copy_to_device";
     const size_t n = tensors.size();
-    const bool on_device = !device.is_cpu();
+    const bool on_device = n > 0 && !device.is_cpu();
     // Asking the driver whether memory is pinned costs ~1 us, so ask once per storage.
     std::unordered_map<const void*, bool> pinned_storages;
     auto is_pinned = [&](const at::Tensor& t) {
@@ -326,230 +239,435 @@ class CopyEngine {
     TORCH_CHECK_VALUE(!on_device || stream.has_value(), fn, ": a copy stream is required for ", device);
 
     auto result = std::make_shared<Transfer>(device);
-    Transfer& r = *result;
-    r.outputs_.resize(n);
-    r.restore_.resize(n);
-    r.event_of_.assign(n, -1);
-    if (from && !on_device) from->synchronize();
-
-    std::vector<at::Tensor> bases(n);
-    std::vector<char> expanded(n, 0);
-    for (size_t i = 0; i < n; ++i) {
-      bool was_expanded = false;
-      bases[i] = compact(tensors[i], &was_expanded);
-      expanded[i] = was_expanded;
-      if (!is_dense(bases[i])) {
-        if (from) from->synchronize();  // a host-side copy must see the finished transfer
-        bases[i] = bases[i].contiguous();
-      }
-      r.nbytes_ += tensor_nbytes(bases[i]);
-    }
-
-    c10::OptionalDeviceGuard device_guard;
-    if (on_device) device_guard.reset_device(device);
-    const auto device_options = at::TensorOptions().dtype(at::kByte).device(device);
-
-    // Plan: small tensors grouped into spans of one host storage; the rest alone.
-    std::vector<Span> spans = plan_spans(bases, options, out.has_value());
-
-    // Outputs are allocated now, on the consumer's stream (see transfer.h): one
-    // device buffer per span, viewed per tensor.
-    std::vector<at::Tensor> targets(n), finals(n);
-    for (auto& span : spans) {
-      if (out) break;
-      span.device_buffer = at::empty({span.bytes}, device_options);
-      for (size_t k = 0; k < span.members.size(); ++k) {
-        const int64_t i = span.members[k];
-        targets[i] = view_like(span.device_buffer.storage(), span.offsets[k], bases[i], device);
-      }
-    }
-    for (size_t i = 0; i < n; ++i) {
-      if (out) {
-        targets[i] = (*out)[i];
-      } else if (!targets[i].defined()) {  // empty tensors sit in no span
-        targets[i] = at::empty_strided(bases[i].sizes(), bases[i].strides(), bases[i].options().device(device));
-      }
-      if (from && !out && from->restore_.size() == n && from->restore_[i]) {
-        const auto& spec = *from->restore_[i];
-        finals[i] = at::empty_strided(spec.first, spec.second, bases[i].options().device(device));
-      }
-    }
-
-    c10::optional<c10::StreamGuard> stream_guard;
-    if (on_device) {
-      c10::Event start(device.type());
-      start.record(current_stream(device));
-      start.block(*stream);
-      if (from) from->wait_stream(*stream);
-      stream_guard.emplace(*stream);
-      r.keepalive_ = bases;  // host sources: their blocks stay ours until the copies end
-    }
-
-    auto finish_group = [&](const std::vector<int64_t>& members) {
-      if (!on_device) return;
-      r.events_.emplace_back(device.type());
-      r.events_.back().record(*stream);
-      for (int64_t i : members) r.event_of_[i] = static_cast<int32_t>(r.events_.size() - 1);
-    };
-    std::unordered_set<const void*> recorded_storages;
-    auto protect_source = [&](const at::Tensor& host) {
-      if (on_device && recorded_storages.insert(host.storage().data()).second) pool.record_stream(host, *stream);
-    };
-
-    for (auto& span : spans) {
-      const at::Tensor& first = bases[span.members[0]];
-      const char* host_ptr = static_cast<const char*>(first.storage().data()) + span.storage_offset;
-      if (!out) {
-        for (int64_t at = 0; at < span.bytes; at += options.chunk_bytes) {
-          copy_bytes_async(static_cast<char*>(span.device_buffer.data_ptr()) + at, false, host_ptr + at, true,
-                           std::min(options.chunk_bytes, span.bytes - at), device);
-        }
-      } else if (span.members.size() == 1 && same_layout(targets[span.members[0]], first) &&
-                 is_dense(targets[span.members[0]])) {
-        copy_bytes(targets[span.members[0]], first, options.chunk_bytes, device);
-      } else if (span.bytes > 0) {
-        // Into caller-owned tensors: DMA the span into staging (allocated while the
-        // copy stream is current, so it owns it), then one multi-tensor copy scatters it.
-        at::Tensor staging = at::empty({span.bytes}, device_options);
-        copy_bytes_async(staging.data_ptr(), false, host_ptr, true, span.bytes, device);
-        std::vector<ByteRange> ranges;
-        for (size_t k = 0; k < span.members.size(); ++k) {
-          const int64_t i = span.members[k];
-          at::Tensor view = view_like(staging.storage(), span.offsets[k], bases[i], device);
-          if (same_layout(targets[i], view) && is_dense(view)) {
-            ranges.push_back({view.data_ptr(), targets[i].data_ptr(), tensor_nbytes(view)});
-          } else {
-            targets[i].copy_(expanded[i] ? view.expand(tensors[i].sizes()) : view, /*non_blocking=*/true);
-          }
-        }
-        multi_tensor_copy(ranges, device);
-        if (on_device) r.keepalive_.push_back(staging);
-      }
-      if (span.bytes > 0) protect_source(first);
-      for (int64_t i : span.members) {
-        if (finals[i].defined()) finals[i].copy_(targets[i], /*non_blocking=*/true);
-      }
-      finish_group(span.members);
+    ToDevice job(tensors, from, device, pool, stream, out, options, *result);
+    try {
+      job.run();
+    } catch (...) {
+      if (on_device) InFlight::instance().add(result);
+      throw;
     }
     if (on_device) InFlight::instance().add(result);
-
-    for (size_t i = 0; i < n; ++i) {
-      at::Tensor result_i = finals[i].defined() ? finals[i] : targets[i];
-      if (expanded[i] && !out) result_i = result_i.expand(tensors[i].sizes());
-      r.outputs_[i] = result_i;
-    }
     return result;
   }
 
  private:
-  struct Span {
-    std::vector<int64_t> members;
-    std::vector<int64_t> offsets;  // byte offset of each member from the span's start
-    int64_t storage_offset = 0;    // byte offset of the span in its host storage
-    int64_t bytes = 0;
-    at::Tensor device_buffer;
+  // The per-tensor work both directions share: what is read, and its size.
+  struct Prepared {
+    at::Tensor base;  // compact (broadcast dims narrowed) and dense
+    bool expanded = false;
+    bool made_contiguous = false;
+    int64_t nbytes = 0;
   };
 
-  static void plan_host_groups(const std::vector<at::Tensor>& bases, const CopyOptions& options,
-                               std::vector<Transfer::Group>& groups) {
-    const int64_t limit = group_limit(options);
-    Transfer::Group packed;
-    packed.packed = true;
-    auto close_packed = [&]() {
-      if (packed.members.empty()) return;
-      groups.push_back(std::move(packed));
-      packed = Transfer::Group();
+  static Prepared prepare(const at::Tensor& t, bool allow_contiguous) {
+    Prepared p;
+    p.base = compact(t, &p.expanded);
+    if (allow_contiguous && !is_dense(p.base)) {
+      p.base = p.base.contiguous();
+      p.made_contiguous = true;
+    }
+    p.nbytes = tensor_nbytes(p.base);
+    return p;
+  }
+
+  // One device-to-host transfer, enqueued group by group: each group is queued
+  // as soon as its members are prepared, so the copy engine starts after the
+  // first group's host work instead of after every tensor's.
+  class ToHost {
+   public:
+    ToHost(const std::vector<at::Tensor>& tensors, HostPool& pool, const c10::optional<c10::Stream>& stream,
+           const CopyOptions& options, Transfer& r, bool on_device)
+        : tensors_(tensors), pool_(pool), stream_(stream), options_(options), r_(r), on_device_(on_device),
+          device_(r.device_), n_(tensors.size()), prepared_(n_) {
+      r_.outputs_.resize(n_);
+      r_.host_bases_.resize(n_);
+      r_.restore_.resize(n_);
+      r_.event_of_.assign(n_, -1);
+    }
+
+    void run(const c10::optional<std::vector<at::Tensor>>& out, const std::shared_ptr<Transfer>& reuse) {
+      if (on_device_) {
+        device_guard_.reset_device(device_);
+        caller_ = current_stream(device_);
+        c10::Event start(device_.type());
+        start.record(*caller_);
+        start.block(*stream_);
+        stream_guard_.emplace(*stream_);
+        r_.keepalive_ = tensors_;
+      }
+      if (out) return run_into(*out);
+      if (reuse && reuse->groups_.empty()) return run_into(reuse->host_bases_);  // made with out=<list>
+      if (reuse) {
+        r_.groups_ = reuse->groups_;
+        for (auto& group : r_.groups_) {
+          for (int64_t i : group.members) {
+            prepare_member(i);
+            const at::Tensor& host = reuse->host_bases_[i];
+            TORCH_CHECK_VALUE(same_layout(host, prepared_[i].base), "offload.copy_to_host: out (a CopyHandle) was "
+                              "made for tensors[", i, "] with ", describe(host), " and strides ", host.strides(),
+                              " but tensors[", i, "] now has ", describe(prepared_[i].base), " and strides ",
+                              prepared_[i].base.strides());
+            r_.host_bases_[i] = host;
+          }
+          enqueue(group);
+        }
+        return;
+      }
+      const int64_t limit = group_limit(options_);
+      Transfer::Group packed;
       packed.packed = true;
-    };
-    for (size_t i = 0; i < bases.size(); ++i) {
-      const int64_t nbytes = tensor_nbytes(bases[i]);
-      if (nbytes == 0) continue;
-      if (nbytes >= options.small_bytes) {
-        Transfer::Group direct;
-        direct.bytes = nbytes;
-        direct.members.push_back(static_cast<int64_t>(i));
-        groups.push_back(std::move(direct));
-        continue;
+      for (size_t i = 0; i < n_; ++i) {
+        const int64_t nbytes = prepare_member(static_cast<int64_t>(i));
+        if (nbytes == 0) continue;
+        if (nbytes >= options_.small_bytes) {
+          Transfer::Group direct;
+          direct.bytes = nbytes;
+          direct.members.push_back(static_cast<int64_t>(i));
+          r_.groups_.push_back(std::move(direct));
+          enqueue(r_.groups_.back());
+          continue;
+        }
+        int64_t offset = align_up(packed.bytes);
+        if (!packed.members.empty() && offset + nbytes > limit) {
+          r_.groups_.push_back(std::move(packed));
+          enqueue(r_.groups_.back());
+          packed = Transfer::Group();
+          packed.packed = true;
+          offset = 0;
+        }
+        packed.members.push_back(static_cast<int64_t>(i));
+        packed.offsets.push_back(offset);
+        packed.bytes = offset + nbytes;
       }
-      int64_t offset = align_up(packed.bytes);
-      if (!packed.members.empty() && offset + nbytes > limit) {
-        close_packed();
-        offset = 0;
+      if (!packed.members.empty()) {
+        r_.groups_.push_back(std::move(packed));
+        enqueue(r_.groups_.back());
       }
-      packed.members.push_back(static_cast<int64_t>(i));
-      packed.offsets.push_back(offset);
-      packed.bytes = offset + nbytes;
     }
-    close_packed();
-  }
 
-  static void run_packed_group(Transfer::Group& group, const std::vector<at::Tensor>& bases,
-                               const c10::Device& device, bool on_device, Transfer& r) {
-    std::vector<ByteRange> ranges;
-    ranges.reserve(group.members.size());
-    char* target = static_cast<char*>(group.host_block.data_ptr());
-    if (on_device) {
-      // Allocated while the copy stream is current: it owns the staging buffer.
-      at::Tensor staging = at::empty({group.bytes}, at::TensorOptions().dtype(at::kByte).device(device));
-      target = static_cast<char*>(staging.data_ptr());
-      r.keepalive_.push_back(staging);
-    }
-    for (size_t k = 0; k < group.members.size(); ++k) {
-      const at::Tensor& base = bases[group.members[k]];
-      ranges.push_back({base.data_ptr(), target + group.offsets[k], tensor_nbytes(base)});
-    }
-    multi_tensor_copy(ranges, device);
-    if (on_device) {
-      copy_bytes_async(group.host_block.data_ptr(), true, target, false, group.bytes, device);
-    }
-  }
-
-  static std::vector<Span> plan_spans(const std::vector<at::Tensor>& bases, const CopyOptions& options, bool to_out) {
-    const int64_t limit = group_limit(options);
-    std::vector<Span> spans;
-    // Small tensors of one storage, by address: neighbours within kMaxSpanGap
-    // share a DMA (reading a small host gap is cheaper than another transfer).
-    std::map<std::pair<const void*, int64_t>, int64_t> small;  // (storage, byte offset) -> index
-    for (size_t i = 0; i < bases.size(); ++i) {
-      const at::Tensor& b = bases[i];
-      const int64_t nbytes = tensor_nbytes(b);
-      if (nbytes > 0 && nbytes < options.small_bytes) {
-        const int64_t offset = b.storage_offset() * static_cast<int64_t>(b.element_size());
-        small.emplace(std::make_pair(b.storage().data(), offset), static_cast<int64_t>(i));
-        continue;
+    void finish_views(bool into_out, const std::shared_ptr<Transfer>& reuse) {
+      if (into_out) return;
+      if (reuse) {
+        r_.host_bases_ = reuse->host_bases_;
+        r_.outputs_ = reuse->outputs_;
+        return;
       }
+      for (const auto& group : r_.groups_) {
+        if (!group.packed) continue;
+        for (size_t k = 0; k < group.members.size(); ++k) {
+          const int64_t i = group.members[k];
+          r_.host_bases_[i] = view_like(group.host_block.storage(), group.offsets[k], prepared_[i].base,
+                                        c10::Device(at::kCPU));
+        }
+      }
+      for (size_t i = 0; i < n_; ++i) {
+        const at::Tensor& base = prepared_[i].base;
+        if (!r_.host_bases_[i].defined()) {  // empty tensors: nothing to move
+          r_.host_bases_[i] = at::empty_strided(base.sizes(), base.strides(), base.options().device(at::kCPU));
+        }
+        r_.outputs_[i] = prepared_[i].expanded ? r_.host_bases_[i].expand(tensors_[i].sizes()) : r_.host_bases_[i];
+      }
+    }
+
+   private:
+    int64_t prepare_member(int64_t i) {
+      prepared_[i] = prepare(tensors_[i], /*allow_contiguous=*/true);
+      if (prepared_[i].made_contiguous) {
+        r_.restore_[i] = Transfer::Strides(tensors_[i].sizes().vec(), tensors_[i].strides().vec());
+        r_.keepalive_.push_back(prepared_[i].base);
+        unsynced_caller_work_ = true;
+      }
+      r_.nbytes_ += prepared_[i].nbytes;
+      return prepared_[i].nbytes;
+    }
+
+    // contiguous() ran on the caller's stream after the start event: the copy
+    // and pack streams must wait for it before reading its result.
+    void sync_caller_work() {
+      if (!unsynced_caller_work_ || !on_device_) return;
+      c10::Event made(device_.type());
+      made.record(*caller_);
+      made.block(*stream_);
+      if (pack_) made.block(*pack_);
+      unsynced_caller_work_ = false;
+    }
+
+    void enqueue(Transfer::Group& group) {
+      if (!group.host_block.defined()) group.host_block = pool_.allocate(static_cast<size_t>(group.bytes));
+      if (group.packed) {
+        enqueue_packed(group);
+      } else {
+        sync_caller_work();
+        const int64_t i = group.members[0];
+        if (!r_.host_bases_[i].defined()) {
+          r_.host_bases_[i] = view_like(group.host_block.storage(), 0, prepared_[i].base, c10::Device(at::kCPU));
+        }
+        copy_bytes(r_.host_bases_[i], prepared_[i].base, options_.chunk_bytes, device_);
+      }
+      finish(group);
+    }
+
+    void enqueue_packed(Transfer::Group& group) {
+      std::vector<ByteRange> ranges;
+      ranges.reserve(group.members.size());
+      if (!on_device_) {  // host to host: straight into the block
+        char* target = static_cast<char*>(group.host_block.data_ptr());
+        for (size_t k = 0; k < group.members.size(); ++k) {
+          const at::Tensor& base = prepared_[group.members[k]].base;
+          ranges.push_back({base.data_ptr(), target + group.offsets[k], tensor_nbytes(base)});
+        }
+        multi_tensor_copy(ranges, device_);
+        return;
+      }
+      if (!pack_) {
+        pack_ = pack_stream(device_);
+        c10::Event start(device_.type());
+        start.record(*caller_);
+        start.block(*pack_);
+      }
+      sync_caller_work();
+      const int slot = packed_groups_ % kSlots;
+      if (!slots_[slot].defined()) {
+        // Allocated on the copy stream (current here) and held by the transfer until
+        // it completes, so the pack stream's writes are protected too.
+        slots_[slot] = at::empty({group_limit(options_)}, at::TensorOptions().dtype(at::kByte).device(device_));
+        r_.keepalive_.push_back(slots_[slot]);
+      }
+      if (packed_groups_ >= kSlots) r_.events_[slot_events_[slot]].block(*pack_);  // the DMA that read it
+      char* target = static_cast<char*>(slots_[slot].data_ptr());
+      for (size_t k = 0; k < group.members.size(); ++k) {
+        const at::Tensor& base = prepared_[group.members[k]].base;
+        ranges.push_back({base.data_ptr(), target + group.offsets[k], tensor_nbytes(base)});
+      }
+      {
+        c10::StreamGuard on_pack(*pack_);
+        multi_tensor_copy(ranges, device_);
+      }
+      c10::Event packed(device_.type());
+      packed.record(*pack_);
+      packed.block(*stream_);
+      copy_bytes_async(group.host_block.data_ptr(), true, target, false, group.bytes, device_);
+      slot_events_[slot] = static_cast<int32_t>(r_.events_.size());  // finish() records it next
+      packed_groups_ += 1;
+    }
+
+    void finish(const Transfer::Group& group) {
+      if (!on_device_) return;
+      pool_.record_stream(group.host_block, *stream_);
+      r_.events_.emplace_back(device_.type());
+      r_.events_.back().record(*stream_);
+      for (int64_t i : group.members) r_.event_of_[i] = static_cast<int32_t>(r_.events_.size() - 1);
+    }
+
+    // Caller-owned destinations of any layout: one copy each, an event every chunk_bytes.
+    void run_into(const std::vector<at::Tensor>& out) {
+      std::vector<int64_t> members;
+      int64_t pending = 0;
+      for (size_t i = 0; i < n_; ++i) {
+        prepared_[i] = prepare(tensors_[i], /*allow_contiguous=*/false);
+        const at::Tensor& dst = out[i];
+        const at::Tensor& base = prepared_[i].base;
+        if (is_dense(dst) && is_dense(base) && same_layout(dst, base)) {
+          copy_bytes(dst, base, options_.chunk_bytes, device_);
+        } else if (prepared_[i].nbytes > 0) {
+          dst.copy_(tensors_[i], /*non_blocking=*/true);
+        }
+        if (on_device_) pool_.record_stream(dst, *stream_);
+        r_.outputs_[i] = r_.host_bases_[i] = dst;
+        r_.nbytes_ += prepared_[i].nbytes;
+        members.push_back(static_cast<int64_t>(i));
+        pending += prepared_[i].nbytes;
+        if (on_device_ && (pending >= options_.chunk_bytes || i + 1 == n_)) {
+          r_.events_.emplace_back(device_.type());
+          r_.events_.back().record(*stream_);
+          for (int64_t m : members) r_.event_of_[m] = static_cast<int32_t>(r_.events_.size() - 1);
+          members.clear();
+          pending = 0;
+        }
+      }
+    }
+
+    const std::vector<at::Tensor>& tensors_;
+    HostPool& pool_;
+    const c10::optional<c10::Stream>& stream_;
+    const CopyOptions& options_;
+    Transfer& r_;
+    const bool on_device_;
+    const c10::Device device_;
+    const size_t n_;
+    std::vector<Prepared> prepared_;
+    c10::OptionalDeviceGuard device_guard_;
+    c10::optional<c10::StreamGuard> stream_guard_;
+    c10::optional<c10::Stream> caller_;
+    c10::optional<c10::Stream> pack_;
+    at::Tensor slots_[kSlots];
+    int32_t slot_events_[kSlots] = {-1, -1, -1};
+    int64_t packed_groups_ = 0;
+    bool unsynced_caller_work_ = false;
+  };
+
+  // One host-to-device transfer, enqueued span by span. Small tensors of one
+  // host storage that sit close together (as a packed block's do) form a span:
+  // one device buffer, one DMA, a view per tensor. The copy stream first waits
+  // for the caller's stream, so outputs allocated there afterwards are safe to write.
+  class ToDevice {
+   public:
+    ToDevice(const std::vector<at::Tensor>& tensors, const std::shared_ptr<Transfer>& from,
+             const c10::Device& device, HostPool& pool, const c10::optional<c10::Stream>& stream,
+             const c10::optional<std::vector<at::Tensor>>& out, const CopyOptions& options, Transfer& r)
+        : tensors_(tensors), from_(from), device_(device), pool_(pool), stream_(stream), out_(out),
+          options_(options), r_(r), on_device_(!tensors.empty() && !device.is_cpu()), n_(tensors.size()),
+          prepared_(n_) {
+      r_.outputs_.resize(n_);
+      r_.restore_.resize(n_);
+      r_.event_of_.assign(n_, -1);
+    }
+
+    void run() {
+      if (from_ && !on_device_) from_->synchronize();
+      if (on_device_) {
+        device_guard_.reset_device(device_);
+        c10::Event start(device_.type());
+        start.record(current_stream(device_));
+        start.block(*stream_);
+        if (from_) from_->wait_stream(*stream_);
+      }
+      const int64_t limit = group_limit(options_);
       Span span;
-      span.members.push_back(static_cast<int64_t>(i));
-      span.offsets.push_back(0);
-      span.storage_offset = b.storage_offset() * static_cast<int64_t>(b.element_size());
-      span.bytes = nbytes;
-      spans.push_back(std::move(span));
-    }
-    Span current;
-    const void* current_storage = nullptr;
-    for (const auto& entry : small) {
-      const int64_t i = entry.second;
-      const int64_t offset = entry.first.second;
-      const int64_t nbytes = tensor_nbytes(bases[i]);
-      const int64_t itemsize = static_cast<int64_t>(bases[i].element_size());
-      const int64_t end = current.storage_offset + current.bytes;
-      const bool joins = !current.members.empty() && entry.first.first == current_storage && offset >= end - 0 &&
-                         offset - end <= kMaxSpanGap && offset + nbytes - current.storage_offset <= limit &&
-                         (offset - current.storage_offset) % std::max<int64_t>(itemsize, kAlign) == 0;
-      if (!joins) {
-        if (!current.members.empty()) spans.push_back(std::move(current));
-        current = Span();
-        current.storage_offset = offset;
-        current_storage = entry.first.first;
+      for (size_t i = 0; i < n_; ++i) {
+        Prepared& p = prepared_[i];
+        p = prepare(tensors_[i], /*allow_contiguous=*/false);
+        if (!is_dense(p.base)) {
+          if (from_) from_->synchronize();  // a host-side copy must see the finished transfer
+          p.base = p.base.contiguous();
+        }
+        r_.nbytes_ += p.nbytes;
+        const int64_t idx = static_cast<int64_t>(i);
+        if (p.nbytes == 0) {
+          r_.outputs_[i] = out_ ? (*out_)[i] : finish_output(idx, at::empty_strided(p.base.sizes(), p.base.strides(),
+                                                                                   p.base.options().device(device_)));
+          continue;
+        }
+        const void* storage = p.base.storage().data();
+        const int64_t offset = p.base.storage_offset() * static_cast<int64_t>(p.base.element_size());
+        if (p.nbytes >= options_.small_bytes) {
+          Span single;
+          single.storage = storage;
+          single.storage_offset = offset;
+          single.bytes = p.nbytes;
+          single.members.push_back(idx);
+          single.offsets.push_back(0);
+          enqueue(single);
+          continue;
+        }
+        const int64_t end = span.storage_offset + span.bytes;
+        const bool joins = !span.members.empty() && storage == span.storage && offset >= end &&
+                           offset - end <= kMaxSpanGap && offset + p.nbytes - span.storage_offset <= limit &&
+                           (offset - span.storage_offset) % kAlign == 0;
+        if (!joins) {
+          if (!span.members.empty()) enqueue(span);
+          span = Span();
+          span.storage = storage;
+          span.storage_offset = offset;
+        }
+        span.members.push_back(idx);
+        span.offsets.push_back(offset - span.storage_offset);
+        span.bytes = std::max(span.bytes, offset + p.nbytes - span.storage_offset);
       }
-      current.members.push_back(i);
-      current.offsets.push_back(offset - current.storage_offset);
-      current.bytes = std::max(current.bytes, offset + nbytes - current.storage_offset);
+      if (!span.members.empty()) enqueue(span);
     }
-    if (!current.members.empty()) spans.push_back(std::move(current));
-    (void)to_out;
-    return spans;
-  }
+
+   private:
+    struct Span {
+      const void* storage = nullptr;
+      std::vector<int64_t> members;
+      std::vector<int64_t> offsets;  // byte offset of each member from the span's start
+      int64_t storage_offset = 0;    // byte offset of the span in its host storage
+      int64_t bytes = 0;
+    };
+
+    at::Tensor finish_output(int64_t i, at::Tensor target) {
+      const Prepared& p = prepared_[i];
+      if (from_ && from_->restore_.size() == n_ && from_->restore_[i]) {
+        const auto& spec = *from_->restore_[i];
+        at::Tensor restored = at::empty_strided(spec.first, spec.second, p.base.options().device(device_));
+        c10::optional<c10::StreamGuard> on_copy;
+        if (on_device_) on_copy.emplace(*stream_);
+        restored.copy_(target, /*non_blocking=*/true);
+        return restored;
+      }
+      return p.expanded ? target.expand(tensors_[i].sizes()) : target;
+    }
+
+    void enqueue(Span& span) {
+      const at::Tensor& first = prepared_[span.members[0]].base;
+      const char* host = static_cast<const char*>(first.storage().data()) + span.storage_offset;
+      if (!out_) {
+        // Allocated on the caller's (consumer's) stream, which is current here.
+        at::Tensor buffer = at::empty({span.bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+        if (on_device_) r_.keepalive_.push_back(buffer);  // even if every view of it dies mid-copy
+        {
+          c10::optional<c10::StreamGuard> on_copy;
+          if (on_device_) on_copy.emplace(*stream_);
+          for (int64_t at = 0; at < span.bytes; at += options_.chunk_bytes) {
+            copy_bytes_async(static_cast<char*>(buffer.data_ptr()) + at, false, host + at, true,
+                             std::min(options_.chunk_bytes, span.bytes - at), device_);
+          }
+        }
+        for (size_t k = 0; k < span.members.size(); ++k) {
+          const int64_t i = span.members[k];
+          r_.outputs_[i] = finish_output(i, view_like(buffer.storage(), span.offsets[k], prepared_[i].base, device_));
+        }
+      } else {
+        c10::optional<c10::StreamGuard> on_copy;
+        if (on_device_) on_copy.emplace(*stream_);
+        const int64_t i0 = span.members[0];
+        const at::Tensor& target0 = (*out_)[i0];
+        if (span.members.size() == 1 && is_dense(target0) && same_layout(target0, first)) {
+          copy_bytes(target0, first, options_.chunk_bytes, device_);
+        } else {
+          // Into caller-owned tensors: DMA the span into staging (allocated on the
+          // copy stream, which owns it), then one multi-tensor copy scatters it.
+          at::Tensor staging = at::empty({span.bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+          copy_bytes_async(staging.data_ptr(), false, host, true, span.bytes, device_);
+          std::vector<ByteRange> ranges;
+          for (size_t k = 0; k < span.members.size(); ++k) {
+            const int64_t i = span.members[k];
+            const at::Tensor& target = (*out_)[i];
+            at::Tensor view = view_like(staging.storage(), span.offsets[k], prepared_[i].base, device_);
+            if (same_layout(target, view) && is_dense(target)) {
+              ranges.push_back({view.data_ptr(), target.data_ptr(), tensor_nbytes(view)});
+            } else {
+              target.copy_(prepared_[i].expanded ? view.expand(tensors_[i].sizes()) : view, /*non_blocking=*/true);
+            }
+          }
+          multi_tensor_copy(ranges, device_);
+          if (on_device_) r_.keepalive_.push_back(staging);
+        }
+        for (int64_t i : span.members) r_.outputs_[i] = (*out_)[i];
+      }
+      if (on_device_) {
+        r_.keepalive_.push_back(first);  // the host block stays ours until the copy ends
+        pool_.record_stream(first, *stream_);
+        r_.events_.emplace_back(device_.type());
+        r_.events_.back().record(*stream_);
+        for (int64_t i : span.members) r_.event_of_[i] = static_cast<int32_t>(r_.events_.size() - 1);
+      }
+    }
+
+    const std::vector<at::Tensor>& tensors_;
+    const std::shared_ptr<Transfer>& from_;
+    const c10::Device device_;
+    HostPool& pool_;
+    const c10::optional<c10::Stream>& stream_;
+    const c10::optional<std::vector<at::Tensor>>& out_;
+    const CopyOptions& options_;
+    Transfer& r_;
+    const bool on_device_;
+    const size_t n_;
+    std::vector<Prepared> prepared_;
+    c10::OptionalDeviceGuard device_guard_;
+  };
 };
 
 std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, HostPool& pool,

@@ -276,3 +276,16 @@ def test_copy_both_directions_at_once(backend, device):
         assert torch.equal(src.cpu(), h)
     for h, d in zip(up_src, h_up.wait()):
         assert torch.equal(h, d.cpu())
+
+
+def test_copy_to_host_reuses_a_handle_made_from_given_tensors(backend, device):
+    sources = [torch.arange(6.0, device=device), torch.arange(300_000.0, device=device)]
+    out = [torch.empty(6), torch.empty(300_000)]
+    first = offload.copy_to_host(sources, out=out, require_pinned=False)
+    first.wait()
+    for t in sources:
+        t.add_(10)
+    second = offload.copy_to_host(sources, out=first, require_pinned=False)
+    for src, h, o in zip(sources, second.wait(), out):
+        assert_bitwise(src, h)
+        assert h.data_ptr() == o.data_ptr()
