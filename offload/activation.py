@@ -173,7 +173,7 @@ class ActivationEngine:
         self._last_offloaded = None  # weakref to the last offloaded group of this forward
         self._storages: Dict[int, tuple] = {}  # storage data_ptr -> (group, entry, StorageWeakRef)
         self._param_ptrs: set = set()
-        self._inflight = collections.deque()  # groups whose D2H copy is not yet confirmed
+        self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
         self._backward_seen = False
         self._step = 0
         self._counters = self._new_counters()
@@ -316,12 +316,12 @@ class ActivationEngine:
             group.d2h.wait()
             self._settle(group)
             return
-        self._inflight.append(group)
+        self._inflight.append(weakref.ref(group))
         self._poll()
         # The window: the group now opening plus those still copying may not exceed it.
         while len(self._inflight) > self.resident_groups - 1:
-            oldest = self._inflight.popleft()
-            if oldest.state != _COPYING:
+            oldest = self._inflight.popleft()()
+            if oldest is None or oldest.state != _COPYING:
                 continue
             t0 = time.perf_counter()
             oldest.d2h.wait()
@@ -329,12 +329,16 @@ class ActivationEngine:
             self._settle(oldest)
 
     def _poll(self) -> None:
+        """Settle, oldest first, the groups whose copies are complete (never blocks).
+
+        The deque holds weak references: a group whose graph was dropped frees itself.
+        """
         while self._inflight:
-            group = self._inflight[0]
-            if group.state == _COPYING and not group.d2h.ready():
+            group = self._inflight[0]()
+            if group is not None and group.state == _COPYING and not group.d2h.ready():
                 return
             self._inflight.popleft()
-            if group.state == _COPYING:
+            if group is not None and group.state == _COPYING:
                 self._settle(group)
 
     def _settle(self, group: _Group) -> None:
@@ -350,15 +354,19 @@ class ActivationEngine:
         group = self._group
         if (
             group is None
-            or (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter)
+            or type(t) is not torch.Tensor  # parameters, DTensors and other subclasses stay
             or t.device != self.device
             or t.layout != torch.strided
-            or (t.requires_grad and t.is_leaf)
             or torch._C._current_graph_task_id() != -1  # saved while backward runs (a recompute)
         ):
             return self._keep(t)
+        # A leaf that requires grad (a parameter's data, a user's input) or a view of one is
+        # alive anyway: copying it frees nothing.
         base = t._base
-        if base is not None and base.requires_grad and base.is_leaf:
+        if base is None:
+            if t.requires_grad and t.is_leaf:
+                return self._keep(t)
+        elif base.requires_grad and base.is_leaf:
             return self._keep(t)
         itemsize = t.element_size()
         numel = t.numel()
