@@ -530,3 +530,56 @@ def test_activation_compiled_layer_warns():
     model.blocks[1].compile()
     with pytest.warns(UserWarning, match="torch.compile regions inside offloaded layers"):
         offload.enable_activation_offload(model).disable()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_activation_fsdp2_single_process(pool, monkeypatch):
+    """FSDP2 units are the layers; unsharded parameters are never offloaded (gloo, CPU)."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
+        pytest.skip("needs torch.distributed with FSDP2 (fully_shard)")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        ref = _model()
+        model = copy.deepcopy(ref)
+        for m in (ref, model):
+            for block in m.blocks:
+                # Unsharded parameters stay allocated through the step, so the check below
+                # compares live storages only.
+                fsdp.fully_shard(block, reshard_after_forward=False)
+            fsdp.fully_shard(m, reshard_after_forward=False)
+        clashes, offloaded = [], []
+        real_pack = act.ActivationEngine._pack
+
+        def spy(self, t):
+            packed = real_pack(self, t)
+            if type(packed) is not tuple:  # offloaded: compare with the parameters as they are now
+                live = act._storage_ptrs(model.parameters())
+                offloaded.append(t)
+                if t.untyped_storage().data_ptr() in live:
+                    clashes.append(tuple(t.shape))
+            return packed
+
+        monkeypatch.setattr(act.ActivationEngine, "_pack", spy)
+        handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+        assert handle.layers == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+        x = torch.randn(8, 16)
+        for _ in range(2):
+            for m in (ref, model):
+                m.zero_grad()
+                m(x).backward()
+            for a, b in zip(ref.parameters(), model.parameters()):
+                assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor())
+        assert offloaded and not clashes
+        offloaded.clear()
+        assert handle.stats()["groups_offloaded"] == 3
+    finally:
+        dist.destroy_process_group()
