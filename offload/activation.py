@@ -449,15 +449,16 @@ class ActivationEngine:
 
     def _fetch(self, group: _Group) -> None:
         with _device.nvtx_range(f"offload.h2d {group.name}") if self.nvtx else contextlib.nullcontext():
-            start = None
+            start = h2d_stream = None
             if self.timing:
+                # The waits copy_to_device would make, made first, so the start event times
+                # the copy alone (not the compute queued before this point).
                 h2d_stream = _device.copy_streams(self.device)[1]
+                h2d_stream.wait_stream(_device.current_stream(self.device))
+                group.d2h.wait_stream(h2d_stream)
                 start = self._timed_start(h2d_stream)
             group.h2d = copy_to_device(group.d2h, self.device, pool=self.pool)
-            if start is not None:
-                # Recorded after the copies: the start event sits before the wait on the D2H
-                # copy, so a prefetch of a still-copying group counts that wait too.
-                self._timed_end("h2d_seconds", start, h2d_stream)
+            self._timed_end("h2d_seconds", start, h2d_stream)
         group.device_bytes = group.h2d.tensors
         group.waited = set()
         self._counters["h2d_bytes"] += group.nbytes
