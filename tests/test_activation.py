@@ -540,22 +540,43 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_activation_fsdp2_single_process(pool, monkeypatch):
-    """FSDP2 units are the layers; unsharded parameters are never offloaded (gloo, CPU)."""
+def _shard(kind, model):
+    from torch.distributed import fsdp
+
+    if kind == "fsdp1":
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return fsdp.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                             device_id=torch.device("cpu"), use_orig_params=True)
+    for block in model.blocks:
+        # Unsharded parameters stay allocated through the step, so the check below
+        # compares live storages only.
+        fsdp.fully_shard(block, reshard_after_forward=False)
+    fsdp.fully_shard(model, reshard_after_forward=False)
+    return model
+
+
+def _full_grads(kind, model):
+    if kind == "fsdp2":
+        return [p.grad.full_tensor() for p in model.parameters()]
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_activation_fsdp_single_process(kind, pool, monkeypatch):
+    """FSDP units are the layers; unsharded parameters are never offloaded (gloo, CPU)."""
     dist = pytest.importorskip("torch.distributed")
     fsdp = pytest.importorskip("torch.distributed.fsdp")
-    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
-        pytest.skip("needs torch.distributed with FSDP2 (fully_shard)")
+    if not dist.is_available() or (kind == "fsdp2" and not hasattr(fsdp, "fully_shard")) or (
+            kind == "fsdp1" and not hasattr(fsdp, "FullyShardedDataParallel")):
+        pytest.skip(f"needs torch.distributed with {kind}")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
-        ref = _model()
-        model = copy.deepcopy(ref)
-        for m in (ref, model):
-            for block in m.blocks:
-                # Unsharded parameters stay allocated through the step, so the check below
-                # compares live storages only.
-                fsdp.fully_shard(block, reshard_after_forward=False)
-            fsdp.fully_shard(m, reshard_after_forward=False)
+        ref = _shard(kind, _model())
+        model = _shard(kind, _model())
         clashes, offloaded = [], []
         real_pack = act.ActivationEngine._pack
 
@@ -570,16 +591,34 @@ def test_activation_fsdp2_single_process(pool, monkeypatch):
 
         monkeypatch.setattr(act.ActivationEngine, "_pack", spy)
         handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
-        assert handle.layers == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+        prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
+        assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
         x = torch.randn(8, 16)
         for _ in range(2):
             for m in (ref, model):
                 m.zero_grad()
                 m(x).backward()
-            for a, b in zip(ref.parameters(), model.parameters()):
-                assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor())
+            _assert_equal(_full_grads(kind, ref), _full_grads(kind, model))
         assert offloaded and not clashes
-        offloaded.clear()
         assert handle.stats()["groups_offloaded"] == 3
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_activation_tuple_outputs_keep_first(mode, pool):
+    """Layers that take and return tuples; keep_first keeps the first layer on the device."""
+    torch.manual_seed(0)
+    ref = PairModel("next")
+    for block in ref.blocks:
+        block.late = "save"
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, keep_first=1, keep_last=0,
+                                               pool=pool)
+    assert handle.offloaded_layers() == ["blocks.1", "blocks.2"]
+    x = torch.randn(4, 8)
+    loss_ref, grads_ref = _step(ref, x)
+    loss, grads = _step(model, x)
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(grads, grads_ref)
+    assert handle.stats()["groups_offloaded"] == 2
