@@ -177,7 +177,7 @@ class ActivationEngine:
         self._backward_seen = False
         self._step = 0
         self._counters = self._new_counters()
-        self._timing_events: list = []  # (kind, start, end) resolved in stats()
+        self._timing_events: list = []  # (counters, kind, start, end) not yet added to counters
         # Auto mode's measurements: opened(group), closed(group), unpacked(group); or None.
         self.observer = None
 
@@ -192,11 +192,21 @@ class ActivationEngine:
             "tensors_offloaded": 0, "tensors_kept": 0,
         }
 
-    def _resolve_timing(self) -> None:
-        for kind, start, end in self._timing_events:
-            end.synchronize()
-            self._counters[kind] += start.elapsed_time(end) / 1e3
-        self._timing_events.clear()
+    def _resolve_timing(self, block: bool) -> None:
+        """Add finished copy/wait timings to the counters of the step they belong to.
+
+        Non-blocking at a step start (the host keeps running ahead of the device);
+        `stats()` blocks until the current step's events are done.
+        """
+        pending = []
+        for counters, kind, start, end in self._timing_events:
+            if block or end.query():
+                if block:
+                    end.synchronize()
+                counters[kind] += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((counters, kind, start, end))
+        self._timing_events = pending
 
     def _timed_start(self, stream):
         if not self.timing:
@@ -209,11 +219,11 @@ class ActivationEngine:
         if start is not None:
             end = _device.new_event(self.device, timing=True)
             end.record(stream)
-            self._timing_events.append((kind, start, end))
+            self._timing_events.append((self._counters, kind, start, end))
 
     def stats(self) -> dict:
         """Counters of the current (or just finished) step; waits for its timing events."""
-        self._resolve_timing()
+        self._resolve_timing(block=True)
         c = dict(self._counters)
         c["step"] = self._step
         c["mode"] = self.mode
@@ -236,7 +246,7 @@ class ActivationEngine:
     def _enter(self, params) -> None:
         if self._capturing == 0:
             if self._backward_seen:  # a new step
-                self._resolve_timing()
+                self._resolve_timing(block=False)
                 self._step += 1
                 self._counters = self._new_counters()
                 self._backward_seen = False

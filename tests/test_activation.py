@@ -173,15 +173,20 @@ def test_activation_views_wrong_restore_would_differ(pool):
     _assert_equal(grads, grads_ref)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_activation_llama_bitwise(mode, pool):
+def _llama(layers):
+    """A Llama-architecture model from a tiny config, random weights (no download)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,
     )
     torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(config).train()
+    return transformers.LlamaForCausalLM(config).train()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_activation_llama_bitwise(mode, pool):
+    ref = _llama(3)
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool)
     assert handle.layers == ["model.layers.0", "model.layers.1", "model.layers.2"]
@@ -198,13 +203,7 @@ def test_activation_llama_bitwise(mode, pool):
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_llama_gradient_checkpointing(reentrant, pool):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).train()
+    base = _llama(4)
     ref, model, plain = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     for m in (ref, model):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
