@@ -621,3 +621,58 @@ def test_activation_tuple_outputs_keep_first(mode, pool):
     assert torch.equal(loss, loss_ref)
     _assert_equal(grads, grads_ref)
     assert handle.stats()["groups_offloaded"] == 2
+
+
+class _FakeEvent:
+    def __init__(self, clock):
+        self.clock, self.at = clock, None
+
+    def record(self, stream):
+        self.clock[0] += 1
+        self.at = self.clock[0]
+        stream.log.append("record")
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return float(other.at - self.at)
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name, self.log = name, []
+
+    def wait_stream(self, other):
+        self.log.append(f"wait_stream {other.name}")
+
+    def wait_event(self, event):
+        self.log.append("wait_event")
+
+
+def test_activation_stream_paths_with_fake_streams(pool, monkeypatch):
+    """The accelerator-only branches (timing events, stream waits) run against fakes on a CPU."""
+    from offload import _device
+
+    clock = [0]
+    compute, d2h, h2d = _FakeStream("compute"), _FakeStream("d2h"), _FakeStream("h2d")
+    monkeypatch.setattr(_device, "new_event", lambda device=None, timing=False: _FakeEvent(clock))
+    monkeypatch.setattr(_device, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(_device, "copy_streams", lambda device=None: (d2h, h2d))
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
+    handle.engine.on_accel = handle.engine.timing = True
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    for _ in range(2):
+        _, grads = _step(model, x)
+        _assert_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["d2h_seconds"] > 0 and stats["h2d_seconds"] > 0 and stats["backward_wait_seconds"] > 0
+    assert stats["d2h_gbps"] > 0 and stats["groups_prefetched"] >= 1
+    assert d2h.log.count("wait_stream compute") == 2 * 3  # each group's copy after its compute
+    assert "wait_stream compute" in h2d.log and compute.log.count("record") >= 2
