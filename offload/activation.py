@@ -383,8 +383,15 @@ class ActivationEngine:
         if base is None:
             if t.requires_grad and t.is_leaf:
                 return self._keep(t)
+            base = t
         elif base.requires_grad and base.is_leaf:
             return self._keep(t)
+        # Autocast's cached cast of a parameter (alive until the autocast region exits).
+        grad_fn = base.grad_fn
+        if grad_fn is not None and type(grad_fn).__name__ == "ToCopyBackward0":
+            source = grad_fn.next_functions[0][0]
+            if source is not None and hasattr(source, "variable"):  # AccumulateGrad: a leaf's cast
+                return self._keep(t)
         itemsize = t.element_size()
         numel = t.numel()
         if numel == 0 or numel * itemsize < self.min_tensor_bytes:

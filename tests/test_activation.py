@@ -676,3 +676,29 @@ def test_activation_stream_paths_with_fake_streams(pool, monkeypatch):
     assert stats["d2h_gbps"] > 0 and stats["groups_prefetched"] >= 1
     assert d2h.log.count("wait_stream compute") == 2 * 3  # each group's copy after its compute
     assert "wait_stream compute" in h2d.log and compute.log.count("record") >= 2
+
+
+def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
+    """Under autocast the cached bf16 copies of parameters are kept, activations offloaded."""
+    model = _model()
+    kept, offloaded = [], []
+    real_pack = act.ActivationEngine._pack
+
+    def spy(self, t):
+        packed = real_pack(self, t)
+        (kept if type(packed) is tuple else offloaded).append(t)
+        return packed
+
+    monkeypatch.setattr(act.ActivationEngine, "_pack", spy)
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_ref = _model()(x)
+    offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x)
+    loss.backward()
+    assert torch.equal(loss, loss_ref)
+    weights = {p.shape[::-1] for p in model.parameters() if p.dim() == 2}
+    assert offloaded
+    assert not [t for t in offloaded if t.dtype == torch.bfloat16 and tuple(t.shape) in weights and not t.is_contiguous()]
+    assert any(t.dtype == torch.bfloat16 and tuple(t.shape) in weights for t in kept)
