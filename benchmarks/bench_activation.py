@@ -193,7 +193,8 @@ def _report(ctx, name, results, forward_ms, bandwidth):
         lines.append(
             f"  {column:18} {ms:9.1f} {ms / none_ms:7.2f} {peak / GiB:9.2f} "
             f"{'-' if exposed is None else f'{exposed:.1f}':>11} "
-            f"{'-' if offloaded is None else f'{offloaded / GiB:.2f}':>14} {'-' if bound is None else f'{bound:.1f}':>13}"
+            f"{'-' if offloaded is None else f'{offloaded / GiB:.2f}':>14} "
+            f"{'-' if bound is None else f'{bound:.1f}':>13}"
         )
         extra = {"peak_bytes": peak, "exposed_ms": exposed, "offloaded_bytes": offloaded, "bus_bound_ms": bound,
                  "forward_ms": forward_ms, "backward_ms": backward_ms}

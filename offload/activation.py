@@ -709,6 +709,11 @@ def enable_activation_offload(
             last layer's activations are needed at once when backward starts).
 
     Forwards under no_grad, inference_mode or in eval mode pass through untouched.
+
+        handle = offload.enable_activation_offload(model)            # async, every layer but the last
+        handle = offload.enable_activation_offload(model, "auto")    # only what hides under compute
+        loss = model(batch).loss; loss.backward(); print(handle.stats())
+        handle.disable()
     """
     fn = "offload.enable_activation_offload"
     engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
@@ -737,6 +742,14 @@ class activation_offload:  # noqa: N801 - used as a context manager, like torch'
     Groups are explicit: the block starts one group; `ao.boundary()` closes it and starts
     the next (call it between layers or pipeline micro-batches); `ao.boundary(offload=False)`
     starts a span whose tensors stay on the device. Backward may run after the block.
+    `params`: tensors never to offload; pass the model's parameters and buffers when some
+    are frozen (parameters that require grad, and views of them, are recognised anyway).
+
+        with offload.activation_offload(params=model.parameters()) as ao:
+            for block in model.blocks:
+                ao.boundary()
+                x = block(x)
+        loss_fn(x).backward()
     """
 
     def __init__(self, mode: str = "async", *, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,

@@ -73,7 +73,9 @@ def _repeated_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return best
 
 
-def find_layers(model: nn.Module, layers: Optional[Sequence] = None, fn: str = "offload") -> List[Tuple[str, nn.Module]]:
+def find_layers(
+    model: nn.Module, layers: Optional[Sequence] = None, fn: str = "offload"
+) -> List[Tuple[str, nn.Module]]:
     """(qualified name, module) of each layer, in forward order."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -106,6 +108,11 @@ def find_layers(model: nn.Module, layers: Optional[Sequence] = None, fn: str = "
             raise ValueError(f"{fn}: layers is empty; pass None to find the layers automatically")
         if len({id(m) for _, m in found}) != len(found):
             raise ValueError(f"{fn}: layers names the same module twice")
+        names = [n for n, _ in found]
+        for outer in names:
+            inner = [n for n in names if n.startswith(outer + ".")]
+            if inner:
+                raise ValueError(f"{fn}: layers names {outer!r} and {inner[0]!r} inside it; name only one of them")
         return found
     if next(model.parameters(), None) is None and not list(model.children()):
         raise ValueError(f"{fn}: model has no submodules and no parameters, so there are no layers to offload")

@@ -514,6 +514,10 @@ def test_activation_bad_arguments(pool):
         offload.enable_activation_offload(model, keep_last=-1)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         offload.enable_activation_offload("model")
+    with pytest.raises(ValueError, match="names 'blocks.0' and 'blocks.0.up' inside it"):
+        offload.enable_activation_offload(model, layers=["blocks.0", "blocks.0.up"])
+    with pytest.raises(ValueError, match="layers is empty"):
+        offload.enable_activation_offload(model, layers=[])
     with pytest.raises(ValueError, match="mode='auto' needs layers"):
         offload.activation_offload("auto")
     handle = offload.enable_activation_offload(model, layers=["blocks.0", model.blocks[2]], pool=pool)
@@ -700,5 +704,6 @@ def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
     assert torch.equal(loss, loss_ref)
     weights = {p.shape[::-1] for p in model.parameters() if p.dim() == 2}
     assert offloaded
-    assert not [t for t in offloaded if t.dtype == torch.bfloat16 and tuple(t.shape) in weights and not t.is_contiguous()]
+    casts = [t for t in offloaded if t.dtype == torch.bfloat16 and tuple(t.shape) in weights and not t.is_contiguous()]
+    assert not casts
     assert any(t.dtype == torch.bfloat16 and tuple(t.shape) in weights for t in kept)
