@@ -67,9 +67,10 @@ MODES = ("async", "sync", "auto")
 # Tensors smaller than this stay on the device by default: below ~1 MiB a copy's fixed
 # cost (launch, event, bookkeeping) outweighs the memory it frees.
 DEFAULT_MIN_TENSOR_BYTES = 1 << 20
-# The copied span of a storage starts on this boundary so every dtype viewing it stays
-# aligned after the restore (16 bytes covers complex128).
-_SPAN_ALIGN = 64
+# The copied span of a storage starts on this boundary, the caching allocator's block
+# alignment: a restored view then has the same address modulo 512 as the original, so
+# kernels that pick vectorised paths by alignment take the same path (bitwise results).
+_SPAN_ALIGN = 512
 
 _OPEN, _COPYING, _HOST, _KEPT = "open", "copying", "host", "kept"
 
