@@ -624,7 +624,7 @@ class ActivationOffload:
                 or torch.is_inference_mode_enabled()
                 or not self.model.training
                 or torch._C._current_graph_task_id() != -1
-                or (not engine._capturing and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+                or (not engine._capturing and _other_hooks_active())
             ):
                 return original(*args, **kwargs)
             if self._auto is not None:
@@ -672,6 +672,15 @@ class ActivationOffload:
     def __repr__(self) -> str:
         return (f"ActivationOffload(mode={self.engine.mode!r}, {len(self.offloaded_layers())} of "
                 f"{len(self.layers)} layers offloaded, enabled={self._enabled})")
+
+
+def _other_hooks_active() -> bool:
+    """Saved-tensor hooks someone else installed (save_on_cpu, a checkpoint around the model)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        return top(False) is not None
+    except TypeError:  # torch versions whose binding takes no argument
+        return top() is not None
 
 
 def _wrap_target(module):

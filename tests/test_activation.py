@@ -707,3 +707,17 @@ def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
     casts = [t for t in offloaded if t.dtype == torch.bfloat16 and tuple(t.shape) in weights and not t.is_contiguous()]
     assert not casts
     assert any(t.dtype == torch.bfloat16 and tuple(t.shape) in weights for t in kept)
+
+
+def test_activation_respects_outer_hooks(pool):
+    """Inside someone else's saved-tensor hooks (save_on_cpu around the model) offload steps aside."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    with torch.autograd.graph.save_on_cpu():
+        loss = model(x)
+    loss.backward()
+    _assert_equal(_grads(model), grads_ref)
+    assert handle.stats()["groups_offloaded"] == 0
