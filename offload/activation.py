@@ -87,6 +87,11 @@ def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
 
 
+def _not_traced(fn):
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 class _Group:
     """The saved tensors of one forward span (one layer)."""
 
@@ -265,10 +270,14 @@ class ActivationEngine:
             self._storages.clear()
             self._param_ptrs = set()
 
+    # Opaque to dynamo: inside a compiled layer these run eagerly at a graph break, so the
+    # copies, events and pool stay out of the traced graph.
+    @_not_traced
     def add_params(self, params) -> None:
         """Storages of `params` stay on the device (FSDP2 unsharded parameters of a layer)."""
         self._param_ptrs |= _storage_ptrs(params)
 
+    @_not_traced
     def boundary(self, name=None, offload: bool = True, layer=None) -> None:
         """Close the current group; when `name` is given open a new one (kept if not `offload`).
 
