@@ -25,8 +25,11 @@ Lifetimes and streams (stream ownership):
   complete (non-blocking poll at every group boundary, or a host wait when more than
   `resident_groups` groups would be on the device). The copy engine also record_streams
   them on the D2H stream, so dropping them early could never corrupt the copy.
-- Host blocks belong to the group's D2H `CopyHandle`; they return to the pool when the
-  group dies (its last saved-tensor handle is freed by autograd).
+- A group still copying when backward reaches it is served from those held tensors (no
+  round trip); so are the last groups of a forward.
+- Each group's spans go to one pooled host block (one pool request per layer, the same
+  size every step); it belongs to the group's D2H `CopyHandle` and returns to the pool
+  when the group dies (its last saved-tensor handle is freed by autograd).
 - In backward, a group's H2D copy allocates its outputs on the consumer (current) stream;
   the consumer waits on that group's copy event once (`CopyHandle.wait_stream`), never on
   the whole device. When the first tensor of group g is unpacked, the copy of the group
@@ -38,6 +41,14 @@ share one copied byte span [lo, hi) of the storage, and each view is rebuilt wit
 transpose, slice, expand or overlapping view is restored exactly (rebuilding with
 `.view(shape)` from a deduplicated storage is the bug ms-swift shipped). The same view
 saved twice comes back as the same tensor object.
+
+What stays on the device: parameters and buffers (by storage, refreshed per layer for
+FSDP's unsharded parameters), leaves that require grad and views of them, autocast's cached
+casts of parameters, tensor subclasses (DTensor), tensors below `min_tensor_bytes`.
+
+torch.compile: a compiled layer's activations are saved at run time by AOTAutograd's
+autograd function, so they are offloaded like any other (boundaries are opaque to dynamo);
+a model compiled whole bypasses the wrappers and is passed through with a warning.
 
 Version counter. With saved-tensor hooks installed autograd no longer checks that a saved
 tensor was not modified in place. The engine does it instead: each handle remembers the
