@@ -457,6 +457,7 @@ class ActivationEngine:
     # ------------------------------------------------------------ backward side
 
     def _unpack(self, packed):
+        self._backward_seen = True  # the next capture starts a new step
         if type(packed) is tuple:
             t, version = packed
             if t._version != version:
@@ -465,7 +466,6 @@ class ActivationEngine:
         group = packed.group
         if self.observer is not None and group.n_unpacked == 0:
             self.observer.unpacked(group)
-        self._backward_seen = True
         if group.held is not None:  # still on the device (copy in flight, or kept)
             t, version = group.held[packed.slot]
             if t._version != version:

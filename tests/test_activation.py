@@ -490,6 +490,9 @@ def test_activation_planner_hides_copies():
     assert exposed <= 0.01 * step and 0 < sum(mask) < n - 1
     mask_fast, exposed_fast, _ = choose(eligible, nbytes, fwd, bwd, 1e6, 1e6, 2)
     assert mask_fast == eligible and exposed_fast == 0
+    # A budget that lets two layers stay: the rest is offloaded even though copies show.
+    mask_budget, exposed_budget, _ = choose(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2, allowance=200.0)
+    assert sum(mask_budget) == n - 1 - 2 and exposed_budget > 0
 
 
 def test_activation_bad_arguments(pool):
@@ -744,3 +747,17 @@ def test_activation_respects_outer_hooks(pool):
     loss.backward()
     _assert_equal(_grads(model), grads_ref)
     assert handle.stats()["groups_offloaded"] == 0
+
+
+def test_activation_backward_inside_the_block(pool):
+    """Backward run inside the `with` (reentrant recomputation saves again): nothing is packed twice."""
+    ref = _model(ckpt="reentrant")
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    with offload.activation_offload(min_tensor_bytes=0, pool=pool) as ao:
+        loss = model(x)
+        ao.boundary()
+        loss.backward()
+    _assert_equal(_grads(model), grads_ref)
+    assert ao.stats()["groups_fetched"] >= 1
