@@ -130,9 +130,11 @@ def test_activation_cuda_resident_window_bounds_peak(resident):
     offloaded = _activation_peak(model, x)
     stats = handle.stats()
     per_layer = stats["d2h_bytes"] / stats["groups_offloaded"]
-    # The window, the last layer (kept) and, in backward, one restored group plus the
-    # gradients it produces; tolerance for the head and the allocator's rounding.
-    bound = (resident + 2) * per_layer * 1.15 + (32 << 20)
+    # Forward: the window plus the last layer (kept). Backward: the group being consumed,
+    # the one prefetched and the transient gradients of a layer (softmax's are as large as
+    # its saved output). Slack for the head and the allocator's rounding. Eight layers
+    # without a working window would exceed this for every `resident` tested.
+    bound = (resident + 3) * per_layer + (64 << 20)
     assert offloaded <= bound, (offloaded, bound, per_layer, plain)
     assert offloaded < plain
 
