@@ -229,6 +229,18 @@ def _report(ctx, name, results, forward_ms, bandwidth):
 
 
 def run(ctx):
+    threads = torch.get_num_threads()
+    if not _device.is_accelerator(ctx.device):
+        # Tiny CPU models: one thread avoids spin-wait contention on shared machines,
+        # which otherwise turns 5 ms steps into seconds.
+        torch.set_num_threads(1)
+    try:
+        return _run(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(ctx):
     bandwidth = _bandwidth(ctx.device)
     ctx.notes["activation_bus_gbps"] = bandwidth
     rows = []
