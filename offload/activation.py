@@ -351,7 +351,9 @@ class ActivationEngine:
         c["groups_offloaded"] += 1
         c["tensors_offloaded"] += len(group.held)
         if self.mode == "sync":
+            t0 = time.perf_counter()
             group.d2h.wait()
+            c["forward_wait_seconds"] += time.perf_counter() - t0
             self._settle(group)
             return
         self._inflight.append(weakref.ref(group))
@@ -515,7 +517,9 @@ class ActivationEngine:
         stream = _device.current_stream(self.device) if self.on_accel else None
         if stream not in group.waited:
             if self.mode == "sync" or not self.on_accel:
+                t0 = time.perf_counter()
                 group.h2d.wait()
+                self._counters["backward_wait_seconds"] += time.perf_counter() - t0
             else:
                 start = self._timed_start(stream)
                 group.h2d.wait_stream(stream)
