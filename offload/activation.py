@@ -108,7 +108,7 @@ class _Group:
 
     __slots__ = (
         "name", "layer", "state", "held", "modified", "spans", "d2h", "h2d", "device_bytes",
-        "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los",
+        "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned",
         "__weakref__",
     )
 
@@ -129,6 +129,7 @@ class _Group:
         self.prev = prev  # weakref to the previous offloaded group of the same forward
         self.nbytes = 0  # bytes of its storage spans
         self.los: list = []  # per entry: where its copied span starts in the storage (bytes)
+        self.nbytes_aligned = 0  # bytes of the group's host (and restored device) block
 
 
 class _Packed:
@@ -327,14 +328,11 @@ class ActivationEngine:
             return
         # One pooled host block per group, spans at aligned offsets: one pool request per
         # layer instead of one per tensor, and the same block size every step (cache hits).
-        srcs, offsets, total = [], [], 0
+        srcs = []
         for t, lo, hi, _ in group.spans:
             srcs.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,)))
-            offsets.append(total)
-            total += -(-(hi - lo) // _SPAN_ALIGN) * _SPAN_ALIGN
-        block = self.pool.acquire(total)
-        outs = [block[o : o + src.numel()] for o, src in zip(offsets, srcs)]
-        del block
+        group.nbytes_aligned = _aligned_total([src.numel() for src in srcs])
+        outs = _carve(self.pool.acquire(group.nbytes_aligned), [src.numel() for src in srcs])
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
             start = d2h_stream = None
             if self.timing:
@@ -504,7 +502,11 @@ class ActivationEngine:
                 h2d_stream.wait_stream(_device.current_stream(self.device))
                 group.d2h.wait_stream(h2d_stream)
                 start = self._timed_start(h2d_stream)
-            group.h2d = copy_to_device(group.d2h, self.device, pool=self.pool)
+            # One device block per group (allocated on the consumer stream, its owner), spans at
+            # 512-byte offsets: a restored view keeps the original's alignment.
+            outs = _carve(torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device),
+                          [t.numel() for t in group.d2h.tensors])
+            group.h2d = copy_to_device(group.d2h, self.device, out=outs, pool=self.pool)
             self._timed_end("h2d_seconds", start, h2d_stream)
         group.device_bytes = group.h2d.tensors
         group.waited = set()
@@ -531,8 +533,11 @@ class ActivationEngine:
             flat = group.device_bytes[packed.entry]
             itemsize = packed.dtype.itemsize
             usable = flat.numel() - flat.numel() % itemsize
-            offset = (packed.offset - group.los[packed.entry]) // itemsize
-            view = flat[:usable].view(packed.dtype).as_strided(packed.size, packed.stride, offset)
+            typed = flat[:usable].view(packed.dtype)
+            # as_strided's offset counts from the start of the storage, and `flat` may be a view
+            # into a larger block: add where it starts.
+            offset = typed.storage_offset() + (packed.offset - group.los[packed.entry]) // itemsize
+            view = typed.as_strided(packed.size, packed.stride, offset)
             group.views[key] = view
         return view
 
@@ -550,6 +555,19 @@ class ActivationEngine:
         group.views = {}
         group.waited = set()
         group.n_unpacked = 0
+
+
+def _aligned_total(sizes) -> int:
+    return sum(-(-n // _SPAN_ALIGN) * _SPAN_ALIGN for n in sizes)
+
+
+def _carve(block: torch.Tensor, sizes) -> List[torch.Tensor]:
+    """Views of uint8 `block` of the given sizes, each starting on a _SPAN_ALIGN boundary."""
+    views, at = [], 0
+    for n in sizes:
+        views.append(block[at : at + n])
+        at += -(-n // _SPAN_ALIGN) * _SPAN_ALIGN
+    return views
 
 
 def _storage_ptrs(tensors) -> set:

@@ -692,9 +692,18 @@ class _FakeStream:
         self.log.append("wait_event")
 
 
-def test_activation_stream_paths_with_fake_streams(pool, monkeypatch):
-    """The accelerator-only branches (timing events, stream waits) run against fakes on a CPU."""
-    from offload import _device
+def test_activation_stream_paths_with_fake_streams(monkeypatch):
+    """The accelerator-only branches (timing events, stream waits) run against fakes on a CPU.
+
+    On the pure-PyTorch copy path: the compiled core takes only real streams.
+    """
+    from offload import _backend, _device
+
+    with _backend.force_fallback():
+        _fake_stream_step(offload.HostPool(), monkeypatch, _device)
+
+
+def _fake_stream_step(pool, monkeypatch, _device):
 
     clock = [0]
     compute, d2h, h2d = _FakeStream("compute"), _FakeStream("d2h"), _FakeStream("h2d")
