@@ -712,7 +712,7 @@ def _fake_stream_step(pool, monkeypatch, _device):
     monkeypatch.setattr(_device, "copy_streams", lambda device=None: (d2h, h2d))
     ref = _model()
     model = copy.deepcopy(ref)
-    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, nvtx=True)
     handle.engine.on_accel = handle.engine.timing = True
     x = torch.randn(8, 16)
     _, grads_ref = _step(ref, x)
