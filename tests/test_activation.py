@@ -704,7 +704,6 @@ def test_activation_stream_paths_with_fake_streams(monkeypatch):
 
 
 def _fake_stream_step(pool, monkeypatch, _device):
-
     clock = [0]
     compute, d2h, h2d = _FakeStream("compute"), _FakeStream("d2h"), _FakeStream("h2d")
     monkeypatch.setattr(_device, "new_event", lambda device=None, timing=False: _FakeEvent(clock))
@@ -779,3 +778,24 @@ def test_activation_backward_inside_the_block(pool):
         loss.backward()
     _assert_equal(_grads(model), grads_ref)
     assert ao.stats()["groups_fetched"] >= 1
+
+
+@pytest.mark.parametrize("resident", [1, 2, 3])
+def test_activation_copies_in_flight_served_from_device(resident, pool, monkeypatch):
+    """Copies that never report done (a slow bus): the window waits for the oldest, and the
+    groups still in flight when backward starts are served from their device tensors."""
+    monkeypatch.setattr(offload.CopyHandle, "ready", lambda self: False)
+    ref = _model(n=6)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, resident_groups=resident,
+                                               pool=pool)
+    x = torch.randn(8, 16)
+    for m in (ref, model):
+        loss = m(x)
+        loss.backward(retain_graph=True)
+        loss.backward()  # the second pass finds every group on the host
+    _assert_equal(_grads(model), _grads(ref))
+    stats = handle.stats()
+    assert stats["groups_offloaded"] == 5
+    # First backward: the last resident-1 groups come from the device; second: all from the host.
+    assert stats["groups_fetched"] == (5 - (resident - 1)) + 5
