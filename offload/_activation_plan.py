@@ -28,6 +28,7 @@ from ._copy import copy_to_device, copy_to_host
 
 MEASURE_STEPS = 2  # the first step warms up kernels and the pool; the last one is used
 TOLERANCE = 0.01  # predicted exposed copy time allowed, as a fraction of the step
+BACKWARD_CAP = 3.0  # a layer's measured backward time is taken as at most this times its forward
 
 
 def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: float, window: int):
@@ -215,6 +216,11 @@ class AutoPlanner:
         for i in range(1, n):
             if i in first_unpack and i - 1 in first_unpack:
                 bwd[i] = max(0.0, self.clock.seconds(first_unpack[i], first_unpack[i - 1]))
+        # While measuring, backward waits for copies that everything-offloaded could not hide,
+        # and that wait lands between two groups' first unpacks: cap at 3x forward (a layer's
+        # backward is about 2x its forward, 3x with recomputation) so the plan does not count
+        # exposed copy time as compute to hide copies under.
+        bwd = [min(b, BACKWARD_CAP * f) if b is not None and f > 0 else b for b, f in zip(bwd, fwd)]
         ratios = [b / f for b, f in zip(bwd, fwd) if b is not None and f > 0]
         ratio = sorted(ratios)[len(ratios) // 2] if ratios else 2.0
         bwd = [b if b is not None else ratio * f for b, f in zip(bwd, fwd)]
