@@ -6,6 +6,7 @@ The public API, nothing else; see README.md.
 from ._backend import native_available
 from ._copy import CopyHandle, copy_to_device, copy_to_host
 from ._pool import HostPool, default_host_pool
+from .activation import ActivationOffload, activation_offload, enable_activation_offload
 from .buckets import (
     BucketEntry,
     BucketPlan,
@@ -22,6 +23,7 @@ from .weight_sync import WeightReceiver, WeightSender
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationOffload",
     "AsyncStager",
     "BucketEntry",
     "BucketPlan",
@@ -30,10 +32,12 @@ __all__ = [
     "PackedBucket",
     "WeightReceiver",
     "WeightSender",
+    "activation_offload",
     "copy_to_device",
     "copy_to_host",
     "default_bucket_bytes",
     "default_host_pool",
+    "enable_activation_offload",
     "native_available",
     "offload_params",
     "pack_buckets",

@@ -237,3 +237,13 @@ def nvtx_range(name: str):
     if kind == "cuda":
         return torch.cuda.nvtx.range(name)
     return contextlib.nullcontext()
+
+
+# ---- activation offload
+
+
+def set_device(device) -> None:
+    """Make `device` the current accelerator of this process (no-op for the CPU)."""
+    device = torch.device(device)
+    if is_accelerator(device):
+        _module(device.type).set_device(device)

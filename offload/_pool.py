@@ -155,17 +155,27 @@ class _FallbackPool:
         self._lock = threading.Lock()
         self._live: dict = {}  # data_ptr -> (StorageWeakRef, nbytes) of blocks handed out
         self._requests = 0
+        self._swept_at = 0  # live entries after the last sweep: sweeping is amortised O(1)
         self._peak = 0
         self._alloc_seconds = 0.0
 
-    def _sweep(self) -> int:
-        self._live = {ptr: (ref, n) for ptr, (ref, n) in self._live.items() if not ref.expired()}
+    def _sweep(self, force: bool = True) -> int:
+        """Forget blocks whose tensors died; bytes still handed out.
+
+        Unforced sweeps run only once the table has doubled since the last one, so
+        thousands of live blocks do not make every acquire walk them all.
+        """
+        if force or len(self._live) >= 2 * self._swept_at + 64:
+            self._live = {ptr: (ref, n) for ptr, (ref, n) in self._live.items() if not ref.expired()}
+            self._swept_at = len(self._live)
         return sum(n for _, n in self._live.values())
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         with self._lock:
             self._requests += 1
-            in_use = self._sweep()
+            in_use = self._sweep(force=False)
+            if self._limit and in_use + nbytes > self._limit:
+                in_use = self._sweep()
             if self._limit and in_use + nbytes > self._limit:
                 raise torch.OutOfMemoryError(
                     f"offload.HostPool: cannot acquire {nbytes} bytes: {in_use} of the {self._limit}-byte "

@@ -1,0 +1,267 @@
+"""Activation offload: training-step time and peak device memory against PyTorch's own ways.
+
+Models: a stack of 8 transformer blocks (hidden 4096, 32 heads, MLP 4x, bf16, batch 2,
+sequence 4096 on a GPU) and a Llama-architecture model from `transformers` built from a
+config with random weights, at two sequence lengths. Columns, in one process:
+no offload; `save_on_cpu(pin_memory=True)`; per-layer activation checkpointing; offload
+`sync`, `async`, `auto`; offload with checkpointing.
+
+Besides step time (ratio to no offload) and peak device memory it reports the exposed
+copy time and the bus bound the issue's targets are stated against: forward time of the
+no-offload step vs offloaded bytes over the measured device-to-host bandwidth (the larger
+of the two), plus the same for backward with host-to-device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+import torch.nn.functional as F
+from common import gbps, row, time_ms
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
+from offload import _device
+
+SECTION = "activation"
+GiB = float(1 << 30)
+
+
+def applies(device_type: str) -> bool:
+    return True
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.n1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.n2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.n2(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, d, heads, n):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(n))
+        self.checkpointing = False
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return x.float().square().mean()
+
+    def set_checkpointing(self, on: bool) -> None:
+        self.checkpointing = on
+
+
+def _llama(ctx, seq):
+    import transformers
+
+    if ctx.quick:
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    else:
+        config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                          num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                                          max_position_embeddings=32768)
+    config._attn_implementation = "sdpa"
+    with torch.device(ctx.device):
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16 if _device.is_accelerator(ctx.device) else torch.float32).train()
+
+    def set_checkpointing(on: bool) -> None:
+        if on:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+
+    model.set_checkpointing = set_checkpointing
+    ids = torch.randint(0, config.vocab_size, (1, seq), device=ctx.device)
+    return model, lambda: model(input_ids=ids, labels=ids).loss
+
+
+def _stack(ctx):
+    d, heads, n, batch, seq = (32, 4, 4, 2, 32) if ctx.quick else (4096, 32, 8, 2, 4096)
+    dtype = torch.bfloat16 if _device.is_accelerator(ctx.device) else torch.float32
+    with torch.device(ctx.device):
+        model = Stack(d, heads, n).to(dtype)
+    x = torch.randn(batch, seq, d, device=ctx.device, dtype=dtype)
+    return model, lambda: model(x)
+
+
+def _bandwidth(device):
+    """Measured (d2h, h2d) GB/s of one large copy through the copy engine."""
+    if not _device.is_accelerator(device):
+        return None, None
+    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    host = offload.copy_to_host([src]).wait()
+    d2h = time_ms(lambda: offload.copy_to_host([src], out=host).wait(), device, warmup=2, iters=5)
+    h2d = time_ms(lambda: offload.copy_to_device(host, device).wait_stream(), device, warmup=2, iters=5)
+    return gbps(src.numel(), d2h["median_ms"]), gbps(src.numel(), h2d["median_ms"])
+
+
+def _measure(ctx, model, loss_fn, column, iters, handle=None):
+    """Median step time, peak device bytes (above the idle model) and the offload counters."""
+    wrapper = contextlib.nullcontext
+    if column == "save_on_cpu":
+        def wrapper():
+            return torch.autograd.graph.save_on_cpu(pin_memory=_device.pinned_memory_supported())
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with wrapper():
+            loss = loss_fn()
+        loss.backward()
+
+    warmup = 3 if column.startswith("auto") else (1 if ctx.quick else 2)
+    for _ in range(warmup):
+        step()
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    _device.synchronize(ctx.device)
+    idle = _device.memory_allocated(ctx.device)
+    _device.reset_peak_memory_stats(ctx.device)
+    timing = time_ms(step, ctx.device, warmup=0, iters=iters)
+    peak = _device.max_memory_allocated(ctx.device) - idle
+    stats = handle.stats() if handle is not None else None
+    return timing["median_ms"], peak, stats
+
+
+def _forward_ms(ctx, model, loss_fn, iters):
+    def forward():
+        loss_fn()  # the graph is dropped right away; its activations were saved all the same
+
+    return time_ms(forward, ctx.device, warmup=1, iters=iters)["median_ms"]
+
+
+def _columns(ctx, name, model, loss_fn, bandwidth):
+    iters = 2 if ctx.quick else 5
+    results = {}
+    quiet = {"verbose": ctx.quick is False}
+    for column in ("none", "save_on_cpu", "checkpoint", "sync", "async", "auto", "async+checkpoint"):
+        ctx.progress(f"{name}: {column}")
+        handle = None
+        if column == "checkpoint" or column.endswith("+checkpoint"):
+            model.set_checkpointing(True)
+        if column in ("sync", "async", "auto", "async+checkpoint"):
+            mode = column.split("+")[0]
+            handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0 if ctx.quick else (1 << 20),
+                                                       **quiet)
+        try:
+            results[column] = _measure(ctx, model, loss_fn, column, iters, handle)
+        finally:
+            if handle is not None:
+                handle.disable()
+            model.set_checkpointing(False)
+            gc.collect()
+            _device.empty_cache()
+    forward = _forward_ms(ctx, model, loss_fn, iters)
+    return results, forward
+
+
+def _report(ctx, name, results, forward_ms, bandwidth):
+    rows = []
+    none_ms, none_peak, _ = results["none"]
+    d2h_bw, h2d_bw = bandwidth
+    backward_ms = max(none_ms - forward_ms, 0.0)
+    lines = [f"{name}: forward {forward_ms:.1f} ms, backward {backward_ms:.1f} ms; bus "
+             f"{d2h_bw or 0:.1f} GB/s d2h, {h2d_bw or 0:.1f} GB/s h2d"]
+    lines.append(f"  {'column':18} {'step ms':>9} {'x none':>7} {'peak GiB':>9} {'exposed ms':>11} "
+                 f"{'offloaded GiB':>14} {'bus bound ms':>13}")
+    for column, (ms, peak, stats) in results.items():
+        exposed = offloaded = bound = None
+        if stats is not None:
+            exposed = stats["exposed_seconds"] * 1e3
+            offloaded = stats["d2h_bytes"]
+            if d2h_bw and h2d_bw:
+                bound = max(forward_ms, offloaded / (d2h_bw * 1e9) * 1e3) + \
+                    max(backward_ms, stats["h2d_bytes"] / (h2d_bw * 1e9) * 1e3)
+        lines.append(
+            f"  {column:18} {ms:9.1f} {ms / none_ms:7.2f} {peak / GiB:9.2f} "
+            f"{'-' if exposed is None else f'{exposed:.1f}':>11} "
+            f"{'-' if offloaded is None else f'{offloaded / GiB:.2f}':>14} "
+            f"{'-' if bound is None else f'{bound:.1f}':>13}"
+        )
+        extra = {"peak_bytes": peak, "exposed_ms": exposed, "offloaded_bytes": offloaded, "bus_bound_ms": bound,
+                 "forward_ms": forward_ms, "backward_ms": backward_ms}
+        if stats is not None and stats.get("plan"):
+            plan = stats["plan"]
+            extra.update(auto_offloaded_bytes=plan["offloaded_bytes"], auto_hideable_bytes=plan["hideable_bytes"],
+                         auto_layers=plan["offload"])
+        rows.append(row(SECTION, f"{name} {column} step", offload=ms, baseline=none_ms, unit="ms",
+                        baseline_name="no offload", higher_is_better=False, **extra))
+        rows.append(row(SECTION, f"{name} {column} peak", offload=peak / GiB, baseline=none_peak / GiB,
+                        unit="GiB", baseline_name="no offload", higher_is_better=False))
+        if column == "async" and bound:
+            rows.append(row(SECTION, f"{name} async vs bus bound", offload=ms, baseline=bound, unit="ms",
+                            baseline_name="bus bound", higher_is_better=False))
+    if "save_on_cpu" in results:
+        rows.append(row(SECTION, f"{name} async vs save_on_cpu", offload=results["async"][0],
+                        baseline=results["save_on_cpu"][0], unit="ms", baseline_name="save_on_cpu(pin_memory)",
+                        higher_is_better=False))
+    rows.append(row(SECTION, f"{name} async+ckpt vs ckpt", offload=results["async+checkpoint"][0],
+                    baseline=results["checkpoint"][0], unit="ms", baseline_name="checkpointing",
+                    higher_is_better=False))
+    auto_stats = results["auto"][2]
+    if auto_stats and auto_stats.get("plan"):
+        plan = auto_stats["plan"]
+        hideable = min(plan["eligible_bytes"], forward_ms * 1e-3 * (d2h_bw or plan["d2h_gbps"]) * 1e9)
+        lines.append(f"  auto offloads {len(plan['offload'])} layers, {plan['offloaded_bytes'] / GiB:.2f} GiB "
+                     f"= {100 * plan['offloaded_bytes'] / max(hideable, 1):.0f}% of what the bus can hide "
+                     f"({hideable / GiB:.2f} GiB)")
+    for line in lines:
+        print(line, flush=True)
+    return rows
+
+
+def run(ctx):
+    threads = torch.get_num_threads()
+    if not _device.is_accelerator(ctx.device):
+        # Tiny CPU models: one thread avoids spin-wait contention on shared machines,
+        # which otherwise turns 5 ms steps into seconds.
+        torch.set_num_threads(1)
+    try:
+        return _run(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(ctx):
+    bandwidth = _bandwidth(ctx.device)
+    ctx.notes["activation_bus_gbps"] = bandwidth
+    rows = []
+    model, loss_fn = _stack(ctx)
+    name = "blocks 4x32 quick" if ctx.quick else "blocks 8x4096 bs2 seq4096"
+    results, forward = _columns(ctx, name, model, loss_fn, bandwidth)
+    rows += _report(ctx, name, results, forward, bandwidth)
+    del model, loss_fn
+    gc.collect()
+    _device.empty_cache()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        ctx.progress("transformers is not installed: Llama rows skipped")
+        return rows
+    for seq in ((32,) if ctx.quick else (2048, 8192)):
+        model, loss_fn = _llama(ctx, seq)
+        name = f"llama seq{seq}"
+        results, forward = _columns(ctx, name, model, loss_fn, bandwidth)
+        rows += _report(ctx, name, results, forward, bandwidth)
+        del model, loss_fn
+        gc.collect()
+        _device.empty_cache()
+    return rows

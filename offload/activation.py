@@ -1,0 +1,862 @@
+"""Activation offload: the saved tensors of each layer go to pinned host memory while the
+next layer computes, and come back one layer ahead in backward.
+
+The data path, top to bottom:
+  `enable_activation_offload(model)` / `activation_offload()`   (user API, wrap.py finds layers)
+  -> `ActivationEngine`: `saved_tensors_hooks` pack/unpack, grouping, window, prefetch
+  -> `copy_to_host` / `copy_to_device` (the copy engine, one batched call per group)
+  -> `HostPool` (pinned blocks, reused across steps).
+
+Groups. A group is the span of forward from one layer's start to the next layer's start
+(or the end of the model's forward): every tensor autograd saves in that span belongs to
+it. Opening groups at layer starts (instead of scoping them to a layer's call) is what
+puts the inputs a reentrant checkpoint saves after its layer returns into that layer's
+group, and what keeps the hooks outside Hugging Face's and FSDP2's checkpoint wrappers.
+
+Why one batched copy per group, issued when the group closes, instead of one copy per
+tensor at save time: the copy engine then makes one wait on the compute stream, records
+one event and packs the small tensors of the layer into one transfer; the pack hook
+itself does only bookkeeping (a few attribute reads, a dict lookup, an append). The copy
+starts as soon as the layer's kernels are queued and runs on the device-to-host stream
+under the next layer's compute.
+
+Lifetimes and streams (stream ownership):
+- A group's device tensors are held (`_Group.held`) from save until its D2H copy is seen
+  complete (non-blocking poll at every group boundary, or a host wait when more than
+  `resident_groups` groups would be on the device). The copy engine also record_streams
+  them on the D2H stream, so dropping them early could never corrupt the copy.
+- A group still copying when backward reaches it is served from those held tensors (no
+  round trip); so are the last groups of a forward.
+- Each group's spans go to one pooled host block (one pool request per layer, the same
+  size every step); it belongs to the group's D2H `CopyHandle` and returns to the pool
+  when the group dies (its last saved-tensor handle is freed by autograd).
+- In backward, a group's H2D copy allocates its outputs on the consumer (current) stream;
+  the consumer waits on that group's copy event once (`CopyHandle.wait_stream`), never on
+  the whole device. When the first tensor of group g is unpacked, the copy of the group
+  before it is issued (prefetch), so it runs under g's backward compute.
+
+Storages and views. Each storage is offloaded once per group: all saved views of it
+share one copied byte span [lo, hi) of the storage, and each view is rebuilt with
+`as_strided` on the restored span with its exact size, stride and storage offset, so a
+transpose, slice, expand or overlapping view is restored exactly (rebuilding with
+`.view(shape)` from a deduplicated storage is the bug ms-swift shipped). The same view
+saved twice comes back as the same tensor object.
+
+What stays on the device: parameters and buffers (by storage, refreshed per layer for
+FSDP's unsharded parameters), leaves that require grad and views of them, autocast's cached
+casts of parameters, tensor subclasses (DTensor), tensors below `min_tensor_bytes`.
+
+torch.compile: a compiled layer's activations are saved at run time by AOTAutograd's
+autograd function, so they are offloaded like any other (boundaries are opaque to dynamo);
+a model compiled whole bypasses the wrappers and is passed through with a warning.
+
+Version counter. With saved-tensor hooks installed autograd no longer checks that a saved
+tensor was not modified in place. The engine does it instead: each handle remembers the
+tensor's `_version`; a modification seen before the copy is confirmed complete raises
+autograd's error at unpack. After that the host copy is a snapshot of the saved value.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import time
+import warnings
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import _device
+from . import wrap as _wrap
+from ._copy import copy_to_device, copy_to_host
+from ._pool import HostPool, default_host_pool
+
+MODES = ("async", "sync", "auto")
+# Tensors smaller than this stay on the device by default: below ~1 MiB a copy's fixed
+# cost (launch, event, bookkeeping) outweighs the memory it frees.
+DEFAULT_MIN_TENSOR_BYTES = 1 << 20
+# The copied span of a storage starts on this boundary, the caching allocator's block
+# alignment: a restored view then has the same address modulo 512 as the original, so
+# kernels that pick vectorised paths by alignment take the same path (bitwise results).
+_SPAN_ALIGN = 512
+
+_OPEN, _COPYING, _HOST, _KEPT = "open", "copying", "host", "kept"
+
+
+def _modified_error(t_desc: str, saved: int, now: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{t_desc}] is at version {now}; expected version {saved} instead "
+        "(offload.activation: the tensor was modified after autograd saved it)"
+    )
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+def _not_traced(fn):
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+class _Group:
+    """The saved tensors of one forward span (one layer)."""
+
+    __slots__ = (
+        "name", "layer", "state", "held", "modified", "spans", "d2h", "h2d", "device_bytes",
+        "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned",
+        "__weakref__",
+    )
+
+    def __init__(self, name, layer, offload: bool, prev):
+        self.name = name
+        self.layer = layer  # index in the layer list (auto-mode statistics), or None
+        self.state = _OPEN if offload else _KEPT
+        self.held: Optional[list] = []  # per handle slot: (tensor, version), while device data is valid
+        self.modified = ()  # slots whose tensor was modified in place before the copy was confirmed
+        self.spans: list = []  # per entry: [tensor, lo, hi] (bytes of its storage to copy)
+        self.d2h = None  # CopyHandle of the group's spans to host
+        self.h2d = None  # CopyHandle of the spans back to the device (backward)
+        self.device_bytes = None  # restored uint8 spans on the device
+        self.views: dict = {}  # (entry, dtype, size, stride, offset) -> restored tensor
+        self.waited = set()  # streams that already wait for h2d
+        self.n_handles = 0
+        self.n_unpacked = 0
+        self.prev = prev  # weakref to the previous offloaded group of the same forward
+        self.nbytes = 0  # bytes of its storage spans
+        self.los: list = []  # per entry: where its copied span starts in the storage (bytes)
+        self.nbytes_aligned = 0  # bytes of the group's host (and restored device) block
+
+
+class _Packed:
+    """What autograd holds instead of an offloaded tensor."""
+
+    __slots__ = ("group", "entry", "slot", "dtype", "size", "stride", "offset", "desc")
+
+    def __init__(self, group, entry, slot, dtype, size, stride, offset):
+        self.group = group
+        self.entry = entry
+        self.slot = slot
+        self.dtype = dtype
+        self.size = size
+        self.stride = stride
+        self.offset = offset  # bytes from the start of the storage
+
+
+class ActivationEngine:
+    """Packs saved tensors into groups, copies them out and brings them back.
+
+    The engine is driven by `capture()` (the scope where saved tensors are hooked) and
+    `boundary()` (a new group starts); `wrap.py` calls these from layer forwards, and the
+    `activation_offload()` context manager exposes them to custom loops.
+    """
+
+    def __init__(
+        self,
+        mode: str = "async",
+        *,
+        min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+        resident_groups: int = 2,
+        pool: Optional[HostPool] = None,
+        timing: bool = True,
+        nvtx: bool = False,
+        fn: str = "offload.activation_offload",
+    ):
+        if mode not in MODES:
+            raise ValueError(f"{fn}: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        if isinstance(min_tensor_bytes, bool) or not isinstance(min_tensor_bytes, int) or min_tensor_bytes < 0:
+            raise ValueError(f"{fn}: min_tensor_bytes must be an int >= 0, got {min_tensor_bytes!r}")
+        if isinstance(resident_groups, bool) or not isinstance(resident_groups, int) or resident_groups < 1:
+            raise ValueError(
+                f"{fn}: resident_groups must be an int >= 1 (groups whose activations may be on the "
+                f"device at once), got {resident_groups!r}"
+            )
+        if pool is not None and not isinstance(pool, HostPool):
+            raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
+        self.mode = mode
+        self.min_tensor_bytes = min_tensor_bytes
+        self.resident_groups = resident_groups
+        self.pool = pool if pool is not None else default_host_pool()
+        self.device = _device.current_device()
+        self.on_accel = _device.is_accelerator(self.device)
+        self.timing = timing and self.on_accel
+        self.nvtx = nvtx
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._capturing = 0
+        self._group: Optional[_Group] = None
+        self._last_offloaded = None  # weakref to the last offloaded group of this forward
+        self._storages: Dict[int, tuple] = {}  # storage data_ptr -> (group, entry, StorageWeakRef)
+        self._param_ptrs: set = set()
+        self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
+        self._backward_seen = False
+        self._step = 0
+        self._counters = self._new_counters()
+        self._timing_events: list = []  # (counters, kind, start, end) not yet added to counters
+        # Auto mode's measurements: opened(group), closed(group), unpacked(group); or None.
+        self.observer = None
+
+    # ------------------------------------------------------------ statistics
+
+    @staticmethod
+    def _new_counters() -> dict:
+        return {
+            "d2h_bytes": 0, "h2d_bytes": 0, "d2h_seconds": 0.0, "h2d_seconds": 0.0,
+            "forward_wait_seconds": 0.0, "backward_wait_seconds": 0.0,
+            "groups_offloaded": 0, "groups_fetched": 0, "groups_prefetched": 0,
+            "tensors_offloaded": 0, "tensors_kept": 0,
+        }
+
+    def _resolve_timing(self, block: bool) -> None:
+        """Add finished copy/wait timings to the counters of the step they belong to.
+
+        Non-blocking at a step start (the host keeps running ahead of the device);
+        `stats()` blocks until the current step's events are done.
+        """
+        pending = []
+        for counters, kind, start, end in self._timing_events:
+            if block or end.query():
+                if block:
+                    end.synchronize()
+                counters[kind] += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((counters, kind, start, end))
+        self._timing_events = pending
+
+    def _timed_start(self, stream):
+        if not self.timing:
+            return None
+        start = _device.new_event(self.device, timing=True)
+        start.record(stream)
+        return start
+
+    def _timed_end(self, kind, start, stream) -> None:
+        if start is not None:
+            end = _device.new_event(self.device, timing=True)
+            end.record(stream)
+            self._timing_events.append((self._counters, kind, start, end))
+
+    def stats(self) -> dict:
+        """Counters of the current (or just finished) step; waits for its timing events."""
+        self._resolve_timing(block=True)
+        c = dict(self._counters)
+        c["step"] = self._step
+        c["mode"] = self.mode
+        c["d2h_gbps"] = c["d2h_bytes"] / c["d2h_seconds"] / 1e9 if c["d2h_seconds"] > 0 else None
+        c["h2d_gbps"] = c["h2d_bytes"] / c["h2d_seconds"] / 1e9 if c["h2d_seconds"] > 0 else None
+        c["exposed_seconds"] = c["forward_wait_seconds"] + c["backward_wait_seconds"]
+        c["peak_device_bytes"] = _device.max_memory_allocated(self.device)
+        c["device_bytes"] = _device.memory_allocated(self.device)
+        pool = self.pool.stats()
+        c["pool"] = {k: pool[k] for k in ("reserved_bytes", "in_use_bytes", "peak_in_use_bytes", "requests",
+                                          "cache_hits") if k in pool}
+        return c
+
+    # ------------------------------------------------------------ forward side
+
+    def capture(self, params=()):
+        """Context: saved tensors in it are hooked; `params` are never offloaded."""
+        return _Capture(self, params)
+
+    def _enter(self, params) -> None:
+        if self._capturing == 0:
+            if self._backward_seen:  # a new step
+                self._resolve_timing(block=False)
+                self._step += 1
+                self._counters = self._new_counters()
+                self._backward_seen = False
+            self._poll()
+            self._param_ptrs = _storage_ptrs(params)
+            self._last_offloaded = None
+        self._capturing += 1
+        self._hooks.__enter__()
+
+    def _exit(self) -> None:
+        self._hooks.__exit__(None, None, None)
+        self._capturing -= 1
+        if self._capturing == 0:
+            self.boundary(None)
+            self._storages.clear()
+            self._param_ptrs = set()
+
+    # Opaque to dynamo: inside a compiled layer these run eagerly at a graph break, so the
+    # copies, events and pool stay out of the traced graph.
+    @_not_traced
+    def add_params(self, params) -> None:
+        """Storages of `params` stay on the device (FSDP2 unsharded parameters of a layer)."""
+        self._param_ptrs |= _storage_ptrs(params)
+
+    @_not_traced
+    def boundary(self, name=None, offload: bool = True, layer=None) -> None:
+        """Close the current group; when `name` is given open a new one (kept if not `offload`).
+
+        A kept group exists only while auto mode measures (its tensors stay on the device and
+        are counted); otherwise tensors saved outside an offloaded group pass straight through.
+        """
+        group = self._group
+        self._group = None
+        if group is not None:
+            self._close(group)
+        if name is None or not self._capturing:
+            return
+        observer = self.observer
+        if offload or observer is not None:
+            group = _Group(name, layer, offload, self._last_offloaded)
+            self._group = group
+            if offload:
+                self._last_offloaded = weakref.ref(group)
+            if observer is not None:
+                observer.opened(group)
+
+    def _close(self, group: _Group) -> None:
+        los = []
+        for entry in group.spans:
+            los.append(entry[1])
+            group.nbytes += entry[2] - entry[1]
+            entry.append(entry[0]._version)  # a later save may share this copy only at this version
+        group.los = los
+        if self.observer is not None:
+            self.observer.closed(group)
+        if group.state == _KEPT:
+            group.spans = None
+            return
+        if not group.spans:
+            self._settle(group)
+            return
+        # One pooled host block per group, spans at aligned offsets: one pool request per
+        # layer instead of one per tensor, and the same block size every step (cache hits).
+        srcs = []
+        for t, lo, hi, _ in group.spans:
+            srcs.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,)))
+        group.nbytes_aligned = _aligned_total([src.numel() for src in srcs])
+        outs = _carve(self.pool.acquire(group.nbytes_aligned), [src.numel() for src in srcs])
+        with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
+            start = d2h_stream = None
+            if self.timing:
+                # Waiting here as copy_to_host would lets the start event time the copy alone.
+                d2h_stream = _device.copy_streams(self.device)[0]
+                d2h_stream.wait_stream(_device.current_stream(self.device))
+                start = self._timed_start(d2h_stream)
+            group.d2h = copy_to_host(srcs, out=outs, pool=self.pool)
+            self._timed_end("d2h_seconds", start, d2h_stream)
+        del srcs, outs
+        group.state = _COPYING
+        c = self._counters
+        c["d2h_bytes"] += group.d2h.nbytes
+        c["groups_offloaded"] += 1
+        c["tensors_offloaded"] += len(group.held)
+        if self.mode == "sync":
+            t0 = time.perf_counter()
+            group.d2h.wait()
+            c["forward_wait_seconds"] += time.perf_counter() - t0
+            self._settle(group)
+            return
+        self._inflight.append(weakref.ref(group))
+        self._poll()
+        # The window: the group now opening plus those still copying may not exceed it.
+        while len(self._inflight) > self.resident_groups - 1:
+            oldest = self._inflight.popleft()()
+            if oldest is None or oldest.state != _COPYING:
+                continue
+            t0 = time.perf_counter()
+            oldest.d2h.wait()
+            c["forward_wait_seconds"] += time.perf_counter() - t0
+            self._settle(oldest)
+
+    def _poll(self) -> None:
+        """Settle, oldest first, the groups whose copies are complete (never blocks).
+
+        The deque holds weak references: a group whose graph was dropped frees itself.
+        """
+        while self._inflight:
+            group = self._inflight[0]()
+            if group is not None and group.state == _COPYING and not group.d2h.ready():
+                return
+            self._inflight.popleft()
+            if group is not None and group.state == _COPYING:
+                self._settle(group)
+
+    def _settle(self, group: _Group) -> None:
+        """The D2H copy is complete (or will be before any reader): drop the device tensors."""
+        held = group.held
+        if held is not None:
+            group.modified = {i for i, (t, v) in enumerate(held) if t._version != v}
+            group.held = None
+        group.spans = None
+        group.state = _HOST
+
+    def _pack(self, t: torch.Tensor):
+        group = self._group
+        if (
+            group is None
+            or type(t) is not torch.Tensor  # parameters, DTensors and other subclasses stay
+            or t.device != self.device
+            or t.layout != torch.strided
+            or torch._C._current_graph_task_id() != -1  # saved while backward runs (a recompute)
+        ):
+            return self._keep(t)
+        # A leaf that requires grad (a parameter's data, a user's input) or a view of one is
+        # alive anyway: copying it frees nothing.
+        base = t._base
+        if base is None:
+            if t.requires_grad and t.is_leaf:
+                return self._keep(t)
+            base = t
+        elif base.requires_grad and base.is_leaf:
+            return self._keep(t)
+        # Autocast's cached cast of a parameter (alive until the autocast region exits).
+        grad_fn = base.grad_fn
+        if grad_fn is not None and type(grad_fn).__name__ == "ToCopyBackward0":
+            source = grad_fn.next_functions[0][0]
+            if source is not None and hasattr(source, "variable"):  # AccumulateGrad: a leaf's cast
+                return self._keep(t)
+        itemsize = t.element_size()
+        numel = t.numel()
+        if numel == 0 or numel * itemsize < self.min_tensor_bytes:
+            return self._keep(t)
+        if t.is_complex() and (t.is_conj() or t.is_neg()):
+            return self._keep(t)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._param_ptrs:
+            return self._keep(t)
+        first = t.storage_offset() * itemsize
+        last = first + itemsize
+        for size, stride in zip(t.shape, t.stride()):
+            last += (size - 1) * stride * itemsize
+        hit = self._storages.get(ptr)
+        entry = None
+        if hit is not None and not hit[2].expired():
+            owner, index, _ = hit
+            if owner is group:  # the group still collecting: widen the span to cover this view
+                span = group.spans[index]
+                if first < span[1] or last > span[2]:
+                    span[1] = min(span[1], first - first % _SPAN_ALIGN)
+                    span[2] = max(span[2], last)
+                entry = index
+            elif owner.state == _COPYING:  # its copy is queued: share it if it holds these bytes, unchanged
+                span = owner.spans[index]
+                if span[1] <= first and last <= span[2] and span[3] == t._version:
+                    group, entry = owner, index
+        if entry is None:
+            entry = len(group.spans)
+            group.spans.append([t, first - first % _SPAN_ALIGN, last])
+            self._storages[ptr] = (group, entry, StorageWeakRef(storage))
+        slot = len(group.held)
+        group.held.append((t, t._version))
+        group.n_handles += 1
+        return _Packed(group, entry, slot, t.dtype, t.shape, t.stride(), t.storage_offset() * itemsize)
+
+    def _keep(self, t):
+        self._counters["tensors_kept"] += 1
+        return (t, t._version)
+
+    # ------------------------------------------------------------ backward side
+
+    def _unpack(self, packed):
+        self._backward_seen = True  # the next capture starts a new step
+        if type(packed) is tuple:
+            t, version = packed
+            if t._version != version:
+                raise _modified_error(_describe(t), version, t._version)
+            return t
+        group = packed.group
+        if self.observer is not None and group.n_unpacked == 0:
+            self.observer.unpacked(group)
+        if group.held is not None:  # still on the device (copy in flight, or kept)
+            t, version = group.held[packed.slot]
+            if t._version != version:
+                raise _modified_error(_describe(t), version, t._version)
+            result = t
+        else:
+            if packed.slot in group.modified:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: [{str(packed.dtype).replace('torch.', '')} {list(packed.size)}] was changed "
+                    "after autograd saved it (offload.activation)"
+                )
+            result = self._restore(group, packed)
+        if group.n_unpacked == 0 and self.mode != "sync":
+            self._prefetch(group)
+        group.n_unpacked += 1
+        if group.n_unpacked >= group.n_handles and group.state != _KEPT:
+            self._release(group)
+        return result
+
+    def _prefetch(self, group: _Group) -> None:
+        prev = group.prev() if group.prev is not None else None
+        if prev is not None and prev.state == _HOST and prev.device_bytes is None and prev.d2h is not None:
+            self._fetch(prev)
+            self._counters["groups_prefetched"] += 1
+
+    def _fetch(self, group: _Group) -> None:
+        with _device.nvtx_range(f"offload.h2d {group.name}") if self.nvtx else contextlib.nullcontext():
+            start = h2d_stream = None
+            if self.timing:
+                # The waits copy_to_device would make, made first, so the start event times
+                # the copy alone (not the compute queued before this point).
+                h2d_stream = _device.copy_streams(self.device)[1]
+                h2d_stream.wait_stream(_device.current_stream(self.device))
+                group.d2h.wait_stream(h2d_stream)
+                start = self._timed_start(h2d_stream)
+            # One device block per group (allocated on the consumer stream, its owner), spans at
+            # 512-byte offsets: a restored view keeps the original's alignment.
+            outs = _carve(torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device),
+                          [t.numel() for t in group.d2h.tensors])
+            group.h2d = copy_to_device(group.d2h, self.device, out=outs, pool=self.pool)
+            self._timed_end("h2d_seconds", start, h2d_stream)
+        group.device_bytes = group.h2d.tensors
+        group.waited = set()
+        self._counters["h2d_bytes"] += group.nbytes
+        self._counters["groups_fetched"] += 1
+
+    def _restore(self, group: _Group, packed: _Packed) -> torch.Tensor:
+        if group.device_bytes is None:
+            self._fetch(group)
+        stream = _device.current_stream(self.device) if self.on_accel else None
+        if stream not in group.waited:
+            if self.mode == "sync" or not self.on_accel:
+                t0 = time.perf_counter()
+                group.h2d.wait()
+                self._counters["backward_wait_seconds"] += time.perf_counter() - t0
+            else:
+                start = self._timed_start(stream)
+                group.h2d.wait_stream(stream)
+                self._timed_end("backward_wait_seconds", start, stream)
+            group.waited.add(stream)
+        key = (packed.entry, packed.dtype, packed.size, packed.stride, packed.offset)
+        view = group.views.get(key)
+        if view is None:
+            flat = group.device_bytes[packed.entry]
+            itemsize = packed.dtype.itemsize
+            usable = flat.numel() - flat.numel() % itemsize
+            typed = flat[:usable].view(packed.dtype)
+            # as_strided's offset counts from the start of the storage, and `flat` may be a view
+            # into a larger block: add where it starts.
+            offset = typed.storage_offset() + (packed.offset - group.los[packed.entry]) // itemsize
+            view = typed.as_strided(packed.size, packed.stride, offset)
+            group.views[key] = view
+        return view
+
+    def _release(self, group: _Group) -> None:
+        """Every handle of the group was unpacked: drop its device copies (the host copy stays)."""
+        if group.state in (_OPEN,):
+            return
+        if group.held is not None:
+            group.modified = {i for i, (t, v) in enumerate(group.held) if t._version != v}
+            group.held = None
+            group.spans = None
+            group.state = _HOST
+        group.device_bytes = None
+        group.h2d = None
+        group.views = {}
+        group.waited = set()
+        group.n_unpacked = 0
+
+
+def _aligned_total(sizes) -> int:
+    return sum(-(-n // _SPAN_ALIGN) * _SPAN_ALIGN for n in sizes)
+
+
+def _carve(block: torch.Tensor, sizes) -> List[torch.Tensor]:
+    """Views of uint8 `block` of the given sizes, each starting on a _SPAN_ALIGN boundary."""
+    views, at = [], 0
+    for n in sizes:
+        views.append(block[at : at + n])
+        at += -(-n // _SPAN_ALIGN) * _SPAN_ALIGN
+    return views
+
+
+def _storage_ptrs(tensors) -> set:
+    ptrs = set()
+    for p in tensors:
+        local = getattr(p, "_local_tensor", None)  # DTensor: its local shard
+        t = local if isinstance(local, torch.Tensor) else p
+        try:
+            ptrs.add(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # meta or fake tensors have no storage
+            pass
+    ptrs.discard(0)
+    return ptrs
+
+
+class _Capture:
+    """Exception-safe scope of `ActivationEngine.capture`."""
+
+    __slots__ = ("engine", "params")
+
+    def __init__(self, engine, params):
+        self.engine = engine
+        self.params = params
+
+    def __enter__(self):
+        self.engine._enter(self.params)
+        return self.engine
+
+    def __exit__(self, *exc):
+        self.engine._exit()
+        return False
+
+
+# ---------------------------------------------------------------- user API
+
+
+def _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes):
+    if memory_budget_bytes is not None:
+        from ._pool import parse_bytes
+
+        if isinstance(memory_budget_bytes, (int, float)) and not isinstance(memory_budget_bytes, bool) \
+                and memory_budget_bytes < 0:
+            raise ValueError(f"{fn}: memory_budget_bytes must be >= 0 bytes, got {memory_budget_bytes}")
+        memory_budget_bytes = parse_bytes(memory_budget_bytes, f"{fn}: memory_budget_bytes")
+        if mode != "auto":
+            raise ValueError(
+                f"{fn}: memory_budget_bytes is used by mode='auto' (which chooses the layers to offload "
+                f"to meet it), got mode={mode!r}"
+            )
+    return memory_budget_bytes
+
+
+class ActivationOffload:
+    """What `enable_activation_offload` returns: `.stats()`, `.disable()`, `.layers`, `.plan`."""
+
+    def __init__(self, model, layers, engine, keep, memory_budget_bytes, verbose):
+        self.model = model
+        self.engine = engine
+        self.layers = [name for name, _ in layers]
+        self._modules = [module for _, module in layers]
+        self._keep = keep  # per layer: kept on the device whatever the mode
+        self._offload = [not k for k in keep]  # per layer: offloaded in the current plan
+        self._enabled = True
+        self._auto = None
+        if engine.mode == "auto":
+            from ._activation_plan import AutoPlanner
+
+            self._auto = AutoPlanner(self, memory_budget_bytes, verbose)
+        self._wrapped = []
+        try:
+            for index, module in enumerate(self._modules):
+                target = _wrap_target(module)
+                _wrap.wrap_forward(target, functools.partial(self._layer_forward, index, module))
+                self._wrapped.append(target)
+            _wrap.wrap_forward(model, self._model_forward)
+            self._wrapped.append(model)
+        except Exception:
+            self.disable()
+            raise
+
+    @property
+    def plan(self):
+        """Auto mode's current plan (dict), or None in the other modes."""
+        return None if self._auto is None else self._auto.current_plan()
+
+    def offloaded_layers(self) -> List[str]:
+        return [name for name, on in zip(self.layers, self._offload) if on]
+
+    def _model_forward(self, original):
+        engine = self.engine
+
+        def forward(*args, **kwargs):
+            if _compiling():
+                _warn_compiled()
+                return original(*args, **kwargs)
+            if (
+                not self._enabled
+                or not torch.is_grad_enabled()
+                or torch.is_inference_mode_enabled()
+                or not self.model.training
+                or torch._C._current_graph_task_id() != -1
+                or (not engine._capturing and _other_hooks_active())
+            ):
+                return original(*args, **kwargs)
+            if self._auto is not None:
+                self._auto.before_forward(args, kwargs)
+            params = list(self.model.parameters()) + list(self.model.buffers())
+            with engine.capture(params):
+                return original(*args, **kwargs)
+
+        return forward
+
+    def _layer_forward(self, index, module, original):
+        engine = self.engine
+        last = len(self._modules) - 1
+        name = self.layers[index]
+
+        def forward(*args, **kwargs):
+            # Not skipped while dynamo traces a compiled layer: the boundary below breaks the graph
+            # and runs eagerly, and the compiled region's saved tensors reach the hooks at run time.
+            if not engine._capturing or torch._C._current_graph_task_id() != -1:
+                return original(*args, **kwargs)
+            offload = self._offload[index]
+            engine.boundary(name, offload=offload, layer=index)
+            if offload:
+                engine.add_params(list(module.parameters()) + list(module.buffers()))
+            out = original(*args, **kwargs)
+            if index == last:
+                engine.boundary(None)
+            return out
+
+        return forward
+
+    def stats(self) -> dict:
+        """Counters of the current or last step (see ActivationEngine.stats), plus the plan."""
+        out = self.engine.stats()
+        out["layers"] = list(self.layers)
+        out["offloaded_layers"] = self.offloaded_layers()
+        out["plan"] = self.plan
+        return out
+
+    def disable(self) -> None:
+        """Restore every wrapped forward; saved tensors already offloaded still come back."""
+        self._enabled = False
+        for module in self._wrapped:
+            _wrap.unwrap_forward(module)
+        self._wrapped = []
+
+    def __repr__(self) -> str:
+        return (f"ActivationOffload(mode={self.engine.mode!r}, {len(self.offloaded_layers())} of "
+                f"{len(self.layers)} layers offloaded, enabled={self._enabled})")
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
+
+_warned_compiled = []
+
+
+def _warn_compiled() -> None:
+    if not _warned_compiled:
+        _warned_compiled.append(True)
+        warnings.warn(
+            "offload.enable_activation_offload: the model's forward is being traced by torch.compile, so its "
+            "activations are not offloaded; compile the layers instead (layer.compile()): what a compiled "
+            "layer saves for backward is offloaded",
+            stacklevel=3,
+        )
+
+
+def _other_hooks_active() -> bool:
+    """Saved-tensor hooks someone else installed (save_on_cpu, a checkpoint around the model)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        return top(False) is not None
+    except TypeError:  # torch versions whose binding takes no argument
+        return top() is not None
+
+
+def _wrap_target(module):
+    return _wrap.forward_target(module)
+
+
+def enable_activation_offload(
+    model: torch.nn.Module,
+    mode: str = "async",
+    *,
+    layers=None,
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+    resident_groups: int = 2,
+    memory_budget_bytes=None,
+    keep_first: int = 0,
+    keep_last: int = 1,
+    pool: Optional[HostPool] = None,
+    timing: bool = True,
+    nvtx: bool = False,
+    verbose: bool = True,
+) -> ActivationOffload:
+    """Offload the activations autograd saves in `model`'s layers to pinned host memory.
+
+    Args:
+        model: the module whose forward runs a training step (its root is hooked).
+        mode: 'async' (copies overlapped with compute, `resident_groups` layers on the device),
+            'sync' (each layer's copies waited for; for debugging and comparison) or 'auto'
+            (measures the first steps, then offloads only the layers whose copies hide under
+            compute, or as few as meet `memory_budget_bytes`).
+        layers: names (or modules) of the layers to group by; default: FSDP units, else the
+            elements of the model's repeated `nn.ModuleList`.
+        min_tensor_bytes: saved tensors smaller than this stay on the device.
+        resident_groups: how many layers' activations may be on the device at once (>= 1).
+        memory_budget_bytes: device-memory budget for mode='auto' (int or '20GiB').
+        keep_first, keep_last: how many of the first and last layers stay on the device (the
+            last layer's activations are needed at once when backward starts).
+
+    Forwards under no_grad, inference_mode or in eval mode pass through untouched.
+
+        handle = offload.enable_activation_offload(model)            # async, every layer but the last
+        handle = offload.enable_activation_offload(model, "auto")    # only what hides under compute
+        loss = model(batch).loss; loss.backward(); print(handle.stats())
+        handle.disable()
+    """
+    fn = "offload.enable_activation_offload"
+    engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
+                              pool=pool, timing=timing, nvtx=nvtx, fn=fn)
+    memory_budget_bytes = _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes)
+    found = _wrap.find_layers(model, layers, fn)
+    for what, value in (("keep_first", keep_first), ("keep_last", keep_last)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{fn}: {what} must be an int >= 0, got {value!r}")
+    count = len(found)
+    keep = [i < keep_first or i >= count - keep_last for i in range(count)]
+    # Compiled layers are supported: AOTAutograd saves a compiled region's activations through
+    # an autograd function at run time, where the hooks see them (tested with the CPU path).
+    # A compiled *model* is not: its forward, traced whole, bypasses the wrappers (warned then).
+    return ActivationOffload(model, found, engine, keep, memory_budget_bytes, verbose)
+
+
+class activation_offload:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
+    """`with offload.activation_offload() as ao:` offloads what autograd saves in the block.
+
+    Groups are explicit: the block starts one group; `ao.boundary()` closes it and starts
+    the next (call it between layers or pipeline micro-batches); `ao.boundary(offload=False)`
+    starts a span whose tensors stay on the device. Backward may run after the block.
+    `params`: tensors never to offload; pass the model's parameters and buffers when some
+    are frozen (parameters that require grad, and views of them, are recognised anyway).
+
+        with offload.activation_offload(params=model.parameters()) as ao:
+            for block in model.blocks:
+                ao.boundary()
+                x = block(x)
+        loss_fn(x).backward()
+    """
+
+    def __init__(self, mode: str = "async", *, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+                 resident_groups: int = 2, pool: Optional[HostPool] = None, params=(), timing: bool = True,
+                 nvtx: bool = False, engine: Optional[ActivationEngine] = None):
+        fn = "offload.activation_offload"
+        if mode == "auto":
+            raise ValueError(f"{fn}: mode='auto' needs layers to measure; use enable_activation_offload(model, "
+                             "mode='auto'), or mode='async' or 'sync' here")
+        if engine is None:
+            engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
+                                      pool=pool, timing=timing, nvtx=nvtx, fn=fn)
+        self.engine = engine
+        self._params = params
+        self._count = 0
+        self._capture = None
+
+    def __enter__(self):
+        if self._capture is not None:
+            raise RuntimeError("offload.activation_offload: this context is already active; create a new one")
+        self._capture = self.engine.capture(self._params)
+        self._capture.__enter__()
+        self.boundary()
+        return self
+
+    def boundary(self, name=None, offload: bool = True) -> None:
+        """Close the current group and start the next one."""
+        if self._capture is None:
+            raise RuntimeError("offload.activation_offload.boundary: call it inside the `with` block")
+        self.engine.boundary(f"group{self._count}" if name is None else name, offload=offload)
+        self._count += 1
+
+    def __exit__(self, *exc):
+        capture, self._capture = self._capture, None
+        capture.__exit__(*exc)
+        return False
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -1,0 +1,171 @@
+"""Find the layers of a model to group activations by, and wrap their forwards.
+
+Which modules are "layers", in order of preference:
+1. the names the user gives;
+2. FSDP units (FSDP1 `FullyShardedDataParallel`, FSDP2 `fully_shard` modules) below the root;
+3. the elements of the model's repeated `nn.ModuleList` (the transformer blocks, e.g. Hugging
+   Face `model.model.layers`), the list holding the most parameters.
+
+A layer's forward is replaced by an instance attribute that marks a group boundary and
+then calls the original. Wrapping `forward` (not `__call__`) keeps the boundary outside
+checkpoint wrappers that checkpoint `forward` (Hugging Face >= 5, FSDP2's
+`checkpoint_wrapper` as a list element) and inside FSDP2's pre-forward hook, so a layer's
+unsharded parameters exist when its group opens. FSDP1 unshards inside its own forward,
+so its inner `_fsdp_wrapped_module` is the module wrapped.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+_MARK = "_offload_activation_wrapped"
+
+
+def _fsdp_classes():
+    classes = []
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        classes.append(FullyShardedDataParallel)
+    except Exception:  # pragma: no cover - torch built without distributed
+        pass
+    for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            module = __import__(where, fromlist=["FSDPModule"])
+            classes.append(module.FSDPModule)
+            break
+        except Exception:
+            continue
+    return tuple(classes)
+
+
+def _fsdp_units(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """Top-level FSDP units below the root (a unit inside another unit is part of it)."""
+    classes = _fsdp_classes()
+    if not classes:
+        return []
+    units = []
+    for name, module in model.named_modules():
+        if module is model or not isinstance(module, classes):
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in units):
+            continue
+        units.append((name, module))
+    return units
+
+
+def _repeated_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    best, best_params = [], -1
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        kinds = {type(child) for child in module}
+        if len(kinds) != 1:
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        if params > best_params:
+            best_params = params
+            best = [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(module)]
+    return best
+
+
+def find_layers(
+    model: nn.Module, layers: Optional[Sequence] = None, fn: str = "offload"
+) -> List[Tuple[str, nn.Module]]:
+    """(qualified name, module) of each layer, in forward order."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if layers is not None:
+        if isinstance(layers, (str, nn.Module)):
+            layers = [layers]
+        found = []
+        by_module = {id(m): n for n, m in model.named_modules()}
+        for item in layers:
+            if isinstance(item, nn.Module):
+                if id(item) not in by_module or item is model:
+                    raise ValueError(f"{fn}: layers contains a module that is not a submodule of model "
+                                     f"({type(item).__name__})")
+                found.append((by_module[id(item)], item))
+            elif isinstance(item, str):
+                try:
+                    module = model.get_submodule(item)
+                except AttributeError:
+                    known = [n for n, _ in model.named_modules() if n][:8]
+                    raise ValueError(
+                        f"{fn}: layers names {item!r}, which is not a submodule of model; "
+                        f"names look like {known}"
+                    ) from None
+                if module is model:
+                    raise ValueError(f"{fn}: layers may not name the model itself ({item!r})")
+                found.append((item, module))
+            else:
+                raise TypeError(f"{fn}: layers must hold module names or modules, got {type(item).__name__}")
+        if not found:
+            raise ValueError(f"{fn}: layers is empty; pass None to find the layers automatically")
+        if len({id(m) for _, m in found}) != len(found):
+            raise ValueError(f"{fn}: layers names the same module twice")
+        names = [n for n, _ in found]
+        for outer in names:
+            inner = [n for n in names if n.startswith(outer + ".")]
+            if inner:
+                raise ValueError(f"{fn}: layers names {outer!r} and {inner[0]!r} inside it; name only one of them")
+        return found
+    if next(model.parameters(), None) is None and not list(model.children()):
+        raise ValueError(f"{fn}: model has no submodules and no parameters, so there are no layers to offload")
+    found = _fsdp_units(model) or _repeated_blocks(model)
+    if not found:
+        raise ValueError(
+            f"{fn}: found no layers in {type(model).__name__}: no FSDP units and no nn.ModuleList of "
+            "repeated blocks; name them with layers=['blocks.0', ...]"
+        )
+    return found
+
+
+def forward_target(module: nn.Module) -> nn.Module:
+    """The module whose forward runs after the layer's parameters are unsharded."""
+    inner = getattr(module, "_fsdp_wrapped_module", None)
+    fsdp1 = _fsdp_classes()[:1]
+    if inner is not None and fsdp1 and isinstance(module, fsdp1):
+        return inner
+    return module
+
+
+def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> None:
+    """Replace module.forward by make(original forward); `unwrap_forward` undoes it."""
+    if getattr(module, _MARK, None) is not None:
+        raise RuntimeError(
+            f"offload: {type(module).__name__} already has activation offload enabled; "
+            "call disable() on the first handle before enabling it again"
+        )
+    had_own = "forward" in module.__dict__
+    original = module.forward
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    module.__dict__[_MARK] = (had_own, module.__dict__.get("forward"))
+    module.forward = wrapper
+
+
+def unwrap_forward(module: nn.Module) -> None:
+    saved = module.__dict__.pop(_MARK, None)
+    if saved is None:
+        return
+    had_own, previous = saved
+    if had_own:
+        module.forward = previous
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def compiled_modules(module: nn.Module) -> List[str]:
+    """Names of submodules (or the module) that run through torch.compile."""
+    names = []
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(optimized, "OptimizedModule", ()) if optimized is not None else ()
+    for name, sub in module.named_modules():
+        if (optimized and isinstance(sub, optimized)) or getattr(sub, "_compiled_call_impl", None) is not None:
+            names.append(name or "<layer>")
+    return names

@@ -1,0 +1,801 @@
+"""Activation offload on the CPU path: gradients and losses bitwise equal to no offload.
+
+On a CPU-only torch the engine runs whole: groups, spans, copies (host to host,
+synchronous), restores, prefetch bookkeeping, the auto planner. GPU-only properties
+(peak memory, overlap) are in test_activation_cuda.py.
+"""
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
+from offload import activation as act
+
+MODES = ["sync", "async", "auto"]
+
+
+class Block(nn.Module):
+    """Saves transposes, slices, expands, as_strided and overlapping views, a tensor twice,
+    int and bool tensors, and views of one storage in several shapes."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.table = nn.Embedding(11, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = F.gelu(self.up(h))
+        y = self.down(a)
+        t = (x * 3).t()  # a transposed view is saved by the matmul below
+        z = (t @ h).sum() * 1e-3
+        s = a[1:, ::2]  # a strided slice
+        e = x[:1].expand(x.shape[0], -1)  # a broadcast view
+        w = torch.sin(s).sum() * 1e-2 + torch.cos(e)
+        flat = y.reshape(-1)
+        o = flat.as_strided((flat.numel() - 3, 2), (1, 1))  # overlapping windows of one storage
+        o = (o * o).sum() * 1e-2  # the same tensor saved twice
+        idx = (x.abs() * 7).long() % 11  # int saved by embedding backward
+        emb = self.table(idx[:, 0])
+        mask = x > 0  # bool saved by where
+        m = torch.where(mask, y, y * 0.5)
+        return m + w + emb + z + o
+
+
+class Model(nn.Module):
+    def __init__(self, d=16, n=4, ckpt=None):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            if self.ckpt is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.ckpt == "reentrant")
+        return self.head(x).square().mean()
+
+
+def _model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Model(**kw)
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _step(model, *inputs):
+    model.zero_grad(set_to_none=True)
+    loss = sum(model(x) for x in inputs)
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+@pytest.fixture
+def pool():
+    return offload.HostPool()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The models here are tiny: one intra-op thread is faster and steadier on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_activation_blocks_bitwise(mode, backend, pool):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    for _ in range(3):  # auto measures two steps, then runs its plan
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["groups_offloaded"] == 3  # the last of 4 layers stays by default
+    assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] == stats["d2h_bytes"]
+    assert stats["tensors_offloaded"] > 20
+    handle.disable()
+    assert "forward" not in model.__dict__ and all("forward" not in b.__dict__ for b in model.blocks)
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_activation_views_restored_exactly(pool, monkeypatch):
+    """Each view comes back with its size, stride and storage offset on one shared storage."""
+    seen = {}
+    unpacked = []
+    real_unpack = act.ActivationEngine._unpack
+
+    def spy(self, packed):
+        unpacked.append(real_unpack(self, packed))
+        return unpacked[-1]
+
+    monkeypatch.setattr(act.ActivationEngine, "_unpack", spy)
+
+    class Saver(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, base):
+            views = [base.t(), base[1:, 2:], base[:1].expand(4, -1), base.as_strided((3, 3), (1, 2), 2), base]
+            ctx.save_for_backward(*views, views[0])  # views[0] saved twice
+            return base.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            saved = ctx.saved_tensors
+            seen["saved"] = saved
+            return grad
+
+    base = torch.randn(4, 6, requires_grad=True)
+    inner = base * 1  # not a leaf: offloadable
+    with offload.activation_offload(min_tensor_bytes=0, pool=pool) as ao:
+        out = Saver.apply(inner)
+        ao.boundary()
+    originals = [inner.t(), inner[1:, 2:], inner[:1].expand(4, -1), inner.as_strided((3, 3), (1, 2), 2), inner]
+    stats = ao.stats()
+    assert stats["tensors_offloaded"] == 6
+    assert stats["d2h_bytes"] == inner.numel() * 4  # one storage, copied once
+    out.sum().backward()
+    saved = seen["saved"]
+    assert unpacked[0] is unpacked[5]  # autograd rewraps tensors that require grad; the engine does not
+    storage = saved[4].untyped_storage().data_ptr()
+    for got, want in zip(saved, originals):
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert got.storage_offset() == want.storage_offset()
+        assert got.untyped_storage().data_ptr() == storage
+        assert torch.equal(got, want)
+    assert storage != inner.untyped_storage().data_ptr()  # restored from the host copy
+
+
+def test_activation_views_wrong_restore_would_differ(pool):
+    """A transposed view of a deduplicated storage: `.view(shape)` would give other values."""
+    ref = _model(n=3)
+    model = copy.deepcopy(ref)
+    offload.enable_activation_offload(model, "sync", min_tensor_bytes=0, keep_last=0, pool=pool)
+    x = torch.randn(5, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    loss, grads = _step(model, x)
+    _assert_equal(grads, grads_ref)
+
+
+def _llama(layers):
+    """A Llama-architecture model from a tiny config, random weights (no download)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_activation_llama_bitwise(mode, pool):
+    ref = _llama(3)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool)
+    assert handle.layers == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    ids = torch.randint(0, 64, (2, 12))
+    for m in (ref, model):
+        m.zero_grad()
+        m(input_ids=ids, labels=ids).loss.backward()
+    loss_ref = ref(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids).loss
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(_grads(model), _grads(ref))
+    assert handle.stats()["groups_offloaded"] == 2
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_llama_gradient_checkpointing(reentrant, pool):
+    base = _llama(4)
+    ref, model, plain = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    h_plain = offload.enable_activation_offload(plain, "async", min_tensor_bytes=0, pool=pool)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
+    ids = torch.randint(0, 64, (2, 12))
+    for m in (ref, model, plain):
+        m.zero_grad()
+        m(input_ids=ids, labels=ids).loss.backward()
+    _assert_equal(_grads(model), _grads(ref))
+    # Only the checkpoint inputs are offloaded: far fewer tensors and bytes than without checkpointing.
+    with_ckpt, without = handle.stats(), h_plain.stats()
+    assert 0 < with_ckpt["tensors_offloaded"] <= 6 * 3
+    assert with_ckpt["d2h_bytes"] < without["d2h_bytes"] / 3
+
+
+@pytest.mark.parametrize("ckpt", ["reentrant", "non_reentrant", "wrapper"])
+def test_activation_checkpoint_variants(ckpt, pool):
+    if ckpt == "wrapper":
+        wrapper_mod = pytest.importorskip("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+        ref = _model()
+        for i, block in enumerate(ref.blocks):
+            ref.blocks[i] = wrapper_mod.checkpoint_wrapper(block)
+    else:
+        ref = _model(ckpt=ckpt)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    for _ in range(2):
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["groups_offloaded"] >= 2
+    assert stats["tensors_offloaded"] <= 3 * 2  # the checkpoint inputs (and its dummy), not the activations
+
+
+def test_activation_no_grad_eval_inference_pass_through(pool):
+    model = _model()
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        a = model(x)
+    with torch.inference_mode():
+        b = model(x)
+    model.eval()
+    c = model(x)
+    model.train()
+    assert torch.equal(a, b) and torch.equal(a, c.detach())
+    stats = handle.stats()
+    assert stats["groups_offloaded"] == 0 and stats["tensors_kept"] == 0
+
+
+def test_activation_repeated_forwards_then_one_backward(pool):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    xs = [torch.randn(8, 16) for _ in range(3)]
+    loss_ref, grads_ref = _step(ref, *xs)
+    loss, grads = _step(model, *xs)
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(grads, grads_ref)
+
+
+def test_activation_retain_graph_twice(pool):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    for m in (ref, model):
+        loss = m(x)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    _assert_equal(_grads(model), _grads(ref))
+    assert handle.stats()["groups_fetched"] == 6  # each backward brings every group back
+
+
+def test_activation_exception_in_forward_leaves_nothing(pool):
+    model = _model()
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+
+    def boom(module, args):
+        raise RuntimeError("boom")
+
+    hook = model.blocks[2].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(8, 16))
+    hook.remove()
+    engine = handle.engine
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert engine._capturing == 0 and engine._group is None and not engine._storages
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == 0
+    x = torch.randn(8, 16)
+    _assert_equal(_step(_model(), x)[1], _step(model, x)[1])
+
+
+def test_activation_exception_in_backward_leaves_nothing(pool):
+    model = _model()
+    offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("backward boom")
+
+    x = torch.randn(8, 16)
+    out = model(x)
+    loss = out + Fail.apply(out * 1)  # Fail's node runs first, before any group is consumed
+    with pytest.raises(RuntimeError, match="backward boom"):
+        loss.backward()
+    assert pool.stats()["in_use_bytes"] > 0
+    del loss, out
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+class InplaceAfterSave(nn.Module):
+    def __init__(self, d, late):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.late = late
+
+    def forward(self, pair):
+        x, aux = pair
+        y = self.lin(x)
+        s = y.exp()  # saves its result
+        if self.late is None:
+            s.mul_(2)  # in the same layer, after the save
+        elif self.late == "next":
+            aux.mul_(2)  # the previous layer saved aux
+        return s + x, s
+
+
+class PairModel(nn.Module):
+    def __init__(self, late):
+        super().__init__()
+        self.blocks = nn.ModuleList([InplaceAfterSave(8, None if late == "same" else "save"),
+                                     InplaceAfterSave(8, "next"), InplaceAfterSave(8, "save")])
+        if late == "same":
+            self.blocks[0].late = None
+            self.blocks[1].late = "save"
+
+    def forward(self, x):
+        pair = (x, x)
+        for block in self.blocks:
+            pair = block(pair)
+        return pair[0].sum()
+
+
+def test_activation_inplace_after_save_same_layer_raises(pool):
+    ref = PairModel("same")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref(torch.randn(4, 8)).backward()
+    offload.enable_activation_offload(ref, min_tensor_bytes=0, pool=pool)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref(torch.randn(4, 8)).backward()
+
+
+def test_activation_inplace_after_save_kept_tensor_raises(pool):
+    """Tensors that stay on the device keep autograd's version check."""
+    ref = PairModel("same")
+    offload.enable_activation_offload(ref, min_tensor_bytes=1 << 30, pool=pool)  # nothing offloaded
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref(torch.randn(4, 8)).backward()
+
+
+def test_activation_inplace_after_copy_uses_saved_value(pool):
+    """Modified after its copy completed: the host copy is the value autograd saved."""
+    torch.manual_seed(0)
+    model = PairModel("next")
+    offload.enable_activation_offload(model, "sync", min_tensor_bytes=0, keep_last=1, pool=pool)
+    x = torch.randn(4, 8)
+    try:
+        model(x).backward()
+    except RuntimeError as error:  # firing the check is also correct
+        assert "modified by an inplace operation" in str(error)
+        return
+    got = [p.grad.clone() for p in model.parameters()]
+    # Reference: what the gradient is when the saved value is used (the mul_ acts on a copy).
+    model.zero_grad()
+    for block in model.blocks:
+        block.late = "save"
+    x2 = x.clone()
+    pair = (x2, x2)
+    for i, block in enumerate(model.blocks):
+        pair = block(pair)
+        if i == 0:
+            pair = (pair[0], pair[1].detach().clone().mul_(2))
+    pair[0].sum().backward()
+    _assert_equal(got, [p.grad for p in model.parameters()])
+
+
+def test_activation_parameters_never_offloaded(pool, monkeypatch):
+    model = _model()
+    for p in model.blocks[1].parameters():
+        p.requires_grad_(False)  # frozen weights are recognised by storage
+    model.blocks[0].register_buffer("scale", torch.ones(16))
+    sources = []
+    real = act.copy_to_host
+
+    def spy(tensors, **kw):
+        sources.extend(tensors)
+        return real(tensors, **kw)
+
+    monkeypatch.setattr(act, "copy_to_host", spy)
+    offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    model(torch.randn(8, 16)).backward()
+    params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    assert sources and not params & {s.untyped_storage().data_ptr() for s in sources}
+
+
+def test_activation_min_tensor_bytes_keeps_small(pool):
+    model = _model()
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=16 * 64 * 4 + 1, pool=pool)
+    model(torch.randn(8, 16)).backward()
+    assert handle.stats()["tensors_offloaded"] == 0
+    handle.disable()
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=8 * 64 * 4, pool=pool)
+    model(torch.randn(8, 16)).backward()
+    assert handle.stats()["tensors_offloaded"] > 0
+
+
+def test_activation_context_manager_custom_loop(pool):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    with offload.activation_offload(min_tensor_bytes=0, pool=pool) as ao:
+        h = model.embed(x)
+        for i, block in enumerate(model.blocks):
+            ao.boundary(offload=i < 3)
+            h = block(h)
+    loss = model.head(h).square().mean()
+    loss.backward()
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(_grads(model), grads_ref)
+    assert ao.stats()["groups_offloaded"] == 4  # the span before the first boundary is a group too
+    with pytest.raises(RuntimeError, match="inside the `with` block"):
+        ao.boundary()
+
+
+def test_activation_auto_plans_and_replans(pool, capsys):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    for shape in ((8, 16), (8, 16), (8, 16), (6, 16), (6, 16), (6, 16)):
+        x = torch.randn(*shape)
+        loss_ref, grads_ref = _step(ref, x)
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+    printed = capsys.readouterr().out
+    assert printed.count("auto plan") == 2 and "[[8, 16]]" in printed and "[[6, 16]]" in printed
+    plan = handle.stats()["plan"]
+    assert plan["input_shapes"] == [[6, 16]] and len(plan["mask"]) == 4 and plan["mask"][3] is False
+    assert plan["eligible_bytes"] > 0
+
+
+def test_activation_auto_budget_zero_offloads_everything(pool):
+    model = _model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, memory_budget_bytes=0,
+                                               pool=pool, verbose=False)
+    for _ in range(3):
+        _step(model, torch.randn(8, 16))
+    assert handle.plan["mask"] == [True, True, True, False]
+
+
+def test_activation_planner_hides_copies():
+    """The timeline model: with a slow bus only every other layer fits under compute."""
+    from offload._activation_plan import choose, simulate
+
+    n = 8
+    nbytes, fwd, bwd = [100.0] * n, [1.0] * n, [2.0] * n
+    eligible = [True] * (n - 1) + [False]
+    exposed_all, _ = simulate(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2)
+    assert exposed_all > 0
+    mask, exposed, step = choose(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2)
+    assert exposed <= 0.01 * step and 0 < sum(mask) < n - 1
+    mask_fast, exposed_fast, _ = choose(eligible, nbytes, fwd, bwd, 1e6, 1e6, 2)
+    assert mask_fast == eligible and exposed_fast == 0
+    # A budget that lets two layers stay: the rest is offloaded even though copies show.
+    mask_budget, exposed_budget, _ = choose(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2, allowance=200.0)
+    assert sum(mask_budget) == n - 1 - 2 and exposed_budget > 0
+
+
+def test_activation_bad_arguments(pool):
+    with pytest.raises(ValueError, match="no submodules and no parameters"):
+        offload.enable_activation_offload(nn.Module())
+    with pytest.raises(ValueError, match="found no layers"):
+        offload.enable_activation_offload(nn.Sequential(nn.Linear(2, 2)))
+    model = _model()
+    with pytest.raises(ValueError, match="'blocks.9', which is not a submodule"):
+        offload.enable_activation_offload(model, layers=["blocks.9"])
+    with pytest.raises(ValueError, match="memory_budget_bytes must be >= 0 bytes, got -1"):
+        offload.enable_activation_offload(model, "auto", memory_budget_bytes=-1)
+    with pytest.raises(ValueError, match="used by mode='auto'"):
+        offload.enable_activation_offload(model, "async", memory_budget_bytes=1 << 30)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        offload.enable_activation_offload(model, "fast")
+    with pytest.raises(ValueError, match="resident_groups must be an int >= 1"):
+        offload.enable_activation_offload(model, resident_groups=0)
+    with pytest.raises(ValueError, match="min_tensor_bytes must be an int >= 0"):
+        offload.enable_activation_offload(model, min_tensor_bytes=-5)
+    with pytest.raises(ValueError, match="keep_last must be an int >= 0"):
+        offload.enable_activation_offload(model, keep_last=-1)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        offload.enable_activation_offload("model")
+    with pytest.raises(ValueError, match="names 'blocks.0' and 'blocks.0.up' inside it"):
+        offload.enable_activation_offload(model, layers=["blocks.0", "blocks.0.up"])
+    with pytest.raises(ValueError, match="layers is empty"):
+        offload.enable_activation_offload(model, layers=[])
+    with pytest.raises(ValueError, match="mode='auto' needs layers"):
+        offload.activation_offload("auto")
+    handle = offload.enable_activation_offload(model, layers=["blocks.0", model.blocks[2]], pool=pool)
+    assert handle.layers == ["blocks.0", "blocks.2"]
+    with pytest.raises(RuntimeError, match="already has activation offload enabled"):
+        offload.enable_activation_offload(model)
+    handle.disable()
+    offload.enable_activation_offload(model).disable()
+
+
+def test_activation_compiled_layers_offload_bitwise(pool):
+    """What a torch.compile'd layer saves goes through the hooks (AOTAutograd's function)."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        for block in m.blocks:
+            block.compile(backend="aot_eager")
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    loss, grads = _step(model, x)
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(grads, grads_ref)
+    assert handle.stats()["tensors_offloaded"] > 0
+
+
+def test_activation_compiled_model_warns_and_passes_through(pool):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    compiled = torch.compile(model, backend="aot_eager")
+    act._warned_compiled.clear()
+    x = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="traced by torch.compile"):
+        loss = compiled(x)
+    loss.backward()
+    assert torch.equal(loss, ref(x))
+    assert handle.stats()["groups_offloaded"] == 0
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shard(kind, model):
+    from torch.distributed import fsdp
+
+    if kind == "fsdp1":
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return fsdp.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                             device_id=torch.device("cpu"), use_orig_params=True)
+    for block in model.blocks:
+        # Unsharded parameters stay allocated through the step, so the check below
+        # compares live storages only.
+        fsdp.fully_shard(block, reshard_after_forward=False)
+    fsdp.fully_shard(model, reshard_after_forward=False)
+    return model
+
+
+def _full_grads(kind, model):
+    if kind == "fsdp2":
+        return [p.grad.full_tensor() for p in model.parameters()]
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_activation_fsdp_single_process(kind, pool, monkeypatch):
+    """FSDP units are the layers; unsharded parameters are never offloaded (gloo, CPU)."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or (kind == "fsdp2" and not hasattr(fsdp, "fully_shard")) or (
+            kind == "fsdp1" and not hasattr(fsdp, "FullyShardedDataParallel")):
+        pytest.skip(f"needs torch.distributed with {kind}")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        ref = _shard(kind, _model())
+        model = _shard(kind, _model())
+        clashes, offloaded = [], []
+        real_pack = act.ActivationEngine._pack
+
+        def spy(self, t):
+            packed = real_pack(self, t)
+            if type(packed) is not tuple:  # offloaded: compare with the parameters as they are now
+                live = act._storage_ptrs(model.parameters())
+                offloaded.append(t)
+                if t.untyped_storage().data_ptr() in live:
+                    clashes.append(tuple(t.shape))
+            return packed
+
+        monkeypatch.setattr(act.ActivationEngine, "_pack", spy)
+        handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+        prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
+        assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
+        x = torch.randn(8, 16)
+        for _ in range(2):
+            for m in (ref, model):
+                m.zero_grad()
+                m(x).backward()
+            _assert_equal(_full_grads(kind, ref), _full_grads(kind, model))
+        assert offloaded and not clashes
+        assert handle.stats()["groups_offloaded"] == 3
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_activation_tuple_outputs_keep_first(mode, pool):
+    """Layers that take and return tuples; keep_first keeps the first layer on the device."""
+    torch.manual_seed(0)
+    ref = PairModel("next")
+    for block in ref.blocks:
+        block.late = "save"
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, keep_first=1, keep_last=0,
+                                               pool=pool)
+    assert handle.offloaded_layers() == ["blocks.1", "blocks.2"]
+    x = torch.randn(4, 8)
+    loss_ref, grads_ref = _step(ref, x)
+    loss, grads = _step(model, x)
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(grads, grads_ref)
+    assert handle.stats()["groups_offloaded"] == 2
+
+
+class _FakeEvent:
+    def __init__(self, clock):
+        self.clock, self.at = clock, None
+
+    def record(self, stream):
+        self.clock[0] += 1
+        self.at = self.clock[0]
+        stream.log.append("record")
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return float(other.at - self.at)
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name, self.log = name, []
+
+    def wait_stream(self, other):
+        self.log.append(f"wait_stream {other.name}")
+
+    def wait_event(self, event):
+        self.log.append("wait_event")
+
+
+def test_activation_stream_paths_with_fake_streams(monkeypatch):
+    """The accelerator-only branches (timing events, stream waits) run against fakes on a CPU.
+
+    On the pure-PyTorch copy path: the compiled core takes only real streams.
+    """
+    from offload import _backend, _device
+
+    with _backend.force_fallback():
+        _fake_stream_step(offload.HostPool(), monkeypatch, _device)
+
+
+def _fake_stream_step(pool, monkeypatch, _device):
+    clock = [0]
+    compute, d2h, h2d = _FakeStream("compute"), _FakeStream("d2h"), _FakeStream("h2d")
+    monkeypatch.setattr(_device, "new_event", lambda device=None, timing=False: _FakeEvent(clock))
+    monkeypatch.setattr(_device, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(_device, "copy_streams", lambda device=None: (d2h, h2d))
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, nvtx=True)
+    handle.engine.on_accel = handle.engine.timing = True
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    for _ in range(2):
+        _, grads = _step(model, x)
+        _assert_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["d2h_seconds"] > 0 and stats["h2d_seconds"] > 0 and stats["backward_wait_seconds"] > 0
+    assert stats["d2h_gbps"] > 0 and stats["groups_prefetched"] >= 1
+    assert d2h.log.count("wait_stream compute") == 2 * 3  # each group's copy after its compute
+    assert "wait_stream compute" in h2d.log and compute.log.count("record") >= 2
+
+
+def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
+    """Under autocast the cached bf16 copies of parameters are kept, activations offloaded."""
+    model = _model()
+    kept, offloaded = [], []
+    real_pack = act.ActivationEngine._pack
+
+    def spy(self, t):
+        packed = real_pack(self, t)
+        (kept if type(packed) is tuple else offloaded).append(t)
+        return packed
+
+    monkeypatch.setattr(act.ActivationEngine, "_pack", spy)
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_ref = _model()(x)
+    offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x)
+    loss.backward()
+    assert torch.equal(loss, loss_ref)
+    weights = {p.shape[::-1] for p in model.parameters() if p.dim() == 2}
+    assert offloaded
+    casts = [t for t in offloaded if t.dtype == torch.bfloat16 and tuple(t.shape) in weights and not t.is_contiguous()]
+    assert not casts
+    assert any(t.dtype == torch.bfloat16 and tuple(t.shape) in weights for t in kept)
+
+
+def test_activation_respects_outer_hooks(pool):
+    """Inside someone else's saved-tensor hooks (save_on_cpu around the model) offload steps aside."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    with torch.autograd.graph.save_on_cpu():
+        loss = model(x)
+    loss.backward()
+    _assert_equal(_grads(model), grads_ref)
+    assert handle.stats()["groups_offloaded"] == 0
+
+
+def test_activation_backward_inside_the_block(pool):
+    """Backward run inside the `with` (reentrant recomputation saves again): nothing is packed twice."""
+    ref = _model(ckpt="reentrant")
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    with offload.activation_offload(min_tensor_bytes=0, pool=pool) as ao:
+        loss = model(x)
+        ao.boundary()
+        loss.backward()
+    _assert_equal(_grads(model), grads_ref)
+    assert ao.stats()["groups_fetched"] >= 1
+
+
+@pytest.mark.parametrize("resident", [1, 2, 3])
+def test_activation_copies_in_flight_served_from_device(resident, pool, monkeypatch):
+    """Copies that never report done (a slow bus): the window waits for the oldest, and the
+    groups still in flight when backward starts are served from their device tensors."""
+    monkeypatch.setattr(offload.CopyHandle, "ready", lambda self: False)
+    ref = _model(n=6)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, resident_groups=resident,
+                                               pool=pool)
+    x = torch.randn(8, 16)
+    for m in (ref, model):
+        loss = m(x)
+        loss.backward(retain_graph=True)
+        loss.backward()  # the second pass finds every group on the host
+    _assert_equal(_grads(model), _grads(ref))
+    stats = handle.stats()
+    assert stats["groups_offloaded"] == 5
+    # First backward: the last resident-1 groups come from the device; second: all from the host.
+    assert stats["groups_fetched"] == (5 - (resident - 1)) + 5
