@@ -156,6 +156,7 @@ class _FallbackPool:
         self._live: dict = {}  # data_ptr -> (StorageWeakRef, nbytes) of blocks handed out
         self._requests = 0
         self._swept_at = 0  # live entries after the last sweep: sweeping is amortised O(1)
+        self._in_use = 0  # bytes of the entries in _live (some may have died since the sweep)
         self._peak = 0
         self._alloc_seconds = 0.0
 
@@ -168,7 +169,8 @@ class _FallbackPool:
         if force or len(self._live) >= 2 * self._swept_at + 64:
             self._live = {ptr: (ref, n) for ptr, (ref, n) in self._live.items() if not ref.expired()}
             self._swept_at = len(self._live)
-        return sum(n for _, n in self._live.values())
+            self._in_use = sum(n for _, n in self._live.values())
+        return self._in_use
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         with self._lock:
@@ -186,6 +188,7 @@ class _FallbackPool:
             block = _device.empty_pinned(nbytes)
             self._alloc_seconds += time.perf_counter() - start
             self._live[block.data_ptr()] = (StorageWeakRef(block.untyped_storage()), nbytes)
+            self._in_use += nbytes
             self._peak = max(self._peak, in_use + nbytes)
             return block
 
