@@ -15,6 +15,8 @@ MAX_JOBS caps parallel compile jobs (default: sized to cores and memory).
 import datetime
 import glob
 import os
+import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -74,10 +76,43 @@ def default_max_jobs() -> str:
     return str(max(1, min(cores, int(mem_gb // 3))))
 
 
+def links_libstdcxx_statically(cxx: str) -> bool:
+    """True when `cxx` has no shared libstdc++ and would copy it into offload._C.
+
+    Seen on a GPU host whose CXX was a private gcc build: the extension then carried
+    its own libstdc++ beside torch's, and its first formatted error message crashed
+    in locale code. Asking the compiler where libstdc++.so is answers without
+    building anything: it echoes the bare name when it has none.
+    """
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return found == "libstdc++.so"
+
+
+def choose_compiler() -> None:
+    cxx = os.environ.get("CXX", "c++")
+    if not links_libstdcxx_statically(cxx):
+        return
+    system = shutil.which("g++", path="/usr/bin:/bin") or shutil.which("c++", path="/usr/bin:/bin")
+    if system and not links_libstdcxx_statically(system):
+        print(f"offload: {cxx} has no shared libstdc++, so offload._C would carry a second copy beside torch's; "
+              f"building with {system} instead (set CXX to choose another)", flush=True)
+        os.environ["CXX"] = system
+        if os.environ.get("CC") and links_libstdcxx_statically(os.environ["CC"]):
+            os.environ["CC"] = shutil.which("gcc", path="/usr/bin:/bin") or os.environ["CC"]
+    else:
+        print(f"offload: warning: {cxx} has no shared libstdc++; offload._C may crash when it formats an error. "
+              "Set CXX to a compiler with a shared libstdc++ (the one torch was built with).", flush=True)
+
+
 def extensions(target: str):
     if target == "none":
         return []
     os.environ.setdefault("MAX_JOBS", default_max_jobs())
+    choose_compiler()
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     torch_version = torch.__version__
     macros = [

@@ -92,22 +92,27 @@ bool same_layout(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-// Transfers whose copies are still running, kept referenced (and with them
-// every tensor they read or write) until their last event completes, so the
-// caching allocator cannot give that memory to anyone else mid-copy even if the
-// caller drops the tensors and the handle at once. One reference per transfer
-// replaces a record_stream per tensor, which cost ~1 us each in a 4096-tensor
-// batch. Drained on every new transfer and on every query of one.
+// Tensors that copies still read or write, kept referenced until an event
+// recorded after those copies completes, so the caching allocator cannot give
+// that memory to anyone else mid-copy even if the caller drops every tensor and
+// the handle at once. One reference per tensor here replaces a record_stream
+// per tensor, which cost ~1 us each in a 4096-tensor batch. Only what must be
+// held goes here (a device-to-host transfer's sources); buffers the engine
+// allocates are protected with record_stream instead, so that no device
+// memory outlives a transfer merely because nobody asked about it since.
+// Drained on every new transfer and on every query of one.
 class InFlight {
  public:
   static InFlight& instance() {
     static InFlight* registry = new InFlight();  // never destroyed: it may hold CUDA tensors at exit
     return *registry;
   }
-  void add(std::shared_ptr<Transfer> transfer) {
+  void add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors) {
     std::lock_guard<std::mutex> lock(mutex_);
     drain_locked();
-    if (!transfer->keepalive_.empty() || !transfer->events_.empty()) transfers_.push_back(std::move(transfer));
+    if (tensors.empty()) return;
+    entries_.emplace_back(c10::Event(stream.device_type()), std::move(tensors));
+    entries_.back().first.record(stream);
   }
   void drain() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -116,23 +121,23 @@ class InFlight {
 
  private:
   void drain_locked() {
-    for (auto it = transfers_.begin(); it != transfers_.end();) {
-      if ((*it)->events_.empty() || (*it)->events_.back().query()) {
-        (*it)->keepalive_.clear();
-        it = transfers_.erase(it);
-      } else {
-        ++it;
-      }
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      it = it->first.query() ? entries_.erase(it) : std::next(it);
     }
   }
   std::mutex mutex_;
-  std::deque<std::shared_ptr<Transfer>> transfers_;
+  std::deque<std::pair<c10::Event, std::vector<at::Tensor>>> entries_;
 };
 
 bool Transfer::query() const {
   const bool done = events_.empty() || events_.back().query();
   if (done) InFlight::instance().drain();
   return done;
+}
+
+void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream) {
+  if (stream && !keepalive_.empty()) InFlight::instance().add(*stream, std::move(keepalive_));
+  keepalive_.clear();
 }
 
 void Transfer::synchronize() const {
@@ -199,10 +204,10 @@ class CopyEngine {
     try {
       job.run(out, reuse);
     } catch (...) {
-      if (on_device) InFlight::instance().add(result);  // copies already queued keep their tensors
+      result->release_keepalive(stream);  // copies already queued keep their tensors
       throw;
     }
-    if (on_device) InFlight::instance().add(result);
+    result->release_keepalive(stream);
     job.finish_views(out.has_value(), reuse);
     return result;
   }
@@ -243,10 +248,10 @@ class CopyEngine {
     try {
       job.run();
     } catch (...) {
-      if (on_device) InFlight::instance().add(result);
+      result->release_keepalive(stream);
       throw;
     }
-    if (on_device) InFlight::instance().add(result);
+    result->release_keepalive(stream);
     return result;
   }
 
@@ -428,10 +433,9 @@ class CopyEngine {
       sync_caller_work();
       const int slot = packed_groups_ % kSlots;
       if (!slots_[slot].defined()) {
-        // Allocated on the copy stream (current here) and held by the transfer until
-        // it completes, so the pack stream's writes are protected too.
+        // Allocated on the copy stream (current here), written on the pack stream.
         slots_[slot] = at::empty({group_limit(options_)}, at::TensorOptions().dtype(at::kByte).device(device_));
-        r_.keepalive_.push_back(slots_[slot]);
+        slots_[slot].record_stream(*pack_);
       }
       if (packed_groups_ >= kSlots) r_.events_[slot_events_[slot]].block(*pack_);  // the DMA that read it
       char* target = static_cast<char*>(slots_[slot].data_ptr());
@@ -472,7 +476,8 @@ class CopyEngine {
         } else if (prepared_[i].nbytes > 0) {
           dst.copy_(tensors_[i], /*non_blocking=*/true);
         }
-        if (on_device_) pool_.record_stream(dst, *stream_);
+        // Pool blocks are held back by the pool's events; other host memory by a reference.
+        if (on_device_ && !pool_.record_stream(dst, *stream_)) r_.keepalive_.push_back(dst);
         r_.outputs_[i] = r_.host_bases_[i] = dst;
         r_.nbytes_ += prepared_[i].nbytes;
         members.push_back(static_cast<int64_t>(i));
@@ -594,6 +599,7 @@ class CopyEngine {
         c10::optional<c10::StreamGuard> on_copy;
         if (on_device_) on_copy.emplace(*stream_);
         restored.copy_(target, /*non_blocking=*/true);
+        if (on_device_) restored.record_stream(*stream_);
         return restored;
       }
       return p.expanded ? target.expand(tensors_[i].sizes()) : target;
@@ -605,7 +611,7 @@ class CopyEngine {
       if (!out_) {
         // Allocated on the caller's (consumer's) stream, which is current here.
         at::Tensor buffer = at::empty({span.bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
-        if (on_device_) r_.keepalive_.push_back(buffer);  // even if every view of it dies mid-copy
+        if (on_device_) buffer.record_stream(*stream_);  // written there, even if every view of it dies mid-copy
         {
           c10::optional<c10::StreamGuard> on_copy;
           if (on_device_) on_copy.emplace(*stream_);
@@ -641,14 +647,13 @@ class CopyEngine {
               target.copy_(prepared_[i].expanded ? view.expand(tensors_[i].sizes()) : view, /*non_blocking=*/true);
             }
           }
-          multi_tensor_copy(ranges, device_);
-          if (on_device_) r_.keepalive_.push_back(staging);
+          multi_tensor_copy(ranges, device_);  // staging: allocated and used on the copy stream only
         }
         for (int64_t i : span.members) r_.outputs_[i] = (*out_)[i];
       }
       if (on_device_) {
-        r_.keepalive_.push_back(first);  // the host block stays ours until the copy ends
-        pool_.record_stream(first, *stream_);
+        // Pool blocks are held back by the pool's events; other host memory by a reference.
+        if (!pool_.record_stream(first, *stream_)) r_.keepalive_.push_back(first);
         r_.events_.emplace_back(device_.type());
         r_.events_.back().record(*stream_);
         for (int64_t i : span.members) r_.event_of_[i] = static_cast<int32_t>(r_.events_.size() - 1);

@@ -15,7 +15,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
+from offload import _device
 from offload import activation as act
+
+# These tests run models on the CPU, whose activations are host memory already:
+# where an accelerator exists the engine rightly leaves them alone, and
+# test_activation_cuda.py covers the GPU.
+pytestmark = pytest.mark.skipif(
+    _device.accelerator_type() is not None,
+    reason="CPU engine tests; with an accelerator present, test_activation_cuda.py covers the engine",
+)
 
 MODES = ["sync", "async", "auto"]
 

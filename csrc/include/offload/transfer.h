@@ -58,7 +58,9 @@ class Transfer {
 
  private:
   friend class CopyEngine;
-  friend class InFlight;
+  // Hands keepalive_ to the in-flight registry, which drops it once the copies
+  // queued on `stream` so far have completed.
+  void release_keepalive(const c10::optional<c10::Stream>& stream);
   c10::Device device_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> host_bases_;  // device-to-host: what was written (outputs_ may be expanded views)
@@ -67,8 +69,8 @@ class Transfer {
   std::vector<c10::Event> events_;   // recorded on the copy stream, in order
   std::vector<int32_t> event_of_;    // per output: the event after which it is complete (-1: no event)
   int64_t nbytes_ = 0;
-  // Tensors that must outlive the copies (sources, staging buffers): released by
-  // InFlight once the last event has completed.
+  // Tensors that must outlive the copies (a device-to-host transfer's sources,
+  // non-pooled host sources): handed to the in-flight registry when queued.
   std::vector<at::Tensor> keepalive_;
 };
 
