@@ -67,7 +67,7 @@ def _run(rank, world, init_method, scenario, device_type, failures):
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_INIT_TIMEOUT)
         torch.set_num_threads(1)
-        device = offload._device.current_device()
+        device = offload._device.current_device() if device_type == "cuda" else torch.device("cpu")
         scenario(rank, device)
         dist.barrier()
         dist.destroy_process_group()
