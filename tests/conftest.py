@@ -18,7 +18,7 @@ def _accelerator_count() -> int:
 def pytest_collection_modifyitems(config, items):
     kind = _device.accelerator_type()
     reasons = {
-        "cuda": None if kind == "cuda" else "needs a CUDA GPU (torch.cuda.is_available() is False)",
+        "cuda": None if kind == "cuda" else "needs a CUDA GPU (torch sees none)",
         "npu": None if kind == "npu" else "needs an Ascend NPU with torch_npu",
         "multi_gpu": None if _accelerator_count() >= 2 else f"needs 2+ accelerators, found {_accelerator_count()}",
         "native": None if _backend.native_available() else f"needs the compiled core: {_backend.why_not()}",

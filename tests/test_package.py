@@ -1,0 +1,110 @@
+"""The package as a user meets it: imports everywhere, says which core it uses and
+why, chooses its build target as documented, and names no accelerator outside the
+device module."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import offload
+from offload import _backend
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(code: str, **env):
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+
+
+def test_package_names_no_accelerator_outside_the_device_module():
+    pattern = re.compile(r"torch\." + r"cuda\.")  # split so this file does not match itself
+    offenders = []
+    for folder in ("offload", "benchmarks", "tests", "scripts"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "_device.py" and path.parent.name == "offload":
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_package_public_api_is_importable():
+    for name in offload.__all__:
+        assert hasattr(offload, name), name
+
+
+def test_package_imports_when_the_fallback_is_forced():
+    result = run_python("import offload; from offload import _backend; "
+                        "print(offload.native_available(), _backend.why_not())", OFFLOAD_FORCE_FALLBACK="1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False OFFLOAD_FORCE_FALLBACK is set"
+
+
+def test_package_imports_without_the_compiled_core():
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'offload._C':\n"
+        "            raise ImportError('no compiled core in this install')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, offload\n"
+        "from offload import _backend\n"
+        "print(offload.native_available()); print(_backend.why_not())\n"
+        "h = offload.copy_to_host([torch.arange(5)]); print(h.wait()[0].tolist())\n"
+    )
+    result = run_python(blocker)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "False"
+    assert "could not be imported" in lines[1] and "no compiled core" in lines[1]
+    assert lines[2] == "[0, 1, 2, 3, 4]"
+
+
+def test_package_info_reports_versions_and_backends():
+    result = subprocess.run([sys.executable, "-m", "offload.info"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
+    import torch
+
+    assert torch.__version__ in result.stdout
+    assert "copy engine:" in result.stdout and "host pool:" in result.stdout
+    expected = "native" if _backend.native_available() else "pure PyTorch"
+    assert re.search(r"core\s+: " + expected, result.stdout)
+
+
+def test_package_info_says_why_the_fallback_is_used():
+    result = subprocess.run([sys.executable, "-m", "offload.info"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OFFLOAD_FORCE_FALLBACK": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "pure PyTorch (OFFLOAD_FORCE_FALLBACK is set)" in result.stdout
+
+
+@pytest.mark.parametrize("target, expected", [("none", "building target 'none'"), ("cpu", "building target 'cpu'")])
+def test_package_setup_reports_the_chosen_target(target, expected):
+    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OFFLOAD_BUILD_TARGET": target})
+    assert result.returncode == 0, result.stderr
+    assert expected in result.stdout
+
+
+def test_package_setup_rejects_an_unknown_target():
+    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OFFLOAD_BUILD_TARGET": "tpu"})
+    assert result.returncode != 0
+    assert "OFFLOAD_BUILD_TARGET must be one of auto, cuda, npu, cpu, none, got 'tpu'" in result.stderr
+
+
+def test_package_build_info_matches_the_running_torch():
+    if not _backend.native_available():
+        pytest.skip(f"needs the compiled core: {_backend.why_not()}")
+    info = _backend.build_info()
+    assert {"target", "torch_version", "build_date", "features"} <= set(info)
+    assert "a_host_pool" in info["features"] and "b_copy_engine" in info["features"]
+    assert _backend.torch_mismatch() is None
