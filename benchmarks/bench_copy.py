@@ -13,7 +13,7 @@ import time
 import torch
 
 import offload
-from common import gbps, row, summarize, time_ms
+from common import compare_ms, gbps, row, summarize
 from offload import _device
 
 SECTION = "copy"
@@ -36,15 +36,15 @@ def _single_tensor_sweep(ctx, sizes, iters):
         host = _pinned(size)
         handle = offload.copy_to_host([src])
         reps = iters if size < 64 * MiB else max(3, iters // 4)
-        t_torch = time_ms(lambda: host.copy_(src, non_blocking=True), dev, iters=reps)
-        t_off = time_ms(lambda: offload.copy_to_host([src], out=handle).wait_stream(), dev, iters=reps)
+        t_off, t_torch = compare_ms(lambda: offload.copy_to_host([src], out=handle).wait_stream(),
+                                    lambda: host.copy_(src, non_blocking=True), dev, iters=reps)
         rows.append(row(SECTION, f"D2H 1 x {_fmt(size)}", offload=gbps(size, t_off["median_ms"]),
                         baseline=gbps(size, t_torch["median_ms"]), unit="GB/s",
                         baseline_name="pinned copy_(non_blocking)", size_bytes=size, plot="D2H",
                         spread_pct=t_off["spread_pct"]))
         dst = torch.empty_like(src)
-        t_torch = time_ms(lambda: dst.copy_(host, non_blocking=True), dev, iters=reps)
-        t_off = time_ms(lambda: offload.copy_to_device([host], dev, out=[dst]).wait_stream(), dev, iters=reps)
+        t_off, t_torch = compare_ms(lambda: offload.copy_to_device([host], dev, out=[dst]).wait_stream(),
+                                    lambda: dst.copy_(host, non_blocking=True), dev, iters=reps)
         rows.append(row(SECTION, f"H2D 1 x {_fmt(size)}", offload=gbps(size, t_off["median_ms"]),
                         baseline=gbps(size, t_torch["median_ms"]), unit="GB/s",
                         baseline_name="pinned copy_(non_blocking)", size_bytes=size, plot="H2D",
@@ -68,8 +68,8 @@ def _many_tensors(ctx, count, each, iters):
         for h, s in zip(hosts, srcs):
             h.copy_(s, non_blocking=True)
 
-    t_torch = time_ms(torch_d2h, dev, iters=iters)
-    t_off = time_ms(lambda: offload.copy_to_host(srcs, out=handle).wait_stream(), dev, iters=iters)
+    t_off, t_torch = compare_ms(lambda: offload.copy_to_host(srcs, out=handle).wait_stream(), torch_d2h, dev,
+                                iters=iters)
     peak = max(ctx.notes.get("bus_peak_d2h_gbps", 0), 1e-9)
     out = [row(SECTION, f"D2H {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
                baseline=gbps(total, t_torch["median_ms"]), unit="GB/s", baseline_name="copy_ per tensor",
@@ -79,8 +79,8 @@ def _many_tensors(ctx, count, each, iters):
     def torch_h2d():
         return [h.to(dev, non_blocking=True) for h in hosts]
 
-    t_torch = time_ms(torch_h2d, dev, iters=iters)
-    t_off = time_ms(lambda: offload.copy_to_device(host_list, dev).wait_stream(), dev, iters=iters)
+    t_off, t_torch = compare_ms(lambda: offload.copy_to_device(host_list, dev).wait_stream(), torch_h2d, dev,
+                                iters=iters)
     peak = max(ctx.notes.get("bus_peak_h2d_gbps", 0), 1e-9)
     out.append(row(SECTION, f"H2D {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
                    baseline=gbps(total, t_torch["median_ms"]), unit="GB/s",
@@ -117,8 +117,7 @@ def _both_directions(ctx, size, iters):
         a.wait_stream()
         b.wait_stream()
 
-    t_torch = time_ms(torch_both, dev, iters=iters)
-    t_off = time_ms(offload_both, dev, iters=iters)
+    t_off, t_torch = compare_ms(offload_both, torch_both, dev, iters=iters)
     return [row(SECTION, f"D2H+H2D at once {_fmt(size)} each", offload=gbps(2 * size, t_off["median_ms"]),
                 baseline=gbps(2 * size, t_torch["median_ms"]), unit="GB/s",
                 baseline_name="copy_ on two side streams", spread_pct=t_off["spread_pct"])]
@@ -129,8 +128,8 @@ def _pageable(ctx, size, iters):
     ctx.progress(f"pageable .cpu() {_fmt(size)}")
     src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev)
     handle = offload.copy_to_host([src])
-    t_torch = time_ms(lambda: src.cpu(), dev, iters=iters)
-    t_off = time_ms(lambda: offload.copy_to_host([src], out=handle).wait_stream(), dev, iters=iters)
+    t_off, t_torch = compare_ms(lambda: offload.copy_to_host([src], out=handle).wait_stream(), lambda: src.cpu(),
+                                dev, iters=iters)
     return [row(SECTION, f"D2H {_fmt(size)} vs pageable", offload=gbps(size, t_off["median_ms"]),
                 baseline=gbps(size, t_torch["median_ms"]), unit="GB/s", baseline_name="pageable .cpu()")]
 

@@ -55,6 +55,18 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 3, ite
     return summarize(samples)
 
 
+def compare_ms(offload_fn: Callable[[], object], baseline_fn: Callable[[], object], device: torch.device,
+               warmup: int = 3, iters: int = 10):
+    """(offload, baseline) timings taken in alternation, so that drift on a shared
+    machine (another tenant's traffic on the bus) lands on both sides alike."""
+    a, b = [], []
+    for _ in range(iters):
+        a.append(time_ms(offload_fn, device, warmup=warmup, iters=1)["median_ms"])
+        b.append(time_ms(baseline_fn, device, warmup=warmup if not b else 1, iters=1)["median_ms"])
+        warmup = 1
+    return summarize(a), summarize(b)
+
+
 def time_host_ms(fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10) -> dict:
     """Wall-clock of fn() including a device synchronize at the end (for host-side work)."""
     for _ in range(warmup):
