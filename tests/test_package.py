@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_python(code: str, **env):
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    full_env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_FORCE_FALLBACK"}
+    full_env.update(PYTHONPATH=str(ROOT), **env)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
 
 
@@ -57,7 +58,8 @@ def test_package_imports_without_the_compiled_core():
         "import torch, offload\n"
         "from offload import _backend\n"
         "print(offload.native_available()); print(_backend.why_not())\n"
-        "h = offload.copy_to_host([torch.arange(5)]); print(h.wait()[0].tolist())\n"
+        "x = torch.arange(5, device=offload._device.current_device())\n"
+        "print(offload.copy_to_host([x]).wait()[0].tolist())\n"
     )
     result = run_python(blocker)
     assert result.returncode == 0, result.stderr
