@@ -135,24 +135,15 @@ def copy_to_host(
     fn = "offload.copy_to_host"
     tensors = _as_list(fn, tensors)
     _check_sizes(fn, small_bytes, chunk_bytes)
-    pool = default_host_pool() if pool is None else pool
-    if not isinstance(pool, HostPool):
-        raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
+    pool = _pool_or_default(fn, pool)
     out_handle = out._impl if isinstance(out, CopyHandle) else None
     out_list = None if out is None or out_handle is not None else _as_list(fn, out, "out")
     core = _backend.core()
     if core is not None and pool.native:
         device = tensors[0].device if len(tensors) else _device.current_device()
         copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
-        try:
-            impl = core.copy_to_host(
-                tensors, pool._impl, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes
-            )
-        except TypeError:  # say which element was not a tensor, then re-raise
-            _check_list(fn, tensors)
-            _check_list(fn, out_list or [], "out")
-            raise
-        return CopyHandle(impl)
+        return _call_native(fn, tensors, out_list, lambda: core.copy_to_host(
+            tensors, pool._impl, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes))
     from ._copy_fallback import copy_to_host as fallback
 
     tensors = _check_list(fn, tensors)
@@ -191,26 +182,34 @@ def copy_to_device(
     out_list = None if out is None else _as_list(fn, out, "out")
     _check_sizes(fn, small_bytes, chunk_bytes)
     device = _device.normalize_device(device)
-    pool = default_host_pool() if pool is None else pool
-    if not isinstance(pool, HostPool):
-        raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
+    pool = _pool_or_default(fn, pool)
     core = _backend.core()
     if core is not None and pool.native:
         copy_stream = stream if stream is not None else _device.copy_streams(device)[1]
-        try:
-            impl = core.copy_to_device(
-                sources, handle, device, pool._impl, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes
-            )
-        except TypeError:
-            _check_list(fn, sources)
-            _check_list(fn, out_list or [], "out")
-            raise
-        return CopyHandle(impl)
+        return _call_native(fn, sources, out_list, lambda: core.copy_to_device(
+            sources, handle, device, pool._impl, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes))
     from ._copy_fallback import copy_to_device as fallback
 
     sources = _check_list(fn, sources)
     out_list = None if out_list is None else _check_list(fn, out_list, "out")
     return CopyHandle(fallback(sources, handle, device, pool, stream, out_list, require_pinned, chunk_bytes))
+
+
+def _pool_or_default(fn: str, pool) -> HostPool:
+    pool = default_host_pool() if pool is None else pool
+    if not isinstance(pool, HostPool):
+        raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
+    return pool
+
+
+def _call_native(fn: str, tensors, out_list, call) -> CopyHandle:
+    """Run the core; where its argument conversion fails, name the element that was not a tensor."""
+    try:
+        return CopyHandle(call())
+    except TypeError:
+        _check_list(fn, tensors)
+        _check_list(fn, out_list or [], "out")
+        raise
 
 
 def _check_sizes(fn: str, small_bytes: int, chunk_bytes: int) -> None:
