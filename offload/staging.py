@@ -18,13 +18,19 @@ How a save runs:
   (`_state_tree.StateTree`), checks it against the cached copy plan, picks a free
   set of host buffers and enqueues one batched `offload.copy_to_host` per device
   (the device-to-host stream first waits, on the device, for everything already
-  queued on the current stream, so the copy holds the values as of the call). It
+  queued on the current stream, so the copy holds the values as of the call).
+  A set's first save copies fresh, so the copy engine packs small tensors into
+  pooled blocks of up to 8 MiB (one DMA each); later saves pass that copy's
+  handle back as `out=` and the same blocks are refilled by the same DMAs. With
+  an unchanged structure no Python code runs per tensor: the copy engine checks
+  each tensor against the buffer it refills, and a refusal re-plans. It
   returns a `concurrent.futures.Future` of the host state dict right after
   enqueueing; `dcp.async_save` hands it to its upload thread, which waits for it
   (the wait releases the interpreter lock) and then writes.
 - Host buffers come from the pinned pool, allocated on the first save and reused
   by every later save whose tensors have the same path, shape and dtype (whatever
-  storages they live in). A changed structure allocates only what changed.
+  storages they live in). A changed structure allocates only what changed (see
+  `_BufferSet` for how packed parts survive it).
 - A ring of buffer sets (default 2): a set is busy while its copy runs or while
   anyone still holds the state dict staged into it or any tensor in it (DCP's
   upload drops it when the write finishes). A save uses a free set, allocates the
@@ -56,7 +62,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _device
-from ._copy import copy_to_host
+from ._copy import DEFAULT_SMALL_BYTES, copy_to_host
+from ._layout import compact
 from ._pool import HostPool, default_host_pool, parse_bytes
 from ._state_tree import Mismatch, StateTree, dtensor_type
 
@@ -70,6 +77,10 @@ except Exception:  # pragma: no cover - builds without torch.distributed
 _ALIGN = 64
 # The metrics of this many recent saves are kept.
 _METRICS_KEPT = 256
+# After a structure change, small tensors that remain from a broken packed part
+# keep their buffers (one copy each from then on) only if there are this few;
+# more are packed afresh: one DMA per 8 MiB beats one per tensor on every later save.
+_MAX_LOOSE = 16
 
 _META = attrgetter("shape", "dtype", "device")
 _data_ptr = torch.Tensor.data_ptr
@@ -97,7 +108,7 @@ def _extent_bytes(t: torch.Tensor) -> int:
 
 
 def _layout_of(t: torch.Tensor) -> Tuple:
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
 def _async_save_takes_futures() -> bool:
@@ -116,9 +127,13 @@ def _async_save_takes_futures() -> bool:
 class _Unit:
     """One copy: a tensor, tied tensors (copied once, shared) or overlapping views (one byte span)."""
 
-    __slots__ = ("kind", "slots", "key", "nbytes", "device", "early", "shape", "dtype", "span_rel", "members")
+    __slots__ = (
+        "kind", "slots", "key", "nbytes", "device", "early", "shape", "dtype", "span_rel", "members", "expanded"
+    )
 
-    def __init__(self, kind, slots, key, nbytes, device, shape=None, dtype=None, span_rel=0, members=()):
+    def __init__(
+        self, kind, slots, key, nbytes, device, shape=None, dtype=None, span_rel=0, members=(), expanded=False
+    ):
         self.kind = kind  # "tensor" (one or tied slots) or "span"
         self.slots = slots  # tensor slots this unit fills
         self.key = key  # what a buffer must match to be reused
@@ -129,12 +144,13 @@ class _Unit:
         self.dtype = dtype
         self.span_rel = span_rel  # span: its start relative to slots[0]'s first byte (<= 0)
         self.members = members  # span: per slot (byte offset in span, shape, stride, dtype)
+        self.expanded = expanded  # a broadcast (stride-0) tensor: its distinct elements are copied
 
 
 class _Batch:
     """The units copied by one call: same device, same phase (forward buffers first)."""
 
-    __slots__ = ("device", "early", "asynchronous", "units", "src_slots", "spans")
+    __slots__ = ("device", "early", "asynchronous", "units", "src_slots", "spans", "keys", "expanded")
 
     def __init__(self, device, early, asynchronous):
         self.device = device
@@ -143,6 +159,8 @@ class _Batch:
         self.units: List[_Unit] = []
         self.src_slots: List[int] = []  # tensor units: the slot whose tensor is the source
         self.spans: List[_Unit] = []  # span units, after the tensor units
+        self.keys: Tuple = ()  # per source (tensor units, then spans): its unit's key
+        self.expanded: List[int] = []  # sources given to the copy narrowed to their distinct elements
 
 
 class _Plan:
@@ -179,11 +197,22 @@ class _Plan:
             batch.units.sort(key=lambda u: u.kind == "span")
             batch.src_slots = [u.slots[0] for u in batch.units if u.kind == "tensor"]
             batch.spans = [u for u in batch.units if u.kind == "span"]
+            batch.keys = tuple(u.key for u in batch.units)
+            batch.expanded = [i for i, u in enumerate(batch.units) if u.expanded]
         self.span_slots = [s for u in self.units if u.kind == "span" for s in u.slots]
         self.span_strides = [locals_[s].stride() for s in self.span_slots]
+        # Tensors whose layout no copy checks on a save with the cached plan (see
+        # AsyncStager._resolve): members of spans and of tied units past the first,
+        # empty tensors (nothing to copy) and sources of host copies.
+        watched = set(self.span_slots)
+        for unit in self.units:
+            if unit.kind == "tensor" and (len(unit.slots) > 1 or not unit.nbytes or unit.device.type != compute):
+                watched.update(unit.slots)
+        self.watched_slots = sorted(watched)
+        self.watched_layouts = [_layout_of(locals_[s])[1:] for s in self.watched_slots]
         self.copy_bytes = sum(u.nbytes for u in self.units)
         self.host_bytes = sum(_align(u.nbytes) for u in self.units)
-        self.signature = tuple((u.key, u.slots, u.early) for b in self.batches for u in b.units)
+        self.signature = tuple((u.key, u.slots, u.early, u.expanded) for b in self.batches for u in b.units)
 
     def _group(self, locals_, paths) -> None:
         """Units from tensors: memory that overlaps within one storage is copied once."""
@@ -210,7 +239,8 @@ class _Plan:
     def _add_tensor_unit(self, slots, t, paths) -> None:
         key = ("tensor", paths[slots[0]], tuple(t.shape), t.dtype)
         nbytes = t.numel() * t.element_size()
-        self.units.append(_Unit("tensor", slots, key, nbytes, t.device, tuple(t.shape), t.dtype))
+        expanded = any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+        self.units.append(_Unit("tensor", slots, key, nbytes, t.device, tuple(t.shape), t.dtype, expanded=expanded))
 
     def _add_cluster(self, slots, locals_, paths, base) -> None:
         first = locals_[slots[0]]
@@ -239,17 +269,26 @@ class _Plan:
 class _BufferSet:
     """One set of host buffers for a whole state dict; the ring holds `ring_size` of them.
 
+    Where the buffers come from: the first save into a set copies each batch with
+    a fresh `copy_to_host` (no `out`), so the copy engine packs small tensors
+    into pooled blocks of up to 8 MiB, one DMA each; the set keeps that handle
+    (a "part") and later saves pass it back as `out=`, which refills the same
+    blocks with the same DMAs and returns the same host tensors. After a
+    structure change a part whose tensors all remain is kept; tensors that remain
+    from a broken part keep their buffers through `out=<list>` (a loose part, one
+    copy each; a few at most, see _MAX_LOOSE); the rest get a new fresh part.
+
     How the set knows it is still read, whatever the copy backend holds: the
-    copy engine writes into views of `blocks` (`dsts`), and may keep its own
+    copy engine writes into its own host tensors (`buffers`), and may keep its own
     references to them, to their storages and to views it makes (the native
     `Transfer` holds its outputs, host bases and packed blocks for as long as the
     handle lives; the fallback holds fewer). Those counts are the backend's
     business and change with it, so none of them is looked at. Every tensor
-    handed out in a staged dict is instead a view of `aliases[n]`: the same
-    bytes as `blocks[n]` under a storage object of its own (made through DLPack,
-    whose context keeps the pooled block alive), which the copy engine never
-    sees. On every save to a set found free (so no reader exists), after those
-    views are built (`_bind`) and before the staged dict is, `mark_baseline`
+    handed out in a staged dict is instead a view of `aliases[storage]`: the same
+    bytes as the engine's block under a storage object of its own (made through
+    DLPack, whose context keeps the pooled block alive), which the copy engine
+    never sees. On every save to a set found free (so no reader exists), after
+    those views are built (`_bind`) and before the staged dict is, `mark_baseline`
     records (a) the Python reference count of every object it hands out and (b)
     the use count of every alias storage: exactly the stager's own references.
     Any later excess is a reader: the staged dict or one of its tensors kept (a),
@@ -259,13 +298,18 @@ class _BufferSet:
     def __init__(self, index: int):
         self.index = index
         self.plan: Optional[_Plan] = None
-        self.buffers: Dict[Any, Tuple[torch.Tensor, int]] = {}  # unit key -> (host tensor, block number)
-        self.blocks: Dict[int, torch.Tensor] = {}  # block number -> pooled uint8 block (the engine writes it)
-        self.aliases: Dict[int, torch.Tensor] = {}  # block number -> the same bytes, another storage (readers)
-        self.next_block = 0
-        self.dsts: List[List[torch.Tensor]] = []  # per batch: host destinations in source order (engine side)
+        self.buffers: Dict[Any, torch.Tensor] = {}  # unit key -> the engine's host tensor for it
+        self.parts: Dict[Tuple, Any] = {}  # unit keys (source order) -> the handle of their fresh copy
+        # Per batch, the copies one save runs: [mode, source positions (None: all),
+        # out, unit keys]; mode "reuse" (out = a part's handle), "loose" (out = a
+        # list of kept buffers) or "fresh" (out = None; becomes "reuse" once run).
+        self.calls: List[List[list]] = []
+        self.blocks: Dict[int, torch.Tensor] = {}  # storage address -> uint8 over the engine's block
+        self.aliases: Dict[int, torch.Tensor] = {}  # storage address -> the same bytes, another storage (readers)
+        # The aliases' storage handles, for the use counts (valid: each alias holds its storage).
+        self.alias_storages: List[int] = []
         self.host_leaves: List[Any] = []  # per tensor slot: what the staged dict holds (alias views)
-        self.handles: List[Any] = []  # per batch: the CopyHandle of the last save, or None
+        self.handles: List[Any] = []  # the handles of the last save's copies
         self.watch: List[Any] = []  # the objects handed out; extra references to them mean a reader
         self.ref_base: List[int] = []
         self.use_base: List[int] = []
@@ -277,7 +321,7 @@ class _BufferSet:
     def busy_reason(self) -> Optional[str]:
         """Why the set cannot be written now, or None."""
         for handle in self.handles:
-            if handle is not None and not handle.ready():
+            if not handle.ready():
                 return "its copy is still running"
         if any(map(int.__gt__, map(sys.getrefcount, self.watch), self.ref_base)):
             return "the state dict staged into it is still referenced (an upload in progress?)"
@@ -286,7 +330,7 @@ class _BufferSet:
         return None
 
     def _alias_uses(self) -> List[int]:
-        return [_use_count(a.untyped_storage()._cdata) for a in self.aliases.values()]
+        return list(map(_use_count, self.alias_storages))
 
     def mark_baseline(self) -> None:
         """Record the references this stager itself holds (call with no staged dict or reader alive)."""
@@ -296,8 +340,9 @@ class _BufferSet:
 
     def release(self) -> None:
         self.plan = None
-        self.buffers, self.blocks, self.aliases, self.dsts, self.host_leaves, self.handles = {}, {}, {}, [], [], []
-        self.watch, self.ref_base, self.use_base = [], [], []
+        self.buffers, self.parts, self.calls, self.blocks, self.aliases = {}, {}, [], {}, {}
+        self.alias_storages = []
+        self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], [], []
 
 
 def _private_alias(block: torch.Tensor) -> torch.Tensor:
@@ -314,11 +359,67 @@ def _private_alias(block: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-def _alias_view(alias: torch.Tensor, block: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    """The view of `alias` at the bytes where `host` (a dense view of `block`) lies."""
-    offset = host.data_ptr() - block.data_ptr() if host.numel() else 0
-    piece = alias[offset : offset + host.numel() * host.element_size()]
-    return piece.view(host.dtype).view(host.shape)
+def _reader_view(engine_side: torch.Tensor, blocks: dict, aliases: dict, old_blocks: dict, old_aliases: dict):
+    """The tensor a staged dict holds for the engine's host tensor: the same bytes,
+    layout and dtype, viewed through the private alias of the engine's block."""
+    if engine_side.numel() == 0:  # no bytes: nothing to share, nothing to watch
+        return torch.empty_strided(engine_side.shape, engine_side.stride(), dtype=engine_side.dtype)
+    storage = engine_side.untyped_storage()
+    address = storage.data_ptr()
+    alias = aliases.get(address)
+    if alias is None:
+        block, alias = old_blocks.get(address), old_aliases.get(address)
+        if alias is None:
+            block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            alias = _private_alias(block)
+        blocks[address], aliases[address] = block, alias
+    offset = engine_side.data_ptr() - address
+    piece = alias[offset : offset + _extent_bytes(engine_side)]
+    return piece.view(engine_side.dtype).as_strided(engine_side.shape, engine_side.stride())
+
+
+class _HostCopy:
+    """A host-to-host copy (CPU tensors of a state dict that lives on an accelerator),
+    shaped like the CopyHandle the stager keeps: done when it returns."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: List[torch.Tensor]):
+        self.tensors = tensors
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> List[torch.Tensor]:
+        return self.tensors
+
+    def wait_stream(self, stream=None) -> None:
+        pass
+
+
+def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None) -> _HostCopy:
+    """copy_to_host's contract for CPU sources: fresh (one pooled block) or into `out`."""
+    fn = "offload.AsyncStager.stage"
+    if out is None:
+        pool = pool if pool is not None else default_host_pool()
+        block = pool.acquire(sum(_align(t.numel() * t.element_size()) for t in sources))
+        dsts, offset = [], 0
+        for t in sources:
+            nbytes = t.numel() * t.element_size()
+            dsts.append(block[offset : offset + nbytes].view(t.dtype).view(t.shape))
+            offset += _align(nbytes)
+    else:
+        dsts = out.tensors if isinstance(out, _HostCopy) else out
+        for i, (dst, src) in enumerate(zip(dsts, sources)):
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise ValueError(f"{fn}: host source {i} changed to {tuple(src.shape)} {src.dtype}")
+    for dst, src in zip(dsts, sources):
+        dst.copy_(src)
+    return _HostCopy(dsts)
+
+
+class _Stale(Exception):
+    """A copy refused a tensor the cached plan did not expect: plan again, checking every tensor."""
 
 
 # ---------------------------------------------------------------- the future
@@ -475,16 +576,25 @@ class AsyncStager(_StagerProtocol):
 
     def _stage(self, fn, state_dict):
         t_enter = time.perf_counter()
-        leaves, plan, locals_ = self._resolve(fn, state_dict)
-        replanned = plan is not self._plan
-        self._plan = plan
-        t_wait = time.perf_counter()
-        buffer_set = self._acquire_set(fn, plan)
-        waited_ms = (time.perf_counter() - t_wait) * 1e3
-        reused, allocated, allocated_bytes = len(plan.units), 0, 0
-        if buffer_set.plan is not plan:
-            reused, allocated, allocated_bytes = self._prepare(fn, buffer_set, plan)
-        timing, copy_seconds = self._enqueue(plan, buffer_set, locals_)
+        thorough = False
+        while True:
+            leaves, plan, locals_, checked = self._resolve(fn, state_dict, thorough)
+            replanned = plan is not self._plan
+            self._plan = plan
+            t_wait = time.perf_counter()
+            buffer_set = self._acquire_set(fn, plan)
+            waited_ms = (time.perf_counter() - t_wait) * 1e3
+            reused, allocated = len(plan.units), 0
+            held_before = buffer_set.held_bytes
+            if buffer_set.plan is not plan:
+                reused, allocated = self._prepare(fn, buffer_set, plan)
+                held_before = buffer_set.held_bytes
+            try:
+                timing, copy_seconds = self._enqueue(plan, buffer_set, locals_, checked)
+                break
+            except _Stale:  # a tensor changed under the cached plan; the set is ours, so just redo it
+                thorough = True
+        allocated_bytes = max(0, buffer_set.held_bytes - held_before)
         buffer_set.mark_baseline()
         staged = plan.tree.build(leaves, buffer_set.host_leaves)
         future = StagingFuture(staged, buffer_set.handles)
@@ -589,8 +699,15 @@ class AsyncStager(_StagerProtocol):
 
     # ------------------------------------------------------------ planning
 
-    def _resolve(self, fn, state_dict):
-        """(leaves, plan, local tensors): reuse the cached tree and plan where they still fit."""
+    def _resolve(self, fn, state_dict, thorough: bool = False):
+        """(leaves, plan, local tensors, checked): reuse the cached tree and plan where they still fit.
+
+        With the same storages as the cached plan and not `thorough`, only the
+        tensors no copy checks are compared here (`_Plan.watched_slots`); the
+        copies check every other one against the buffers they refill and refuse a
+        change (ValueError), and `stage` then plans again with `thorough` set.
+        `checked` says every tensor was compared here.
+        """
         tree = self._tree
         leaves = None
         if tree is not None:
@@ -614,20 +731,22 @@ class AsyncStager(_StagerProtocol):
         if (
             plan is None
             or plan.tree is not tree
-            or list(map(_META, locals_)) != plan.meta
             or specs != plan.specs
-            or (plan.span_slots and [locals_[s].stride() for s in plan.span_slots] != plan.span_strides)
+            or (plan.watched_slots and [_layout_of(locals_[s])[1:] for s in plan.watched_slots] != plan.watched_layouts)
+            or (thorough and list(map(_META, locals_)) != plan.meta)
         ):
-            plan = self._new_plan(fn, tree, locals_, specs)
-        elif list(map(_data_ptr, locals_)) != plan.ptrs:
+            return leaves, self._new_plan(fn, tree, locals_, specs), locals_, True
+        if list(map(_data_ptr, locals_)) != plan.ptrs:
             # New storages (a state dict rebuilt from reallocated tensors): the
             # aliasing may have changed; keep the plan if it did not.
             fresh = self._new_plan(fn, tree, locals_, specs)
-            if fresh.signature == plan.signature:
+            if fresh.signature == plan.signature and fresh.meta == plan.meta:
                 plan.ptrs = fresh.ptrs
+                plan.watched_layouts = fresh.watched_layouts
             else:
                 plan = fresh
-        return leaves, plan, locals_
+            return leaves, plan, locals_, True
+        return leaves, plan, locals_, thorough
 
     def _new_plan(self, fn, tree, locals_, specs) -> _Plan:
         early_ptrs = set()
@@ -699,66 +818,74 @@ class AsyncStager(_StagerProtocol):
             )
         return False  # wait for a set in use rather than grow past the limit
 
-    def _prepare(self, fn, buffer_set: _BufferSet, plan: _Plan) -> Tuple[int, int, int]:
-        """Fit the set's buffers to the plan: keep matching ones, allocate the rest in one block."""
-        kept: Dict[Any, Tuple[torch.Tensor, int]] = {}
-        needed: List[_Unit] = []
-        for unit in plan.units:
-            found = buffer_set.buffers.get(unit.key)
-            if found is not None and unit.key not in kept:
-                kept[unit.key] = found
-            else:
-                needed.append(unit)
-        kept_bytes = sum(_align(buffer.numel() * buffer.element_size()) for buffer, _ in kept.values())
-        if needed and kept_bytes * 2 < buffer_set.held_bytes:
-            # Mostly new: start a fresh block rather than keep old blocks half empty.
-            kept, needed = {}, list(plan.units)
-        used_blocks = {block for _, block in kept.values()}
-        new_bytes = sum(_align(u.nbytes) for u in needed)
-        if self._limit and needed:
-            after = self.host_bytes() - sum(
-                b.numel() for i, b in buffer_set.blocks.items() if i not in used_blocks
-            ) + new_bytes
+    def _prepare(self, fn, buffer_set: _BufferSet, plan: _Plan) -> Tuple[int, int]:
+        """Fit the set to a new plan: keep its parts and buffers that still match,
+        copy the rest fresh. Returns (units reused, units allocated)."""
+        calls, parts, buffers, fresh_units = self._fit(buffer_set, plan, buffer_set.parts, buffer_set.buffers)
+        kept_bytes = sum(_align(t.numel() * t.element_size()) for t in buffers.values())
+        if fresh_units and kept_bytes * 2 < buffer_set.held_bytes:
+            # Mostly new: start afresh rather than keep old blocks half empty.
+            calls, parts, buffers, fresh_units = self._fit(buffer_set, plan, {}, {})
+        if self._limit and fresh_units:
+            new_bytes = sum(_align(u.nbytes) for u in fresh_units)
+            kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers.values() if t.numel()}
+            after = self.host_bytes() - buffer_set.held_bytes + sum(kept.values()) + new_bytes
             if after > self._limit:
                 raise RuntimeError(
                     f"{fn}: staging needs {new_bytes} more bytes of host buffers ({after} in all) but "
                     f"limit_bytes is {self._limit}; raise AsyncStager(limit_bytes=...) or ring_size=1"
                 )
-        blocks = {i: b for i, b in buffer_set.blocks.items() if i in used_blocks}
-        aliases = {i: a for i, a in buffer_set.aliases.items() if i in used_blocks}
-        if needed:
-            pool = self._pool if self._pool is not None else default_host_pool()
-            try:
-                block = pool.acquire(new_bytes)
-            except RuntimeError as error:
-                raise RuntimeError(
-                    f"{fn}: cannot allocate {new_bytes} bytes of host staging buffers for set "
-                    f"{buffer_set.index}: {error}"
-                ) from error
-            number = buffer_set.next_block
-            buffer_set.next_block += 1
-            blocks[number] = block
-            aliases[number] = _private_alias(block)
-            offset = 0
-            for unit in needed:
-                piece = block[offset : offset + unit.nbytes]
-                host = piece if unit.kind == "span" else piece.view(unit.dtype).view(unit.shape)
-                kept[unit.key] = (host, number)
-                offset += _align(unit.nbytes)
-        buffer_set.buffers = kept
-        buffer_set.blocks = blocks
-        buffer_set.aliases = aliases
-        self._bind(buffer_set, plan)
-        return len(plan.units) - len(needed), len(needed), new_bytes
+        buffer_set.calls, buffer_set.parts, buffer_set.buffers = calls, parts, buffers
+        buffer_set.plan = None  # bound by _enqueue, once every fresh copy has returned its buffers
+        return len(plan.units) - len(fresh_units), len(fresh_units)
+
+    @staticmethod
+    def _fit(buffer_set, plan: _Plan, old_parts, old_buffers):
+        """(calls per batch, parts kept, buffers kept, units to copy fresh) for `plan`."""
+        calls, parts, buffers, fresh_units = [], {}, {}, []
+        for batch in plan.batches:
+            index = {key: i for i, key in enumerate(batch.keys)}
+            batch_calls = []
+            for keys, handle in old_parts.items():
+                if all(key in index for key in keys):
+                    parts[keys] = handle
+                    batch_calls.append(["reuse", [index[key] for key in keys], handle, keys])
+                    for key in keys:
+                        buffers[key] = old_buffers[key]
+            loose, fresh = [], []
+            for i, key in enumerate(batch.keys):
+                if key not in buffers:
+                    (loose if key in old_buffers else fresh).append(i)
+            if len(loose) > _MAX_LOOSE:
+                fresh += [i for i in loose if batch.units[i].nbytes < DEFAULT_SMALL_BYTES]
+                loose = [i for i in loose if batch.units[i].nbytes >= DEFAULT_SMALL_BYTES]
+                fresh.sort()
+            if loose:
+                keys = tuple(batch.keys[i] for i in loose)
+                batch_calls.append(["loose", loose, [old_buffers[key] for key in keys], keys])
+                for key in keys:
+                    buffers[key] = old_buffers[key]
+            if fresh:
+                batch_calls.append(["fresh", fresh, None, tuple(batch.keys[i] for i in fresh)])
+                fresh_units += [batch.units[i] for i in fresh]
+            for call in batch_calls:
+                if call[1] == list(range(len(batch.keys))):
+                    call[1] = None  # the batch's sources as they are, in order: nothing to pick
+            calls.append(batch_calls)
+        return calls, parts, buffers, fresh_units
 
     def _bind(self, buffer_set: _BufferSet, plan: _Plan) -> None:
-        """Destinations per batch (views of the blocks) and the staged dict's tensor
-        leaves (views of the aliases, made here and never given to the copy engine)."""
+        """The staged dict's tensor leaves: views of private aliases of the engine's
+        blocks (`_reader_view`), made here and never given to the copy engine."""
+        blocks: Dict[int, torch.Tensor] = {}
+        aliases: Dict[int, torch.Tensor] = {}
         host_leaves: List[Any] = [None] * len(plan.meta)
         for unit in plan.units:
-            engine_side, number = buffer_set.buffers[unit.key]
-            host = _alias_view(buffer_set.aliases[number], buffer_set.blocks[number], engine_side)
+            engine_side = buffer_set.buffers[unit.key]
+            host = _reader_view(engine_side, blocks, aliases, buffer_set.blocks, buffer_set.aliases)
             if unit.kind == "tensor":
+                if unit.expanded:
+                    host = host.expand(unit.shape)
                 for slot in unit.slots:
                     host_leaves[slot] = host
                 continue
@@ -777,23 +904,28 @@ class AsyncStager(_StagerProtocol):
                 # The DTensor constructor (not from_local) keeps the local tensor on the host.
                 host_leaves[slot] = dtensor(host_leaves[slot], spec, requires_grad=False)
                 watch.append(host_leaves[slot])
-        buffer_set.dsts = [
-            [buffer_set.buffers[u.key][0] for u in batch.units if u.kind == "tensor"]
-            + [buffer_set.buffers[u.key][0] for u in batch.spans]
-            for batch in plan.batches
-        ]
+        buffer_set.blocks, buffer_set.aliases = blocks, aliases
+        buffer_set.alias_storages = [a.untyped_storage()._cdata for a in aliases.values()]
         buffer_set.host_leaves = host_leaves
         buffer_set.watch = list({id(o): o for o in watch}.values())
-        buffer_set.handles = [None] * len(plan.batches)
         buffer_set.plan = plan
 
     # ------------------------------------------------------------ copying
 
-    def _enqueue(self, plan: _Plan, buffer_set: _BufferSet, locals_):
-        """Enqueue every batch; returns (per-device timing events, or None on the host; host copy seconds)."""
+    def _enqueue(self, plan: _Plan, buffer_set: _BufferSet, locals_, checked: bool):
+        """Enqueue every batch; returns (per-device timing events, or None on the host; host copy seconds).
+
+        Raises _Stale (having enqueued nothing that could harm the set) when a copy
+        refuses a tensor that `_resolve` did not compare (`checked` false).
+        """
         timing: Dict[Any, list] = {}
         t0 = time.perf_counter()
         early_handles = []
+        handles: List[Any] = []
+        rebind = buffer_set.plan is not plan
+        buffer_set.handles = handles  # filled as copies are enqueued: the set is busy while any runs
+        for key in [key for key in self._unwaited if key[0] == buffer_set.index]:
+            del self._unwaited[key]  # this set's earlier copies: never hold a handle the set dropped
         with torch.no_grad():
             for number, batch in enumerate(plan.batches):
                 if not batch.early and early_handles:
@@ -809,32 +941,65 @@ class AsyncStager(_StagerProtocol):
                     offset = first.data_ptr() - storage.data_ptr() + unit.span_rel
                     span = torch.empty(0, dtype=torch.uint8, device=first.device)
                     sources.append(span.set_(storage, offset, (unit.nbytes,), (1,)))
-                dsts = buffer_set.dsts[number]
-                if not batch.asynchronous:
-                    for dst, src in zip(dsts, sources):
-                        dst.copy_(src)
-                    continue
+                for i in batch.expanded:  # the host keeps one copy of broadcast elements
+                    sources[i] = compact(sources[i])[0]
                 device = batch.device
-                if _device.is_accelerator(device) and device not in timing:
-                    start = _device.new_event(device, timing=True)
-                    start.record(_device.current_stream(device))
-                    timing[device] = [start, None]
-                # Always the destination list, never out=<previous handle>: a native
-                # Transfer made from an out= list keeps no copy groups, so reusing it
-                # as out= copies nothing (the staged values would be stale).
-                handle = copy_to_host(sources, out=dsts, pool=self._pool)
-                buffer_set.handles[number] = handle
-                if batch.early:
-                    early_handles.append(handle)
-                if _device.is_accelerator(device):
-                    self._unwaited[(buffer_set.index, number)] = handle
+                if batch.asynchronous:
+                    copy = copy_to_host
+                    if sources and sources[0].device != device:
+                        if checked:  # pragma: no cover - a plan made from these tensors has their device
+                            raise RuntimeError("offload.AsyncStager: staging plan out of date")
+                        raise _Stale()
+                    if _device.is_accelerator(device) and device not in timing:
+                        start = _device.new_event(device, timing=True)
+                        start.record(_device.current_stream(device))
+                        timing[device] = [start, None]
+                else:
+                    copy = _copy_on_host
+                for call in buffer_set.calls[number]:
+                    try:
+                        handle, fresh = self._run_call(copy, call, sources, buffer_set, checked)
+                    except _Stale:
+                        for running in handles:  # the retry may pick this set again
+                            running.wait()
+                        if rebind:
+                            buffer_set.plan = None
+                        raise
+                    rebind |= fresh
+                    handles.append(handle)
+                    if batch.early:
+                        early_handles.append(handle)
+                    if _device.is_accelerator(device) and batch.asynchronous:
+                        self._unwaited[(buffer_set.index, len(handles))] = handle
             for handle in early_handles:
                 handle.wait_stream()
+        if rebind:
+            self._bind(buffer_set, plan)
         for device, pair in timing.items():
             end = _device.new_event(device, timing=True)
             end.record(_device.copy_streams(device)[0])
             pair[1] = end
         return (timing or None), time.perf_counter() - t0
+
+    def _run_call(self, copy, call, sources, buffer_set: _BufferSet, checked: bool):
+        """Run one copy of a batch; returns (its handle, whether it made new buffers)."""
+        mode, positions, out, keys = call
+        picked = sources if positions is None else _pick(sources, positions)
+        if mode != "fresh":
+            try:
+                return copy(picked, out=out, pool=self._pool), False
+            except ValueError:
+                if not checked:
+                    raise _Stale() from None
+                if mode != "reuse":
+                    raise
+                # Same shapes and dtypes, other strides: this part is copied afresh.
+                del buffer_set.parts[keys]
+        handle = copy(picked, out=None, pool=self._pool)
+        buffer_set.parts[keys] = handle
+        buffer_set.buffers.update(zip(keys, handle.tensors))
+        call[0], call[2] = "reuse", handle
+        return handle, True
 
 
 @contextlib.contextmanager

@@ -170,6 +170,75 @@ def test_staging_structure_change_replans_only_what_changed(backend, device):
     stager.close()
 
 
+def _host_blocks(staged):
+    return {t.untyped_storage().data_ptr() for t in _tensors(staged) if t.numel()}
+
+
+def test_staging_small_tensors_packed_and_refilled(backend, device):
+    # Saves 2+ refill the buffers of the first (its CopyHandle passed back as out=):
+    # same host memory, new values; the native core packs them all into one block.
+    stager = offload.AsyncStager(ring_size=1)
+    tensors = {f"t{i}": torch.randn(37 + i % 5, device=device) for i in range(300)}
+    staged = stager.stage(tensors).result()
+    _assert_same(staged, _snapshot(tensors))
+    pointers = [t.data_ptr() for t in _tensors(staged)]
+    if backend == "native":
+        assert len(_host_blocks(staged)) == 1
+    del staged
+    for step in range(3):
+        for t in tensors.values():
+            t.add_(1)
+        staged = stager.stage(tensors).result()
+        _assert_same(staged, _snapshot(tensors))
+        assert [t.data_ptr() for t in _tensors(staged)] == pointers
+        del staged
+    assert [r["buffers_allocated"] for r in stager.metrics()] == [300, 0, 0, 0]
+    # A structure change that breaks the packed part: many small survivors are packed afresh.
+    changed = dict(tensors, extra=torch.ones(3, device=device))
+    del changed["t0"]
+    staged = stager.stage(changed).result()
+    _assert_same(staged, _snapshot(changed))
+    if backend == "native":
+        assert len(_host_blocks(staged)) == 1
+    assert stager.metrics()[-1]["buffers_allocated"] == 300
+    stager.close()
+
+
+def test_staging_layout_change_same_shape(backend, device):
+    # Same path, shape and dtype, other strides (same storage, then a new one): the
+    # buffers made for the old layout are not refilled blindly.
+    stager = offload.AsyncStager(ring_size=1)
+    base = torch.arange(24, dtype=torch.float32, device=device)
+    states = [
+        {"w": base.view(4, 6), "small": torch.ones(3, device=device)},
+        {"w": base.view(6, 4).t(), "small": torch.ones(3, device=device)},  # same storage, transposed
+        {"w": (base + 1).view(6, 4).t().contiguous(), "small": torch.ones(3, device=device)},  # new storage
+        {"w": torch.arange(48.0, device=device).view(4, 12)[:, ::2],  # not dense
+         "small": torch.ones(3, device=device)},
+        {"w": torch.ones(1, 6, device=device).expand(4, 6), "small": torch.ones(3, device=device)},  # broadcast
+        {"w": torch.full((4, 1), 3.0, device=device).expand(4, 6), "small": torch.ones(3, device=device)},
+    ]
+    for state in states:
+        for _ in range(2):
+            staged = stager.stage(state).result()
+            _assert_same(staged, _snapshot(state))
+            del staged
+    stager.close()
+
+
+def test_staging_broadcast_tensor_restaged(backend, device):
+    stager = offload.AsyncStager(ring_size=1)
+    row = torch.arange(5, dtype=torch.float32, device=device).view(1, 5)
+    state = {"b": row.expand(1000, 5), "w": torch.ones(4, device=device)}
+    for step in range(3):
+        row.fill_(step)
+        staged = stager.stage(state).result()
+        _assert_same(staged, _snapshot(state))
+        assert staged["b"].shape == (1000, 5)
+        del staged
+    stager.close()
+
+
 def test_staging_ring_uses_next_set_then_raises_when_all_busy(backend, device):
     stager = offload.AsyncStager(ring_size=2, when_busy="raise")
     w = torch.zeros(256, device=device)
@@ -215,9 +284,10 @@ def test_staging_busy_ignores_copy_backend_references(backend, device, monkeypat
     held = []
     real_copy = offload.staging.copy_to_host
 
-    def holding_copy(tensors, *, out, **kwargs):
-        handle = real_copy(tensors, out=out, **kwargs)
-        held.extend(list(out) + [t.view(-1)[:1] for t in out if t.numel()])
+    def holding_copy(tensors, **kwargs):
+        handle = real_copy(tensors, **kwargs)  # fresh, or refilling out=<list or earlier handle>
+        written = handle.tensors  # the host tensors the engine writes
+        held.extend(written + [t.view(-1)[:1] for t in written if t.numel()])
         return handle
 
     monkeypatch.setattr(offload.staging, "copy_to_host", holding_copy)
