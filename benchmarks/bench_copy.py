@@ -56,6 +56,12 @@ def _single_tensor_sweep(ctx, sizes, iters):
     return rows
 
 
+def _joined(handle):
+    """Make the current stream wait for `handle` and keep it (and its outputs) for the timer."""
+    handle.wait_stream()
+    return handle
+
+
 def _many_tensors(ctx, count, each, iters):
     dev = ctx.device
     ctx.progress(f"{count} x {each // KiB} KiB")
@@ -68,7 +74,7 @@ def _many_tensors(ctx, count, each, iters):
         for h, s in zip(hosts, srcs):
             h.copy_(s, non_blocking=True)
 
-    t_off, t_torch = compare_ms(lambda: offload.copy_to_host(srcs, out=handle).wait_stream(), torch_d2h, dev,
+    t_off, t_torch = compare_ms(lambda: _joined(offload.copy_to_host(srcs, out=handle)), torch_d2h, dev,
                                 iters=iters)
     peak = max(ctx.notes.get("bus_peak_d2h_gbps", 0), 1e-9)
     out = [row(SECTION, f"D2H {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
@@ -79,7 +85,7 @@ def _many_tensors(ctx, count, each, iters):
     def torch_h2d():
         return [h.to(dev, non_blocking=True) for h in hosts]
 
-    t_off, t_torch = compare_ms(lambda: offload.copy_to_device(host_list, dev).wait_stream(), torch_h2d, dev,
+    t_off, t_torch = compare_ms(lambda: _joined(offload.copy_to_device(host_list, dev)), torch_h2d, dev,
                                 iters=iters)
     peak = max(ctx.notes.get("bus_peak_h2d_gbps", 0), 1e-9)
     out.append(row(SECTION, f"H2D {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
