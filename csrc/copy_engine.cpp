@@ -186,7 +186,14 @@ class CopyEngine {
     const char* fn = "offload.copy_to_host";
     const c10::DeviceType expected = pool.device_type();
     const size_t n = tensors.size();
-    for (size_t i = 0; i < n; ++i) check_source(fn, i, tensors[i], expected, tensors[0]);
+    // With out= every tensor is checked here; otherwise each is checked as its
+    // group is prepared (ToHost::prepare_member), so the first DMA need not wait
+    // for the checks of thousands of tensors behind it.
+    if (out || n == 0) {
+      for (size_t i = 0; i < n; ++i) check_source(fn, i, tensors[i], expected, tensors[0]);
+    } else {
+      check_source(fn, 0, tensors[0], expected, tensors[0]);
+    }
     if (out) {
       TORCH_CHECK_VALUE(out->size() == n, fn, ": out has ", out->size(), " tensors but tensors has ", n);
       for (size_t i = 0; i < n; ++i) check_out(fn, i, tensors[i], (*out)[i], c10::Device(at::kCPU),
@@ -353,6 +360,15 @@ class CopyEngine {
     void finish_views(bool into_out, const std::shared_ptr<Transfer>& reuse) {
       if (into_out) return;
       if (reuse) {
+        for (size_t i = 0; i < n_; ++i) {  // tensors in no group (empty ones) were not checked yet
+          if (!prepared_[i].base.defined()) {
+            check_source("offload.copy_to_host", i, tensors_[i], tensors_[0].device().type(), tensors_[0]);
+            TORCH_CHECK_VALUE(tensors_[i].numel() == 0 && reuse->outputs_[i].sizes() == tensors_[i].sizes(),
+                              "offload.copy_to_host: out (a CopyHandle) was made for tensors[", i, "] with ",
+                              describe(reuse->host_bases_[i]), " but tensors[", i, "] now has ",
+                              describe(tensors_[i]));
+          }
+        }
         r_.host_bases_ = reuse->host_bases_;
         r_.outputs_ = reuse->outputs_;
         return;
@@ -376,6 +392,8 @@ class CopyEngine {
 
    private:
     int64_t prepare_member(int64_t i) {
+      check_source("offload.copy_to_host", static_cast<size_t>(i), tensors_[i], tensors_[0].device().type(),
+                   tensors_[0]);
       prepared_[i] = prepare(tensors_[i], /*allow_contiguous=*/true);
       if (prepared_[i].made_contiguous) {
         r_.restore_[i] = Transfer::Strides(tensors_[i].sizes().vec(), tensors_[i].strides().vec());

@@ -289,3 +289,12 @@ def test_copy_to_host_reuses_a_handle_made_from_given_tensors(backend, device):
     for src, h, o in zip(sources, second.wait(), out):
         assert_bitwise(src, h)
         assert h.data_ptr() == o.data_ptr()
+
+
+def test_copy_to_host_checks_every_tensor_against_a_reused_handle(backend, device):
+    first = offload.copy_to_host([torch.ones(3, device=device), torch.ones(0, device=device)])
+    first.wait()
+    with pytest.raises(ValueError, match=r"tensors\[1\]"):
+        offload.copy_to_host([torch.ones(3, device=device), torch.ones(2, device=device)], out=first)
+    with pytest.raises(ValueError, match=r"tensors\[1\] is a meta tensor"):
+        offload.copy_to_host([torch.ones(3, device=device), torch.empty(5, device="meta")])
