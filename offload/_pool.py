@@ -89,9 +89,14 @@ class HostPool:
                 # The driver context must exist before host memory can be registered with it.
                 torch.empty(0, device=_device.current_device())
             self._impl = core.HostPool(device_type, limit, slab, touch_threads)
+            if _device.pinned_memory_supported() and not self._impl.pinned():
+                # The core cannot pin host memory for this accelerator (no driver
+                # registration built for it, e.g. Ascend today): torch's own pinned
+                # allocator keeps copies asynchronous there.
+                self._impl = _FallbackPool(limit)
         else:
             self._impl = _FallbackPool(limit)
-        self.native = core is not None
+        self.native = not isinstance(self._impl, _FallbackPool)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A uint8 host tensor of `nbytes` bytes (contents undefined)."""
@@ -236,13 +241,15 @@ class _FallbackPool:
 
 
 _default_pool: Optional[HostPool] = None
+_default_pool_core = None  # whether the compiled core was in use when it was made
 _default_lock = threading.Lock()
 
 
 def default_host_pool() -> HostPool:
     """The process-wide pool that offload's copies use unless given another."""
-    global _default_pool
+    global _default_pool, _default_pool_core
     with _default_lock:
-        if _default_pool is None or _default_pool.native != _backend.native_available():
-            _default_pool = HostPool()
+        core = _backend.native_available()
+        if _default_pool is None or _default_pool_core != core:  # tests switch the core off and on
+            _default_pool, _default_pool_core = HostPool(), core
         return _default_pool
