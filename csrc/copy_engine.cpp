@@ -140,6 +140,12 @@ void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream) {
   keepalive_.clear();
 }
 
+void Transfer::mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members) {
+  events_.emplace_back(stream.device_type());
+  events_.back().record(stream);
+  for (int64_t i : members) event_of_[i] = static_cast<int32_t>(events_.size() - 1);
+}
+
 void Transfer::synchronize() const {
   if (!events_.empty()) events_.back().synchronize();
   InFlight::instance().drain();
@@ -476,9 +482,7 @@ class CopyEngine {
     void finish(const Transfer::Group& group) {
       if (!on_device_) return;
       pool_.record_stream(group.host_block, *stream_);
-      r_.events_.emplace_back(device_.type());
-      r_.events_.back().record(*stream_);
-      for (int64_t i : group.members) r_.event_of_[i] = static_cast<int32_t>(r_.events_.size() - 1);
+      r_.mark_complete(*stream_, group.members);
     }
 
     // Caller-owned destinations of any layout: one copy each, an event every chunk_bytes.
@@ -501,9 +505,7 @@ class CopyEngine {
         members.push_back(static_cast<int64_t>(i));
         pending += prepared_[i].nbytes;
         if (on_device_ && (pending >= options_.chunk_bytes || i + 1 == n_)) {
-          r_.events_.emplace_back(device_.type());
-          r_.events_.back().record(*stream_);
-          for (int64_t m : members) r_.event_of_[m] = static_cast<int32_t>(r_.events_.size() - 1);
+          r_.mark_complete(*stream_, members);
           members.clear();
           pending = 0;
         }
@@ -672,9 +674,7 @@ class CopyEngine {
       if (on_device_) {
         // Pool blocks are held back by the pool's events; other host memory by a reference.
         if (!pool_.record_stream(first, *stream_)) r_.keepalive_.push_back(first);
-        r_.events_.emplace_back(device_.type());
-        r_.events_.back().record(*stream_);
-        for (int64_t i : span.members) r_.event_of_[i] = static_cast<int32_t>(r_.events_.size() - 1);
+        r_.mark_complete(*stream_, span.members);
       }
     }
 

@@ -47,11 +47,6 @@ at::Tensor make_view(const at::Storage& storage, at::ScalarType dtype, const at:
   return out;
 }
 
-at::Tensor byte_span(const at::Storage& storage, int64_t byte_offset, int64_t nbytes,
-                     const at::TensorOptions& options) {
-  return make_view(storage, at::kByte, options.device(), {nbytes}, {1}, byte_offset);
-}
-
 at::Tensor view_like(const at::Storage& storage, int64_t byte_offset, const at::Tensor& like,
                      const at::Device& device) {
   const int64_t itemsize = static_cast<int64_t>(like.element_size());

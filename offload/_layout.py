@@ -39,4 +39,4 @@ def dense_view(block: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """View the first bytes of uint8 `block` with `like`'s dtype, sizes and (dense) strides."""
     nbytes = like.numel() * like.element_size()
     flat = block[:nbytes].view(like.dtype)
-    return flat.as_strided(like.shape, like.stride() if like.numel() else like.stride(), 0)
+    return flat.as_strided(like.shape, like.stride(), 0)

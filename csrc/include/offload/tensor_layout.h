@@ -20,16 +20,9 @@ at::Tensor compact(const at::Tensor& t, bool* expanded);
 at::Tensor make_view(const at::Storage& storage, at::ScalarType dtype, const at::Device& device,
                      at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset_elements);
 
-// The `nbytes` bytes of `storage` starting at `byte_offset`, as a 1-d uint8 tensor.
-at::Tensor byte_span(const at::Storage& storage, int64_t byte_offset, int64_t nbytes,
-                     const at::TensorOptions& options);
-
 // A tensor of `like`'s dtype, sizes and strides whose first element sits at
 // `byte_offset` of `storage`; byte_offset must be a multiple of the element size.
 at::Tensor view_like(const at::Storage& storage, int64_t byte_offset, const at::Tensor& like,
                      const at::Device& device);
-
-// The lowest address a dense tensor touches (its first element: strides are >= 0).
-inline const char* span_begin(const at::Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
 
 }  // namespace offload

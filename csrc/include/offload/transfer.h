@@ -61,6 +61,8 @@ class Transfer {
   // Hands keepalive_ to the in-flight registry, which drops it once the copies
   // queued on `stream` so far have completed.
   void release_keepalive(const c10::optional<c10::Stream>& stream);
+  // Records the event after which `members` are complete on the copy `stream`.
+  void mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members);
   c10::Device device_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> host_bases_;  // device-to-host: what was written (outputs_ may be expanded views)
