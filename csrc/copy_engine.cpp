@@ -25,6 +25,7 @@
 #include "offload/checks.h"
 #include "offload/multi_tensor_copy.h"
 #include "offload/tensor_layout.h"
+#include "offload/tensor_source.h"
 
 namespace offload {
 namespace {
@@ -40,6 +41,22 @@ int64_t align_up(int64_t value) { return (value + kAlign - 1) / kAlign * kAlign;
 int64_t group_limit(const CopyOptions& options) {
   return std::max(options.small_bytes, std::min(options.chunk_bytes, kMaxGroupBytes));
 }
+
+// Group sizes for one transfer: 1 MiB first, doubling up to group_limit. The
+// first DMA then starts after the host work of a few tensors rather than of a
+// full group (512 tensors of 16 KiB), and the queue is deep again by the fourth.
+class GroupSizes {
+ public:
+  explicit GroupSizes(const CopyOptions& options)
+      : limit_(group_limit(options)), current_(std::min(limit_, kFirstGroupBytes)) {}
+  int64_t current() const { return current_; }
+  void next() { current_ = std::min(limit_, current_ * 2); }
+
+ private:
+  static constexpr int64_t kFirstGroupBytes = int64_t(1) << 20;
+  const int64_t limit_;
+  int64_t current_;
+};
 
 c10::Stream current_stream(const c10::Device& device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
@@ -185,7 +202,7 @@ constexpr int kSlots = 3;
 class CopyEngine {
  public:
   // ------------------------------------------------------------ device -> host
-  static std::shared_ptr<Transfer> to_host(const std::vector<at::Tensor>& tensors, HostPool& pool,
+  static std::shared_ptr<Transfer> to_host(TensorSource& tensors, HostPool& pool,
                                            const c10::optional<c10::Stream>& stream,
                                            const c10::optional<std::vector<at::Tensor>>& out,
                                            const std::shared_ptr<Transfer>& reuse, const CopyOptions& options) {
@@ -195,9 +212,9 @@ class CopyEngine {
     // With out= every tensor is checked here; otherwise each is checked as its
     // group is prepared (ToHost::prepare_member), so the first DMA need not wait
     // for the checks of thousands of tensors behind it.
-    if (out || n == 0) {
+    if (out) {
       for (size_t i = 0; i < n; ++i) check_source(fn, i, tensors[i], expected, tensors[0]);
-    } else {
+    } else if (n > 0) {
       check_source(fn, 0, tensors[0], expected, tensors[0]);
     }
     if (out) {
@@ -217,16 +234,16 @@ class CopyEngine {
     try {
       job.run(out, reuse);
     } catch (...) {
-      result->release_keepalive(stream);  // copies already queued keep their tensors
+      hold_sources(*result, tensors, on_device, stream);  // copies already queued keep their tensors
       throw;
     }
-    result->release_keepalive(stream);
+    hold_sources(*result, tensors, on_device, stream);
     job.finish_views(out.has_value(), reuse);
     return result;
   }
 
   // ------------------------------------------------------------ host -> device
-  static std::shared_ptr<Transfer> to_device(const std::vector<at::Tensor>& tensors,
+  static std::shared_ptr<Transfer> to_device(TensorSource& tensors,
                                              const std::shared_ptr<Transfer>& from, const c10::Device& device,
                                              HostPool& pool, const c10::optional<c10::Stream>& stream,
                                              const c10::optional<std::vector<at::Tensor>>& out,
@@ -234,25 +251,14 @@ class CopyEngine {
     const char* fn = "offload.copy_to_device";
     const size_t n = tensors.size();
     const bool on_device = n > 0 && !device.is_cpu();
-    // Asking the driver whether memory is pinned costs ~1 us, so ask once per storage.
-    std::unordered_map<const void*, bool> pinned_storages;
-    auto is_pinned = [&](const at::Tensor& t) {
-      const void* key = t.storage().data();
-      auto it = pinned_storages.find(key);
-      if (it == pinned_storages.end()) it = pinned_storages.emplace(key, pool.owns(t) || t.is_pinned()).first;
-      return it->second;
-    };
-    for (size_t i = 0; i < n; ++i) {
-      check_source(fn, i, tensors[i], c10::DeviceType::CPU, tensors[0]);
-      if (on_device && options.require_pinned && !from && tensors[i].numel() > 0) {
-        TORCH_CHECK_VALUE(is_pinned(tensors[i]), fn, ": tensors[", i, "] is not pinned, so the copy would block "
-                          "the host; pass pinned memory (offload.copy_to_host results, offload.HostPool.empty, "
-                          "tensor.pin_memory()) or require_pinned=False");
-      }
-    }
+    // Without out= each source is checked as its span is formed (ToDevice::check_member),
+    // so the first DMA need not wait for the checks of thousands of tensors behind it.
     if (out) {
       TORCH_CHECK_VALUE(out->size() == n, fn, ": out has ", out->size(), " tensors but tensors has ", n);
-      for (size_t i = 0; i < n; ++i) check_out(fn, i, tensors[i], (*out)[i], device, options.require_pinned, false);
+      for (size_t i = 0; i < n; ++i) {
+        check_source(fn, i, tensors[i], c10::DeviceType::CPU, tensors[0]);
+        check_out(fn, i, tensors[i], (*out)[i], device, options.require_pinned, false);
+      }
     }
     TORCH_CHECK_VALUE(!on_device || stream.has_value(), fn, ": a copy stream is required for ", device);
 
@@ -261,7 +267,7 @@ class CopyEngine {
     try {
       job.run();
     } catch (...) {
-      result->release_keepalive(stream);
+      result->release_keepalive(stream);  // copies already queued keep their host sources
       throw;
     }
     result->release_keepalive(stream);
@@ -269,6 +275,18 @@ class CopyEngine {
   }
 
  private:
+  // A device-to-host transfer holds its sources until its copies complete. They
+  // are handed over once queued (or on failure, those converted so far), not
+  // before, so the first copy does not wait for thousands of reference counts.
+  static void hold_sources(Transfer& r, TensorSource& tensors, bool on_device,
+                           const c10::optional<c10::Stream>& stream) {
+    if (on_device) {
+      const auto& sources = tensors.converted();
+      r.keepalive_.insert(r.keepalive_.end(), sources.begin(), sources.end());
+    }
+    r.release_keepalive(stream);
+  }
+
   // The per-tensor work both directions share: what is read, and its size.
   struct Prepared {
     at::Tensor base;  // compact (broadcast dims narrowed) and dense
@@ -293,7 +311,7 @@ class CopyEngine {
   // first group's host work instead of after every tensor's.
   class ToHost {
    public:
-    ToHost(const std::vector<at::Tensor>& tensors, HostPool& pool, const c10::optional<c10::Stream>& stream,
+    ToHost(TensorSource& tensors, HostPool& pool, const c10::optional<c10::Stream>& stream,
            const CopyOptions& options, Transfer& r, bool on_device)
         : tensors_(tensors), pool_(pool), stream_(stream), options_(options), r_(r), on_device_(on_device),
           device_(r.device_), n_(tensors.size()), prepared_(n_) {
@@ -311,7 +329,6 @@ class CopyEngine {
         start.record(*caller_);
         start.block(*stream_);
         stream_guard_.emplace(*stream_);
-        r_.keepalive_ = tensors_;
       }
       if (out) return run_into(*out);
       if (reuse && reuse->groups_.empty()) return run_into(reuse->host_bases_);  // made with out=<list>
@@ -331,7 +348,7 @@ class CopyEngine {
         }
         return;
       }
-      const int64_t limit = group_limit(options_);
+      GroupSizes sizes(options_);
       Transfer::Group packed;
       packed.packed = true;
       for (size_t i = 0; i < n_; ++i) {
@@ -346,9 +363,10 @@ class CopyEngine {
           continue;
         }
         int64_t offset = align_up(packed.bytes);
-        if (!packed.members.empty() && offset + nbytes > limit) {
+        if (!packed.members.empty() && offset + nbytes > sizes.current()) {
           r_.groups_.push_back(std::move(packed));
           enqueue(r_.groups_.back());
+          sizes.next();
           packed = Transfer::Group();
           packed.packed = true;
           offset = 0;
@@ -512,7 +530,7 @@ class CopyEngine {
       }
     }
 
-    const std::vector<at::Tensor>& tensors_;
+    TensorSource& tensors_;
     HostPool& pool_;
     const c10::optional<c10::Stream>& stream_;
     const CopyOptions& options_;
@@ -537,7 +555,7 @@ class CopyEngine {
   // for the caller's stream, so outputs allocated there afterwards are safe to write.
   class ToDevice {
    public:
-    ToDevice(const std::vector<at::Tensor>& tensors, const std::shared_ptr<Transfer>& from,
+    ToDevice(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
              const c10::Device& device, HostPool& pool, const c10::optional<c10::Stream>& stream,
              const c10::optional<std::vector<at::Tensor>>& out, const CopyOptions& options, Transfer& r)
         : tensors_(tensors), from_(from), device_(device), pool_(pool), stream_(stream), out_(out),
@@ -557,9 +575,10 @@ class CopyEngine {
         start.block(*stream_);
         if (from_) from_->wait_stream(*stream_);
       }
-      const int64_t limit = group_limit(options_);
+      GroupSizes sizes(options_);
       Span span;
       for (size_t i = 0; i < n_; ++i) {
+        check_member(i);
         Prepared& p = prepared_[i];
         p = prepare(tensors_[i], /*allow_contiguous=*/false);
         if (!is_dense(p.base)) {
@@ -587,10 +606,13 @@ class CopyEngine {
         }
         const int64_t end = span.storage_offset + span.bytes;
         const bool joins = !span.members.empty() && storage == span.storage && offset >= end &&
-                           offset - end <= kMaxSpanGap && offset + p.nbytes - span.storage_offset <= limit &&
+                           offset - end <= kMaxSpanGap && offset + p.nbytes - span.storage_offset <= sizes.current() &&
                            (offset - span.storage_offset) % kAlign == 0;
         if (!joins) {
-          if (!span.members.empty()) enqueue(span);
+          if (!span.members.empty()) {
+            enqueue(span);
+            sizes.next();
+          }
           span = Span();
           span.storage = storage;
           span.storage_offset = offset;
@@ -610,6 +632,25 @@ class CopyEngine {
       int64_t storage_offset = 0;    // byte offset of the span in its host storage
       int64_t bytes = 0;
     };
+
+    void check_member(size_t i) {
+      const char* fn = "offload.copy_to_device";
+      const at::Tensor& t = tensors_[i];
+      check_source(fn, i, t, c10::DeviceType::CPU, tensors_[0]);
+      if (on_device_ && options_.require_pinned && !from_ && t.numel() > 0) {
+        TORCH_CHECK_VALUE(is_pinned(t), fn, ": tensors[", i, "] is not pinned, so the copy would block the host; "
+                          "pass pinned memory (offload.copy_to_host results, offload.HostPool.empty, "
+                          "tensor.pin_memory()) or require_pinned=False");
+      }
+    }
+
+    // Asking the driver whether memory is pinned costs ~1 us, so ask once per storage.
+    bool is_pinned(const at::Tensor& t) {
+      const void* key = t.storage().data();
+      auto it = pinned_storages_.find(key);
+      if (it == pinned_storages_.end()) it = pinned_storages_.emplace(key, pool_.owns(t) || t.is_pinned()).first;
+      return it->second;
+    }
 
     at::Tensor finish_output(int64_t i, at::Tensor target) {
       const Prepared& p = prepared_[i];
@@ -678,7 +719,7 @@ class CopyEngine {
       }
     }
 
-    const std::vector<at::Tensor>& tensors_;
+    TensorSource& tensors_;
     const std::shared_ptr<Transfer>& from_;
     const c10::Device device_;
     HostPool& pool_;
@@ -689,15 +730,32 @@ class CopyEngine {
     const bool on_device_;
     const size_t n_;
     std::vector<Prepared> prepared_;
+    std::unordered_map<const void*, bool> pinned_storages_;
     c10::OptionalDeviceGuard device_guard_;
   };
 };
+
+std::shared_ptr<Transfer> copy_to_host(TensorSource& tensors, HostPool& pool,
+                                       const c10::optional<c10::Stream>& stream,
+                                       const c10::optional<std::vector<at::Tensor>>& out,
+                                       const std::shared_ptr<Transfer>& out_transfer, const CopyOptions& options) {
+  return CopyEngine::to_host(tensors, pool, stream, out, out_transfer, options);
+}
 
 std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, HostPool& pool,
                                        const c10::optional<c10::Stream>& stream,
                                        const c10::optional<std::vector<at::Tensor>>& out,
                                        const std::shared_ptr<Transfer>& out_transfer, const CopyOptions& options) {
-  return CopyEngine::to_host(tensors, pool, stream, out, out_transfer, options);
+  TensorSource source(tensors);
+  return CopyEngine::to_host(source, pool, stream, out, out_transfer, options);
+}
+
+std::shared_ptr<Transfer> copy_to_device(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
+                                         const c10::Device& device, HostPool& pool,
+                                         const c10::optional<c10::Stream>& stream,
+                                         const c10::optional<std::vector<at::Tensor>>& out,
+                                         const CopyOptions& options) {
+  return CopyEngine::to_device(tensors, from, device, pool, stream, out, options);
 }
 
 std::shared_ptr<Transfer> copy_to_device(const std::vector<at::Tensor>& tensors,
@@ -705,13 +763,34 @@ std::shared_ptr<Transfer> copy_to_device(const std::vector<at::Tensor>& tensors,
                                          HostPool& pool, const c10::optional<c10::Stream>& stream,
                                          const c10::optional<std::vector<at::Tensor>>& out,
                                          const CopyOptions& options) {
-  return CopyEngine::to_device(tensors, from, device, pool, stream, out, options);
+  TensorSource source(tensors);
+  return CopyEngine::to_device(source, from, device, pool, stream, out, options);
 }
 
 namespace {
 
-void bind_copy_engine(pybind11::module_& m) {
-  namespace py = pybind11;
+namespace py = pybind11;
+
+// Converts list items to tensors on demand, taking the GIL for each batch. The
+// list outlives the call (the binding's argument holds it), so it is borrowed.
+TensorSource::Fill lazy_conversion(const py::list& list) {
+  PyObject* items = list.ptr();
+  return [items](std::vector<at::Tensor>& into, size_t upto) {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK_VALUE(static_cast<size_t>(PyList_GET_SIZE(items)) >= upto,
+                      "offload: the list of tensors changed size during the copy");
+    for (size_t i = into.size(); i < upto; ++i) {
+      PyObject* item = PyList_GET_ITEM(items, static_cast<Py_ssize_t>(i));
+      if (!THPVariable_Check(item)) {
+        throw py::type_error("offload: tensors[" + std::to_string(i) + "] must be a torch.Tensor, got " +
+                             Py_TYPE(item)->tp_name);
+      }
+      into.push_back(THPVariable_Unpack(item));
+    }
+  };
+}
+
+void bind_copy_engine(py::module_& m) {
   py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
       .def("tensors", &Transfer::tensors)
       .def("nbytes", &Transfer::nbytes)
@@ -729,20 +808,30 @@ void bind_copy_engine(pybind11::module_& m) {
     o.chunk_bytes = chunk_bytes;
     return o;
   };
+  // `tensors` is a Python list, converted as the engine reaches it (with the GIL
+  // taken for each batch); copy_to_device also takes None for "the tensors of `from`".
   m.def("copy_to_host",
-        [make_options](const std::vector<at::Tensor>& tensors, HostPool& pool, c10::optional<c10::Stream> stream,
+        [make_options](const py::list& tensors, HostPool& pool, c10::optional<c10::Stream> stream,
                        c10::optional<std::vector<at::Tensor>> out, std::shared_ptr<Transfer> reuse,
                        bool require_pinned, int64_t small_bytes, int64_t chunk_bytes) {
+          TensorSource source(tensors.size(), lazy_conversion(tensors));
           py::gil_scoped_release no_gil;
-          return copy_to_host(tensors, pool, stream, out, reuse, make_options(require_pinned, small_bytes, chunk_bytes));
+          return copy_to_host(source, pool, stream, out, reuse, make_options(require_pinned, small_bytes, chunk_bytes));
         });
   m.def("copy_to_device",
-        [make_options](const std::vector<at::Tensor>& tensors, std::shared_ptr<Transfer> from, c10::Device device,
+        [make_options](const py::object& tensors, std::shared_ptr<Transfer> from, c10::Device device,
                        HostPool& pool, c10::optional<c10::Stream> stream, c10::optional<std::vector<at::Tensor>> out,
                        bool require_pinned, int64_t small_bytes, int64_t chunk_bytes) {
+          TORCH_CHECK_VALUE(!tensors.is_none() || from, "offload.copy_to_device: tensors is None and no transfer given");
+          c10::optional<TensorSource> given;
+          if (!tensors.is_none()) {
+            const auto list = tensors.cast<py::list>();
+            given.emplace(list.size(), lazy_conversion(list));
+          }
           py::gil_scoped_release no_gil;
-          return copy_to_device(tensors, from, device, pool, stream, out,
-                                make_options(require_pinned, small_bytes, chunk_bytes));
+          const auto options = make_options(require_pinned, small_bytes, chunk_bytes);
+          if (given) return copy_to_device(*given, from, device, pool, stream, out, options);
+          return copy_to_device(from->tensors(), from, device, pool, stream, out, options);
         });
 }
 

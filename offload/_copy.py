@@ -89,10 +89,14 @@ def _stream_or_current(stream, device):
 
 
 def _as_list(fn: str, tensors, name: str = "tensors"):
-    """O(1) shape check for the native path (the core checks every element itself)."""
+    """Shape check for the native path (the core checks every element itself).
+
+    Always a new list: the core converts it a batch at a time while it copies, so
+    no other thread may hold (and change) it meanwhile.
+    """
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a list of tensors, got a single tensor; wrap it in a list")
-    return tensors if isinstance(tensors, (list, tuple)) else _check_list(fn, tensors, name)
+    return list(tensors) if isinstance(tensors, (list, tuple)) else _check_list(fn, tensors, name)
 
 
 def _check_list(fn: str, tensors, name: str = "tensors") -> List[torch.Tensor]:
@@ -178,19 +182,20 @@ def copy_to_device(
     """
     fn = "offload.copy_to_device"
     handle = tensors._impl if isinstance(tensors, CopyHandle) else None
-    sources = handle.tensors() if handle is not None else _as_list(fn, tensors)
+    sources = None if handle is not None else _as_list(fn, tensors)
     out_list = None if out is None else _as_list(fn, out, "out")
     _check_sizes(fn, small_bytes, chunk_bytes)
     device = _device.normalize_device(device)
     pool = _pool_or_default(fn, pool)
     core = _backend.core()
     if core is not None and pool.native:
+        # A handle's tensors stay in the core (None): no round trip through a Python list.
         copy_stream = stream if stream is not None else _device.copy_streams(device)[1]
-        return _call_native(fn, sources, out_list, lambda: core.copy_to_device(
+        return _call_native(fn, sources or [], out_list, lambda: core.copy_to_device(
             sources, handle, device, pool._impl, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes))
     from ._copy_fallback import copy_to_device as fallback
 
-    sources = _check_list(fn, sources)
+    sources = _check_list(fn, handle.tensors() if handle is not None else sources)
     out_list = None if out_list is None else _check_list(fn, out_list, "out")
     return CopyHandle(fallback(sources, handle, device, pool, stream, out_list, require_pinned, chunk_bytes))
 

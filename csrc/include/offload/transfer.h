@@ -27,6 +27,7 @@
 #include <c10/util/Optional.h>
 
 #include "offload/host_pool.h"
+#include "offload/tensor_source.h"
 
 namespace offload {
 
@@ -82,11 +83,22 @@ struct CopyOptions {
   int64_t chunk_bytes = int64_t(64) << 20;  // large tensors move in pieces of this size
 };
 
+// Each takes its tensors as a vector or as a TensorSource (converted as the
+// engine walks it; see tensor_source.h).
+std::shared_ptr<Transfer> copy_to_host(TensorSource& tensors, HostPool& pool,
+                                       const c10::optional<c10::Stream>& stream,
+                                       const c10::optional<std::vector<at::Tensor>>& out,
+                                       const std::shared_ptr<Transfer>& out_transfer, const CopyOptions& options);
 std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, HostPool& pool,
                                        const c10::optional<c10::Stream>& stream,
                                        const c10::optional<std::vector<at::Tensor>>& out,
                                        const std::shared_ptr<Transfer>& out_transfer, const CopyOptions& options);
 
+std::shared_ptr<Transfer> copy_to_device(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
+                                         const c10::Device& device, HostPool& pool,
+                                         const c10::optional<c10::Stream>& stream,
+                                         const c10::optional<std::vector<at::Tensor>>& out,
+                                         const CopyOptions& options);
 std::shared_ptr<Transfer> copy_to_device(const std::vector<at::Tensor>& tensors,
                                          const std::shared_ptr<Transfer>& from, const c10::Device& device,
                                          HostPool& pool, const c10::optional<c10::Stream>& stream,
