@@ -79,8 +79,16 @@ _ALIGN = 64
 _METRICS_KEPT = 256
 # After a structure change, small tensors that remain from a broken packed part
 # keep their buffers (one copy each from then on) only if there are this few;
-# more are packed afresh: one DMA per 8 MiB beats one per tensor on every later save.
+# more are packed afresh: one DMA per group beats one per tensor on every later save.
 _MAX_LOOSE = 16
+# Small tensors are packed by the copy engine into groups of this many bytes (one
+# pack launch, one DMA and two events each). A set's groups are made once and
+# refilled on every save, so the copy engine's default (8 MiB, tuned to start a
+# one-off copy's first DMA early) would cost 128 groups' worth of launches and
+# events per GiB of small tensors on every save; 32 MiB costs 32, the DMA runs at
+# the same speed, and the device holds 3 x 32 MiB of staging buffers while a
+# copy runs.
+_GROUP_BYTES = 32 << 20
 
 _META = attrgetter("shape", "dtype", "device")
 _data_ptr = torch.Tensor.data_ptr
@@ -102,6 +110,8 @@ def _pick(seq, indices) -> list:
 
 def _extent_bytes(t: torch.Tensor) -> int:
     """Bytes from t's first element to just past its last (strides are never negative)."""
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
     if t.numel() == 0:
         return 0
     return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
@@ -239,13 +249,13 @@ class _Plan:
     def _add_tensor_unit(self, slots, t, paths) -> None:
         key = ("tensor", paths[slots[0]], tuple(t.shape), t.dtype)
         nbytes = t.numel() * t.element_size()
-        expanded = any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+        expanded = not t.is_contiguous() and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
         self.units.append(_Unit("tensor", slots, key, nbytes, t.device, tuple(t.shape), t.dtype, expanded=expanded))
 
     def _add_cluster(self, slots, locals_, paths, base) -> None:
         first = locals_[slots[0]]
         layout = _layout_of(first)
-        if all(_layout_of(locals_[s]) == layout for s in slots):
+        if len(slots) == 1 or all(_layout_of(locals_[s]) == layout for s in slots[1:]):
             self._add_tensor_unit(slots, first, paths)  # tied: one copy, shared
             return
         # Overlapping views: copy the byte span that covers them, from an offset
@@ -311,8 +321,8 @@ class _BufferSet:
         self.host_leaves: List[Any] = []  # per tensor slot: what the staged dict holds (alias views)
         self.handles: List[Any] = []  # the handles of the last save's copies
         self.watch: List[Any] = []  # the objects handed out; extra references to them mean a reader
-        self.ref_base: List[int] = []
-        self.use_base: List[int] = []
+        self.ref_base = 0  # sum of the watched objects' reference counts with no reader
+        self.use_base = 0  # sum of the alias storages' use counts with no reader
 
     @property
     def held_bytes(self) -> int:
@@ -323,18 +333,20 @@ class _BufferSet:
         for handle in self.handles:
             if not handle.ready():
                 return "its copy is still running"
-        if any(map(int.__gt__, map(sys.getrefcount, self.watch), self.ref_base)):
+        # Totals suffice: no count drops below its baseline while the stager holds
+        # what it held then, so any excess in the sum is an excess somewhere.
+        if sum(map(sys.getrefcount, self.watch)) > self.ref_base:
             return "the state dict staged into it is still referenced (an upload in progress?)"
-        if _use_count is not None and any(map(int.__gt__, self._alias_uses(), self.use_base)):
+        if _use_count is not None and self._alias_uses() > self.use_base:
             return "a view of its host buffers is still referenced"
         return None
 
-    def _alias_uses(self) -> List[int]:
-        return list(map(_use_count, self.alias_storages))
+    def _alias_uses(self) -> int:
+        return sum(map(_use_count, self.alias_storages))
 
     def mark_baseline(self) -> None:
         """Record the references this stager itself holds (call with no staged dict or reader alive)."""
-        self.ref_base = list(map(sys.getrefcount, self.watch))
+        self.ref_base = sum(map(sys.getrefcount, self.watch))
         if _use_count is not None:
             self.use_base = self._alias_uses()
 
@@ -342,7 +354,7 @@ class _BufferSet:
         self.plan = None
         self.buffers, self.parts, self.calls, self.blocks, self.aliases = {}, {}, [], {}, {}
         self.alias_storages = []
-        self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], [], []
+        self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], 0, 0
 
 
 def _private_alias(block: torch.Tensor) -> torch.Tensor:
@@ -397,7 +409,7 @@ class _HostCopy:
         pass
 
 
-def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None) -> _HostCopy:
+def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_bytes=None) -> _HostCopy:
     """copy_to_host's contract for CPU sources: fresh (one pooled block) or into `out`."""
     fn = "offload.AsyncStager.stage"
     if out is None:
@@ -995,7 +1007,7 @@ class AsyncStager(_StagerProtocol):
                     raise
                 # Same shapes and dtypes, other strides: this part is copied afresh.
                 del buffer_set.parts[keys]
-        handle = copy(picked, out=None, pool=self._pool)
+        handle = copy(picked, out=None, pool=self._pool, group_bytes=_GROUP_BYTES)
         buffer_set.parts[keys] = handle
         buffer_set.buffers.update(zip(keys, handle.tensors))
         call[0], call[2] = "reuse", handle
