@@ -195,19 +195,19 @@ class StateTree:
         return f"L[{index}]"
 
     def _check_tensor(self, t: torch.Tensor, path: Tuple) -> None:
-        where = _describe_path(path)
         is_dtensor = self._dtensor is not None and isinstance(t, self._dtensor)
         if not is_dtensor and type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(
-                f"{self._fn}: {where} is a tensor subclass {type(t).__qualname__}; only plain tensors, "
-                "parameters and DTensors can be staged"
+                f"{self._fn}: {_describe_path(path)} is a tensor subclass {type(t).__qualname__}; only plain "
+                "tensors, parameters and DTensors can be staged"
             )
         local = t._local_tensor if is_dtensor else t
-        if local.is_meta or local.device.type == "meta":
-            raise ValueError(f"{self._fn}: {where} is a meta tensor, which has no data to stage")
+        if local.is_meta:
+            raise ValueError(f"{self._fn}: {_describe_path(path)} is a meta tensor, which has no data to stage")
         if local.layout != torch.strided:
             raise ValueError(
-                f"{self._fn}: {where} has layout {local.layout}; only strided (dense) tensors can be staged"
+                f"{self._fn}: {_describe_path(path)} has layout {local.layout}; only strided (dense) tensors "
+                "can be staged"
             )
 
     # ------------------------------------------------------------ generated code

@@ -20,8 +20,9 @@ How a save runs:
   (the device-to-host stream first waits, on the device, for everything already
   queued on the current stream, so the copy holds the values as of the call).
   A set's first save copies fresh, so the copy engine packs small tensors into
-  pooled blocks of up to 8 MiB (one DMA each); later saves pass that copy's
-  handle back as `out=` and the same blocks are refilled by the same DMAs. With
+  pooled blocks of up to 32 MiB (one DMA each, see _GROUP_BYTES); later saves
+  pass that copy's handle back as `out=` and the same blocks are refilled by the
+  same DMAs. With
   an unchanged structure no Python code runs per tensor: the copy engine checks
   each tensor against the buffer it refills, and a refusal re-plans. It
   returns a `concurrent.futures.Future` of the host state dict right after
@@ -190,7 +191,7 @@ class _Plan:
                     f"staging copies tensors from {compute} or the host"
                 )
         self._group(locals_, tensor_paths)
-        for unit in self.units:
+        for unit in self.units if early_paths or early_ptrs else ():
             unit.early = any(
                 tensor_paths[s] in early_paths or (locals_[s].device, self.ptrs[s]) in early_ptrs for s in unit.slots
             )
@@ -235,6 +236,9 @@ class _Plan:
             start = t.data_ptr()
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((start, start + extent, slot))
         for (_, base), items in by_storage.items():
+            if len(items) == 1:  # alone in its storage (most parameters): nothing to group
+                self._add_tensor_unit([items[0][2]], locals_[items[0][2]], paths)
+                continue
             items.sort()
             cluster, end = [], -1
             for start, stop, slot in items + [(None, None, None)]:
@@ -281,7 +285,7 @@ class _BufferSet:
 
     Where the buffers come from: the first save into a set copies each batch with
     a fresh `copy_to_host` (no `out`), so the copy engine packs small tensors
-    into pooled blocks of up to 8 MiB, one DMA each; the set keeps that handle
+    into pooled blocks of up to _GROUP_BYTES, one DMA each; the set keeps that handle
     (a "part") and later saves pass it back as `out=`, which refills the same
     blocks with the same DMAs and returns the same host tensors. After a
     structure change a part whose tensors all remain is kept; tensors that remain
@@ -385,9 +389,11 @@ def _reader_view(engine_side: torch.Tensor, blocks: dict, aliases: dict, old_blo
             block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
             alias = _private_alias(block)
         blocks[address], aliases[address] = block, alias
-    offset = engine_side.data_ptr() - address
-    piece = alias[offset : offset + _extent_bytes(engine_side)]
-    return piece.view(engine_side.dtype).as_strided(engine_side.shape, engine_side.stride())
+    # The engine's storage and the alias start at the same byte, so the element
+    # offset carries over; one set_ rather than slice, view and as_strided.
+    return torch.empty(0, dtype=engine_side.dtype).set_(
+        alias.untyped_storage(), engine_side.storage_offset(), engine_side.shape, engine_side.stride()
+    )
 
 
 class _HostCopy:
