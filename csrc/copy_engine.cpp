@@ -31,15 +31,13 @@ namespace offload {
 namespace {
 
 constexpr int64_t kAlign = 16;                          // packed offsets: 16-byte vector copies
-// One staging buffer and one DMA. 8 MiB already runs the DMA at ~97% of its
-// peak, and smaller groups start the first DMA sooner after the call.
-constexpr int64_t kMaxGroupBytes = int64_t(8) << 20;
 constexpr int64_t kMaxSpanGap = int64_t(64) << 10;      // host gap worth reading to save a DMA
 
 int64_t align_up(int64_t value) { return (value + kAlign - 1) / kAlign * kAlign; }
 
+// One staging buffer and one DMA (CopyOptions::group_bytes says why its size).
 int64_t group_limit(const CopyOptions& options) {
-  return std::max(options.small_bytes, std::min(options.chunk_bytes, kMaxGroupBytes));
+  return std::max(options.small_bytes, std::min(options.chunk_bytes, options.group_bytes));
 }
 
 // Group sizes for one transfer: 1 MiB first, doubling up to group_limit. The
@@ -489,9 +487,11 @@ class CopyEngine {
         c10::StreamGuard on_pack(*pack_);
         multi_tensor_copy(ranges, device_);
       }
-      c10::Event packed(device_.type());
-      packed.record(*pack_);
-      packed.block(*stream_);
+      // One event, re-recorded per group: the copy stream's wait takes the record
+      // current at the time of the wait, and no create/destroy per group.
+      if (!packed_.has_value()) packed_.emplace(device_.type());
+      packed_->record(*pack_);
+      packed_->block(*stream_);
       copy_bytes_async(group.host_block.data_ptr(), true, target, false, group.bytes, device_);
       slot_events_[slot] = static_cast<int32_t>(r_.events_.size());  // finish() records it next
       packed_groups_ += 1;
@@ -543,6 +543,7 @@ class CopyEngine {
     c10::optional<c10::StreamGuard> stream_guard_;
     c10::optional<c10::Stream> caller_;
     c10::optional<c10::Stream> pack_;
+    c10::optional<c10::Event> packed_;  // recorded on pack_ after each group's pack
     at::Tensor slots_[kSlots];
     int32_t slot_events_[kSlots] = {-1, -1, -1};
     int64_t packed_groups_ = 0;
@@ -813,10 +814,12 @@ void bind_copy_engine(py::module_& m) {
   m.def("copy_to_host",
         [make_options](const py::list& tensors, HostPool& pool, c10::optional<c10::Stream> stream,
                        c10::optional<std::vector<at::Tensor>> out, std::shared_ptr<Transfer> reuse,
-                       bool require_pinned, int64_t small_bytes, int64_t chunk_bytes) {
+                       bool require_pinned, int64_t small_bytes, int64_t chunk_bytes, int64_t group_bytes) {
           TensorSource source(tensors.size(), lazy_conversion(tensors));
           py::gil_scoped_release no_gil;
-          return copy_to_host(source, pool, stream, out, reuse, make_options(require_pinned, small_bytes, chunk_bytes));
+          CopyOptions options = make_options(require_pinned, small_bytes, chunk_bytes);
+          options.group_bytes = group_bytes;
+          return copy_to_host(source, pool, stream, out, reuse, options);
         });
   m.def("copy_to_device",
         [make_options](const py::object& tensors, std::shared_ptr<Transfer> from, c10::Device device,

@@ -45,6 +45,12 @@ _SCALAR_NAMES = "None, bool, int, float, complex, str, bytes, torch.dtype, torch
 # of a new shape (often the only one, e.g. before the optimizer state exists)
 # does not pay for compiling it.
 COMPILE_AFTER = 2
+# A container with at least this many children, none of them a container (a
+# model's flat state dict), is taken apart and rebuilt by C-speed calls over key
+# slices (`map(d.__getitem__, K[a:b])`, `dict(zip(K[a:b], T[s:e]))`) instead of
+# one subscript per child: for thousands of tensors that is both faster to run
+# and ~100x faster to compile. Below it a display of single subscripts is cheaper.
+WIDE = 8
 
 
 class Mismatch(Exception):
@@ -128,6 +134,8 @@ class StateTree:
                 open_, close = ("C[%d](" % ti, ")") if named else (("[", "]") if isinstance(obj, list) else ("(", ",)"))
             self._lens.append(len(items))
             self._check_lines.append(f"    if type({var}) is not C[{ti}] or len({var}) != {len(items)}: raise M")
+            if len(items) >= WIDE and not any(_is_container(child) for _, child in items):
+                return self._scan_wide(obj, var, path, items, ti, named)
             parts = []
             for key, child in items:
                 ki = len(self._keys)
@@ -146,6 +154,25 @@ class StateTree:
             return open_ + ", ".join(parts) + close
         finally:
             self._on_path.discard(id(obj))
+
+    def _scan_wide(self, obj, var: str, path: Tuple, items, ti: int, named: bool) -> str:
+        """A wide container of leaves: one starred item to extract, slices to rebuild."""
+        k0 = len(self._keys)
+        self._keys.extend(key for key, _ in items)
+        k1 = len(self._keys)
+        first_item = len(self._items)
+        exprs = [self._leaf(child, "", path + (key,)) for key, child in items]
+        del self._items[first_item:]
+        if isinstance(obj, Mapping):
+            self._items.append(f"*map({var}.__getitem__, K[{k0}:{k1}])")
+        else:  # list or tuple: its items in order, after the length check above
+            self._items.append(f"*{var}")
+        values = _slices(exprs)
+        if isinstance(obj, Mapping):
+            return f"dict(zip(K[{k0}:{k1}], {values}))"
+        if named:
+            return f"C[{ti}](*{values})"
+        return f"list({values})" if isinstance(obj, list) else f"tuple({values})"
 
     def _leaf(self, value, access: str, path: Tuple) -> str:
         index = len(self.paths)
@@ -168,19 +195,19 @@ class StateTree:
         return f"L[{index}]"
 
     def _check_tensor(self, t: torch.Tensor, path: Tuple) -> None:
-        where = _describe_path(path)
         is_dtensor = self._dtensor is not None and isinstance(t, self._dtensor)
         if not is_dtensor and type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(
-                f"{self._fn}: {where} is a tensor subclass {type(t).__qualname__}; only plain tensors, "
-                "parameters and DTensors can be staged"
+                f"{self._fn}: {_describe_path(path)} is a tensor subclass {type(t).__qualname__}; only plain "
+                "tensors, parameters and DTensors can be staged"
             )
         local = t._local_tensor if is_dtensor else t
-        if local.is_meta or local.device.type == "meta":
-            raise ValueError(f"{self._fn}: {where} is a meta tensor, which has no data to stage")
+        if local.is_meta:
+            raise ValueError(f"{self._fn}: {_describe_path(path)} is a meta tensor, which has no data to stage")
         if local.layout != torch.strided:
             raise ValueError(
-                f"{self._fn}: {where} has layout {local.layout}; only strided (dense) tensors can be staged"
+                f"{self._fn}: {_describe_path(path)} has layout {local.layout}; only strided (dense) tensors "
+                "can be staged"
             )
 
     # ------------------------------------------------------------ generated code
@@ -224,6 +251,20 @@ class StateTree:
 
     def build(self, leaves: List[Any], tensors: List[Any]):
         return self._build(leaves, tensors)
+
+
+def _slices(exprs: List[str]) -> str:
+    """One expression for the values `exprs` ("T[3]", "L[7]", ...): runs of
+    consecutive indices into one list become slices."""
+    runs: List[list] = []  # [name, first index, last index]
+    for expr in exprs:
+        name, index = expr[0], int(expr[2:-1])
+        if runs and runs[-1][0] == name and runs[-1][2] + 1 == index:
+            runs[-1][2] = index
+        else:
+            runs.append([name, index, index])
+    pieces = [f"{name}[{a}:{b + 1}]" for name, a, b in runs]
+    return pieces[0] if len(pieces) == 1 else "[" + ", ".join("*" + p for p in pieces) + "]"
 
 
 def _plain_leaves(obj, types, lens, container_iter, key_iter, out) -> None:

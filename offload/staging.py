@@ -20,8 +20,9 @@ How a save runs:
   (the device-to-host stream first waits, on the device, for everything already
   queued on the current stream, so the copy holds the values as of the call).
   A set's first save copies fresh, so the copy engine packs small tensors into
-  pooled blocks of up to 8 MiB (one DMA each); later saves pass that copy's
-  handle back as `out=` and the same blocks are refilled by the same DMAs. With
+  pooled blocks of up to 32 MiB (one DMA each, see _GROUP_BYTES); later saves
+  pass that copy's handle back as `out=` and the same blocks are refilled by the
+  same DMAs. With
   an unchanged structure no Python code runs per tensor: the copy engine checks
   each tensor against the buffer it refills, and a refusal re-plans. It
   returns a `concurrent.futures.Future` of the host state dict right after
@@ -79,8 +80,16 @@ _ALIGN = 64
 _METRICS_KEPT = 256
 # After a structure change, small tensors that remain from a broken packed part
 # keep their buffers (one copy each from then on) only if there are this few;
-# more are packed afresh: one DMA per 8 MiB beats one per tensor on every later save.
+# more are packed afresh: one DMA per group beats one per tensor on every later save.
 _MAX_LOOSE = 16
+# Small tensors are packed by the copy engine into groups of this many bytes (one
+# pack launch, one DMA and two events each). A set's groups are made once and
+# refilled on every save, so the copy engine's default (8 MiB, tuned to start a
+# one-off copy's first DMA early) would cost 128 groups' worth of launches and
+# events per GiB of small tensors on every save; 32 MiB costs 32, the DMA runs at
+# the same speed, and the device holds 3 x 32 MiB of staging buffers while a
+# copy runs.
+_GROUP_BYTES = 32 << 20
 
 _META = attrgetter("shape", "dtype", "device")
 _data_ptr = torch.Tensor.data_ptr
@@ -102,6 +111,8 @@ def _pick(seq, indices) -> list:
 
 def _extent_bytes(t: torch.Tensor) -> int:
     """Bytes from t's first element to just past its last (strides are never negative)."""
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
     if t.numel() == 0:
         return 0
     return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
@@ -180,7 +191,7 @@ class _Plan:
                     f"staging copies tensors from {compute} or the host"
                 )
         self._group(locals_, tensor_paths)
-        for unit in self.units:
+        for unit in self.units if early_paths or early_ptrs else ():
             unit.early = any(
                 tensor_paths[s] in early_paths or (locals_[s].device, self.ptrs[s]) in early_ptrs for s in unit.slots
             )
@@ -225,6 +236,9 @@ class _Plan:
             start = t.data_ptr()
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((start, start + extent, slot))
         for (_, base), items in by_storage.items():
+            if len(items) == 1:  # alone in its storage (most parameters): nothing to group
+                self._add_tensor_unit([items[0][2]], locals_[items[0][2]], paths)
+                continue
             items.sort()
             cluster, end = [], -1
             for start, stop, slot in items + [(None, None, None)]:
@@ -239,13 +253,13 @@ class _Plan:
     def _add_tensor_unit(self, slots, t, paths) -> None:
         key = ("tensor", paths[slots[0]], tuple(t.shape), t.dtype)
         nbytes = t.numel() * t.element_size()
-        expanded = any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+        expanded = not t.is_contiguous() and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
         self.units.append(_Unit("tensor", slots, key, nbytes, t.device, tuple(t.shape), t.dtype, expanded=expanded))
 
     def _add_cluster(self, slots, locals_, paths, base) -> None:
         first = locals_[slots[0]]
         layout = _layout_of(first)
-        if all(_layout_of(locals_[s]) == layout for s in slots):
+        if len(slots) == 1 or all(_layout_of(locals_[s]) == layout for s in slots[1:]):
             self._add_tensor_unit(slots, first, paths)  # tied: one copy, shared
             return
         # Overlapping views: copy the byte span that covers them, from an offset
@@ -271,7 +285,7 @@ class _BufferSet:
 
     Where the buffers come from: the first save into a set copies each batch with
     a fresh `copy_to_host` (no `out`), so the copy engine packs small tensors
-    into pooled blocks of up to 8 MiB, one DMA each; the set keeps that handle
+    into pooled blocks of up to _GROUP_BYTES, one DMA each; the set keeps that handle
     (a "part") and later saves pass it back as `out=`, which refills the same
     blocks with the same DMAs and returns the same host tensors. After a
     structure change a part whose tensors all remain is kept; tensors that remain
@@ -311,8 +325,8 @@ class _BufferSet:
         self.host_leaves: List[Any] = []  # per tensor slot: what the staged dict holds (alias views)
         self.handles: List[Any] = []  # the handles of the last save's copies
         self.watch: List[Any] = []  # the objects handed out; extra references to them mean a reader
-        self.ref_base: List[int] = []
-        self.use_base: List[int] = []
+        self.ref_base = 0  # sum of the watched objects' reference counts with no reader
+        self.use_base = 0  # sum of the alias storages' use counts with no reader
 
     @property
     def held_bytes(self) -> int:
@@ -323,18 +337,20 @@ class _BufferSet:
         for handle in self.handles:
             if not handle.ready():
                 return "its copy is still running"
-        if any(map(int.__gt__, map(sys.getrefcount, self.watch), self.ref_base)):
+        # Totals suffice: no count drops below its baseline while the stager holds
+        # what it held then, so any excess in the sum is an excess somewhere.
+        if sum(map(sys.getrefcount, self.watch)) > self.ref_base:
             return "the state dict staged into it is still referenced (an upload in progress?)"
-        if _use_count is not None and any(map(int.__gt__, self._alias_uses(), self.use_base)):
+        if _use_count is not None and self._alias_uses() > self.use_base:
             return "a view of its host buffers is still referenced"
         return None
 
-    def _alias_uses(self) -> List[int]:
-        return list(map(_use_count, self.alias_storages))
+    def _alias_uses(self) -> int:
+        return sum(map(_use_count, self.alias_storages))
 
     def mark_baseline(self) -> None:
         """Record the references this stager itself holds (call with no staged dict or reader alive)."""
-        self.ref_base = list(map(sys.getrefcount, self.watch))
+        self.ref_base = sum(map(sys.getrefcount, self.watch))
         if _use_count is not None:
             self.use_base = self._alias_uses()
 
@@ -342,7 +358,7 @@ class _BufferSet:
         self.plan = None
         self.buffers, self.parts, self.calls, self.blocks, self.aliases = {}, {}, [], {}, {}
         self.alias_storages = []
-        self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], [], []
+        self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], 0, 0
 
 
 def _private_alias(block: torch.Tensor) -> torch.Tensor:
@@ -373,9 +389,11 @@ def _reader_view(engine_side: torch.Tensor, blocks: dict, aliases: dict, old_blo
             block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
             alias = _private_alias(block)
         blocks[address], aliases[address] = block, alias
-    offset = engine_side.data_ptr() - address
-    piece = alias[offset : offset + _extent_bytes(engine_side)]
-    return piece.view(engine_side.dtype).as_strided(engine_side.shape, engine_side.stride())
+    # The engine's storage and the alias start at the same byte, so the element
+    # offset carries over; one set_ rather than slice, view and as_strided.
+    return torch.empty(0, dtype=engine_side.dtype).set_(
+        alias.untyped_storage(), engine_side.storage_offset(), engine_side.shape, engine_side.stride()
+    )
 
 
 class _HostCopy:
@@ -397,7 +415,7 @@ class _HostCopy:
         pass
 
 
-def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None) -> _HostCopy:
+def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_bytes=None) -> _HostCopy:
     """copy_to_host's contract for CPU sources: fresh (one pooled block) or into `out`."""
     fn = "offload.AsyncStager.stage"
     if out is None:
@@ -995,7 +1013,7 @@ class AsyncStager(_StagerProtocol):
                     raise
                 # Same shapes and dtypes, other strides: this part is copied afresh.
                 del buffer_set.parts[keys]
-        handle = copy(picked, out=None, pool=self._pool)
+        handle = copy(picked, out=None, pool=self._pool, group_bytes=_GROUP_BYTES)
         buffer_set.parts[keys] = handle
         buffer_set.buffers.update(zip(keys, handle.tensors))
         call[0], call[2] = "reuse", handle

@@ -198,7 +198,25 @@ def test_copy_rejects_a_wrong_destination(backend, device):
         offload.copy_to_host([torch.zeros(6, device=device)], out=handle)
 
 
+def test_copy_group_bytes_sets_tensors_per_dma(backend, device):
+    """Small tensors share one host block per packed group; group_bytes bounds a group."""
+    sources = [random_tensor((16 << 10,), torch.float32, device) for _ in range(32)]  # 64 KiB each, 2 MiB
+    blocks = {}
+    for group_bytes in (1 << 20, 8 << 20):
+        handle = offload.copy_to_host(sources, small_bytes=1 << 17, group_bytes=group_bytes)
+        hosts = handle.wait()
+        for src, host in zip(sources, hosts):
+            assert_bitwise(src, host)
+        blocks[group_bytes] = len({h.untyped_storage().data_ptr() for h in hosts})
+        refilled = offload.copy_to_host(sources, out=handle).wait()  # a handle keeps its groups
+        assert [h.data_ptr() for h in refilled] == [h.data_ptr() for h in hosts]
+    if backend == "native":  # the fallback moves each tensor by itself
+        assert blocks == {1 << 20: 2, 8 << 20: 1}
+
+
 def test_copy_rejects_bad_sizes(backend, device):
+    with pytest.raises(ValueError, match="group_bytes must be > 0"):
+        offload.copy_to_host([torch.zeros(2, device=device)], group_bytes=0)
     with pytest.raises(ValueError, match="chunk_bytes must be > 0"):
         offload.copy_to_host([torch.zeros(2, device=device)], chunk_bytes=0)
     with pytest.raises(ValueError, match="small_bytes must be >= 0"):

@@ -578,3 +578,40 @@ def test_staging_shape_changes_after_generated_code(backend, device):
         del staged
     assert [r["replanned"] for r in stager.metrics()] == [True, False, False, True, True, True, True, True]
     stager.close()
+
+
+Wide = collections.namedtuple("Wide", [f"f{i}" for i in range(9)])
+
+
+def test_staging_wide_containers_after_generated_code(backend, device):
+    """Containers of many leaves are taken apart by key slices; every change must still be seen."""
+    stager = offload.AsyncStager(ring_size=1)
+
+    def state(names, extra=()):
+        layer = {n: (torch.full((3,), float(i), device=device) if i % 3 else i) for i, n in enumerate(names)}
+        return {
+            "model": layer,
+            "list": [torch.full((2,), float(i), device=device) for i in range(10)] + list(extra),
+            "tuple": tuple(range(12)),
+            "wide": Wide(*[torch.ones(1, device=device) * i for i in range(9)]),
+        }
+
+    names = [f"layer{i}.weight" for i in range(20)]
+    reordered = dict(reversed(list(state(names)["model"].items())))
+    shapes = [
+        state(names),
+        state(names),
+        state(names),  # generated code from here on
+        {**state(names), "model": reordered},  # same keys, other order: values found by key
+        state(names[:-1] + ["renamed"]),  # a key renamed, same length
+        state(names, extra=[7]),  # a wide list grew
+        {**state(names), "model": {**state(names)["model"], names[3]: 3}},  # a tensor became an int
+        {**state(names), "wide": tuple(state(names)["wide"])},  # namedtuple became a tuple
+    ]
+    for s in shapes:
+        staged = stager.stage(s).result()
+        _assert_same(staged, _snapshot(s))
+        assert type(staged["wide"]) is type(s["wide"]) and type(staged["tuple"]) is tuple
+        del staged
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False, False, True, True, True, True]
+    stager.close()
