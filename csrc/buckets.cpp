@@ -97,11 +97,12 @@ void check_lists(const char* fn, const at::Tensor& bucket, const std::vector<at:
 
 }  // namespace
 
-void copy_spans(const std::vector<CopySpan>& spans, c10::Device device) {
+void copy_spans(const std::vector<CopySpan>& spans, c10::Device device, int64_t max_blocks) {
+  TORCH_CHECK_VALUE(max_blocks >= 0, "offload: max_blocks must be >= 0 (0: fill the device), got ", max_blocks);
   if (spans.empty()) return;
 #ifdef OFFLOAD_WITH_CUDA
   if (device.is_cuda()) {
-    copy_spans_cuda(spans, device);
+    copy_spans_cuda(spans, device, max_blocks);
     return;
   }
 #endif
@@ -115,7 +116,7 @@ namespace {
 // dtypes[i], at byte offsets[i] of the bucket.
 void pack_bucket(const at::Tensor& bucket, const std::vector<at::Tensor>& sources, const std::vector<int64_t>& starts,
                  const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
-                 const std::vector<c10::ScalarType>& dtypes) {
+                 const std::vector<c10::ScalarType>& dtypes, int64_t max_blocks) {
   check_lists("offload.pack_bucket", bucket, sources, starts, numels, offsets, dtypes, "sources");
   std::vector<CopySpan> spans;
   spans.reserve(sources.size());
@@ -127,14 +128,15 @@ void pack_bucket(const at::Tensor& bucket, const std::vector<at::Tensor>& source
     spans.push_back({src, base + offsets[i], numels[i], s.scalar_type(), dtypes[i]});
   }
   c10::OptionalDeviceGuard guard(bucket.device());
-  copy_spans(spans, bucket.device());
+  copy_spans(spans, bucket.device(), max_blocks);
 }
 
 // Reads numels[i] elements of dtype dtypes[i] at byte offsets[i] of the bucket
 // into destinations[i] from element starts[i] on, cast to its dtype.
 void unpack_bucket(const at::Tensor& bucket, const std::vector<at::Tensor>& destinations,
                    const std::vector<int64_t>& starts, const std::vector<int64_t>& numels,
-                   const std::vector<int64_t>& offsets, const std::vector<c10::ScalarType>& dtypes) {
+                   const std::vector<int64_t>& offsets, const std::vector<c10::ScalarType>& dtypes,
+                   int64_t max_blocks) {
   check_lists("offload.unpack_bucket", bucket, destinations, starts, numels, offsets, dtypes, "destinations");
   std::vector<CopySpan> spans;
   spans.reserve(destinations.size());
@@ -146,17 +148,17 @@ void unpack_bucket(const at::Tensor& bucket, const std::vector<at::Tensor>& dest
     spans.push_back({base + offsets[i], dst, numels[i], dtypes[i], d.scalar_type()});
   }
   c10::OptionalDeviceGuard guard(bucket.device());
-  copy_spans(spans, bucket.device());
+  copy_spans(spans, bucket.device(), max_blocks);
 }
 
 void bind_buckets(pybind11::module_& m) {
   // The GIL is released: a host-cache sender packs on its own thread while the trainer runs.
   m.def("pack_bucket", &pack_bucket, "Pack spans of many tensors into one uint8 bucket, casting on the way",
         pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("bucket"), pybind11::arg("sources"), pybind11::arg("starts"), pybind11::arg("numels"),
-        pybind11::arg("offsets"), pybind11::arg("dtypes"));
+        pybind11::arg("offsets"), pybind11::arg("dtypes"), pybind11::arg("max_blocks") = 0);
   m.def("unpack_bucket", &unpack_bucket, "Copy spans of a uint8 bucket into many tensors, casting on the way",
         pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("bucket"), pybind11::arg("destinations"), pybind11::arg("starts"), pybind11::arg("numels"),
-        pybind11::arg("offsets"), pybind11::arg("dtypes"));
+        pybind11::arg("offsets"), pybind11::arg("dtypes"), pybind11::arg("max_blocks") = 0);
 }
 
 }  // namespace

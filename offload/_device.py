@@ -72,6 +72,15 @@ def normalize_device(device=None) -> torch.device:
     return device
 
 
+def multiprocessor_count(device=None) -> int:
+    """Streaming multiprocessors (CUDA) or AI cores (Ascend) of `device`; 0 on the CPU or where torch does not say."""
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return 0
+    props = _module(device.type).get_device_properties(device)
+    return int(getattr(props, "multi_processor_count", 0) or 0)
+
+
 def device_name(device=None) -> str:
     device = normalize_device(device)
     if not is_accelerator(device):

@@ -374,23 +374,48 @@ def pack_into(data: torch.Tensor, sources: Sequence[torch.Tensor], entries: Sequ
     _copy_spans(data, sources, entries, pack=True)
 
 
+class BucketSpans:
+    """The arguments of one bucket's native copy, built once per plan and reused by every sync.
+
+    A weight sync packs the same plan again and again; only the tensors change.
+    `live` indexes the entries with elements (empty tensors are skipped).
+    """
+
+    __slots__ = ("entries", "live", "starts", "numels", "offsets", "dtypes")
+
+    def __init__(self, entries: Sequence[BucketEntry]):
+        self.entries = list(entries)
+        self.live = [i for i, e in enumerate(self.entries) if e.numel]
+        live = [self.entries[i] for i in self.live]
+        self.starts = [e.start for e in live]
+        self.numels = [e.numel for e in live]
+        self.offsets = [e.offset for e in live]
+        self.dtypes = [e.torch_dtype for e in live]
+
+
 def _copy_spans(data: torch.Tensor, tensors, entries, pack: bool) -> None:
-    """Bucket <- tensors (pack) or tensors <- bucket: one native call, or views and `_foreach_copy_`."""
-    live = [(t, e) for t, e in zip(tensors, entries) if e.numel]
+    copy_spans(data, tensors, BucketSpans(entries), pack)
+
+
+def copy_spans(data: torch.Tensor, tensors: Sequence[torch.Tensor], spans: BucketSpans, pack: bool,
+               max_blocks: int = 0) -> None:
+    """Bucket <- tensors (pack) or tensors <- bucket: one native call, or views and `_foreach_copy_`.
+
+    Unchecked: the caller has validated `tensors` against `spans.entries`.
+    `max_blocks` caps the blocks of each CUDA launch (0: fill the device).
+    """
+    if len(spans.live) != len(spans.entries):
+        tensors = [tensors[i] for i in spans.live]
     core = _backend.core()
     name = "pack_bucket" if pack else "unpack_bucket"
     if core is not None and hasattr(core, name):
-        getattr(core, name)(
-            data,
-            [t for t, _ in live],
-            [e.start for _, e in live],
-            [e.numel for _, e in live],
-            [e.offset for _, e in live],
-            [e.torch_dtype for _, e in live],
-        )
+        args = (data, list(tensors), spans.starts, spans.numels, spans.offsets, spans.dtypes)
+        # Passed only when set, so a core built before the argument existed still loads.
+        getattr(core, name)(*args, **({"max_blocks": int(max_blocks)} if max_blocks else {}))
         return
-    in_bucket = [_typed_view(data, e) for _, e in live]
-    in_tensors = [t.reshape(-1)[e.start : e.start + e.numel] for t, e in live]
+    live = [spans.entries[i] for i in spans.live]
+    in_bucket = [_typed_view(data, e) for e in live]
+    in_tensors = [t.reshape(-1)[e.start : e.start + e.numel] for t, e in zip(tensors, live)]
     if pack:
         _foreach_copy(in_bucket, in_tensors)
     else:

@@ -13,9 +13,25 @@ Pipelining: two bucket buffers on each side. The sender packs bucket k+1 on the
 current stream while bucket k is on the wire (the collective runs on the process
 group's own stream, which waits for the pack it needs); before packing bucket k+2
 into the buffer of k, the current stream waits for k's broadcast (`work.wait()` on
-NCCL is a device-side wait). The receiver posts the broadcast of k+1 before it
-hands out bucket k. No device-wide synchronize anywhere; `send()` and the end of
-`receive()` wait (host) only for their own last broadcast, to read the timings.
+NCCL is a device-side wait). The receiver posts the broadcasts of buckets 0 and 1
+as soon as the plan is known (before it checks the destinations), and that of
+k+2 once bucket k has been handed out. No device-wide synchronize anywhere;
+`send()` and the end of `receive()` wait (host) only for their own last
+broadcast, to read the timings.
+
+Sharing the device with the collective: the pack (and unpack) kernels of bucket
+k+2 become ready at the instant bucket k's broadcast ends, which is when the
+broadcast of k+1 launches. Launched as usual they would hold every SM (their
+blocks are persistent) and the broadcast would wait for the whole pack: pack and
+wire serialized, about 25% lost on NVLink. So on CUDA they launch at most one
+block per SM on all but `reserve_sms` SMs, leaving whole SMs to the collective
+(NCCL's blocks need most of an SM's registers each). One block per SM still
+packs several times faster than NVLink moves the bucket.
+
+Buckets default to at most `DEFAULT_SYNC_BUCKET_BYTES` (less where free memory
+is short, `offload.default_bucket_bytes`): the first pack and the last unpack are
+not overlapped with the wire, so a smaller bucket fills and drains the pipeline
+sooner; above a few hundred MiB a broadcast gains nothing in bandwidth.
 
 Modes (sender):
 - ``"device"`` (default): pack straight from the training parameters.
@@ -25,7 +41,12 @@ Modes (sender):
   this or another thread) packs from the snapshot on the host and broadcasts it.
   Call `wait_snapshot()` (a device-side wait) before changing the parameters in
   place, e.g. before `optimizer.step()`. The `keep_versions` latest snapshots are
-  kept; the oldest one's host buffers are reused for the next.
+  kept; the oldest one's host buffers are reused for the next. A snapshot queues
+  work only on the copy stream; the trainer's stream is never made to wait except
+  by `wait_snapshot()`. Sends from a snapshot run on a stream of the sender's own,
+  so their uploads and packs never enter the trainer's stream either. With FSDP2
+  sources every rank calls `snapshot()` (the gathers are collective); only `src`
+  keeps a host copy.
 
 FSDP2 / DTensor sources are gathered with `full_tensor()` one tensor at a time as
 their bucket is packed, never the whole model at once. Every rank of the FSDP mesh
@@ -56,17 +77,24 @@ from ._phases import PhaseTimer
 from ._pool import HostPool, default_host_pool
 from .buckets import (
     DEFAULT_ALIGNMENT,
-    BucketEntry,
     BucketPlan,
+    BucketSpans,
     check_destination,
-    load_into,
-    pack_into,
+    copy_spans,
+    default_bucket_bytes,
     plan_buckets,
 )
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 MODES = ("device", "host_cache")
 _DEVICE_BACKENDS = ("nccl", "hccl")
+# See the module docstring: the pipeline fills with one pack and drains with one
+# unpack, each a bucket's worth; 256 MiB costs about 0.3 ms of each on an H100.
+DEFAULT_SYNC_BUCKET_BYTES = 256 << 20
+# SMs left free for the collective while a bucket is packed or unpacked beside it.
+# NCCL runs one block per channel and uses at most 32 channels within a node by
+# default (NCCL_MAX_NCHANNELS); a block needs most of an SM's register file.
+DEFAULT_RESERVE_SMS = 32
 
 
 def _resolve_group(fn: str, group, ranks, backend):
@@ -113,6 +141,33 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
 
 
+def _copy_blocks(fn: str, device: torch.device, reserve_sms) -> int:
+    """`max_blocks` for the pack/unpack kernels that run beside a collective (0: no cap)."""
+    if isinstance(reserve_sms, bool) or not isinstance(reserve_sms, int) or reserve_sms < 0:
+        raise ValueError(f"{fn}: reserve_sms must be an int >= 0, got {reserve_sms!r}")
+    sms = _device.multiprocessor_count(device) if device.type == "cuda" else 0
+    if not sms or not reserve_sms:
+        return 0
+    return max(1, sms - reserve_sms)  # one persistent block per SM on the others
+
+
+def _bucket_spans(plan: BucketPlan) -> List[BucketSpans]:
+    per_bucket: List[list] = [[] for _ in range(plan.num_buckets)]
+    for e in plan.entries:
+        per_bucket[e.bucket].append(e)
+    return [BucketSpans(entries) for entries in per_bucket]
+
+
+def _check_source(fn: str, name: str, t: torch.Tensor, device: torch.device, backend) -> None:
+    if t.device != device:
+        raise ValueError(f"{fn}: tensor {name!r} is on {t.device} but this group's backend ({backend}) sends from "
+                         f"{device}")
+    if t.is_sparse or t.layout != torch.strided or not t.is_contiguous():
+        raise ValueError(f"{fn}: tensor {name!r} must be a contiguous strided tensor (layout {t.layout}, shape "
+                         f"{list(t.shape)}, stride {list(t.stride()) if t.layout == torch.strided else None}); "
+                         "pass t.contiguous()")
+
+
 class _Buffers:
     """Two bucket buffers, grown (never shrunk) to the largest bucket of a sync."""
 
@@ -134,7 +189,7 @@ class _Snapshot:
     def __init__(self, version: int, names: List[str], handle, done_event, start_event, host_seconds: float):
         self.version = version
         self.names = names
-        self.handle = handle  # CopyHandle of the device-to-host copy
+        self.handle = handle  # CopyHandle of the device-to-host copy; None on ranks other than src
         self.done_event = done_event  # completes with the copy (accelerators), None on the CPU
         self.start_event = start_event
         self.host_seconds = host_seconds
@@ -164,6 +219,8 @@ class WeightSender:
         mode: "device" or "host_cache" (see the module docstring).
         keep_versions: host snapshots kept in "host_cache" mode.
         pool: host pool for snapshots and host buckets.
+        reserve_sms: SMs the pack kernels leave to the collective (CUDA; see the
+            module docstring); 0 lets a pack take the whole device.
     """
 
     def __init__(
@@ -180,6 +237,7 @@ class WeightSender:
         mode: str = "device",
         keep_versions: int = 2,
         pool: Optional[HostPool] = None,
+        reserve_sms: int = DEFAULT_RESERVE_SMS,
     ):
         fn = "offload.WeightSender"
         if mode not in MODES:
@@ -191,7 +249,11 @@ class WeightSender:
         self.mode = mode
         self.keep_versions = keep_versions
         self.device = _transport_device(self.group)
+        if bucket_bytes is None:
+            bucket_bytes = min(default_bucket_bytes(self.device), DEFAULT_SYNC_BUCKET_BYTES)
         self.bucket_bytes = bucket_bytes
+        self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
+        self._backend = dist.get_backend(self.group)
         self.dtype = dtype
         self.keep_dtype = keep_dtype
         self.alignment = alignment
@@ -203,8 +265,11 @@ class WeightSender:
         self._next_version = 0
         self._signature = None  # names, shapes, dtypes of the last plan sent on this group
         self._cached_plan: Optional[BucketPlan] = None
+        self._cached_spans: List[BucketSpans] = []
         self._plan_id = 0
         self._lock = threading.Lock()  # snapshot() on the trainer thread, send() on another
+        self._marker_stream = None  # waits for each snapshot's copy, to time it (accelerators)
+        self._send_stream = None  # host_cache sends run here, never on the trainer's stream
 
     @property
     def pool(self) -> HostPool:
@@ -221,6 +286,14 @@ class WeightSender:
         names = [n for n, _ in items]
         tensors = [t for _, t in items]
         device = tensors[0].device if tensors else _device.current_device()
+        if not self.is_src:  # an FSDP peer: it took part in the gathers; only src keeps a copy
+            with self._lock:
+                version = self._next_version if version is None else version
+                self._next_version = max(self._next_version, version + 1)
+                self._snapshots[version] = _Snapshot(version, names, None, None, None, 0.0)
+                while len(self._snapshots) > self.keep_versions:
+                    self._snapshots.popitem(last=False)
+            return version
         with self._lock:
             if version is None:
                 version = self._next_version
@@ -244,10 +317,11 @@ class WeightSender:
         if start is not None:
             # A private stream waits for the copy, so the end event marks its completion
             # without the current (training) stream waiting for anything.
-            marker = _device.new_stream(device)
-            handle.wait_stream(marker)
+            if self._marker_stream is None or self._marker_stream.device != device:
+                self._marker_stream = _device.new_stream(device)
+            handle.wait_stream(self._marker_stream)
             done = _device.new_event(device, timing=True)
-            done.record(marker)
+            done.record(self._marker_stream)
         host_seconds = time.perf_counter() - t0 if start is None else 0.0
         snap = _Snapshot(version, names, handle, done, start, host_seconds)
         with self._lock:
@@ -256,7 +330,14 @@ class WeightSender:
 
     def wait_snapshot(self, version: Optional[int] = None, stream=None) -> None:
         """Make `stream` (default: current) wait, on the device, until the snapshot's copy has read the weights."""
-        self._get_snapshot("offload.WeightSender.wait_snapshot", version).handle.wait_stream(stream)
+        snap = self._get_snapshot("offload.WeightSender.wait_snapshot", version)
+        if snap.handle is not None:
+            snap.handle.wait_stream(stream)
+
+    def snapshot_ms(self, version: Optional[int] = None) -> float:
+        """Device time of the snapshot's copy to host (events on the copy stream); waits (host) for the copy."""
+        snap = self._get_snapshot("offload.WeightSender.snapshot_ms", version)
+        return 0.0 if snap.handle is None else snap.copy_ms()
 
     @property
     def versions(self) -> List[int]:
@@ -301,12 +382,12 @@ class WeightSender:
 
     def _plan(self, items) -> Tuple[BucketPlan, int, bool]:
         """The plan for these tensors (cached on their names, shapes and dtypes), its id, and whether it is new."""
-        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in items)
+        signature = [(n, t.shape, t.dtype) for n, t in items]
         if signature == self._signature:
             return self._cached_plan, self._plan_id, False
         plan = plan_buckets(items, self.bucket_bytes, dtype=self.dtype, keep_dtype=self.keep_dtype,
                             alignment=self.alignment, device=self.device)
-        self._signature, self._cached_plan = signature, plan
+        self._signature, self._cached_plan, self._cached_spans = signature, plan, _bucket_spans(plan)
         self._plan_id = random.getrandbits(62) + 1  # names this plan for receivers, whichever sender made it
         return plan, self._plan_id, True
 
@@ -325,7 +406,13 @@ class WeightSender:
                 return PhaseTimer(torch.device("cpu"), PHASES).result(bytes=0, buckets=0, version=snap.version)
             tensors = snap.tensors()  # host wait for the device-to-host copy
             items = list(zip(snap.names, tensors))
-            return self._send_items(fn, items, snap.version, torch.device("cpu"), host_copy_ms=snap.copy_ms())
+            if _device.is_accelerator(self.device) and self._send_stream is None:
+                self._send_stream = _device.new_stream(self.device)
+            # The uploads, the flag and the broadcasts are queued on the sender's own
+            # stream (which also owns the bucket buffers): a send from another thread
+            # never puts work in the trainer's stream.
+            with _device.stream_context(self._send_stream):
+                return self._send_items(fn, items, snap.version, torch.device("cpu"), host_copy_ms=snap.copy_ms())
         finally:
             with self._lock:
                 snap.readers -= 1
@@ -343,15 +430,13 @@ class WeightSender:
         if fresh:
             dist.broadcast_object_list([plan.to_dict()], src=self.src, group=self.group,
                                        device=_object_device(self.group))
-        per_bucket: List[List[BucketEntry]] = [[] for _ in range(plan.num_buckets)]
-        for e in plan.entries:
-            per_bucket[e.bucket].append(e)
         tensors = dict(items)
         staged = pack_device != self.device  # host snapshot sent over NCCL: pack on the host, then copy up
         works: List = [None, None]
         uploads: List = [None, None]  # events: host bucket slot free again (its upload has completed)
         gathered: Dict[str, torch.Tensor] = {}
-        for k, entries in enumerate(per_bucket):
+        for k, spans in enumerate(self._cached_spans):
+            entries = spans.entries
             slot = k % 2
             size = plan.bucket_sizes[k]
             if works[slot] is not None:
@@ -370,16 +455,14 @@ class WeightSender:
                     elif e.chunk + 1 == e.num_chunks:
                         del gathered[e.name]
                     sources.append(src)
-            for e, s in zip(entries, sources):
-                if s.device != pack_device:
-                    raise ValueError(f"{fn}: tensor {e.name!r} is on {s.device} but this group's backend "
-                                     f"({dist.get_backend(self.group)}) sends from {pack_device}")
+            for e, s in zip(entries, sources):  # the plan checked names, shapes and dtypes
+                _check_source(fn, e.name, s, pack_device, self._backend)
             if staged:
                 if uploads[slot] is not None:
                     uploads[slot].synchronize()  # the host writes this slot next
                 host = self._host_buffers.get(slot, size, torch.device("cpu"), self.pool)
                 with timer.phase("pack"):
-                    pack_into(host, sources, entries, fn)
+                    copy_spans(host, sources, spans, pack=True)
                 data = self._buffers.get(slot, size, self.device)
                 with timer.phase("host_copy"):
                     data.copy_(host, non_blocking=True)
@@ -388,7 +471,7 @@ class WeightSender:
             else:
                 data = self._buffers.get(slot, size, self.device)
                 with timer.phase("pack"):
-                    pack_into(data, sources, entries, fn)
+                    copy_spans(data, sources, spans, pack=True, max_blocks=self._max_blocks)
             if k == 0:
                 timer.mark_span("transfer")
             with _device.nvtx_range(f"offload.weight_sync.bucket{k}"):
@@ -411,19 +494,23 @@ class WeightReceiver:
 
     Args:
         group / ranks / src: as for `WeightSender` (the same group, the sender's rank).
+        reserve_sms: SMs the unpack kernels of `load()` leave to the collective (CUDA).
     """
 
-    def __init__(self, group=None, *, src: int = 0, ranks=None, backend: Optional[str] = None):
+    def __init__(self, group=None, *, src: int = 0, ranks=None, backend: Optional[str] = None,
+                 reserve_sms: int = DEFAULT_RESERVE_SMS):
         fn = "offload.WeightReceiver"
         self.group = _resolve_group(fn, group, ranks, backend)
         self.src = int(src)
         self.device = _transport_device(self.group)
+        self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
         self._buffers = _Buffers()
         self.version: Optional[int] = None
         self.timings: dict = {}
-        self._plans: Dict[int, BucketPlan] = {}  # plans seen, by id; a sender resends only a changed plan
+        # Plans seen, by id, with their per-bucket spans; a sender resends only a changed plan.
+        self._plans: Dict[int, Tuple[BucketPlan, List[BucketSpans]]] = {}
 
-    def _header(self) -> Tuple[BucketPlan, int]:
+    def _header(self) -> Tuple[BucketPlan, List[BucketSpans], int]:
         flag = torch.empty(3, dtype=torch.int64, device=self.device)
         dist.broadcast(flag, src=self.src, group=self.group)
         version, plan_id, fresh = (int(v) for v in flag.tolist())
@@ -433,40 +520,46 @@ class WeightReceiver:
             if not isinstance(box[0], dict) or "entries" not in box[0]:
                 raise RuntimeError(f"offload.WeightReceiver: expected a bucket plan from rank {self.src}, "
                                    f"got {type(box[0]).__name__}")
-            self._plans[plan_id] = BucketPlan.from_dict(box[0])
+            plan = BucketPlan.from_dict(box[0])
+            self._plans[plan_id] = (plan, _bucket_spans(plan))
             while len(self._plans) > 8:  # a few senders may share a group; keep their recent plans
                 self._plans.pop(next(iter(self._plans)))
         elif plan_id not in self._plans:
             raise RuntimeError(f"offload.WeightReceiver: rank {self.src} refers to plan {plan_id}, which this "
                                "receiver never received; was it created after the sender's first sync?")
         self.version = version
-        return self._plans[plan_id], version
+        plan, spans = self._plans[plan_id]
+        return plan, spans, version
 
-    def _buckets(self, plan: BucketPlan, timer: PhaseTimer) -> Iterator[Tuple[torch.Tensor, List[BucketEntry]]]:
-        """Each received bucket with its entries; bucket k+1 is posted before k is handed out."""
-        per_bucket: List[List[BucketEntry]] = [[] for _ in range(plan.num_buckets)]
-        for e in plan.entries:
-            per_bucket[e.bucket].append(e)
+    def _buckets(self, plan: BucketPlan, spans: List[BucketSpans],
+                 timer: PhaseTimer) -> Iterator[Tuple[torch.Tensor, BucketSpans]]:
+        """Posts the broadcasts of buckets 0 and 1 now, then iterates (bucket, spans); k+2 is posted after k."""
         works: List = [None, None]
         datas: List = [None, None]
+        n = plan.num_buckets
 
         def post(k):
             slot = k % 2
             datas[slot] = self._buffers.get(slot, plan.bucket_sizes[k], self.device)
             works[slot] = dist.broadcast(datas[slot], src=self.src, group=self.group, async_op=True)
 
-        if plan.num_buckets:
+        if n:
             timer.mark_span("transfer")
-            post(0)
-        for k in range(plan.num_buckets):
-            if k + 1 < plan.num_buckets:
-                # The slot of k+1 last held k-1, which the consumer is done with: it
-                # asked for bucket k. On NCCL the broadcast also waits for the
-                # consumer's copies already queued on the current stream.
-                post(k + 1)
-            works[k % 2].wait()
-            yield datas[k % 2], per_bucket[k]
-        timer.mark_span("transfer")
+        for k in range(min(2, n)):
+            post(k)
+
+        def handout():
+            for k in range(n):
+                works[k % 2].wait()
+                yield datas[k % 2], spans[k]
+                if k + 2 < n:
+                    # The consumer asked for more after bucket k: it is done with k's
+                    # buffer. On NCCL the broadcast also waits for the consumer's
+                    # copies already queued on the current stream.
+                    post(k + 2)
+            timer.mark_span("transfer")
+
+        return handout()
 
     def receive(self, copy: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
         """Yield (name, tensor) pairs as they arrive, for `model.load_weights(receiver.receive())`.
@@ -476,11 +569,11 @@ class WeightReceiver:
         `copy=True`; tensors split across buckets are assembled into new tensors.
         Timings are in `self.timings` once the generator is exhausted.
         """
-        plan, version = self._header()
+        plan, spans, version = self._header()
         timer = PhaseTimer(self.device, PHASES)
         partial: Dict[str, torch.Tensor] = {}
-        for data, entries in self._buckets(plan, timer):
-            for e in entries:
+        for data, bucket in self._buckets(plan, spans, timer):
+            for e in bucket.entries:
                 view = data[e.offset : e.offset + e.nbytes].view(e.torch_dtype)
                 if e.num_chunks == 1:
                     tensor = view.view(e.shape)
@@ -511,7 +604,10 @@ class WeightReceiver:
             dsts = {n: t.detach() for n, t in target.items()}
         else:
             raise TypeError(f"{fn}: target must be a module or a mapping name -> tensor, got {type(target).__name__}")
-        plan, version = self._header()
+        plan, spans, version = self._header()
+        timer = PhaseTimer(self.device, PHASES)
+        # The first two buckets are on their way while the destinations are checked.
+        buckets = self._buckets(plan, spans, timer)
         error = None
         try:
             sent = set()
@@ -524,14 +620,14 @@ class WeightReceiver:
             if strict and missing:
                 raise ValueError(f"{fn}: the target's tensor {missing[0]!r} was not sent ({len(missing)} missing); "
                                  "pass strict=False to allow it")
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # still drain the buckets: the sender is not left hanging
             error = exc
-        timer = PhaseTimer(self.device, PHASES)
         with torch.no_grad():
-            for data, entries in self._buckets(plan, timer):
-                if error is None:
+            for data, bucket in buckets:
+                if error is None:  # destinations checked above, once per sync
                     with timer.phase("unpack"):
-                        load_into(data, [dsts[e.name] for e in entries], entries, fn)
+                        copy_spans(data, [dsts[e.name] for e in bucket.entries], bucket, pack=False,
+                                   max_blocks=self._max_blocks)
         if error is not None:
             raise error
         self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)

@@ -1,6 +1,5 @@
 """Parameter offload: memory really released, bitwise identical after reload, training goes on identically."""
 
-import socket
 import traceback
 
 import pytest
@@ -100,13 +99,13 @@ def test_param_offload_bad_calls_raise(device):
 # ---------------------------------------------------------------- FSDP2 on two GPUs
 
 
-def _fsdp2_worker(rank, port, failures):
+def _fsdp2_worker(rank, init_method, failures):
     try:
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
         _device._module("cuda").set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=2)
         device = _device.current_device()
         model, ref = _model(device), _model(device)
         for m in (model, ref):
@@ -133,19 +132,23 @@ def _fsdp2_worker(rank, port, failures):
 
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
-def test_param_offload_fsdp2_two_gpus():
+def test_param_offload_fsdp2_two_gpus(tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # Rendezvous through a file in the test's own folder: a TCP port picked free
+    # here (bind to 0, close) can be taken by another process before rank 0 binds it.
+    init_method = f"file://{tmp_path}/rdzv"
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_fsdp2_worker, args=(r, port, failures)) for r in range(2)]
+    procs = [ctx.Process(target=_fsdp2_worker, args=(r, init_method, failures)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=240)
+    for p in procs:  # a rank left hanging must not outlive the test
+        if p.is_alive():
+            p.kill()
+            p.join()
     errors = []
     while not failures.empty():
         errors.append(failures.get())

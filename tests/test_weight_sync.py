@@ -198,6 +198,61 @@ def _scenario_bad_receiver(rank, device):
     _assert_equal(_sd(wrong), _sd(model), "after errors")
 
 
+def _shard(model, device):
+    """FSDP2 over both ranks: every decoder layer, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train_step_sharded(model, step: int) -> None:
+    """`_train_step` on DTensor parameters: the same full-size deltas, each rank adding its shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    gen = torch.Generator().manual_seed(100 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            delta = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+            p.add_(distribute_tensor(delta, p.device_mesh, p.placements))
+
+
+def _scenario_fsdp2_host_cache(rank, device):
+    """FSDP2-sharded trainer on both ranks: every rank snapshots (the gathers are collective), rank 0 sends,
+    rank 1 receives into a plain model and matches an unsharded replica bit for bit, sync after sync."""
+    model = _shard(_llama(0, device), device)
+    sender = offload.WeightSender(src=SRC, bucket_bytes=32 << 10, mode="host_cache", dtype=torch.bfloat16,
+                                  keep_dtype=["*norm.weight"])
+    assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+    if rank == SRC:
+        for step in range(3):
+            _train_step_sharded(model, step)
+            v = sender.snapshot(model)
+            sender.wait_snapshot(v)
+            t = sender.send(version=v)
+            assert t["version"] == step and t["buckets"] > 3 and t["host_copy_ms"] > 0
+        return
+    receiver = offload.WeightReceiver(src=SRC)
+    replica = _llama(0, device)
+    mine = _llama(1, device).to(torch.bfloat16)
+    for name, mod in mine.named_modules():
+        if name.endswith("norm"):
+            mod.weight.data = mod.weight.data.float()
+    for step in range(3):
+        _train_step_sharded(model, step)
+        v = sender.snapshot(model)  # gathers only: rank 1 keeps no host copy
+        assert sender.send(version=v)["bytes"] == 0
+        receiver.load(mine)
+        assert receiver.version == step
+        _train_step(replica, step)
+        want = {n: (t if n.endswith("norm.weight") else t.to(torch.bfloat16)) for n, t in _sd(replica).items()}
+        _assert_equal(_sd(mine), want, f"FSDP2 sync {step}")
+
+
 @pytest.mark.slow
 def test_weight_sync_gloo_device_mode_consecutive_syncs():
     _spawn(_scenario_syncs)
@@ -223,6 +278,19 @@ def test_weight_sync_needs_initialized_group():
         offload.WeightSender()
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         offload.WeightReceiver()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(offload._device.accelerator_type() is not None,
+                    reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
+def test_weight_sync_gloo_fsdp2_host_cache():
+    _spawn(_scenario_fsdp2_host_cache)
+
+
+@pytest.mark.cuda
+@pytest.mark.multi_gpu
+def test_weight_sync_nccl_fsdp2_host_cache():
+    _spawn(_scenario_fsdp2_host_cache, "cuda")
 
 
 @pytest.mark.cuda

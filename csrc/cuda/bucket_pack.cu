@@ -211,11 +211,15 @@ int multiprocessors(c10::DeviceIndex index) {
 
 }  // namespace
 
-void copy_spans_cuda(const std::vector<CopySpan>& spans, c10::Device device) {
+void copy_spans_cuda(const std::vector<CopySpan>& spans, c10::Device device, int64_t max_blocks_arg) {
   c10::cuda::CUDAGuard guard(device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  // Enough resident blocks to keep every SM's load units busy; the rest loop.
-  const int max_blocks = multiprocessors(device.index()) * 8;
+  // Default: enough resident blocks to keep every SM's load units busy; the rest
+  // loop. The blocks are persistent (grid-stride), so a kernel launched beside
+  // this one (a collective) finds no SM free until the last block exits; a
+  // caller that runs beside a collective passes fewer blocks than SMs instead.
+  const int max_blocks = max_blocks_arg > 0 ? static_cast<int>(std::min<int64_t>(max_blocks_arg, 1 << 20))
+                                            : multiprocessors(device.index()) * 8;
   std::vector<CopySpan> bytes;
   std::map<std::pair<int, int>, std::vector<CopySpan>> casts;
   for (const CopySpan& span : spans) {

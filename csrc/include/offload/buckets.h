@@ -25,11 +25,13 @@ bool castable(c10::ScalarType dtype);
 
 // Copies every span; on the CPU with at::parallel_for, on CUDA as one kernel launch
 // per (source dtype, destination dtype) pair and per table of spans, on the
-// current stream of `device`.
-void copy_spans(const std::vector<CopySpan>& spans, c10::Device device);
+// current stream of `device`. `max_blocks` caps the blocks of each CUDA launch (0:
+// enough to fill every SM); a weight sync passes fewer than the SM count so the
+// pack leaves whole SMs free for the collective running beside it.
+void copy_spans(const std::vector<CopySpan>& spans, c10::Device device, int64_t max_blocks = 0);
 
 #ifdef OFFLOAD_WITH_CUDA
-void copy_spans_cuda(const std::vector<CopySpan>& spans, c10::Device device);
+void copy_spans_cuda(const std::vector<CopySpan>& spans, c10::Device device, int64_t max_blocks);
 #endif
 
 }  // namespace offload
