@@ -472,9 +472,13 @@ class CopyEngine {
       }
       sync_caller_work();
       const int slot = packed_groups_ % kSlots;
-      if (!slots_[slot].defined()) {
-        // Allocated on the copy stream (current here), written on the pack stream.
-        slots_[slot] = at::empty({group_limit(options_)}, at::TensorOptions().dtype(at::kByte).device(device_));
+      // A handle's groups (out=<handle>) may have been made with a larger
+      // group_bytes than this call's: a slot grows to the group it must hold.
+      if (!slots_[slot].defined() || slots_[slot].numel() < group.bytes) {
+        // Allocated on the copy stream (current here), written on the pack stream;
+        // a slot replaced here stays reserved for both streams' queued work.
+        const int64_t bytes = std::max(group_limit(options_), group.bytes);
+        slots_[slot] = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
         slots_[slot].record_stream(*pack_);
       }
       if (packed_groups_ >= kSlots) r_.events_[slot_events_[slot]].block(*pack_);  // the DMA that read it

@@ -215,6 +215,19 @@ def test_copy_group_bytes_sets_tensors_per_dma(backend, device):
         assert blocks == {1 << 20: 4, 8 << 20: 3}  # 1+1+1+1 MiB; 1+2 MiB and the last 1 MiB
 
 
+def test_copy_handle_with_larger_groups_refills(backend, device):
+    """A handle made with group_bytes above the default keeps its groups when
+    refilled by a call with the default: each packed group still fits its staging."""
+    sources = [random_tensor((64 << 10,), torch.float32, device) for _ in range(96)]  # 256 KiB each, 24 MiB
+    handle = offload.copy_to_host(sources, group_bytes=32 << 20)
+    handle.wait()
+    for src in sources:
+        src.add_(1)
+    refilled = offload.copy_to_host(sources, out=handle).wait()
+    for src, host in zip(sources, refilled):
+        assert_bitwise(src, host)
+
+
 def test_copy_rejects_bad_sizes(backend, device):
     with pytest.raises(ValueError, match="group_bytes must be > 0"):
         offload.copy_to_host([torch.zeros(2, device=device)], group_bytes=0)
