@@ -261,13 +261,25 @@ class ActivationEngine:
         """Context: saved tensors in it are hooked; `params` are never offloaded."""
         return _Capture(self, params)
 
+    def _start_step_after_backward(self) -> None:
+        if self._backward_seen:  # a new step
+            self._resolve_timing(block=False)
+            self._step += 1
+            self._counters = self._new_counters()
+            self._backward_seen = False
+
+    def pass_through_step(self) -> None:
+        """A training forward run without hooks (auto mode offloading nothing) is a step of its own.
+
+        Its backward unpacks nothing here, so the step is counted as ended at once: the next
+        forward, hooked or not, starts a new one (counters of zero for this one).
+        """
+        self._start_step_after_backward()
+        self._backward_seen = True
+
     def _enter(self, params) -> None:
         if self._capturing == 0:
-            if self._backward_seen:  # a new step
-                self._resolve_timing(block=False)
-                self._step += 1
-                self._counters = self._new_counters()
-                self._backward_seen = False
+            self._start_step_after_backward()
             self._poll()
             self._param_ptrs = _storage_ptrs(params)
             self._last_offloaded = None
@@ -679,6 +691,11 @@ class ActivationOffload:
                 return original(*args, **kwargs)
             if self._auto is not None:
                 self._auto.before_forward(args, kwargs)
+                if engine.observer is None and not any(self._offload):
+                    # The plan offloads nothing: run exactly as without offload (no hooks, whose
+                    # per-tensor cost would otherwise be the only overhead left).
+                    engine.pass_through_step()
+                    return original(*args, **kwargs)
             params = list(self.model.parameters()) + list(self.model.buffers())
             with engine.capture(params):
                 return original(*args, **kwargs)
@@ -780,7 +797,8 @@ def enable_activation_offload(
         mode: 'async' (copies overlapped with compute, `resident_groups` layers on the device),
             'sync' (each layer's copies waited for; for debugging and comparison) or 'auto'
             (measures the first steps, then offloads only the layers whose copies hide under
-            compute, or as few as meet `memory_budget_bytes`).
+            compute, checked against timed steps without offload and backed off while the
+            plan costs over 3%; or as few layers as meet `memory_budget_bytes`).
         layers: names (or modules) of the layers to group by; default: FSDP units, else the
             elements of the model's repeated `nn.ModuleList`.
         min_tensor_bytes: saved tensors smaller than this stay on the device.

@@ -513,6 +513,80 @@ def test_activation_planner_hides_copies():
     assert sum(mask_budget) == n - 1 - 2 and exposed_budget > 0
 
 
+def test_activation_step_search_bisects_to_the_largest_within_tolerance():
+    from offload._activation_plan import StepSearch
+
+    def run(model_k, overhead_per_layer):
+        search, probes = StepSearch(model_k, tolerance=0.03), []
+        while search.probe is not None:
+            probes.append(search.probe)
+            search.record(search.probe, 100.0 * (1 + overhead_per_layer * search.probe))
+        return search.final, probes
+
+    assert run(6, 0.001) == (6, [6, 0])  # the model's choice holds: checked once, kept
+    assert run(6, 0.01) == (3, [6, 0, 3, 4])  # 3% allows 3 layers
+    assert run(6, 0.5) == (0, [6, 0, 3, 1])  # nothing hides: offload nothing
+    assert run(0, 0.5) == (0, [])  # nothing to check
+    with pytest.raises(RuntimeError, match="while probing"):
+        StepSearch(4).record(2, 1.0)
+
+
+def test_activation_ranking_prefix_is_the_models_choice():
+    from offload._activation_plan import choose, ranking
+
+    n = 8
+    nbytes, fwd, bwd = [100.0 + i for i in range(n)], [1.0] * n, [2.0] * n
+    eligible = [True] * (n - 1) + [False]
+    mask, _, _ = choose(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2)
+    order = ranking(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2)
+    assert sorted(order) == list(range(n - 1))
+    assert set(order[: sum(mask)]) == {i for i, m in enumerate(mask) if m}
+
+
+class _StepClock:
+    """Stands in for the planner's clock once the plan exists: a step takes 1 s plus
+    `overhead` s per offloaded layer (what the probes read), whatever the host does."""
+
+    def __init__(self, handle, overhead):
+        self.handle, self.overhead = handle, overhead
+
+    def mark(self):
+        return None
+
+    def seconds(self, a, b):
+        return 1.0 + self.overhead * sum(self.handle._offload)
+
+
+@pytest.mark.parametrize("overhead", [0.02, 1.0])
+def test_activation_auto_backs_off_on_measured_steps(overhead, pool, capsys):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    for step in range(20):
+        if step == 3:  # the plan was made at the start of step 2 (two measured steps)
+            plan = handle.plan
+            assert plan["tuning"]["checked"] and not plan["tuning"]["settled"]
+            model_k = plan["tuning"]["model_layers"]
+            handle._auto.clock = _StepClock(handle, overhead)
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+    plan = handle.plan
+    # 3% tolerance: 2% per layer allows one layer, 100% none.
+    expected = min(model_k, 1) if overhead < 0.03 else 0
+    assert plan["tuning"]["settled"] and sum(plan["mask"]) == expected, plan
+    assert plan["tuning"]["step_ms"]["0"] == 1000.0
+    assert plan["offload"] == [n for n, m in zip(handle.layers, plan["mask"]) if m]
+    assert "settled on" in capsys.readouterr().out
+    stats = handle.stats()
+    assert stats["groups_offloaded"] == expected
+    if expected == 0:
+        assert stats["tensors_kept"] == 0  # no hooks at all: a step exactly as without offload
+    handle.disable()
+
+
 def test_activation_bad_arguments(pool):
     with pytest.raises(ValueError, match="no submodules and no parameters"):
         offload.enable_activation_offload(nn.Module())
