@@ -7,6 +7,7 @@ synchronous), restores, prefetch bookkeeping, the auto planner. GPU-only propert
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -511,6 +512,38 @@ def test_activation_planner_hides_copies():
     # A budget that lets two layers stay: the rest is offloaded even though copies show.
     mask_budget, exposed_budget, _ = choose(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2, allowance=200.0)
     assert sum(mask_budget) == n - 1 - 2 and exposed_budget > 0
+
+
+@pytest.mark.parametrize("keep_handle", [True, False])
+def test_activation_dropped_model_freed_without_gc(keep_handle, pool):
+    """No reference cycle through the wrapped forwards: a model dropped without disable()
+    frees its parameters at once (on a GPU its memory), not when the collector runs."""
+    gc.collect()
+    gc.disable()
+    try:
+        model = _model()
+        handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+        _step(model, torch.randn(8, 16))
+        model_ref, param_ref = weakref.ref(model), weakref.ref(model.blocks[0].up.weight)
+        if not keep_handle:
+            del handle
+        del model
+        assert model_ref() is None and param_ref() is None
+        if keep_handle:
+            assert handle.model is None
+            handle.disable()  # nothing left to unwrap: no error
+    finally:
+        gc.enable()
+
+
+def test_activation_wrapped_forward_keeps_signature(pool):
+    import inspect
+
+    model = _model()
+    before = [inspect.signature(m.forward) for m in (model, model.blocks[0])]
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+    assert [inspect.signature(m.forward) for m in (model, model.blocks[0])] == before
+    handle.disable()
 
 
 def test_activation_step_search_bisects_to_the_largest_within_tolerance():

@@ -148,10 +148,10 @@ def _rss_bytes():
 
 
 def test_activation_cuda_200_steps_flat_memory():
-    # Earlier tests leave models in reference cycles (a wrapped forward refers to its
-    # handle, which refers to the model); the cyclic collector frees them whenever it
-    # runs, which once dropped the figure below by a whole model (~100 MB) mid-loop.
-    # Collect them first, so every figure below is this test's own memory.
+    # Garbage of earlier tests in reference cycles is freed whenever the cyclic collector
+    # runs; it once dropped the figure below by a whole model (~100 MB: the resident-window
+    # test's, then kept alive by the wrapped forwards' cycle, since removed) mid-loop.
+    # Collect it first, so every figure below is this test's own memory.
     gc.collect()
     _device.synchronize()
     model = _stack(torch.bfloat16, d=256, heads=4, n=4)
