@@ -13,6 +13,20 @@ in backward each group's H2D copy is issued when the group after it starts unpac
 are taken back onto the device one at a time, each time the one whose removal cuts the
 predicted exposed time most, until the exposed time is within `TOLERANCE` of the step
 (or, with a memory budget, until no further layer fits in the budget).
+
+Check against the step (no budget): the model misses what it does not see (the host
+stalls of the resident window, launch-bound steps where the hooks' own cost shows, copies
+slowing compute on a shared memory bus), so the plan is then run and timed. Layers are
+ranked by the same greedy search carried on to the end (the first taken back are the
+worst hidden); a plan is "offload the first k of the ranking". The step with the model's
+k and a step with nothing offloaded (run without hooks) are timed; if the plan costs more
+than `STEP_TOLERANCE` of the no-offload step, k is bisected down to the largest prefix
+that does not. Each probe runs `PROBE_WARMUP_STEPS` unmeasured steps (new block sizes in
+the allocators) and `PROBE_STEPS` timed ones (the fastest counts: noise only adds time).
+A step is timed from one training forward to the next of the same input shape (events
+on the compute stream), so the optimizer and data loading are in both sides alike. With
+a memory budget, or when a step without offload might not fit on the device, the model's
+plan is final.
 """
 
 from __future__ import annotations
@@ -28,6 +42,10 @@ from ._copy import copy_to_device, copy_to_host
 
 MEASURE_STEPS = 2  # the first step warms up kernels and the pool; the last one is used
 TOLERANCE = 0.01  # predicted exposed copy time allowed, as a fraction of the step
+STEP_TOLERANCE = 0.03  # measured step-time overhead allowed over the no-offload step (the issue's 3%)
+PROBE_WARMUP_STEPS = 1
+PROBE_STEPS = 2
+FIT_FRACTION = 0.9  # a step without offload is tried only if its predicted peak is below this share of memory
 BACKWARD_CAP = 3.0  # a layer's measured backward time is taken as at most this times its forward
 
 
@@ -73,14 +91,14 @@ def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: flo
     return exposed, t
 
 
-def choose(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window, allowance: Optional[float] = None):
-    """The offload mask: hide copies under compute, or keep at most `allowance` bytes on the device."""
-    mask = list(eligible)
+def _removals(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window, allowance=None):
+    """Greedy: yield (exposed, step) of `mask`, then take back onto the device the offloaded
+    layer whose removal cuts the predicted exposed time most (ties: the smaller layer), and
+    repeat; `mask` is updated in place. Stops when nothing more can be taken back."""
     kept = 0
     while True:
         exposed, step = simulate(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window)
-        if exposed <= TOLERANCE * step:
-            return mask, exposed, step
+        yield exposed, step
         best = None
         for i, on in enumerate(mask):
             if not on or (allowance is not None and kept + nbytes[i] > allowance):
@@ -91,9 +109,71 @@ def choose(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window, all
             if best is None or (candidate, nbytes[i]) < (best[0], nbytes[best[1]]):
                 best = (candidate, i)
         if best is None:
-            return mask, exposed, step
+            return
         mask[best[1]] = False
         kept += nbytes[best[1]]
+
+
+def choose(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window, allowance: Optional[float] = None):
+    """The offload mask: hide copies under compute, or keep at most `allowance` bytes on the device."""
+    mask = list(eligible)
+    exposed = step = 0.0
+    for exposed, step in _removals(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window, allowance):
+        if exposed <= TOLERANCE * step:
+            break
+    return mask, exposed, step
+
+
+def ranking(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window) -> List[int]:
+    """Eligible layers, best to offload first: the reverse of the order in which the greedy
+    search takes them back (so the first k of it are what `choose` keeps when it stops at k)."""
+    mask = list(eligible)
+    order = []
+    before = set(i for i, on in enumerate(mask) if on)
+    for _ in _removals(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window):
+        now = set(i for i, on in enumerate(mask) if on)
+        order += sorted(before - now)
+        before = now
+    return order[::-1]
+
+
+class StepSearch:
+    """How many layers of the ranking to offload, from measured step times.
+
+    Probes the model's choice first, then nothing offloaded (the baseline); keeps the model's
+    choice if it is within `tolerance` of the baseline, else bisects down to the largest
+    count that is. `probe` is the count to run now, None once settled (`final`).
+    """
+
+    def __init__(self, model_k: int, tolerance: float = STEP_TOLERANCE):
+        self.tolerance = tolerance
+        self.step_ms: dict = {}  # layers offloaded -> fastest measured step (ms)
+        self.lo, self.hi = 0, model_k  # largest count known within tolerance, smallest known over
+        self.probe = model_k if model_k > 0 else None
+        self.final = None if model_k > 0 else 0
+
+    def within(self, k: int) -> bool:
+        return self.step_ms[k] <= (1.0 + self.tolerance) * self.step_ms[0]
+
+    def record(self, k: int, ms: float) -> None:
+        if k != self.probe:
+            raise RuntimeError(f"offload.activation auto: a step of {k} layers was recorded while probing "
+                               f"{self.probe}")
+        self.step_ms[k] = ms
+        if 0 not in self.step_ms:
+            self.probe = 0
+            return
+        if k > 0:
+            if self.within(k):
+                self.lo = max(self.lo, k)
+            else:
+                self.hi = min(self.hi, k)
+        if self.hi == self.lo or self.within(self.hi):  # the model's choice holds
+            self.probe, self.final = None, self.hi
+        elif self.hi - self.lo <= 1:
+            self.probe, self.final = None, self.lo
+        else:
+            self.probe = (self.lo + self.hi) // 2
 
 
 class _Clock:
@@ -145,6 +225,19 @@ def probe_bandwidth(device, nbytes: int = 64 << 20):
     return out[0], out[1]
 
 
+class _Probe:
+    """A shape's plan being timed: the ranking, the search, and the steps seen of this probe."""
+
+    __slots__ = ("order", "search", "serial", "steps", "samples")
+
+    def __init__(self, order, search):
+        self.order = order
+        self.search = search
+        self.serial = 0  # bumped when the probed count changes, so a step of the last one is not timed
+        self.steps = 0  # steps run of the current probe (the first PROBE_WARMUP_STEPS are not timed)
+        self.samples: list = []  # timed steps (ms)
+
+
 class AutoPlanner:
     """The engine's observer while measuring; keeps one plan per input shape."""
 
@@ -159,6 +252,8 @@ class AutoPlanner:
         self.measuring = None  # (key, steps measured)
         self.records = {}
         self.bandwidth = None
+        self.tuning = {}  # key -> _Probe while its plan is being checked against measured steps
+        self.last_start = None  # (mark, key, probe serial) of the last training forward of a planned shape
 
     def current_plan(self):
         return self.plans.get(self.key)
@@ -176,9 +271,11 @@ class AutoPlanner:
         self.key = key
         handle = self.handle
         if key in self.plans:
+            self._tune(key)
             handle._offload = list(self.plans[key]["mask"])
             self.engine.observer = None
             return
+        self.last_start = None
         if self.measuring is None or self.measuring[0] != key:
             self.measuring = (key, 0)
         handle._offload = [not k for k in handle._keep]
@@ -186,6 +283,54 @@ class AutoPlanner:
         self.records = {}
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
+
+    # ---- checking the plan against measured steps
+    def _tune(self, key) -> None:
+        """Time the step that just ended if it ran this shape's current probe; move the search on."""
+        probe = self.tuning.get(key)
+        if probe is None:
+            self.last_start = None
+            return
+        mark = self.clock.mark()
+        last, self.last_start = self.last_start, None
+        if last is not None and last[1] == key and last[2] == probe.serial:
+            probe.steps += 1
+            if probe.steps > PROBE_WARMUP_STEPS:
+                probe.samples.append(self.clock.seconds(last[0], mark) * 1e3)  # blocks: tuning steps only
+        else:  # a new probe, or the shape changed in between: warm up again
+            probe.steps = 0
+        search = probe.search
+        if len(probe.samples) >= PROBE_STEPS:
+            search.record(search.probe, min(probe.samples))
+            probe.samples = []
+            probe.serial += 1
+            probe.steps = 0
+        k = search.probe if search.probe is not None else search.final
+        self._apply(key, probe.order, k)
+        plan = self.plans[key]
+        plan["tuning"]["step_ms"] = {str(n): ms for n, ms in sorted(search.step_ms.items())}
+        if search.probe is None:
+            del self.tuning[key]
+            plan["tuning"]["settled"] = True
+            if self.verbose:
+                base = search.step_ms.get(0)
+                mine = search.step_ms.get(k)
+                print(
+                    f"offload.activation auto: inputs {plan['input_shapes']} settled on {k} of "
+                    f"{len(probe.order)} eligible layers ({plan['offloaded_bytes'] / 2**20:.1f} MiB offloaded)"
+                    + (f", step {mine:.2f} ms vs {base:.2f} ms without offload" if base and mine else ""),
+                    flush=True,
+                )
+            return
+        self.last_start = (mark, key, probe.serial)
+
+    def _apply(self, key, order, k) -> None:
+        plan = self.plans[key]
+        chosen = set(order[:k])
+        mask = [i in chosen for i in range(len(plan["mask"]))]
+        plan["mask"] = mask
+        plan["offload"] = [name for name, m in zip(self.handle.layers, mask) if m]
+        plan["offloaded_bytes"] = sum(b for b, m in zip(plan["layer_bytes"], mask) if m)
 
     # ---- observer
     def opened(self, group) -> None:
@@ -236,7 +381,8 @@ class AutoPlanner:
         peak = stats["peak_device_bytes"]
         if self.budget is not None:
             allowance = max(0, self.budget - peak)
-        mask, exposed, step = choose(eligible, nbytes, fwd, bwd, d2h, h2d, self.engine.resident_groups, allowance)
+        window = self.engine.resident_groups
+        mask, exposed, step = choose(eligible, nbytes, fwd, bwd, d2h, h2d, window, allowance)
         eligible_bytes = sum(b for b, e in zip(nbytes, eligible) if e)
         offloaded = sum(b for b, m in zip(nbytes, mask) if m)
         plan = {
@@ -255,7 +401,18 @@ class AutoPlanner:
             "predicted_step_ms": step * 1e3,
             "budget_bytes": self.budget,
             "measured_peak_bytes": peak,
+            "tuning": {"settled": True, "tolerance": STEP_TOLERANCE, "step_ms": {}, "model_layers": sum(mask),
+                       "checked": False},
         }
+        _, total = _device.mem_get_info(self.engine.device)
+        fits = not total or peak + eligible_bytes <= FIT_FRACTION * total
+        if self.budget is None and fits and any(mask):
+            # Timed against the step without offload (see the module docstring); the plan in
+            # use meanwhile is the probe's, and `mask` becomes the settled one.
+            order = ranking(eligible, nbytes, fwd, bwd, d2h, h2d, window)
+            self.tuning[key] = _Probe(order, StepSearch(sum(mask)))
+            plan["tuning"].update(settled=False, checked=True)
+            plan["model_mask"] = list(mask)
         if self.budget is not None and peak + (eligible_bytes - offloaded) > self.budget and any(
             e and not m for e, m in zip(eligible, mask)
         ):
@@ -267,7 +424,8 @@ class AutoPlanner:
                 f"offload.activation auto plan for inputs {plan['input_shapes']}: offload {len(plan['offload'])} "
                 f"of {n} layers ({offloaded / 2**20:.1f} of {eligible_bytes / 2**20:.1f} MiB eligible), "
                 f"predicted exposed copy time {plan['predicted_exposed_ms']:.2f} ms of a "
-                f"{plan['predicted_step_ms']:.2f} ms step at {plan['d2h_gbps']:.1f}/{plan['h2d_gbps']:.1f} GB/s",
+                f"{plan['predicted_step_ms']:.2f} ms step at {plan['d2h_gbps']:.1f}/{plan['h2d_gbps']:.1f} GB/s"
+                + ("; timing it against a step without offload" if plan["tuning"]["checked"] else ""),
                 flush=True,
             )
         return plan

@@ -261,13 +261,25 @@ class ActivationEngine:
         """Context: saved tensors in it are hooked; `params` are never offloaded."""
         return _Capture(self, params)
 
+    def _start_step_after_backward(self) -> None:
+        if self._backward_seen:  # a new step
+            self._resolve_timing(block=False)
+            self._step += 1
+            self._counters = self._new_counters()
+            self._backward_seen = False
+
+    def pass_through_step(self) -> None:
+        """A training forward run without hooks (auto mode offloading nothing) is a step of its own.
+
+        Its backward unpacks nothing here, so the step is counted as ended at once: the next
+        forward, hooked or not, starts a new one (counters of zero for this one).
+        """
+        self._start_step_after_backward()
+        self._backward_seen = True
+
     def _enter(self, params) -> None:
         if self._capturing == 0:
-            if self._backward_seen:  # a new step
-                self._resolve_timing(block=False)
-                self._step += 1
-                self._counters = self._new_counters()
-                self._backward_seen = False
+            self._start_step_after_backward()
             self._poll()
             self._param_ptrs = _storage_ptrs(params)
             self._last_offloaded = None
@@ -629,10 +641,13 @@ class ActivationOffload:
     """What `enable_activation_offload` returns: `.stats()`, `.disable()`, `.layers`, `.plan`."""
 
     def __init__(self, model, layers, engine, keep, memory_budget_bytes, verbose):
-        self.model = model
+        # The model and its layers are held weakly: their wrapped forwards hold this handle, so
+        # strong references back would make a cycle that keeps a dropped model's memory alive
+        # until the cyclic collector runs.
+        self._model = weakref.ref(model)
         self.engine = engine
         self.layers = [name for name, _ in layers]
-        self._modules = [module for _, module in layers]
+        self._modules = [weakref.ref(module) for _, module in layers]
         self._keep = keep  # per layer: kept on the device whatever the mode
         self._offload = [not k for k in keep]  # per layer: offloaded in the current plan
         self._enabled = True
@@ -641,17 +656,22 @@ class ActivationOffload:
             from ._activation_plan import AutoPlanner
 
             self._auto = AutoPlanner(self, memory_budget_bytes, verbose)
-        self._wrapped = []
+        self._wrapped = []  # weak references to the modules whose forward is wrapped
         try:
-            for index, module in enumerate(self._modules):
+            for index, (_, module) in enumerate(layers):
                 target = _wrap_target(module)
-                _wrap.wrap_forward(target, functools.partial(self._layer_forward, index, module))
-                self._wrapped.append(target)
+                _wrap.wrap_forward(target, functools.partial(self._layer_forward, index))
+                self._wrapped.append(weakref.ref(target))
             _wrap.wrap_forward(model, self._model_forward)
-            self._wrapped.append(model)
+            self._wrapped.append(weakref.ref(model))
         except Exception:
             self.disable()
             raise
+
+    @property
+    def model(self):
+        """The model (None once it was freed)."""
+        return self._model()
 
     @property
     def plan(self):
@@ -668,24 +688,30 @@ class ActivationOffload:
             if _compiling():
                 _warn_compiled()
                 return original(*args, **kwargs)
+            model = self._model()
             if (
                 not self._enabled
                 or not torch.is_grad_enabled()
                 or torch.is_inference_mode_enabled()
-                or not self.model.training
+                or not model.training
                 or torch._C._current_graph_task_id() != -1
                 or (not engine._capturing and _other_hooks_active())
             ):
                 return original(*args, **kwargs)
             if self._auto is not None:
                 self._auto.before_forward(args, kwargs)
-            params = list(self.model.parameters()) + list(self.model.buffers())
+                if engine.observer is None and not any(self._offload):
+                    # The plan offloads nothing: run exactly as without offload (no hooks, whose
+                    # per-tensor cost would otherwise be the only overhead left).
+                    engine.pass_through_step()
+                    return original(*args, **kwargs)
+            params = list(model.parameters()) + list(model.buffers())
             with engine.capture(params):
                 return original(*args, **kwargs)
 
         return forward
 
-    def _layer_forward(self, index, module, original):
+    def _layer_forward(self, index, original):
         engine = self.engine
         last = len(self._modules) - 1
         name = self.layers[index]
@@ -698,13 +724,19 @@ class ActivationOffload:
             offload = self._offload[index]
             engine.boundary(name, offload=offload, layer=index)
             if offload:
-                engine.add_params(list(module.parameters()) + list(module.buffers()))
+                self._add_layer_params(index)
             out = original(*args, **kwargs)
             if index == last:
                 engine.boundary(None)
             return out
 
         return forward
+
+    @_not_traced
+    def _add_layer_params(self, index) -> None:
+        module = self._modules[index]()
+        if module is not None:
+            self.engine.add_params(list(module.parameters()) + list(module.buffers()))
 
     def stats(self) -> dict:
         """Counters of the current or last step (see ActivationEngine.stats), plus the plan."""
@@ -717,8 +749,10 @@ class ActivationOffload:
     def disable(self) -> None:
         """Restore every wrapped forward; saved tensors already offloaded still come back."""
         self._enabled = False
-        for module in self._wrapped:
-            _wrap.unwrap_forward(module)
+        for ref in self._wrapped:
+            module = ref()
+            if module is not None:
+                _wrap.unwrap_forward(module)
         self._wrapped = []
 
     def __repr__(self) -> str:
@@ -780,7 +814,8 @@ def enable_activation_offload(
         mode: 'async' (copies overlapped with compute, `resident_groups` layers on the device),
             'sync' (each layer's copies waited for; for debugging and comparison) or 'auto'
             (measures the first steps, then offloads only the layers whose copies hide under
-            compute, or as few as meet `memory_budget_bytes`).
+            compute, checked against timed steps without offload and backed off while the
+            plan costs over 3%; or as few layers as meet `memory_budget_bytes`).
         layers: names (or modules) of the layers to group by; default: FSDP units, else the
             elements of the model's repeated `nn.ModuleList`.
         min_tensor_bytes: saved tensors smaller than this stay on the device.

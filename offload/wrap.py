@@ -17,6 +17,8 @@ so its inner `_fsdp_wrapped_module` is the module wrapped.
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -135,16 +137,35 @@ def forward_target(module: nn.Module) -> nn.Module:
 
 
 def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> None:
-    """Replace module.forward by make(original forward); `unwrap_forward` undoes it."""
+    """Replace module.forward by make(original forward); `unwrap_forward` undoes it.
+
+    The wrapper reaches the module through a weak reference (not a bound method), so the
+    module does not refer to itself and is freed as soon as the last user reference goes,
+    without waiting for the cyclic garbage collector (a model dropped without `disable()`
+    would otherwise hold its device memory until the collector happens to run).
+    """
     if getattr(module, _MARK, None) is not None:
         raise RuntimeError(
             f"offload: {type(module).__name__} already has activation offload enabled; "
             "call disable() on the first handle before enabling it again"
         )
     had_own = "forward" in module.__dict__
-    original = module.forward
+    bound = module.forward
+    if had_own:  # someone else's instance forward: called as it is
+        original = bound
+    else:
+        func, ref = type(module).forward, weakref.ref(module)
+
+        def original(*args, **kwargs):
+            return func(ref(), *args, **kwargs)
+
     wrapper = make(original)
-    functools.update_wrapper(wrapper, original)
+    functools.update_wrapper(wrapper, bound)
+    del wrapper.__wrapped__  # it would hold the module; the signature below is what introspection needs
+    try:
+        wrapper.__signature__ = inspect.signature(bound)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        pass
     module.__dict__[_MARK] = (had_own, module.__dict__.get("forward"))
     module.forward = wrapper
 

@@ -7,6 +7,7 @@ synchronous), restores, prefetch bookkeeping, the auto planner. GPU-only propert
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -511,6 +512,112 @@ def test_activation_planner_hides_copies():
     # A budget that lets two layers stay: the rest is offloaded even though copies show.
     mask_budget, exposed_budget, _ = choose(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2, allowance=200.0)
     assert sum(mask_budget) == n - 1 - 2 and exposed_budget > 0
+
+
+@pytest.mark.parametrize("keep_handle", [True, False])
+def test_activation_dropped_model_freed_without_gc(keep_handle, pool):
+    """No reference cycle through the wrapped forwards: a model dropped without disable()
+    frees its parameters at once (on a GPU its memory), not when the collector runs."""
+    gc.collect()
+    gc.disable()
+    try:
+        model = _model()
+        handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+        _step(model, torch.randn(8, 16))
+        model_ref, param_ref = weakref.ref(model), weakref.ref(model.blocks[0].up.weight)
+        if not keep_handle:
+            del handle
+        del model
+        assert model_ref() is None and param_ref() is None
+        if keep_handle:
+            assert handle.model is None
+            handle.disable()  # nothing left to unwrap: no error
+    finally:
+        gc.enable()
+
+
+def test_activation_wrapped_forward_keeps_signature(pool):
+    import inspect
+
+    model = _model()
+    before = [inspect.signature(m.forward) for m in (model, model.blocks[0])]
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+    assert [inspect.signature(m.forward) for m in (model, model.blocks[0])] == before
+    handle.disable()
+
+
+def test_activation_step_search_bisects_to_the_largest_within_tolerance():
+    from offload._activation_plan import StepSearch
+
+    def run(model_k, overhead_per_layer):
+        search, probes = StepSearch(model_k, tolerance=0.03), []
+        while search.probe is not None:
+            probes.append(search.probe)
+            search.record(search.probe, 100.0 * (1 + overhead_per_layer * search.probe))
+        return search.final, probes
+
+    assert run(6, 0.001) == (6, [6, 0])  # the model's choice holds: checked once, kept
+    assert run(6, 0.01) == (3, [6, 0, 3, 4])  # 3% allows 3 layers
+    assert run(6, 0.5) == (0, [6, 0, 3, 1])  # nothing hides: offload nothing
+    assert run(0, 0.5) == (0, [])  # nothing to check
+    with pytest.raises(RuntimeError, match="while probing"):
+        StepSearch(4).record(2, 1.0)
+
+
+def test_activation_ranking_prefix_is_the_models_choice():
+    from offload._activation_plan import choose, ranking
+
+    n = 8
+    nbytes, fwd, bwd = [100.0 + i for i in range(n)], [1.0] * n, [2.0] * n
+    eligible = [True] * (n - 1) + [False]
+    mask, _, _ = choose(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2)
+    order = ranking(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2)
+    assert sorted(order) == list(range(n - 1))
+    assert set(order[: sum(mask)]) == {i for i, m in enumerate(mask) if m}
+
+
+class _StepClock:
+    """Stands in for the planner's clock once the plan exists: a step takes 1 s plus
+    `overhead` s per offloaded layer (what the probes read), whatever the host does."""
+
+    def __init__(self, handle, overhead):
+        self.handle, self.overhead = handle, overhead
+
+    def mark(self):
+        return None
+
+    def seconds(self, a, b):
+        return 1.0 + self.overhead * sum(self.handle._offload)
+
+
+@pytest.mark.parametrize("overhead", [0.02, 1.0])
+def test_activation_auto_backs_off_on_measured_steps(overhead, pool, capsys):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    for step in range(20):
+        if step == 3:  # the plan was made at the start of step 2 (two measured steps)
+            plan = handle.plan
+            assert plan["tuning"]["checked"] and not plan["tuning"]["settled"]
+            model_k = plan["tuning"]["model_layers"]
+            handle._auto.clock = _StepClock(handle, overhead)
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+    plan = handle.plan
+    # 3% tolerance: 2% per layer allows one layer, 100% none.
+    expected = min(model_k, 1) if overhead < 0.03 else 0
+    assert plan["tuning"]["settled"] and sum(plan["mask"]) == expected, plan
+    assert plan["tuning"]["step_ms"]["0"] == 1000.0
+    assert plan["offload"] == [n for n, m in zip(handle.layers, plan["mask"]) if m]
+    assert "settled on" in capsys.readouterr().out
+    stats = handle.stats()
+    assert stats["groups_offloaded"] == expected
+    if expected == 0:
+        assert stats["tensors_kept"] == 0  # no hooks at all: a step exactly as without offload
+    handle.disable()
 
 
 def test_activation_bad_arguments(pool):
