@@ -798,6 +798,14 @@ TensorSource::Fill lazy_conversion(const py::list& list) {
 void bind_copy_engine(py::module_& m) {
   py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
       .def("tensors", &Transfer::tensors)
+      // One tensor, or the count, without converting the whole list (thousands of tensors).
+      .def("size", [](const Transfer& t) { return t.tensors().size(); })
+      .def("tensor",
+           [](const Transfer& t, int64_t i) {
+             const auto n = static_cast<int64_t>(t.tensors().size());
+             TORCH_CHECK_INDEX(i >= 0 && i < n, "offload.CopyHandle: index ", i, " out of range for ", n, " tensors");
+             return t.tensors()[i];
+           })
       .def("nbytes", &Transfer::nbytes)
       .def("device", &Transfer::device)
       .def("restore_specs", &Transfer::restore_specs)

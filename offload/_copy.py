@@ -68,15 +68,15 @@ class CopyHandle:
 
     def wait_tensor(self, index: int, stream=None) -> torch.Tensor:
         """Make `stream` wait only for the copy that carries tensors[index]; returns it."""
-        count = len(self._impl.tensors())
+        count = self._impl.size()
         if not -count <= index < count:
             raise IndexError(f"CopyHandle.wait_tensor: index {index} out of range for {count} tensors")
         index %= count
         self._impl.wait_stream_for(index, _stream_or_current(stream, self._impl.device()))
-        return self._impl.tensors()[index]
+        return self._impl.tensor(index)
 
     def __len__(self) -> int:
-        return len(self._impl.tensors())
+        return self._impl.size()
 
     def __repr__(self) -> str:
         state = "done" if self.ready() else "in flight"

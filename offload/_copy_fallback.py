@@ -31,6 +31,12 @@ class PyTransfer:
     def tensors(self) -> List[torch.Tensor]:
         return self._outputs
 
+    def size(self) -> int:
+        return len(self._outputs)
+
+    def tensor(self, index: int) -> torch.Tensor:
+        return self._outputs[index]
+
     def nbytes(self) -> int:
         return self._nbytes
 
