@@ -109,6 +109,20 @@ def _pick(seq, indices) -> list:
     return list(itemgetter(*indices)(seq))
 
 
+def _picker(indices, length: int):
+    """A function doing _pick(seq, indices) for a seq of `length`, made once per plan:
+    the identity selection is a plain copy, others reuse one itemgetter."""
+    if list(indices) == list(range(length)):
+        return list
+    if len(indices) == 1:
+        index = indices[0]
+        return lambda seq: [seq[index]]
+    if not indices:
+        return lambda seq: []
+    getter = itemgetter(*indices)
+    return lambda seq: list(getter(seq))
+
+
 def _extent_bytes(t: torch.Tensor) -> int:
     """Bytes from t's first element to just past its last (strides are never negative)."""
     if t.is_contiguous():
@@ -161,7 +175,7 @@ class _Unit:
 class _Batch:
     """The units copied by one call: same device, same phase (forward buffers first)."""
 
-    __slots__ = ("device", "early", "asynchronous", "units", "src_slots", "spans", "keys", "expanded")
+    __slots__ = ("device", "early", "asynchronous", "units", "src_slots", "pick_sources", "spans", "keys", "expanded")
 
     def __init__(self, device, early, asynchronous):
         self.device = device
@@ -169,6 +183,7 @@ class _Batch:
         self.asynchronous = asynchronous  # through copy_to_host; else a host copy_ (CPU sources)
         self.units: List[_Unit] = []
         self.src_slots: List[int] = []  # tensor units: the slot whose tensor is the source
+        self.pick_sources = list  # _picker(src_slots): the sources from the tensor slots
         self.spans: List[_Unit] = []  # span units, after the tensor units
         self.keys: Tuple = ()  # per source (tensor units, then spans): its unit's key
         self.expanded: List[int] = []  # sources given to the copy narrowed to their distinct elements
@@ -207,6 +222,7 @@ class _Plan:
         for batch in self.batches:
             batch.units.sort(key=lambda u: u.kind == "span")
             batch.src_slots = [u.slots[0] for u in batch.units if u.kind == "tensor"]
+            batch.pick_sources = _picker(batch.src_slots, len(locals_))
             batch.spans = [u for u in batch.units if u.kind == "span"]
             batch.keys = tuple(u.key for u in batch.units)
             batch.expanded = [i for i, u in enumerate(batch.units) if u.expanded]
@@ -561,6 +577,7 @@ class AsyncStager(_StagerProtocol):
         self._forward_module, self._forward_paths = _forward_buffers(fn, forward_buffers)
         self._return_future = _async_save_takes_futures()
         self._tree: Optional[StateTree] = None
+        self._tensor_picker: Tuple = (None, list)  # (tree, _picker of its tensor leaves)
         self._plan: Optional[_Plan] = None
         self._sets: List[_BufferSet] = []
         # (set, batch) -> the handle the compute stream has not waited on yet; keyed so
@@ -662,6 +679,7 @@ class AsyncStager(_StagerProtocol):
         self._sets = []
         self._unwaited = {}
         self._tree = self._plan = None
+        self._tensor_picker = (None, list)
         self._closed = True
 
     def __enter__(self) -> "AsyncStager":
@@ -737,7 +755,9 @@ class AsyncStager(_StagerProtocol):
             tree = StateTree(fn, state_dict)
             leaves = tree.leaves(state_dict)
             self._tree = tree
-        tensors = _pick(leaves, tree.tensor_pos)
+        if self._tensor_picker[0] is not tree:
+            self._tensor_picker = (tree, _picker(tree.tensor_pos, len(tree.leaf_types)))
+        tensors = self._tensor_picker[1](leaves)
         specs = None
         locals_ = tensors
         if tree.dtensor_slots:
@@ -952,7 +972,7 @@ class AsyncStager(_StagerProtocol):
                     for handle in early_handles:
                         handle.wait_stream()
                     early_handles = []
-                sources = _pick(locals_, batch.src_slots)
+                sources = batch.pick_sources(locals_)
                 for unit in batch.spans:
                     first = locals_[unit.slots[0]]
                     storage = first.untyped_storage()

@@ -5,8 +5,10 @@
 // Limits: ranges are passed by value as the kernel's parameter (apex's
 // multi_tensor_apply idea; our own code), so a launch needs no metadata copy and
 // no host synchronisation; CUDA 12.1+ allows 32 KB of parameters, older
-// toolkits 4 KB, which sets kMaxRanges. Each block copies one 16 KiB tile of
-// one range with 16-byte loads and stores when both ends are 16-byte aligned
+// toolkits 4 KB, which sets kMaxRanges. The parameter struct is sized for the
+// call (32, 128 or kMaxRanges ranges): the driver copies all of it per launch,
+// and a copy engine group of 32 ranges should not pay for 900 (~29 KB).
+// Each block copies one 16 KiB tile of one range with 16-byte loads and stores when both ends are 16-byte aligned
 // (always true for the engine's staging offsets and allocator blocks), and byte
 // by byte otherwise.
 #include <cuda_runtime.h>
@@ -31,15 +33,17 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int64_t kTileBytes = int64_t(kThreads) * kUnroll * 16;  // 16 KiB per block
 
+template <int N>
 struct RangeBatch {
-  const char* src[kMaxRanges];
-  char* dst[kMaxRanges];
-  int64_t nbytes[kMaxRanges];
-  int64_t first_tile[kMaxRanges + 1];  // prefix sum of tiles; block b serves the range r with first_tile[r] <= b
+  const char* src[N];
+  char* dst[N];
+  int64_t nbytes[N];
+  int64_t first_tile[N + 1];  // prefix sum of tiles; block b serves the range r with first_tile[r] <= b
   int count;
 };
 
-__global__ void __launch_bounds__(kThreads) multi_tensor_copy_kernel(const __grid_constant__ RangeBatch batch) {
+template <int N>
+__global__ void __launch_bounds__(kThreads) multi_tensor_copy_kernel(const __grid_constant__ RangeBatch<N> batch) {
   const int64_t tile = blockIdx.x;
   int lo = 0, hi = batch.count - 1;
   while (lo < hi) {  // the last range whose first tile is <= this block's tile
@@ -71,22 +75,23 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_copy_kernel(const __gri
   }
 }
 
-void launch(RangeBatch& batch, int64_t tiles, cudaStream_t stream) {
+template <int N>
+void launch(RangeBatch<N>& batch, int64_t tiles, cudaStream_t stream) {
   batch.first_tile[batch.count] = tiles;
-  multi_tensor_copy_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(batch);
+  multi_tensor_copy_kernel<N><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(batch);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void multi_tensor_copy_cuda(const std::vector<ByteRange>& ranges, const c10::Device& device) {
-  c10::cuda::CUDAGuard guard(device);
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
-  RangeBatch batch;
+// Copies `ranges` in launches of at most N ranges each.
+template <int N>
+void copy_ranges(const std::vector<ByteRange>& ranges, cudaStream_t stream) {
+  RangeBatch<N> batch;
   batch.count = 0;
   int64_t tiles = 0;
   for (const auto& range : ranges) {
     if (range.nbytes == 0) continue;
     const int64_t range_tiles = (range.nbytes + kTileBytes - 1) / kTileBytes;
-    if (batch.count == kMaxRanges || tiles + range_tiles > int64_t(1) << 30) {
+    if (batch.count == N || tiles + range_tiles > int64_t(1) << 30) {
       launch(batch, tiles, stream);
       batch.count = 0;
       tiles = 0;
@@ -99,6 +104,21 @@ void multi_tensor_copy_cuda(const std::vector<ByteRange>& ranges, const c10::Dev
     tiles += range_tiles;
   }
   if (batch.count > 0) launch(batch, tiles, stream);
+}
+
+constexpr int kFewRanges = kMaxRanges < 32 ? kMaxRanges : 32;
+constexpr int kSomeRanges = kMaxRanges < 128 ? kMaxRanges : 128;
+
+void multi_tensor_copy_cuda(const std::vector<ByteRange>& ranges, const c10::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  if (ranges.size() <= static_cast<size_t>(kFewRanges)) {
+    copy_ranges<kFewRanges>(ranges, stream);
+  } else if (ranges.size() <= static_cast<size_t>(kSomeRanges)) {
+    copy_ranges<kSomeRanges>(ranges, stream);
+  } else {
+    copy_ranges<kMaxRanges>(ranges, stream);
+  }
 }
 
 void copy_bytes_cuda(void* dst, const void* src, int64_t nbytes, const c10::Device& device) {
