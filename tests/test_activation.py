@@ -686,14 +686,6 @@ def test_activation_compiled_model_warns_and_passes_through(pool):
     assert handle.stats()["groups_offloaded"] == 0
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shard(kind, model):
     from torch.distributed import fsdp
 
@@ -720,14 +712,15 @@ def _full_grads(kind, model):
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
-def test_activation_fsdp_single_process(kind, pool, monkeypatch):
+def test_activation_fsdp_single_process(kind, pool, monkeypatch, tmp_path):
     """FSDP units are the layers; unsharded parameters are never offloaded (gloo, CPU)."""
     dist = pytest.importorskip("torch.distributed")
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not dist.is_available() or (kind == "fsdp2" and not hasattr(fsdp, "fully_shard")) or (
             kind == "fsdp1" and not hasattr(fsdp, "FullyShardedDataParallel")):
         pytest.skip(f"needs torch.distributed with {kind}")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    # A file rendezvous: a port found by binding and releasing it can be taken by another process first.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
         ref = _shard(kind, _model())
         model = _shard(kind, _model())
