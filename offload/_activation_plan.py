@@ -21,8 +21,12 @@ ranked by the same greedy search carried on to the end (the first taken back are
 worst hidden); a plan is "offload the first k of the ranking". The step with the model's
 k and a step with nothing offloaded (run without hooks) are timed; if the plan costs more
 than `STEP_TOLERANCE` of the no-offload step, k is bisected down to the largest prefix
-that does not. Each probe runs `PROBE_WARMUP_STEPS` unmeasured steps (new block sizes in
-the allocators) and `PROBE_STEPS` timed ones (the fastest counts: noise only adds time).
+that does not. A count the search settles on above zero is confirmed: the no-offload step
+and the chosen one are timed once more, back to back, and the plan backs off further if
+the pair misses the tolerance (one good probe must not settle a plan whose steps run
+slower, as a bench or a training loop then sees). Each probe runs `PROBE_WARMUP_STEPS`
+unmeasured steps (new block sizes in the allocators) and `PROBE_STEPS` timed ones; the
+median counts, so a plan whose steps are sometimes slow is judged by its usual step.
 A step is timed from one training forward to the next of the same input shape (events
 on the compute stream), so the optimizer and data loading are in both sides alike. With
 a memory budget, or when a step without offload might not fit on the device, the model's
@@ -32,6 +36,7 @@ plan is final.
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from typing import List, Optional
 
@@ -44,7 +49,7 @@ MEASURE_STEPS = 2  # the first step warms up kernels and the pool; the last one 
 TOLERANCE = 0.01  # predicted exposed copy time allowed, as a fraction of the step
 STEP_TOLERANCE = 0.03  # measured step-time overhead allowed over the no-offload step (the issue's 3%)
 PROBE_WARMUP_STEPS = 1
-PROBE_STEPS = 2
+PROBE_STEPS = 3
 FIT_FRACTION = 0.9  # a step without offload is tried only if its predicted peak is below this share of memory
 BACKWARD_CAP = 3.0  # a layer's measured backward time is taken as at most this times its forward
 
@@ -142,15 +147,20 @@ class StepSearch:
 
     Probes the model's choice first, then nothing offloaded (the baseline); keeps the model's
     choice if it is within `tolerance` of the baseline, else bisects down to the largest
-    count that is. `probe` is the count to run now, None once settled (`final`).
+    count that is. A count above zero is confirmed once before it is final: the baseline
+    and the count are probed again and must still be within tolerance (else the search goes
+    on below it). `probe` is the count to run now, None once settled (`final`).
     """
 
     def __init__(self, model_k: int, tolerance: float = STEP_TOLERANCE):
         self.tolerance = tolerance
-        self.step_ms: dict = {}  # layers offloaded -> fastest measured step (ms)
+        self.step_ms: dict = {}  # layers offloaded -> latest measured step (median of a probe, ms)
         self.lo, self.hi = 0, model_k  # largest count known within tolerance, smallest known over
         self.probe = model_k if model_k > 0 else None
         self.final = None if model_k > 0 else 0
+        self.confirming = None  # the count being confirmed: its probe and the baseline's, again
+        self.to_confirm: list = []  # the probes of the confirmation still to run
+        self.confirmed = False  # a confirmation ran (once per search: the steps are bounded)
 
     def within(self, k: int) -> bool:
         return self.step_ms[k] <= (1.0 + self.tolerance) * self.step_ms[0]
@@ -163,17 +173,41 @@ class StepSearch:
         if 0 not in self.step_ms:
             self.probe = 0
             return
+        if self.confirming is not None:
+            if self.to_confirm:
+                self.probe = self.to_confirm.pop(0)
+                return
+            k, self.confirming = self.confirming, None
+            if self.within(k):
+                self.probe, self.final = None, k
+                return
+            self.hi, self.lo = k, 0  # it did not hold: what is below it is unknown again
+            self._next(k)
+            return
         if k > 0:
             if self.within(k):
                 self.lo = max(self.lo, k)
             else:
                 self.hi = min(self.hi, k)
+        self._next(k)
+
+    def _next(self, last: int) -> None:
         if self.hi == self.lo or self.within(self.hi):  # the model's choice holds
-            self.probe, self.final = None, self.hi
+            self._settle(self.hi, last)
         elif self.hi - self.lo <= 1:
-            self.probe, self.final = None, self.lo
+            self._settle(self.lo, last)
         else:
             self.probe = (self.lo + self.hi) // 2
+
+    def _settle(self, k: int, last: int) -> None:
+        if k > 0 and not self.confirmed:
+            # Back to back, starting with the one not just run: [k, 0] after the baseline.
+            self.confirmed = True
+            self.confirming = k
+            pair = [k, 0] if last == 0 else [0, k]
+            self.probe, self.to_confirm = pair[0], pair[1:]
+            return
+        self.probe, self.final = None, k
 
 
 class _Clock:
@@ -301,7 +335,7 @@ class AutoPlanner:
             probe.steps = 0
         search = probe.search
         if len(probe.samples) >= PROBE_STEPS:
-            search.record(search.probe, min(probe.samples))
+            search.record(search.probe, statistics.median(probe.samples))
             probe.samples = []
             probe.serial += 1
             probe.steps = 0

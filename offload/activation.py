@@ -557,10 +557,11 @@ class ActivationEngine:
         """Every handle of the group was unpacked: drop its device copies (the host copy stays)."""
         if group.state in (_OPEN,):
             return
-        if group.d2h is not None:
-            # Settles the device-to-host copy (long finished by the end of this
-            # group's backward) so the engine drops the sources it held for it
-            # now, not at the next step's first copy.
+        if group.d2h is not None and group.d2h.ready():
+            # Settles the finished device-to-host copy so the engine drops the sources it
+            # held for it now, not at the next step's first copy. Never a host wait: one
+            # here (a group served from the device while its copy still runs) would hold
+            # the host back in backward and open gaps in the compute stream.
             group.d2h.wait()
         if group.held is not None:
             group.modified = {i for i, (t, v) in enumerate(group.held) if t._version != v}

@@ -4,7 +4,6 @@ resident window's memory bound, pool reuse and flat memory over 200 steps, FSDP2
 import copy
 import gc
 import os
-import socket
 
 import pytest
 import torch
@@ -217,19 +216,13 @@ def test_activation_cuda_200_steps_flat_memory():
         assert pool.stats()["cache_hits"] > 100
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp2_run(rank, world, port, result_dir):
+def _fsdp2_run(rank, world, init_method, result_dir):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     dev = torch.device(_device.accelerator_type(), rank)
     _device.set_device(dev)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world)
     try:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True)
@@ -262,7 +255,7 @@ def _fsdp2_run(rank, world, port, result_dir):
 
 
 def test_activation_cuda_fsdp2_one_gpu(tmp_path):
-    _fsdp2_run(0, 1, _free_port(), str(tmp_path))
+    _fsdp2_run(0, 1, f"file://{tmp_path}/rdzv", str(tmp_path))
     assert (tmp_path / "rank0").read_text() == "ok"
 
 
@@ -270,7 +263,8 @@ def test_activation_cuda_fsdp2_one_gpu(tmp_path):
 def test_activation_cuda_fsdp2_two_gpus(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_fsdp2_run, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    # A file rendezvous: a port found by binding and releasing it can be taken by another process first.
+    mp.spawn(_fsdp2_run, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2, join=True)
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["ok", "ok"]
 
 
