@@ -19,9 +19,13 @@ as source text.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Any, List, Optional, Tuple
 
 import torch
+
+_is_meta = attrgetter("is_meta")
+_layout = attrgetter("layout")
 
 # Leaves that are copied by reference: immutable, so a later change in the
 # caller's dict cannot reach the staged copy.
@@ -161,7 +165,9 @@ class StateTree:
         self._keys.extend(key for key, _ in items)
         k1 = len(self._keys)
         first_item = len(self._items)
-        exprs = [self._leaf(child, "", path + (key,)) for key, child in items]
+        exprs = self._plain_tensor_leaves(items, path)
+        if exprs is None:
+            exprs = [self._leaf(child, "", path + (key,)) for key, child in items]
         del self._items[first_item:]
         if isinstance(obj, Mapping):
             self._items.append(f"*map({var}.__getitem__, K[{k0}:{k1}])")
@@ -173,6 +179,22 @@ class StateTree:
         if named:
             return f"C[{ti}](*{values})"
         return f"list({values})" if isinstance(obj, list) else f"tuple({values})"
+
+    def _plain_tensor_leaves(self, items, path: Tuple) -> Optional[List[str]]:
+        """_leaf for a wide run of plain dense tensors, each attribute read by a
+        C-level map; None (nothing recorded) when any item needs _leaf's checks."""
+        values = [child for _, child in items]
+        types = set(map(type, values))
+        if not types <= {torch.Tensor, torch.nn.Parameter}:
+            return None
+        if any(map(_is_meta, values)) or set(map(_layout, values)) != {torch.strided}:
+            return None
+        index, slot = len(self.paths), len(self.tensor_pos)
+        self.paths.extend([path + (key,) for key, _ in items])
+        self.leaf_types.extend(map(type, values))
+        self._items.extend([""] * len(values))
+        self.tensor_pos.extend(range(index, index + len(values)))
+        return [f"T[{i}]" for i in range(slot, slot + len(values))]
 
     def _leaf(self, value, access: str, path: Tuple) -> str:
         index = len(self.paths)

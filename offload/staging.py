@@ -93,6 +93,11 @@ _GROUP_BYTES = 32 << 20
 
 _META = attrgetter("shape", "dtype", "device")
 _data_ptr = torch.Tensor.data_ptr
+_nbytes = attrgetter("nbytes")
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -199,8 +204,10 @@ class _Plan:
         self.specs = specs
         self.units: List[_Unit] = []
         compute = _device.compute_device_type()
-        for slot, (shape, dtype, device) in enumerate(self.meta):
+        devices = {device for _, _, device in self.meta}
+        for device in devices:
             if device.type not in (compute, "cpu"):
+                slot = next(i for i, (_, _, d) in enumerate(self.meta) if d == device)
                 raise ValueError(
                     f"{fn}: state_dict{''.join(f'[{k!r}]' for k in tensor_paths[slot])} is on {device}; "
                     f"staging copies tensors from {compute} or the host"
@@ -211,8 +218,9 @@ class _Plan:
                 tensor_paths[s] in early_paths or (locals_[s].device, self.ptrs[s]) in early_ptrs for s in unit.slots
             )
         batches: Dict[Tuple, _Batch] = {}
+        names = {device: str(device) for device in devices}
         for unit in self.units:
-            key = (not unit.early, str(unit.device))
+            key = (not unit.early, names[unit.device])
             batch = batches.get(key)
             if batch is None:
                 asynchronous = unit.device.type == compute
@@ -220,7 +228,8 @@ class _Plan:
             batch.units.append(unit)
         self.batches = [batches[k] for k in sorted(batches)]
         for batch in self.batches:
-            batch.units.sort(key=lambda u: u.kind == "span")
+            if any(u.kind == "span" for u in batch.units):
+                batch.units.sort(key=lambda u: u.kind == "span")
             batch.src_slots = [u.slots[0] for u in batch.units if u.kind == "tensor"]
             batch.pick_sources = _picker(batch.src_slots, len(locals_))
             batch.spans = [u for u in batch.units if u.kind == "span"]
@@ -243,6 +252,12 @@ class _Plan:
 
     def _group(self, locals_, paths) -> None:
         """Units from tensors: memory that overlaps within one storage is copied once."""
+        storages = list(map(_storage_ptr, locals_))
+        if len(set(storages)) == len(storages):
+            # Every tensor alone in its storage (the usual state dict): nothing can
+            # overlap, so skip the extents and sorting and make the units in one pass.
+            self._add_tensor_units(range(len(locals_)), locals_, paths)
+            return
         by_storage: Dict[Tuple, list] = {}
         for slot, t in enumerate(locals_):
             extent = _extent_bytes(t)
@@ -271,6 +286,23 @@ class _Plan:
         nbytes = t.numel() * t.element_size()
         expanded = not t.is_contiguous() and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
         self.units.append(_Unit("tensor", slots, key, nbytes, t.device, tuple(t.shape), t.dtype, expanded=expanded))
+
+    def _add_tensor_units(self, slots, locals_, paths) -> None:
+        """_add_tensor_unit for each of `slots` (each its own unit), with the
+        per-tensor attributes read by C-level maps rather than per-tensor calls."""
+        meta = self.meta
+        nbytes = list(map(_nbytes, locals_))
+        contiguous = list(map(torch.Tensor.is_contiguous, locals_))
+        units = self.units
+        for slot in slots:
+            shape, dtype, device = meta[slot]
+            shape = tuple(shape)
+            t = locals_[slot]
+            expanded = not contiguous[slot] and any(st == 0 and n > 1 for n, st in zip(shape, t.stride()))
+            units.append(
+                _Unit("tensor", [slot], ("tensor", paths[slot], shape, dtype), nbytes[slot], device, shape, dtype,
+                      expanded=expanded)
+            )
 
     def _add_cluster(self, slots, locals_, paths, base) -> None:
         first = locals_[slots[0]]
@@ -391,25 +423,34 @@ def _private_alias(block: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-def _reader_view(engine_side: torch.Tensor, blocks: dict, aliases: dict, old_blocks: dict, old_aliases: dict):
+def _reader_view(engine_side: torch.Tensor, blocks: dict, aliases: dict, typed: dict, old_blocks: dict,
+                 old_aliases: dict):
     """The tensor a staged dict holds for the engine's host tensor: the same bytes,
-    layout and dtype, viewed through the private alias of the engine's block."""
+    layout and dtype, viewed through the private alias of the engine's block.
+
+    `typed` caches the alias viewed as each dtype, so each tensor costs one
+    as_strided (a view of that alias: it holds the alias storage like any view).
+    """
     if engine_side.numel() == 0:  # no bytes: nothing to share, nothing to watch
         return torch.empty_strided(engine_side.shape, engine_side.stride(), dtype=engine_side.dtype)
     storage = engine_side.untyped_storage()
     address = storage.data_ptr()
-    alias = aliases.get(address)
-    if alias is None:
-        block, alias = old_blocks.get(address), old_aliases.get(address)
+    dtype = engine_side.dtype
+    base = typed.get((address, dtype))
+    if base is None:
+        alias = aliases.get(address)
         if alias is None:
-            block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-            alias = _private_alias(block)
-        blocks[address], aliases[address] = block, alias
+            block, alias = old_blocks.get(address), old_aliases.get(address)
+            if alias is None:
+                block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+                alias = _private_alias(block)
+            blocks[address], aliases[address] = block, alias
+        # The whole block as `dtype` (a block may end mid-element of a wider dtype).
+        usable = alias.numel() // dtype.itemsize * dtype.itemsize
+        base = typed[(address, dtype)] = alias[:usable].view(dtype)
     # The engine's storage and the alias start at the same byte, so the element
-    # offset carries over; one set_ rather than slice, view and as_strided.
-    return torch.empty(0, dtype=engine_side.dtype).set_(
-        alias.untyped_storage(), engine_side.storage_offset(), engine_side.shape, engine_side.stride()
-    )
+    # offset carries over.
+    return base.as_strided(engine_side.shape, engine_side.stride(), engine_side.storage_offset())
 
 
 class _HostCopy:
@@ -917,10 +958,11 @@ class AsyncStager(_StagerProtocol):
         blocks (`_reader_view`), made here and never given to the copy engine."""
         blocks: Dict[int, torch.Tensor] = {}
         aliases: Dict[int, torch.Tensor] = {}
+        typed: Dict[Tuple, torch.Tensor] = {}
         host_leaves: List[Any] = [None] * len(plan.meta)
+        old_blocks, old_aliases, buffers = buffer_set.blocks, buffer_set.aliases, buffer_set.buffers
         for unit in plan.units:
-            engine_side = buffer_set.buffers[unit.key]
-            host = _reader_view(engine_side, blocks, aliases, buffer_set.blocks, buffer_set.aliases)
+            host = _reader_view(buffers[unit.key], blocks, aliases, typed, old_blocks, old_aliases)
             if unit.kind == "tensor":
                 if unit.expanded:
                     host = host.expand(unit.shape)
