@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import time
 import warnings
 import weakref
@@ -191,6 +192,10 @@ class ActivationEngine:
         self._last_offloaded = None  # weakref to the last offloaded group of this forward
         self._storages: Dict[int, tuple] = {}  # storage data_ptr -> (group, entry, StorageWeakRef)
         self._param_ptrs: set = set()
+        # Iterables of tensors whose storages join _param_ptrs when a saved tensor first needs the
+        # set: walking a model's parameters costs O(parameters) of host time per step, spent only
+        # when a tensor big enough to offload is saved.
+        self._param_pending: list = []
         self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
         self._backward_seen = False
         self._step = 0
@@ -281,7 +286,8 @@ class ActivationEngine:
         if self._capturing == 0:
             self._start_step_after_backward()
             self._poll()
-            self._param_ptrs = _storage_ptrs(params)
+            self._param_ptrs = set()
+            self._param_pending = [params]
             self._last_offloaded = None
         self._capturing += 1
         self._hooks.__enter__()
@@ -293,13 +299,18 @@ class ActivationEngine:
             self.boundary(None)
             self._storages.clear()
             self._param_ptrs = set()
+            self._param_pending = []
 
     # Opaque to dynamo: inside a compiled layer these run eagerly at a graph break, so the
     # copies, events and pool stay out of the traced graph.
     @_not_traced
     def add_params(self, params) -> None:
-        """Storages of `params` stay on the device (FSDP2 unsharded parameters of a layer)."""
-        self._param_ptrs |= _storage_ptrs(params)
+        """Storages of `params` stay on the device (FSDP2 unsharded parameters of a layer).
+
+        Read when a saved tensor first needs them (normally inside the layer, while FSDP2's
+        unsharded parameters exist): `params` may be a lazy iterable.
+        """
+        self._param_pending.append(params)
 
     @_not_traced
     def boundary(self, name=None, offload: bool = True, layer=None) -> None:
@@ -401,11 +412,17 @@ class ActivationEngine:
         group.state = _HOST
 
     def _pack(self, t: torch.Tensor):
+        # Cheapest tests first: most saved tensors of a step are parameters (a subclass) or
+        # below the size threshold, and leave after two attribute reads.
         group = self._group
+        if group is None or type(t) is not torch.Tensor:  # parameters, DTensors, other subclasses
+            return self._keep(t)
+        numel = t.numel()
+        itemsize = t.element_size()
+        if numel * itemsize < self.min_tensor_bytes or numel == 0:
+            return self._keep(t)
         if (
-            group is None
-            or type(t) is not torch.Tensor  # parameters, DTensors and other subclasses stay
-            or t.device != self.device
+            t.device != self.device
             or t.layout != torch.strided
             or torch._C._current_graph_task_id() != -1  # saved while backward runs (a recompute)
         ):
@@ -425,14 +442,14 @@ class ActivationEngine:
             source = grad_fn.next_functions[0][0]
             if source is not None and hasattr(source, "variable"):  # AccumulateGrad: a leaf's cast
                 return self._keep(t)
-        itemsize = t.element_size()
-        numel = t.numel()
-        if numel == 0 or numel * itemsize < self.min_tensor_bytes:
-            return self._keep(t)
         if t.is_complex() and (t.is_conj() or t.is_neg()):
             return self._keep(t)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        if self._param_pending:
+            for params in self._param_pending:
+                self._param_ptrs |= _storage_ptrs(params)
+            self._param_pending = []
         if ptr in self._param_ptrs:
             return self._keep(t)
         first = t.storage_offset() * itemsize
@@ -557,12 +574,12 @@ class ActivationEngine:
         """Every handle of the group was unpacked: drop its device copies (the host copy stays)."""
         if group.state in (_OPEN,):
             return
-        if group.d2h is not None and group.d2h.ready():
-            # Settles the finished device-to-host copy so the engine drops the sources it
-            # held for it now, not at the next step's first copy. Never a host wait: one
-            # here (a group served from the device while its copy still runs) would hold
-            # the host back in backward and open gaps in the compute stream.
-            group.d2h.wait()
+        if group.d2h is not None:
+            # A query that finds the device-to-host copy done also settles it (the copy engine
+            # drops the sources it held then, not at the next step's first copy). Never a host
+            # wait: one here (a group served from the device while its copy still runs) would
+            # hold the host back in backward and open gaps in the compute stream.
+            group.d2h.ready()
         if group.held is not None:
             group.modified = {i for i, (t, v) in enumerate(group.held) if t._version != v}
             group.held = None
@@ -706,8 +723,8 @@ class ActivationOffload:
                     # per-tensor cost would otherwise be the only overhead left).
                     engine.pass_through_step()
                     return original(*args, **kwargs)
-            params = list(model.parameters()) + list(model.buffers())
-            with engine.capture(params):
+            # Lazy: walked only if a saved tensor needs it (see ActivationEngine.add_params).
+            with engine.capture(itertools.chain(model.parameters(), model.buffers())):
                 return original(*args, **kwargs)
 
         return forward
@@ -737,7 +754,7 @@ class ActivationOffload:
     def _add_layer_params(self, index) -> None:
         module = self._modules[index]()
         if module is not None:
-            self.engine.add_params(list(module.parameters()) + list(module.buffers()))
+            self.engine.add_params(itertools.chain(module.parameters(), module.buffers()))
 
     def stats(self) -> dict:
         """Counters of the current or last step (see ActivationEngine.stats), plus the plan."""
