@@ -675,11 +675,10 @@ class ActivationOffload:
 
             self._auto = AutoPlanner(self, memory_budget_bytes, verbose)
         self._wrapped = []  # weak references to the modules whose forward is wrapped
+        self._layer_targets = [weakref.ref(_wrap_target(module)) for _, module in layers]
+        self._layers_wrapped = False
         try:
-            for index, (_, module) in enumerate(layers):
-                target = _wrap_target(module)
-                _wrap.wrap_forward(target, functools.partial(self._layer_forward, index))
-                self._wrapped.append(weakref.ref(target))
+            self._set_layers_wrapped(True)
             _wrap.wrap_forward(model, self._model_forward)
             self._wrapped.append(weakref.ref(model))
         except Exception:
@@ -716,18 +715,34 @@ class ActivationOffload:
                 or (not engine._capturing and _other_hooks_active())
             ):
                 return original(*args, **kwargs)
-            if self._auto is not None:
-                self._auto.before_forward(args, kwargs)
-                if engine.observer is None and not any(self._offload):
-                    # The plan offloads nothing: run exactly as without offload (no hooks, whose
-                    # per-tensor cost would otherwise be the only overhead left).
-                    engine.pass_through_step()
-                    return original(*args, **kwargs)
+            if self._auto is not None and self._auto.before_forward(args, kwargs):
+                # The plan offloads nothing: run exactly as without offload (no hooks, whose
+                # per-tensor cost would otherwise be the only overhead left).
+                engine.pass_through_step()
+                return original(*args, **kwargs)
             # Lazy: walked only if a saved tensor needs it (see ActivationEngine.add_params).
             with engine.capture(itertools.chain(model.parameters(), model.buffers())):
                 return original(*args, **kwargs)
 
         return forward
+
+    def _set_layers_wrapped(self, on: bool) -> None:
+        """Wrap the layers' forwards (group boundaries), or restore them while auto mode's plan
+        for the current shape offloads nothing (then a step runs the layers' own forwards)."""
+        if on == self._layers_wrapped or not self._enabled:
+            return
+        self._layers_wrapped = on
+        for index, ref in enumerate(self._layer_targets):
+            target = ref()
+            if target is None:
+                continue
+            if on:
+                _wrap.wrap_forward(target, functools.partial(self._layer_forward, index))
+                self._wrapped.append(ref)
+            else:
+                _wrap.unwrap_forward(target)
+        if not on:
+            self._wrapped = [ref for ref in self._wrapped if ref not in self._layer_targets]
 
     def _layer_forward(self, index, original):
         engine = self.engine
@@ -772,6 +787,7 @@ class ActivationOffload:
             if module is not None:
                 _wrap.unwrap_forward(module)
         self._wrapped = []
+        self._layers_wrapped = False
 
     def __repr__(self) -> str:
         return (f"ActivationOffload(mode={self.engine.mode!r}, {len(self.offloaded_layers())} of "
