@@ -50,6 +50,10 @@ TOLERANCE = 0.01  # predicted exposed copy time allowed, as a fraction of the st
 STEP_TOLERANCE = 0.03  # measured step-time overhead allowed over the no-offload step (the issue's 3%)
 PROBE_WARMUP_STEPS = 1
 PROBE_STEPS = 3
+# Timed probe steps whose end the device has not passed yet, at most: a probe step is read
+# when the device is done with it (no host wait, so the host keeps running ahead as in any
+# other step); only beyond this many does the host wait for the oldest.
+PROBE_PENDING = 2
 FIT_FRACTION = 0.9  # a step without offload is tried only if its predicted peak is below this share of memory
 BACKWARD_CAP = 3.0  # a layer's measured backward time is taken as at most this times its forward
 
@@ -224,7 +228,12 @@ class _Clock:
         event.record(_device.current_stream(self.device))
         return event
 
+    def done(self, mark) -> bool:
+        """Whether the device has passed `mark` (never blocks)."""
+        return not self.accel or mark.query()
+
     def seconds(self, a, b) -> float:
+        """Seconds from a to b; blocks the host until b is passed (call `done` first to avoid it)."""
         if not self.accel:
             return b - a
         b.synchronize()
@@ -262,7 +271,7 @@ def probe_bandwidth(device, nbytes: int = 64 << 20):
 class _Probe:
     """A shape's plan being timed: the ranking, the search, and the steps seen of this probe."""
 
-    __slots__ = ("order", "search", "serial", "steps", "samples")
+    __slots__ = ("order", "search", "serial", "steps", "samples", "pending")
 
     def __init__(self, order, search):
         self.order = order
@@ -270,6 +279,7 @@ class _Probe:
         self.serial = 0  # bumped when the probed count changes, so a step of the last one is not timed
         self.steps = 0  # steps run of the current probe (the first PROBE_WARMUP_STEPS are not timed)
         self.samples: list = []  # timed steps (ms)
+        self.pending: list = []  # (start, end) marks of timed steps the device may not have finished
 
 
 class AutoPlanner:
@@ -288,12 +298,21 @@ class AutoPlanner:
         self.bandwidth = None
         self.tuning = {}  # key -> _Probe while its plan is being checked against measured steps
         self.last_start = None  # (mark, key, probe serial) of the last training forward of a planned shape
+        self.idle_key = None  # the shape of the last forward if its settled plan offloads nothing
 
     def current_plan(self):
         return self.plans.get(self.key)
 
-    def before_forward(self, args, kwargs) -> None:
+    def before_forward(self, args, kwargs) -> bool:
+        """Set the plan of this training forward's input shape; True when it runs without hooks.
+
+        A shape whose settled plan offloads nothing costs a shape check per step and nothing
+        else: its layers are unwrapped (no boundary, no clock, no hooks), until a shape that
+        needs them comes.
+        """
         key = _shape_key(args, kwargs)
+        if key == self.idle_key and self.measuring is None:
+            return True
         if self.measuring is not None and self.engine._backward_seen:
             measured_key, steps = self.measuring
             steps += 1
@@ -308,7 +327,12 @@ class AutoPlanner:
             self._tune(key)
             handle._offload = list(self.plans[key]["mask"])
             self.engine.observer = None
-            return
+            idle = key not in self.tuning and not any(handle._offload)
+            self.idle_key = key if idle else None
+            handle._set_layers_wrapped(not idle)
+            return idle
+        self.idle_key = None
+        handle._set_layers_wrapped(True)
         self.last_start = None
         if self.measuring is None or self.measuring[0] != key:
             self.measuring = (key, 0)
@@ -317,6 +341,7 @@ class AutoPlanner:
         self.records = {}
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
+        return False
 
     # ---- checking the plan against measured steps
     def _tune(self, key) -> None:
@@ -329,10 +354,16 @@ class AutoPlanner:
         last, self.last_start = self.last_start, None
         if last is not None and last[1] == key and last[2] == probe.serial:
             probe.steps += 1
-            if probe.steps > PROBE_WARMUP_STEPS:
-                probe.samples.append(self.clock.seconds(last[0], mark) * 1e3)  # blocks: tuning steps only
+            if probe.steps > PROBE_WARMUP_STEPS and len(probe.samples) + len(probe.pending) < PROBE_STEPS:
+                probe.pending.append((last[0], mark))
         else:  # a new probe, or the shape changed in between: warm up again
             probe.steps = 0
+            probe.pending = []
+        # Read, oldest first, the timed steps the device has finished; wait only past PROBE_PENDING.
+        clock = self.clock
+        while probe.pending and (len(probe.pending) > PROBE_PENDING or clock.done(probe.pending[0][1])):
+            start, end = probe.pending.pop(0)
+            probe.samples.append(clock.seconds(start, end) * 1e3)
         search = probe.search
         if len(probe.samples) >= PROBE_STEPS:
             search.record(search.probe, statistics.median(probe.samples))

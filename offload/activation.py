@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import time
 import warnings
 import weakref
@@ -191,6 +192,10 @@ class ActivationEngine:
         self._last_offloaded = None  # weakref to the last offloaded group of this forward
         self._storages: Dict[int, tuple] = {}  # storage data_ptr -> (group, entry, StorageWeakRef)
         self._param_ptrs: set = set()
+        # Iterables of tensors whose storages join _param_ptrs when a saved tensor first needs the
+        # set: walking a model's parameters costs O(parameters) of host time per step, spent only
+        # when a tensor big enough to offload is saved.
+        self._param_pending: list = []
         self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
         self._backward_seen = False
         self._step = 0
@@ -281,7 +286,8 @@ class ActivationEngine:
         if self._capturing == 0:
             self._start_step_after_backward()
             self._poll()
-            self._param_ptrs = _storage_ptrs(params)
+            self._param_ptrs = set()
+            self._param_pending = [params]
             self._last_offloaded = None
         self._capturing += 1
         self._hooks.__enter__()
@@ -293,13 +299,18 @@ class ActivationEngine:
             self.boundary(None)
             self._storages.clear()
             self._param_ptrs = set()
+            self._param_pending = []
 
     # Opaque to dynamo: inside a compiled layer these run eagerly at a graph break, so the
     # copies, events and pool stay out of the traced graph.
     @_not_traced
     def add_params(self, params) -> None:
-        """Storages of `params` stay on the device (FSDP2 unsharded parameters of a layer)."""
-        self._param_ptrs |= _storage_ptrs(params)
+        """Storages of `params` stay on the device (FSDP2 unsharded parameters of a layer).
+
+        Read when a saved tensor first needs them (normally inside the layer, while FSDP2's
+        unsharded parameters exist): `params` may be a lazy iterable.
+        """
+        self._param_pending.append(params)
 
     @_not_traced
     def boundary(self, name=None, offload: bool = True, layer=None) -> None:
@@ -401,11 +412,17 @@ class ActivationEngine:
         group.state = _HOST
 
     def _pack(self, t: torch.Tensor):
+        # Cheapest tests first: most saved tensors of a step are parameters (a subclass) or
+        # below the size threshold, and leave after two attribute reads.
         group = self._group
+        if group is None or type(t) is not torch.Tensor:  # parameters, DTensors, other subclasses
+            return self._keep(t)
+        numel = t.numel()
+        itemsize = t.element_size()
+        if numel * itemsize < self.min_tensor_bytes or numel == 0:
+            return self._keep(t)
         if (
-            group is None
-            or type(t) is not torch.Tensor  # parameters, DTensors and other subclasses stay
-            or t.device != self.device
+            t.device != self.device
             or t.layout != torch.strided
             or torch._C._current_graph_task_id() != -1  # saved while backward runs (a recompute)
         ):
@@ -425,14 +442,14 @@ class ActivationEngine:
             source = grad_fn.next_functions[0][0]
             if source is not None and hasattr(source, "variable"):  # AccumulateGrad: a leaf's cast
                 return self._keep(t)
-        itemsize = t.element_size()
-        numel = t.numel()
-        if numel == 0 or numel * itemsize < self.min_tensor_bytes:
-            return self._keep(t)
         if t.is_complex() and (t.is_conj() or t.is_neg()):
             return self._keep(t)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        if self._param_pending:
+            for params in self._param_pending:
+                self._param_ptrs |= _storage_ptrs(params)
+            self._param_pending = []
         if ptr in self._param_ptrs:
             return self._keep(t)
         first = t.storage_offset() * itemsize
@@ -557,12 +574,12 @@ class ActivationEngine:
         """Every handle of the group was unpacked: drop its device copies (the host copy stays)."""
         if group.state in (_OPEN,):
             return
-        if group.d2h is not None and group.d2h.ready():
-            # Settles the finished device-to-host copy so the engine drops the sources it
-            # held for it now, not at the next step's first copy. Never a host wait: one
-            # here (a group served from the device while its copy still runs) would hold
-            # the host back in backward and open gaps in the compute stream.
-            group.d2h.wait()
+        if group.d2h is not None:
+            # A query that finds the device-to-host copy done also settles it (the copy engine
+            # drops the sources it held then, not at the next step's first copy). Never a host
+            # wait: one here (a group served from the device while its copy still runs) would
+            # hold the host back in backward and open gaps in the compute stream.
+            group.d2h.ready()
         if group.held is not None:
             group.modified = {i for i, (t, v) in enumerate(group.held) if t._version != v}
             group.held = None
@@ -658,11 +675,10 @@ class ActivationOffload:
 
             self._auto = AutoPlanner(self, memory_budget_bytes, verbose)
         self._wrapped = []  # weak references to the modules whose forward is wrapped
+        self._layer_targets = [weakref.ref(_wrap_target(module)) for _, module in layers]
+        self._layers_wrapped = False
         try:
-            for index, (_, module) in enumerate(layers):
-                target = _wrap_target(module)
-                _wrap.wrap_forward(target, functools.partial(self._layer_forward, index))
-                self._wrapped.append(weakref.ref(target))
+            self._set_layers_wrapped(True)
             _wrap.wrap_forward(model, self._model_forward)
             self._wrapped.append(weakref.ref(model))
         except Exception:
@@ -699,18 +715,34 @@ class ActivationOffload:
                 or (not engine._capturing and _other_hooks_active())
             ):
                 return original(*args, **kwargs)
-            if self._auto is not None:
-                self._auto.before_forward(args, kwargs)
-                if engine.observer is None and not any(self._offload):
-                    # The plan offloads nothing: run exactly as without offload (no hooks, whose
-                    # per-tensor cost would otherwise be the only overhead left).
-                    engine.pass_through_step()
-                    return original(*args, **kwargs)
-            params = list(model.parameters()) + list(model.buffers())
-            with engine.capture(params):
+            if self._auto is not None and self._auto.before_forward(args, kwargs):
+                # The plan offloads nothing: run exactly as without offload (no hooks, whose
+                # per-tensor cost would otherwise be the only overhead left).
+                engine.pass_through_step()
+                return original(*args, **kwargs)
+            # Lazy: walked only if a saved tensor needs it (see ActivationEngine.add_params).
+            with engine.capture(itertools.chain(model.parameters(), model.buffers())):
                 return original(*args, **kwargs)
 
         return forward
+
+    def _set_layers_wrapped(self, on: bool) -> None:
+        """Wrap the layers' forwards (group boundaries), or restore them while auto mode's plan
+        for the current shape offloads nothing (then a step runs the layers' own forwards)."""
+        if on == self._layers_wrapped or not self._enabled:
+            return
+        self._layers_wrapped = on
+        for index, ref in enumerate(self._layer_targets):
+            target = ref()
+            if target is None:
+                continue
+            if on:
+                _wrap.wrap_forward(target, functools.partial(self._layer_forward, index))
+                self._wrapped.append(ref)
+            else:
+                _wrap.unwrap_forward(target)
+        if not on:
+            self._wrapped = [ref for ref in self._wrapped if ref not in self._layer_targets]
 
     def _layer_forward(self, index, original):
         engine = self.engine
@@ -737,7 +769,7 @@ class ActivationOffload:
     def _add_layer_params(self, index) -> None:
         module = self._modules[index]()
         if module is not None:
-            self.engine.add_params(list(module.parameters()) + list(module.buffers()))
+            self.engine.add_params(itertools.chain(module.parameters(), module.buffers()))
 
     def stats(self) -> dict:
         """Counters of the current or last step (see ActivationEngine.stats), plus the plan."""
@@ -755,6 +787,7 @@ class ActivationOffload:
             if module is not None:
                 _wrap.unwrap_forward(module)
         self._wrapped = []
+        self._layers_wrapped = False
 
     def __repr__(self) -> str:
         return (f"ActivationOffload(mode={self.engine.mode!r}, {len(self.offloaded_layers())} of "

@@ -595,6 +595,9 @@ class _StepClock:
     def mark(self):
         return None
 
+    def done(self, mark):
+        return True
+
     def seconds(self, a, b):
         return 1.0 + self.overhead * sum(self.handle._offload)
 
@@ -917,3 +920,55 @@ def test_activation_copies_in_flight_served_from_device(resident, pool, monkeypa
     assert stats["groups_offloaded"] == 5
     # First backward: the last resident-1 groups come from the device; second: all from the host.
     assert stats["groups_fetched"] == (5 - (resident - 1)) + 5
+
+
+class _CountingEvent(_FakeEvent):
+    def synchronize(self):
+        self.clock[1] += 1  # a host wait
+
+
+@pytest.mark.parametrize("kind", ["auto_none", "auto_some", "async", "async_checkpoint"])
+def test_activation_steady_step_never_blocks_the_host(kind, monkeypatch):
+    """Once auto mode has settled, and in every async step whose copies are done when looked
+    at, no host synchronisation happens (accelerator branches run against fakes): on a
+    launch-bound model each one would stop the host running ahead of the device."""
+    from offload import _backend
+
+    clock = [0, 0]  # event clock, host waits
+    compute, d2h, h2d = _FakeStream("compute"), _FakeStream("d2h"), _FakeStream("h2d")
+    monkeypatch.setattr(_device, "new_event", lambda device=None, timing=False: _CountingEvent(clock))
+    monkeypatch.setattr(_device, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(_device, "copy_streams", lambda device=None: (d2h, h2d))
+    monkeypatch.setattr(_device, "synchronize", lambda device=None: clock.__setitem__(1, clock[1] + 1))
+    waits = []
+    monkeypatch.setattr(offload.CopyHandle, "wait", lambda self: waits.append(self))
+    ref = _model(n=5, ckpt="nonreentrant" if kind == "async_checkpoint" else None)
+    model = copy.deepcopy(ref)
+    mode = "auto" if kind.startswith("auto") else "async"
+    with _backend.force_fallback():
+        handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=offload.HostPool(),
+                                                   verbose=False)
+        handle.engine.on_accel = handle.engine.timing = True
+        x = torch.randn(8, 16)
+        _, grads_ref = _step(ref, x)
+        for _ in range(40 if mode == "auto" else 2):
+            if mode == "auto" and handle.plan is not None and not isinstance(handle._auto.clock, _StepClock):
+                handle._auto.clock = _StepClock(handle, 1.0 if kind == "auto_none" else 0.02)
+            _step(model, x)
+        assert mode != "auto" or handle.plan["tuning"]["settled"]
+        clock[1] = 0
+        waits.clear()
+        records = clock[0]
+        for _ in range(3):
+            _, grads = _step(model, x)
+            _assert_equal(grads, grads_ref)
+    assert clock[1] == 0 and waits == []
+    if kind == "auto_none":
+        # Nothing offloaded: the layers run their own forwards, no hook, no boundary, no event.
+        assert sum(handle.plan["mask"]) == 0 and handle.stats()["tensors_kept"] == 0
+        assert all("forward" not in block.__dict__ for block in model.blocks)
+        assert clock[0] == records
+    else:
+        assert handle.stats()["groups_offloaded"] >= 1
+    handle.disable()
+    assert all("forward" not in block.__dict__ for block in model.blocks) and "forward" not in model.__dict__
