@@ -72,7 +72,7 @@ class HostPool:
     themselves) has passed that point.
     """
 
-    def __init__(self, limit_bytes=None, slab_bytes=None, *, touch_threads: int = 16):
+    def __init__(self, limit_bytes=None, slab_bytes=None, *, touch_threads: int = 8):
         limit = _limit_from_env() if limit_bytes is None else parse_bytes(limit_bytes, "HostPool: limit_bytes")
         if slab_bytes is None:
             slab = DEFAULT_SLAB_BYTES if _device.pinned_memory_supported() else DEFAULT_CPU_SLAB_BYTES
