@@ -48,6 +48,22 @@ Modes (sender):
   sources every rank calls `snapshot()` (the gathers are collective); only `src`
   keeps a host copy.
 
+  A snapshot of FSDP2 / DTensor sources never gathers the whole model: it walks
+  the tensors in groups of at most `bucket_bytes` of full tensors (a larger tensor
+  alone), gathers one group, queues its copy to the host and drops the gathered
+  tensors, which the copy engine holds only until that copy completes. Before
+  gathering group k+2 the host waits for the copy of group k, so at most two
+  groups of gathered tensors exist at once (one being copied, one being
+  gathered): the copy of one group overlaps the gather of the next, and device
+  memory stays bounded even when the gathers outrun the host link. The price is
+  that `snapshot()` returns only once the copies of all but the last two groups
+  have completed (the host link's time for the model, less two groups), not at
+  once; the gathers are collectives in the trainer's order, so they cannot move
+  to another thread. `snapshot_ms()` then spans the gathers too. A snapshot is
+  then several copy handles (one per group, each reusing the host buffers of the
+  same group of an evicted version); without DTensors it stays one batched copy
+  of everything.
+
 FSDP2 / DTensor sources are gathered with `full_tensor()` one tensor at a time as
 their bucket is packed, never the whole model at once. Every rank of the FSDP mesh
 must call `send()` with the same source in the same order (ranks other than `src`
@@ -141,6 +157,40 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
 
 
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a DTensor (a collective over its mesh), else `t` itself."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _gather_groups(items, max_bytes: int) -> List[list]:
+    """Consecutive groups of (name, tensor) references that `snapshot()` gathers and copies together.
+
+    Without DTensors: one group, one batched copy (nothing is gathered). With
+    them: groups of at most `max_bytes` of full tensors, a larger tensor alone, so
+    the gathered tensors alive at once stay bounded (see the module docstring).
+    """
+    if not any(_is_dtensor(t) for _, t in items):
+        return [items]
+    groups: List[list] = []
+    current: list = []
+    size = 0
+    for item in items:
+        nbytes = item[1].numel() * item[1].element_size()  # a DTensor's numel is its full size
+        if current and size + nbytes > max_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _layout(groups) -> List[list]:
+    """Shapes and dtypes of the full tensors, per group: a snapshot's host buffers fit another of the same layout."""
+    return [[(tuple(t.shape), t.dtype) for _, t in group] for group in groups]
+
+
 def _copy_blocks(fn: str, device: torch.device, reserve_sms) -> int:
     """`max_blocks` for the pack/unpack kernels that run beside a collective (0: no cap)."""
     if isinstance(reserve_sms, bool) or not isinstance(reserve_sms, int) or reserve_sms < 0:
@@ -186,17 +236,25 @@ class _Buffers:
 
 
 class _Snapshot:
-    def __init__(self, version: int, names: List[str], handle, done_event, start_event, host_seconds: float):
+    def __init__(self, version: int, names: List[str], layout: List[list], handles: List, done_event, start_event,
+                 host_seconds: float):
         self.version = version
         self.names = names
-        self.handle = handle  # CopyHandle of the device-to-host copy; None on ranks other than src
-        self.done_event = done_event  # completes with the copy (accelerators), None on the CPU
+        self.layout = layout  # per gather group: shapes and dtypes (see _layout)
+        # CopyHandles of the device-to-host copies, one per gather group, in the
+        # order of `names`; empty on ranks other than src.
+        self.handles = handles
+        self.done_event = done_event  # completes with the last copy (accelerators), None on the CPU
         self.start_event = start_event
         self.host_seconds = host_seconds
         self.readers = 0  # sends in progress from this snapshot (guarded by the sender's lock)
 
     def tensors(self) -> List[torch.Tensor]:
-        return self.handle.wait()
+        return [t for handle in self.handles for t in handle.wait()]
+
+    def wait_stream(self, stream) -> None:
+        for handle in self.handles:
+            handle.wait_stream(stream)
 
     def copy_ms(self) -> float:
         if self.done_event is None:
@@ -213,7 +271,9 @@ class WeightSender:
             `ranks` to build one (every rank of the world must construct with the
             same ranks, since `new_group` is collective).
         src: global rank of the sender.
-        bucket_bytes: most bytes per bucket (default `offload.default_bucket_bytes()`).
+        bucket_bytes: most bytes per bucket (default `offload.default_bucket_bytes()`);
+            also the most bytes of full tensors a "host_cache" snapshot of DTensor
+            sources gathers at once (a larger tensor alone).
         dtype, keep_dtype: the cast policy of `offload.pack_buckets` (e.g. bf16, with
             router weights kept in fp32).
         mode: "device" or "host_cache" (see the module docstring).
@@ -282,48 +342,64 @@ class WeightSender:
     def snapshot(self, source, version: Optional[int] = None) -> int:
         """Copy `source`'s weights to pinned host memory, asynchronously; returns the version tag."""
         fn = "offload.WeightSender.snapshot"
-        items = [(n, t.full_tensor() if _is_dtensor(t) else t) for n, t in _named_sources(fn, source)]
+        items = _named_sources(fn, source)  # references: nothing is gathered yet
         names = [n for n, _ in items]
-        tensors = [t for _, t in items]
-        device = tensors[0].device if tensors else _device.current_device()
-        if not self.is_src:  # an FSDP peer: it took part in the gathers; only src keeps a copy
+        if not self.is_src:  # an FSDP peer: it takes part in the gathers; only src keeps a copy
+            self._gather_only(items, version)  # one tensor at a time, dropped at once
             with self._lock:
                 version = self._next_version if version is None else version
                 self._next_version = max(self._next_version, version + 1)
-                self._snapshots[version] = _Snapshot(version, names, None, None, None, 0.0)
+                self._snapshots[version] = _Snapshot(version, names, [], [], None, None, 0.0)
                 while len(self._snapshots) > self.keep_versions:
                     self._snapshots.popitem(last=False)
             return version
+        groups = _gather_groups(items, self.bucket_bytes)
+        layout = _layout(groups)
+        device = items[0][1].device if items else _device.current_device()  # a DTensor's: its local shard's
+        reuse = [None] * len(groups)
         with self._lock:
             if version is None:
                 version = self._next_version
-            if version in self._snapshots:
-                raise ValueError(f"{fn}: version {version} is already cached; pass a new version")
-            self._next_version = max(self._next_version, version + 1)
-            reuse = None
-            if len(self._snapshots) >= self.keep_versions:
+            duplicate = version in self._snapshots
+            if not duplicate:
+                self._next_version = max(self._next_version, version + 1)
+            if not duplicate and len(self._snapshots) >= self.keep_versions:
                 _, oldest = self._snapshots.popitem(last=False)
-                old = oldest.handle.tensors
-                same = [(o.shape, o.dtype) for o in old] == [(t.shape, t.dtype) for t in tensors]
-                if same and oldest.readers == 0:  # never overwrite a snapshot another thread is sending
-                    oldest.handle.wait()  # a sender may still be reading it
-                    reuse = oldest.handle
+                if oldest.layout == layout and oldest.readers == 0:  # never overwrite a snapshot being sent
+                    for handle in oldest.handles:
+                        handle.wait()  # its copies are done before new ones overwrite the buffers
+                    reuse = oldest.handles
+        if duplicate:  # the FSDP peers are in the gathers already: take part, then refuse
+            self._gather_only(items, version)
+            raise ValueError(f"{fn}: version {version} is already cached; pass a new version")
         start = done = None
         t0 = time.perf_counter()
         if _device.is_accelerator(device):
             start = _device.new_event(device, timing=True)
             start.record(_device.current_stream(device))
-        handle = copy_to_host(tensors, out=reuse, pool=self.pool)
+        handles = []
+        for k, group in enumerate(groups):
+            if k >= 2:
+                # Host wait: group k-2's copy has read its gathered tensors, and the
+                # engine (drained by the wait) has let them go, so their memory is
+                # free before this group's gathers allocate (module docstring).
+                handles[k - 2].wait()
+            gathered = [_gather(t) for _, t in group]
+            # The copy stream waits for the current stream (which the gathers
+            # joined), and the engine holds `gathered` until the copy completes.
+            handles.append(copy_to_host(gathered, out=reuse[k], pool=self.pool))
+            del gathered  # ours go now; the engine's when the copy is done
         if start is not None:
-            # A private stream waits for the copy, so the end event marks its completion
-            # without the current (training) stream waiting for anything.
+            # A private stream waits for the copies, so the end event marks their
+            # completion without the current (training) stream waiting for anything.
             if self._marker_stream is None or self._marker_stream.device != device:
                 self._marker_stream = _device.new_stream(device)
-            handle.wait_stream(self._marker_stream)
+            for handle in handles:
+                handle.wait_stream(self._marker_stream)
             done = _device.new_event(device, timing=True)
             done.record(self._marker_stream)
         host_seconds = time.perf_counter() - t0 if start is None else 0.0
-        snap = _Snapshot(version, names, handle, done, start, host_seconds)
+        snap = _Snapshot(version, names, layout, handles, done, start, host_seconds)
         with self._lock:
             self._snapshots[version] = snap
         return version
@@ -331,13 +407,12 @@ class WeightSender:
     def wait_snapshot(self, version: Optional[int] = None, stream=None) -> None:
         """Make `stream` (default: current) wait, on the device, until the snapshot's copy has read the weights."""
         snap = self._get_snapshot("offload.WeightSender.wait_snapshot", version)
-        if snap.handle is not None:
-            snap.handle.wait_stream(stream)
+        snap.wait_stream(stream)
 
     def snapshot_ms(self, version: Optional[int] = None) -> float:
         """Device time of the snapshot's copy to host (events on the copy stream); waits (host) for the copy."""
         snap = self._get_snapshot("offload.WeightSender.snapshot_ms", version)
-        return 0.0 if snap.handle is None else snap.copy_ms()
+        return snap.copy_ms() if snap.handles else 0.0
 
     @property
     def versions(self) -> List[int]:
@@ -396,7 +471,7 @@ class WeightSender:
         with timer.phase("gather"):
             for _, t in items:
                 if _is_dtensor(t):
-                    t.full_tensor()
+                    _gather(t)
         return timer.result(bytes=0, buckets=0, version=version)
 
     def _send_snapshot(self, fn: str, snap: _Snapshot) -> dict:
@@ -448,8 +523,7 @@ class WeightSender:
                 for e in entries:
                     src = gathered.get(e.name)
                     if src is None:
-                        src = tensors[e.name]
-                        src = src.full_tensor() if _is_dtensor(src) else src
+                        src = _gather(tensors[e.name])
                         if e.chunk + 1 < e.num_chunks:
                             gathered[e.name] = src  # more chunks follow in later buckets
                     elif e.chunk + 1 == e.num_chunks:

@@ -253,6 +253,79 @@ def _scenario_fsdp2_host_cache(rank, device):
         _assert_equal(_sd(mine), want, f"FSDP2 sync {step}")
 
 
+class _GatherRecorder:
+    """Wraps offload.weight_sync._gather: the most bytes of gathered full tensors alive at once.
+
+    Tensors are tracked by weak reference; a tensor the copy engine still holds
+    keeps its Python object (PyTorch preserves it while C++ holds the tensor), so
+    what the engine keeps alive counts too.
+    """
+
+    def __init__(self):
+        import offload.weight_sync as ws
+
+        self._gather = ws._gather
+        self.alive = []  # (weakref, nbytes)
+        self.peak = 0
+        self.calls = 0
+        ws._gather = self
+
+    def __call__(self, t):
+        import weakref
+
+        full = self._gather(t)
+        if full is not t:  # a DTensor was gathered
+            self.calls += 1
+            self.alive = [(r, n) for r, n in self.alive if r() is not None]
+            self.alive.append((weakref.ref(full), full.numel() * full.element_size()))
+            self.peak = max(self.peak, sum(n for _, n in self.alive))
+        return full
+
+
+def _scenario_fsdp2_host_cache_per_layer(rank, device):
+    """FSDP2 host_cache snapshots gather a bounded group at a time (never a whole layer, never the model), reuse
+    the host buffers of evicted versions, and an older version sent after a newer snapshot arrives bit for bit."""
+    model = _shard(_llama(0, device), device)
+    recorder = _GatherRecorder()
+    bucket = 32 << 10
+    sender = offload.WeightSender(src=SRC, bucket_bytes=bucket, mode="host_cache", keep_versions=2)
+    replica = _llama(0, device)  # unsharded, the same steps
+    sizes = {n: t.numel() * t.element_size() for n, t in replica.state_dict().items()}
+    layer = sum(b for n, b in sizes.items() if n.startswith("model.layers.0."))
+    bound = max(bucket, max(sizes.values()))  # one group: bucket_bytes, or one larger tensor
+    assert bound < layer < sum(sizes.values())
+    receiver = None if rank == SRC else offload.WeightReceiver(src=SRC)
+    mine = _llama(1, device)
+    buffers = {}  # version -> data pointers of its host copies (src)
+    for step in range(3):
+        versions, wants = [], []
+        for half in range(2):  # two snapshots, then both are sent, the older first
+            _train_step_sharded(model, 2 * step + half)
+            _train_step(replica, 2 * step + half)
+            v = sender.snapshot(model)
+            assert recorder.peak <= bound, f"{recorder.peak} bytes of gathered tensors alive at once (bound {bound})"
+            sender.wait_snapshot(v)
+            versions.append(v)
+            wants.append(_sd(replica))
+        assert versions == [2 * step, 2 * step + 1]
+        for v, want in zip(versions, wants):
+            if rank == SRC:
+                snap = sender._snapshots[v]
+                assert len(snap.handles) > 2  # several groups, several copies
+                buffers[v] = [t.data_ptr() for t in snap.tensors()]
+                t = sender.send(version=v)
+                assert t["version"] == v and t["bytes"] > 0
+            else:
+                assert sender.send(version=v)["bytes"] == 0
+                receiver.load(mine)
+                assert receiver.version == v
+                _assert_equal(_sd(mine), want, f"FSDP2 version {v}")
+        assert sender.versions == versions
+    assert recorder.calls == 6 * len(sizes)  # every snapshot gathered every tensor once, on both ranks
+    if rank == SRC:  # a version's host buffers are those of the version it evicted
+        assert buffers[2] == buffers[0] and buffers[4] == buffers[2] and buffers[3] == buffers[1]
+
+
 @pytest.mark.slow
 def test_weight_sync_gloo_device_mode_consecutive_syncs():
     _spawn(_scenario_syncs)
@@ -285,6 +358,13 @@ def test_weight_sync_needs_initialized_group():
                     reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
 def test_weight_sync_gloo_fsdp2_host_cache():
     _spawn(_scenario_fsdp2_host_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(offload._device.accelerator_type() is not None,
+                    reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
+def test_weight_sync_gloo_fsdp2_host_cache_gathers_per_group():
+    _spawn(_scenario_fsdp2_host_cache_per_layer)
 
 
 @pytest.mark.cuda
