@@ -94,11 +94,17 @@ _GROUP_BYTES = 32 << 20
 _META = attrgetter("shape", "dtype", "device")
 _data_ptr = torch.Tensor.data_ptr
 _nbytes = attrgetter("nbytes")
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _broadcast(t: torch.Tensor, contiguous: bool) -> bool:
+    """Whether `t` repeats elements along a dimension (stride 0, size > 1), as expand() makes;
+    `contiguous` is t.is_contiguous(), given by callers that read it for many tensors at once."""
+    return not contiguous and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
 
 
 def _align(n: int) -> int:
@@ -284,7 +290,7 @@ class _Plan:
     def _add_tensor_unit(self, slots, t, paths) -> None:
         key = ("tensor", paths[slots[0]], tuple(t.shape), t.dtype)
         nbytes = t.numel() * t.element_size()
-        expanded = not t.is_contiguous() and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+        expanded = _broadcast(t, t.is_contiguous())
         self.units.append(_Unit("tensor", slots, key, nbytes, t.device, tuple(t.shape), t.dtype, expanded=expanded))
 
     def _add_tensor_units(self, slots, locals_, paths) -> None:
@@ -297,8 +303,7 @@ class _Plan:
         for slot in slots:
             shape, dtype, device = meta[slot]
             shape = tuple(shape)
-            t = locals_[slot]
-            expanded = not contiguous[slot] and any(st == 0 and n > 1 for n, st in zip(shape, t.stride()))
+            expanded = _broadcast(locals_[slot], contiguous[slot])
             units.append(
                 _Unit("tensor", [slot], ("tensor", paths[slot], shape, dtype), nbytes[slot], device, shape, dtype,
                       expanded=expanded)
