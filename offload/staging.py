@@ -90,6 +90,9 @@ _MAX_LOOSE = 16
 # the same speed, and the device holds 3 x 32 MiB of staging buffers while a
 # copy runs.
 _GROUP_BYTES = 32 << 20
+# A first save of at least this many bytes grows the pool beside its planning
+# (_PoolGrowth); below it one ordinary slab suffices and a thread is not worth it.
+_GROWTH_MIN_BYTES = 64 << 20
 
 _META = attrgetter("shape", "dtype", "device")
 _data_ptr = torch.Tensor.data_ptr
@@ -498,6 +501,54 @@ def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_byt
     return _HostCopy(dsts)
 
 
+def _first_save_bytes(tensors) -> int:
+    """About the host bytes a first save copies: each storage once, and never more
+    of it than its tensors cover (a slice of a large buffer costs the slice)."""
+    storages: Dict[int, list] = {}  # storage address -> [its bytes, bytes of its tensors]
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not nbytes:
+            continue
+        storage = t.untyped_storage()
+        seen = storages.get(storage.data_ptr())
+        if seen is None:
+            storages[storage.data_ptr()] = [storage.nbytes(), nbytes]
+        else:
+            seen[1] += nbytes
+    total = sum(min(whole, used) for whole, used in storages.values())
+    # Slack for the copy engine's packing (aligned offsets, block sizes in 2 MiB steps).
+    return total + total // 256 + (2 << 20)
+
+
+class _PoolGrowth:
+    """The first save's host memory, grown on a worker thread while that save plans.
+
+    A first save costs its planning (Python), the pool's growth (first touch of
+    fresh pages and their registration with the driver: native code that releases
+    the interpreter lock) and the copy. Started before planning, the growth runs
+    beside it, and as one slab it is touched by all of the pool's threads where
+    growing group by group makes slabs of `slab_bytes`. `join()` comes before
+    the first copy is enqueued, so no allocation races the growth. A growth that
+    fails (the pool's limit, say) is dropped: the copies grow the pool as they go
+    and report the limit themselves, with its usual message.
+    """
+
+    def __init__(self, pool: HostPool, nbytes: int):
+        self._thread = threading.Thread(target=self._grow, args=(pool, nbytes), name="offload-stager-growth",
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _grow(pool: HostPool, nbytes: int) -> None:
+        try:
+            pool.reserve(nbytes)
+        except Exception:  # noqa: BLE001 - see the class docstring
+            pass
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 class _Stale(Exception):
     """A copy refused a tensor the cached plan did not expect: plan again, checking every tensor."""
 
@@ -632,6 +683,7 @@ class AsyncStager(_StagerProtocol):
         self._metrics: deque = deque(maxlen=_METRICS_KEPT)
         self._saves = 0
         self._closed = False
+        self._growth: Optional[_PoolGrowth] = None  # the first save's pool growth, while it plans
 
     # ------------------------------------------------------------ protocol
 
@@ -653,7 +705,10 @@ class AsyncStager(_StagerProtocol):
         if self._closed:
             raise RuntimeError(f"{fn}: the stager is closed; make a new offload.AsyncStager")
         with _gc_paused():
-            return self._stage(fn, state_dict)
+            try:
+                return self._stage(fn, state_dict)
+            finally:
+                self._join_growth()  # a save that failed while planning leaves no thread behind
 
     def _stage(self, fn, state_dict):
         t_enter = time.perf_counter()
@@ -670,6 +725,7 @@ class AsyncStager(_StagerProtocol):
             if buffer_set.plan is not plan:
                 reused, allocated = self._prepare(fn, buffer_set, plan)
                 held_before = buffer_set.held_bytes
+            self._join_growth()
             try:
                 timing, copy_seconds = self._enqueue(plan, buffer_set, locals_, checked)
                 break
@@ -812,6 +868,8 @@ class AsyncStager(_StagerProtocol):
                 locals_[slot] = tensors[slot]._local_tensor
             specs = [tensors[slot]._spec for slot in tree.dtensor_slots]
         plan = self._plan
+        if plan is None and not self._sets:
+            self._start_growth(locals_)
         if (
             plan is None
             or plan.tree is not tree
@@ -831,6 +889,27 @@ class AsyncStager(_StagerProtocol):
                 plan = fresh
             return leaves, plan, locals_, True
         return leaves, plan, locals_, thorough
+
+    def _start_growth(self, locals_) -> None:
+        """Grow a native pool by about what the first save copies, beside its planning (_PoolGrowth)."""
+        pool = self._pool if self._pool is not None else default_host_pool()
+        if not pool.native:  # torch's pinned cache keeps blocks by size: a reserve would not serve them
+            return
+        try:
+            nbytes = _first_save_bytes(locals_)
+        except Exception:  # noqa: BLE001 - a tensor planning refuses (meta, say): planning says why
+            return
+        if self._limit and nbytes > self._limit:
+            return  # planning raises the stager's own limit error
+        # Cached free blocks (a closed stager's, say) serve the copies first: grow by the rest.
+        nbytes -= pool.stats()["free_bytes"]
+        if nbytes >= _GROWTH_MIN_BYTES:
+            self._growth = _PoolGrowth(pool, nbytes)
+
+    def _join_growth(self) -> None:
+        growth, self._growth = self._growth, None
+        if growth is not None:
+            growth.join()
 
     def _new_plan(self, fn, tree, locals_, specs) -> _Plan:
         early_ptrs = set()

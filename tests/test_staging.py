@@ -365,6 +365,34 @@ def test_staging_close_returns_buffers(backend, device):
         stager.stage({"w": torch.ones(1, device=device)})
 
 
+def test_staging_first_save_grows_the_pool_ahead_in_one_slab(device):
+    if not offload.HostPool().native:
+        pytest.skip(f"the stager grows only offload's own pool ahead of a save: {offload._backend.why_not()}")
+    MiB = 1 << 20
+    pool = offload.HostPool()
+    torch.manual_seed(0)
+    state = {f"layers.{i}.w": torch.randn(64 << 10, device=device) for i in range(320)}  # 320 x 256 KiB
+    state["tied"] = state["layers.0.w"]  # copied once: counted once
+    state["slice"] = torch.randn(16 * MiB, device=device)[: MiB]  # 4 MiB of a 64 MiB buffer: counts 4 MiB
+    expected = _snapshot(state)
+    stager = offload.AsyncStager(pool=pool)
+    _assert_same(stager.stage(state).result(), expected)
+    stats = pool.stats()
+    # One slab grown while the save planned, none by the copies (80 MiB packed, the 4 MiB slice), and sized
+    # from what is copied: a reserve counting the tied tensor twice or the whole buffer would pass this bound.
+    assert stats["slabs"] == 1, stats
+    assert 84 * MiB <= stats["reserved_bytes"] <= 90 * MiB, stats
+    stager.close()
+    gc.collect()
+    # A new stager on the same pool: the closed one's cached blocks serve it, nothing grows.
+    again = offload.AsyncStager(pool=pool)
+    state["layers.1.w"].add_(1)
+    expected = _snapshot(state)
+    _assert_same(again.stage(state).result(), expected)
+    assert pool.stats()["slabs"] == 1 and pool.stats()["reserved_bytes"] == stats["reserved_bytes"]
+    again.close()
+
+
 def test_staging_bad_input(device):
     stager = offload.AsyncStager()
     with pytest.raises(ValueError, match=r"state_dict\['m'\]\['w'\] is a meta tensor"):
