@@ -23,6 +23,7 @@
 
 #include "offload/bindings_registry.h"
 #include "offload/checks.h"
+#include "offload/event_cache.h"
 #include "offload/multi_tensor_copy.h"
 #include "offload/tensor_layout.h"
 #include "offload/tensor_source.h"
@@ -132,7 +133,7 @@ class InFlight {
     std::lock_guard<std::mutex> lock(mutex_);
     drain_locked();
     if (tensors.empty()) return;
-    entries_.emplace_back(c10::Event(stream.device_type()), std::move(tensors));
+    entries_.emplace_back(take_event(stream.device()), std::move(tensors));
     entries_.back().first.record(stream);
   }
   void drain() {
@@ -143,7 +144,12 @@ class InFlight {
  private:
   void drain_locked() {
     for (auto it = entries_.begin(); it != entries_.end();) {
-      it = it->first.query() ? entries_.erase(it) : std::next(it);
+      if (it->first.query()) {
+        give_back_event(std::move(it->first));
+        it = entries_.erase(it);
+      } else {
+        it = std::next(it);
+      }
     }
   }
   std::mutex mutex_;
@@ -161,8 +167,12 @@ void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream) {
   keepalive_.clear();
 }
 
+Transfer::~Transfer() {
+  for (auto& event : events_) give_back_event(std::move(event));
+}
+
 void Transfer::mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members) {
-  events_.emplace_back(stream.device_type());
+  events_.push_back(take_event(stream.device()));
   events_.back().record(stream);
   for (int64_t i : members) event_of_[i] = static_cast<int32_t>(events_.size() - 1);
 }
@@ -172,16 +182,25 @@ void Transfer::synchronize() const {
   InFlight::instance().drain();
 }
 
-void Transfer::wait_stream(const c10::Stream& stream) const {
-  // Events are recorded in order on one copy stream: the last implies the rest.
-  if (!events_.empty()) events_.back().block(stream);
+c10::optional<c10::Stream> Transfer::consumer(const c10::optional<c10::Stream>& stream) const {
+  if (stream || device_.is_cpu()) return stream;
+  // The current stream, read here rather than by the caller in Python (a Python
+  // stream object per call cost microseconds on every wait).
+  return c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
 }
 
-void Transfer::wait_stream_for(int64_t index, const c10::Stream& stream) const {
+void Transfer::wait_stream(const c10::optional<c10::Stream>& stream) const {
+  // Events are recorded in order on one copy stream: the last implies the rest.
+  if (events_.empty()) return;
+  if (const auto waiter = consumer(stream)) events_.back().block(*waiter);
+}
+
+void Transfer::wait_stream_for(int64_t index, const c10::optional<c10::Stream>& stream) const {
   TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(outputs_.size()), "offload.CopyHandle.wait_tensor: ",
                     "index ", index, " out of range for ", outputs_.size(), " tensors");
   const int32_t event = event_of_[index];
-  if (event >= 0) events_[event].block(stream);
+  if (event < 0) return;
+  if (const auto waiter = consumer(stream)) events_[event].block(*waiter);
 }
 
 // A side stream per device for packing, so that packing group k+1 on the SMs
@@ -329,14 +348,17 @@ class CopyEngine {
       r_.restore_.resize(n_);
       r_.event_of_.assign(n_, -1);
     }
+    ~ToHost() {
+      if (packed_) give_back_event(std::move(*packed_));
+    }
+    ToHost(const ToHost&) = delete;
+    ToHost& operator=(const ToHost&) = delete;
 
     void run(const c10::optional<std::vector<at::Tensor>>& out, const std::shared_ptr<Transfer>& reuse) {
       if (on_device_) {
         device_guard_.reset_device(device_);
         caller_ = current_stream(device_);
-        c10::Event start(device_.type());
-        start.record(*caller_);
-        start.block(*stream_);
+        order_after(*stream_, *caller_);
         stream_guard_.emplace(*stream_);
       }
       if (out) return run_into(*out);
@@ -443,10 +465,11 @@ class CopyEngine {
     // and pack streams must wait for it before reading its result.
     void sync_caller_work() {
       if (!unsynced_caller_work_ || !on_device_) return;
-      c10::Event made(device_.type());
+      c10::Event made = take_event(device_);
       made.record(*caller_);
       made.block(*stream_);
       if (pack_) made.block(*pack_);
+      give_back_event(std::move(made));
       unsynced_caller_work_ = false;
     }
 
@@ -479,9 +502,7 @@ class CopyEngine {
       }
       if (!pack_) {
         pack_ = pack_stream(device_);
-        c10::Event start(device_.type());
-        start.record(*caller_);
-        start.block(*pack_);
+        order_after(*pack_, *caller_);
       }
       sync_caller_work();
       const int slot = packed_groups_ % kSlots;
@@ -506,7 +527,7 @@ class CopyEngine {
       }
       // One event, re-recorded per group: the copy stream's wait takes the record
       // current at the time of the wait, and no create/destroy per group.
-      if (!packed_.has_value()) packed_.emplace(device_.type());
+      if (!packed_.has_value()) packed_.emplace(take_event(device_));
       packed_->record(*pack_);
       packed_->block(*stream_);
       copy_bytes_async(group.host_block.data_ptr(), true, target, false, group.bytes, device_);
@@ -588,9 +609,7 @@ class CopyEngine {
       if (from_ && !on_device_) from_->synchronize();
       if (on_device_) {
         device_guard_.reset_device(device_);
-        c10::Event start(device_.type());
-        start.record(current_stream(device_));
-        start.block(*stream_);
+        order_after(*stream_, current_stream(device_));
         if (from_) from_->wait_stream(*stream_);
       }
       GroupSizes sizes(options_);
@@ -654,7 +673,7 @@ class CopyEngine {
     void check_member(size_t i) {
       const char* fn = "offload.copy_to_device";
       const at::Tensor& t = tensors_[i];
-      check_source(fn, i, t, c10::DeviceType::CPU, tensors_[0]);
+      if (!out_) check_source(fn, i, t, c10::DeviceType::CPU, tensors_[0]);  // with out=, to_device checked it
       if (on_device_ && options_.require_pinned && !from_ && t.numel() > 0) {
         TORCH_CHECK_VALUE(is_pinned(t), fn, ": tensors[", i, "] is not pinned, so the copy would block the host; "
                           "pass pinned memory (offload.copy_to_host results, offload.HostPool.empty, "
@@ -824,9 +843,9 @@ void bind_copy_engine(py::module_& m) {
       .def("restore_specs", &Transfer::restore_specs)
       .def("query", &Transfer::query)
       .def("synchronize", &Transfer::synchronize, py::call_guard<py::gil_scoped_release>())
-      .def("wait_stream", [](const Transfer& t, c10::optional<c10::Stream> s) { if (s) t.wait_stream(*s); })
-      .def("wait_stream_for",
-           [](const Transfer& t, int64_t i, c10::optional<c10::Stream> s) { if (s) t.wait_stream_for(i, *s); });
+      // stream None: the current stream of the transfer's device.
+      .def("wait_stream", [](const Transfer& t, c10::optional<c10::Stream> s) { t.wait_stream(s); })
+      .def("wait_stream_for", [](const Transfer& t, int64_t i, c10::optional<c10::Stream> s) { t.wait_stream_for(i, s); });
   auto make_options = [](bool require_pinned, int64_t small_bytes, int64_t chunk_bytes) {
     CopyOptions o;
     o.require_pinned = require_pinned;

@@ -64,7 +64,7 @@ class CopyHandle:
 
     def wait_stream(self, stream=None) -> None:
         """Make `stream` (default: the current one) wait for the transfer, on the device."""
-        self._impl.wait_stream(_stream_or_current(stream, self._impl.device()))
+        self._impl.wait_stream(stream)  # None: the implementation reads the current stream
 
     def wait_tensor(self, index: int, stream=None) -> torch.Tensor:
         """Make `stream` wait only for the copy that carries tensors[index]; returns it."""
@@ -72,7 +72,7 @@ class CopyHandle:
         if not -count <= index < count:
             raise IndexError(f"CopyHandle.wait_tensor: index {index} out of range for {count} tensors")
         index %= count
-        self._impl.wait_stream_for(index, _stream_or_current(stream, self._impl.device()))
+        self._impl.wait_stream_for(index, stream)
         return self._impl.tensor(index)
 
     def __len__(self) -> int:
@@ -81,14 +81,6 @@ class CopyHandle:
     def __repr__(self) -> str:
         state = "done" if self.ready() else "in flight"
         return f"CopyHandle({len(self)} tensors, {self.nbytes} bytes, {state})"
-
-
-def _stream_or_current(stream, device):
-    if stream is not None:
-        return stream
-    if device is None or not _device.is_accelerator(device):
-        return None
-    return _device.current_stream(device)
 
 
 def _as_list(fn: str, tensors, name: str = "tensors"):

@@ -54,8 +54,12 @@ class PyTransfer:
             self._event.synchronize()
 
     def wait_stream(self, stream) -> None:
-        if self._event is not None and stream is not None:
-            stream.wait_event(self._event)
+        """`stream` (None: the device's current stream) waits for the transfer; nothing to wait for on the CPU."""
+        if self._event is None:
+            return
+        if stream is None:
+            stream = _device.current_stream(self._device)
+        stream.wait_event(self._event)
 
     def wait_stream_for(self, index: int, stream) -> None:
         self.wait_stream(stream)

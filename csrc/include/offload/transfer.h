@@ -45,6 +45,9 @@ class Transfer {
   using Strides = std::pair<std::vector<int64_t>, std::vector<int64_t>>;
 
   explicit Transfer(c10::Device device) : device_(device) {}
+  ~Transfer();  // gives its events back to the cache (event_cache.h)
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
 
   const std::vector<at::Tensor>& tensors() const { return outputs_; }
   int64_t nbytes() const { return nbytes_; }
@@ -54,8 +57,11 @@ class Transfer {
 
   bool query() const;
   void synchronize() const;
-  void wait_stream(const c10::Stream& stream) const;
-  void wait_stream_for(int64_t index, const c10::Stream& stream) const;
+  // The consumer `stream` (default: the current stream of the transfer's device;
+  // nothing to wait for on the CPU) waits on the device for the whole transfer, or
+  // only for the copy that carries output `index`.
+  void wait_stream(const c10::optional<c10::Stream>& stream = c10::nullopt) const;
+  void wait_stream_for(int64_t index, const c10::optional<c10::Stream>& stream = c10::nullopt) const;
 
  private:
   friend class CopyEngine;
@@ -64,6 +70,7 @@ class Transfer {
   void release_keepalive(const c10::optional<c10::Stream>& stream);
   // Records the event after which `members` are complete on the copy `stream`.
   void mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members);
+  c10::optional<c10::Stream> consumer(const c10::optional<c10::Stream>& stream) const;
   c10::Device device_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> host_bases_;  // device-to-host: what was written (outputs_ may be expanded views)

@@ -1,0 +1,31 @@
+// Device events, recycled across transfers.
+//
+// A transfer used three events (the copy stream's wait for the caller, its
+// completion, the in-flight registry's), each created and destroyed by a driver
+// call: for one 16 MiB copy that churn was a visible part of the ~20 us the
+// engine spent beyond a bare copy_ (benchmarks/RESULTS.md). Events are taken from
+// here and given back when their owner is done with them; a given-back event is
+// handed out again only once it has completed, so its next record can never be
+// confused with the last one on any backend (CUDA, or ACL on Ascend, whose
+// semantics for re-recording an event with waiters outstanding we do not rely on).
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+namespace offload {
+
+// An event for `device`: a completed one from the cache, or a new one (created by
+// the backend at its first record). Thread-safe.
+c10::Event take_event(const c10::Device& device);
+
+// Returns an event its owner no longer uses (it may still be pending: it is
+// reused once a query finds it complete). Calls the driver only to destroy the
+// oldest event when the cache is full, as the event's own destructor would.
+void give_back_event(c10::Event&& event);
+
+// Makes `waiter` wait, on the device, for the work queued on `producer` so far.
+void order_after(const c10::Stream& waiter, const c10::Stream& producer);
+
+}  // namespace offload

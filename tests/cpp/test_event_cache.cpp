@@ -1,0 +1,159 @@
+// offload's event cache (csrc/include/offload/event_cache.h) on a scripted device:
+// a guard implementation for PrivateUse1, registered here, whose events complete
+// only when the test says so and which counts every event it creates and
+// destroys. The cache must hand out again only events that have completed, keep
+// events of one device away from another, stay bounded, and order streams.
+#include <map>
+#include <memory>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "check.h"
+#include "offload/event_cache.h"
+
+namespace {
+
+struct ScriptedEvent {
+  bool done = false;
+  c10::StreamId recorded_on = 0;
+};
+
+// What the scripted device did, for the tests to read.
+struct Log {
+  int created = 0;
+  int destroyed = 0;
+  std::set<ScriptedEvent*> live;
+  std::vector<std::pair<ScriptedEvent*, c10::StreamId>> blocks;  // (event, waiting stream)
+  void complete_all() {
+    for (ScriptedEvent* e : live) e->done = true;
+  }
+};
+Log& log() {
+  static Log l;
+  return l;
+}
+
+struct ScriptedGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old = getDevice();
+    current_ = d.index();
+    return old;
+  }
+  c10::Device getDevice() const override { return c10::Device(type(), current_); }
+  void setDevice(c10::Device d) const override { current_ = d.index(); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { current_ = d.index(); }
+  c10::Stream getStream(c10::Device d) const noexcept override { return c10::Stream(c10::Stream::UNSAFE, d, 0); }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
+  c10::DeviceIndex deviceCount() const noexcept override { return 4; }
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex, const c10::EventFlag) const override {
+    if (*event == nullptr) {
+      auto* e = new ScriptedEvent();
+      log().created += 1;
+      log().live.insert(e);
+      *event = e;
+    }
+    auto* e = static_cast<ScriptedEvent*>(*event);
+    e->done = false;  // pending until the test completes it
+    e->recorded_on = stream.id();
+  }
+  void block(void* event, const c10::Stream& stream) const override {
+    log().blocks.emplace_back(static_cast<ScriptedEvent*>(event), stream.id());
+  }
+  bool queryEvent(void* event) const override { return event == nullptr || static_cast<ScriptedEvent*>(event)->done; }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    if (event == nullptr) return;
+    log().destroyed += 1;
+    log().live.erase(static_cast<ScriptedEvent*>(event));
+    delete static_cast<ScriptedEvent*>(event);
+  }
+  static thread_local c10::DeviceIndex current_;
+};
+thread_local c10::DeviceIndex ScriptedGuardImpl::current_ = 0;
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, ScriptedGuardImpl)
+
+c10::Device device(int index) { return c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(index)); }
+c10::Stream stream(int index, c10::StreamId id) { return c10::Stream(c10::Stream::UNSAFE, device(index), id); }
+
+// The driver event behind a c10::Event (the scripted device's), by recording it once
+// more on a stream nobody waits on: record keeps the same driver event.
+ScriptedEvent* driver_event(c10::Event& event, int index) {
+  event.record(stream(index, 99));
+  return static_cast<ScriptedEvent*>(const_cast<void*>(event.eventId()));
+}
+
+// Each case uses its own device index: the cache is one per process.
+OFFLOAD_TEST(event_cache_reuses_only_completed_events) {
+  c10::Event first = offload::take_event(device(0));
+  REQUIRE(!first.was_marked_for_recording());  // fresh: the backend creates it at its first record
+  ScriptedEvent* id = driver_event(first, 0);
+  offload::give_back_event(std::move(first));
+  const int created = log().created;
+  c10::Event second = offload::take_event(device(0));  // the first is still pending: not handed out
+  ScriptedEvent* other = driver_event(second, 0);
+  REQUIRE(other != id);
+  REQUIRE_EQ(log().created, created + 1);
+  offload::give_back_event(std::move(second));
+  log().complete_all();
+  c10::Event third = offload::take_event(device(0));  // both completed now: a recycled one, nothing created
+  REQUIRE(third.was_marked_for_recording());
+  ScriptedEvent* again = driver_event(third, 0);
+  REQUIRE(again == id || again == other);
+  REQUIRE_EQ(log().created, created + 1);
+  offload::give_back_event(std::move(third));
+}
+
+OFFLOAD_TEST(event_cache_keeps_devices_apart) {
+  c10::Event on_one = offload::take_event(device(1));
+  ScriptedEvent* id = driver_event(on_one, 1);
+  offload::give_back_event(std::move(on_one));
+  log().complete_all();
+  c10::Event on_two = offload::take_event(device(2));  // device 1's event must not come back here
+  REQUIRE(!on_two.was_marked_for_recording());
+  ScriptedEvent* other = driver_event(on_two, 2);
+  REQUIRE(other != id);
+  REQUIRE_EQ(static_cast<int>(on_two.device_index()), 2);
+  c10::Event back_on_one = offload::take_event(device(1));
+  REQUIRE(driver_event(back_on_one, 1) == id);
+}
+
+OFFLOAD_TEST(event_cache_never_given_back_twice_and_drops_unrecorded) {
+  c10::Event unused = offload::take_event(device(3));
+  const int destroyed = log().destroyed;
+  offload::give_back_event(std::move(unused));  // no driver event behind it: nothing kept, nothing destroyed
+  REQUIRE_EQ(log().destroyed, destroyed);
+  c10::Event e = offload::take_event(device(3));
+  REQUIRE(!e.was_marked_for_recording());
+}
+
+OFFLOAD_TEST(event_cache_stays_bounded) {
+  // More pending events than the cache keeps: the oldest are destroyed, not held without bound.
+  const int destroyed = log().destroyed;
+  for (int i = 0; i < 1100; ++i) {
+    c10::Event e = offload::take_event(device(3));
+    e.record(stream(3, 1));
+    offload::give_back_event(std::move(e));
+  }
+  REQUIRE(log().destroyed - destroyed >= 1100 - 1024 - 8);  // a few queried complete may be reused instead
+  REQUIRE(static_cast<int>(log().live.size()) <= 1024 + 256 + 16);
+}
+
+OFFLOAD_TEST(order_after_makes_the_waiter_wait_for_the_producer) {
+  log().blocks.clear();
+  offload::order_after(stream(0, 7), stream(0, 5));
+  REQUIRE_EQ(log().blocks.size(), size_t(1));
+  REQUIRE_EQ(log().blocks[0].first->recorded_on, c10::StreamId(5));
+  REQUIRE_EQ(log().blocks[0].second, c10::StreamId(7));
+  offload::order_after(stream(0, 7), stream(0, 7));  // one stream is in order already: no event
+  REQUIRE_EQ(log().blocks.size(), size_t(1));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return offload_test::run_all(argc, argv); }
