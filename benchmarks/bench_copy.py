@@ -83,7 +83,8 @@ def _many_tensors(ctx, count, each, iters):
     host_list = handle.wait()
 
     def torch_h2d():
-        return [h.to(dev, non_blocking=True) for h in hosts]
+        # copy=True: on the CPU subset .to() of a CPU tensor would return it uncopied.
+        return [h.to(dev, non_blocking=True, copy=True) for h in hosts]
 
     t_off, t_torch = compare_ms(lambda: _joined(offload.copy_to_device(host_list, dev)), torch_h2d, dev,
                                 iters=iters)

@@ -315,11 +315,23 @@ class CopyEngine {
     at::Tensor base;  // compact (broadcast dims narrowed) and dense
     bool expanded = false;
     bool made_contiguous = false;
+    bool resolved = false;  // a conj/neg view resolved into a new tensor
     int64_t nbytes = 0;
   };
 
   static Prepared prepare(const at::Tensor& t, bool allow_contiguous) {
     Prepared p;
+    if (t.is_conj() || t.is_neg()) {
+      // A lazily conjugated or negated view (z.conj(), torch._neg_view) shares its
+      // base's bytes and carries a flag: its bytes are not its values. Moved as
+      // bytes it arrived as the base's values. Resolved into a new tensor here, on
+      // the current stream (the copy stream for a device source; the host for a
+      // host source), and treated like a contiguous() copy: held until copied,
+      // waited for by the pack stream (its own strides are kept: dense).
+      p = prepare(t.resolve_conj().resolve_neg(), allow_contiguous);
+      p.resolved = true;
+      return p;
+    }
     if (t.is_contiguous() && t.numel() > 0) {  // most tensors: no broadcast dims, dense as they are
       p.base = t;
       p.nbytes = tensor_nbytes(t);
@@ -452,25 +464,29 @@ class CopyEngine {
       check_source("offload.copy_to_host", static_cast<size_t>(i), tensors_[i], tensors_[0].device().type(),
                    tensors_[0]);
       prepared_[i] = prepare(tensors_[i], /*allow_contiguous=*/true);
-      if (prepared_[i].made_contiguous) {
+      if (prepared_[i].made_contiguous && !prepared_[i].resolved) {
         r_.restore_[i] = Transfer::Strides(tensors_[i].sizes().vec(), tensors_[i].strides().vec());
+      }
+      if (prepared_[i].made_contiguous || prepared_[i].resolved) {  // a new tensor, made on the copy stream
         r_.keepalive_.push_back(prepared_[i].base);
-        unsynced_caller_work_ = true;
+        unsynced_prepared_work_ = true;
       }
       r_.nbytes_ += prepared_[i].nbytes;
       return prepared_[i].nbytes;
     }
 
-    // contiguous() ran on the caller's stream after the start event: the copy
-    // and pack streams must wait for it before reading its result.
-    void sync_caller_work() {
-      if (!unsynced_caller_work_ || !on_device_) return;
-      c10::Event made = take_event(device_);
-      made.record(*caller_);
-      made.block(*stream_);
-      if (pack_) made.block(*pack_);
-      give_back_event(std::move(made));
-      unsynced_caller_work_ = false;
+    // Members are prepared while the copy stream is current, so a contiguous()
+    // copy or a conj/neg resolution made for one ran there: the copy stream reads
+    // the result in order, the pack stream must wait for it before packing it.
+    void sync_prepared_work() {
+      if (!unsynced_prepared_work_ || !on_device_) return;
+      if (pack_) {
+        c10::Event made = take_event(device_);
+        made.record(*stream_);
+        made.block(*pack_);
+        give_back_event(std::move(made));
+      }
+      unsynced_prepared_work_ = false;
     }
 
     void enqueue(Transfer::Group& group) {
@@ -478,7 +494,7 @@ class CopyEngine {
       if (group.packed) {
         enqueue_packed(group);
       } else {
-        sync_caller_work();
+        sync_prepared_work();
         const int64_t i = group.members[0];
         if (!r_.host_bases_[i].defined()) {
           r_.host_bases_[i] = view_like(group.host_block.storage(), 0, prepared_[i].base, c10::Device(at::kCPU));
@@ -504,7 +520,7 @@ class CopyEngine {
         pack_ = pack_stream(device_);
         order_after(*pack_, *caller_);
       }
-      sync_caller_work();
+      sync_prepared_work();
       const int slot = packed_groups_ % kSlots;
       // A handle's groups (out=<handle>) may have been made with a larger
       // group_bytes than this call's: a slot grows to the group it must hold.
@@ -585,7 +601,7 @@ class CopyEngine {
     at::Tensor slots_[kSlots];
     int32_t slot_events_[kSlots] = {-1, -1, -1};
     int64_t packed_groups_ = 0;
-    bool unsynced_caller_work_ = false;
+    bool unsynced_prepared_work_ = false;
   };
 
   // One host-to-device transfer, enqueued span by span. Small tensors of one

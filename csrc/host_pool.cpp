@@ -112,6 +112,17 @@ HostPool::Block* HostPool::find_free_locked(size_t cls) {
 
 HostPool::Block* HostPool::carve_locked(size_t cls, size_t nbytes) {
   if (current_ == nullptr || current_->bytes - current_->carved < cls) {
+    // An older slab's uncarved tail (left when a larger request or reserve()
+    // started a new slab) serves before the pool grows: otherwise that memory
+    // stays reserved, counts against the limit, and is never handed out.
+    for (const auto& slab : slabs_) {
+      if (slab->bytes - slab->carved >= cls) {
+        current_ = slab.get();
+        break;
+      }
+    }
+  }
+  if (current_ == nullptr || current_->bytes - current_->carved < cls) {
     size_t want = std::max(cls, slab_bytes_);
     if (limit_bytes_ != 0 && stats_.reserved_bytes + want > limit_bytes_) {
       // Before refusing, within the limit: wait for blocks whose copies are in

@@ -103,6 +103,7 @@ def _check_count(fn: str, tensors, out) -> None:
         raise ValueError(f"{fn}: out has {len(out)} tensors but tensors has {len(tensors)}")
 
 
+@torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
 def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_bytes) -> PyTransfer:
     fn = "offload.copy_to_host"
     device_type = _device.compute_device_type()
@@ -165,6 +166,7 @@ def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> Non
         dst[start : start + rows_per_chunk].copy_(src[start : start + rows_per_chunk], non_blocking=True)
 
 
+@torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
 def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, chunk_bytes) -> PyTransfer:
     fn = "offload.copy_to_device"
     for i, h in enumerate(sources):

@@ -11,7 +11,11 @@ import offload
 from offload import _device
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
+          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
+          torch.complex128, torch.uint16, torch.uint32, torch.uint64]
+# Newer bit formats, where this torch has them (moved as bytes like every other dtype).
+DTYPES += [getattr(torch, name) for name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+           if hasattr(torch, name)]
 
 
 def random_tensor(shape, dtype, device, generator=None):
@@ -62,6 +66,34 @@ def test_copy_round_trip_is_bitwise_for_every_dtype_and_layout(backend, device, 
         assert b.device == src.device, name
         assert_bitwise(src, b)
         assert b.stride() == src.stride(), f"{name}: strides {b.stride()} != {src.stride()}"
+
+
+def test_copy_lazy_conj_and_neg_views_move_their_values(backend, device):
+    # A conj/neg view shares its base's bytes and carries a flag; its values are what must arrive.
+    z = random_tensor((5, 7), torch.complex64, device)
+    x = random_tensor((9, 3), torch.float32, device)
+    sources = {"conj": z.conj(), "conj_transposed": z.t().conj(), "neg": torch._neg_view(x),
+               "neg_sliced": torch._neg_view(x)[::2], "plain": x}
+    for small_bytes in (1 << 20, 0):  # packed with the others, and each alone
+        handle = offload.copy_to_host(list(sources.values()), small_bytes=small_bytes)
+        for src, h in zip(sources.values(), handle.wait()):
+            assert_bitwise(src, h)  # bits() copies, and a copy resolves the flags: values compared
+        for src, b in zip(sources.values(), offload.copy_to_device(handle, device).wait()):
+            assert_bitwise(src, b)
+    hosts = [t.cpu() for t in sources.values()]  # host conj/neg views going up
+    for src, b in zip(sources.values(), offload.copy_to_device(hosts, device, require_pinned=False).wait()):
+        assert_bitwise(src, b)
+
+
+def test_copy_outputs_carry_no_autograd_graph(backend, device):
+    w = torch.randn(4, 5, device=device, requires_grad=True)
+    sources = [w, w * 2, w.t()]  # a leaf, an op output, a view
+    handle = offload.copy_to_host(sources)
+    for src, h in zip(sources, handle.wait()):
+        assert h.grad_fn is None and not h.requires_grad
+        assert_bitwise(src.detach(), h)
+    for b in offload.copy_to_device(handle, device).wait():
+        assert b.grad_fn is None and not b.requires_grad
 
 
 def test_copy_many_tiny_tensors_and_large_ones_mixed(backend, device):

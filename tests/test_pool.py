@@ -131,6 +131,21 @@ def test_pool_reserve_then_acquire_hits_the_reserved_slab():
 
 
 @pytest.mark.native
+def test_pool_hands_out_older_slab_tails_before_growing():
+    pool = offload.HostPool(limit_bytes=32 * MiB, slab_bytes=16 * MiB)
+    held = [pool.acquire(10 * MiB), pool.acquire(10 * MiB), pool.acquire(4 * MiB)]  # two slabs, 6 + 2 MiB left
+    held.append(pool.acquire(5 * MiB))  # a 6 MiB block: the first slab's tail, within the limit
+    stats = pool.stats()
+    assert stats["slabs"] == 2 and stats["reserved_bytes"] == 32 * MiB
+    grown = offload.HostPool(slab_bytes=16 * MiB)
+    first = grown.acquire(MiB)
+    grown.reserve(20 * MiB)  # a slab of its own; the first slab keeps 15 MiB uncarved
+    rest = [grown.acquire(MiB) for _ in range(35)]  # 20 from the reserved slab, 15 from the first one's tail
+    assert grown.stats()["slabs"] == 2 and grown.stats()["reserved_bytes"] == 36 * MiB
+    del held, first, rest
+
+
+@pytest.mark.native
 def test_pool_trim_returns_only_wholly_free_slabs():
     pool = small_pool()
     keep = pool.acquire(MiB)
