@@ -1,92 +1,21 @@
-// offload's event cache (csrc/include/offload/event_cache.h) on a scripted device:
-// a guard implementation for PrivateUse1, registered here, whose events complete
-// only when the test says so and which counts every event it creates and
-// destroys. The cache must hand out again only events that have completed, keep
-// events of one device away from another, stay bounded, and order streams.
-#include <map>
-#include <memory>
-#include <set>
-#include <utility>
-#include <vector>
-
+// offload's event cache (csrc/include/offload/event_cache.h) on the scripted
+// device of scripted_device.h, whose events complete only when the test says so.
+// The cache must hand out again only events that have completed, keep events of
+// one device away from another, stay bounded, and order streams.
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "check.h"
+#include "scripted_device.h"
 #include "offload/event_cache.h"
 
 namespace {
 
-struct ScriptedEvent {
-  bool done = false;
-  c10::StreamId recorded_on = 0;
-};
-
-// What the scripted device did, for the tests to read.
-struct Log {
-  int created = 0;
-  int destroyed = 0;
-  std::set<ScriptedEvent*> live;
-  std::vector<std::pair<ScriptedEvent*, c10::StreamId>> blocks;  // (event, waiting stream)
-  void complete_all() {
-    for (ScriptedEvent* e : live) e->done = true;
-  }
-};
-Log& log() {
-  static Log l;
-  return l;
-}
-
-struct ScriptedGuardImpl final : public c10::impl::DeviceGuardImplInterface {
-  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
-  c10::Device exchangeDevice(c10::Device d) const override {
-    c10::Device old = getDevice();
-    current_ = d.index();
-    return old;
-  }
-  c10::Device getDevice() const override { return c10::Device(type(), current_); }
-  void setDevice(c10::Device d) const override { current_ = d.index(); }
-  void uncheckedSetDevice(c10::Device d) const noexcept override { current_ = d.index(); }
-  c10::Stream getStream(c10::Device d) const noexcept override { return c10::Stream(c10::Stream::UNSAFE, d, 0); }
-  c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
-  c10::DeviceIndex deviceCount() const noexcept override { return 4; }
-  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex, const c10::EventFlag) const override {
-    if (*event == nullptr) {
-      auto* e = new ScriptedEvent();
-      log().created += 1;
-      log().live.insert(e);
-      *event = e;
-    }
-    auto* e = static_cast<ScriptedEvent*>(*event);
-    e->done = false;  // pending until the test completes it
-    e->recorded_on = stream.id();
-  }
-  void block(void* event, const c10::Stream& stream) const override {
-    log().blocks.emplace_back(static_cast<ScriptedEvent*>(event), stream.id());
-  }
-  bool queryEvent(void* event) const override { return event == nullptr || static_cast<ScriptedEvent*>(event)->done; }
-  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
-    if (event == nullptr) return;
-    log().destroyed += 1;
-    log().live.erase(static_cast<ScriptedEvent*>(event));
-    delete static_cast<ScriptedEvent*>(event);
-  }
-  static thread_local c10::DeviceIndex current_;
-};
-thread_local c10::DeviceIndex ScriptedGuardImpl::current_ = 0;
-
-C10_REGISTER_GUARD_IMPL(PrivateUse1, ScriptedGuardImpl)
-
-c10::Device device(int index) { return c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(index)); }
-c10::Stream stream(int index, c10::StreamId id) { return c10::Stream(c10::Stream::UNSAFE, device(index), id); }
-
-// The driver event behind a c10::Event (the scripted device's), by recording it once
-// more on a stream nobody waits on: record keeps the same driver event.
-ScriptedEvent* driver_event(c10::Event& event, int index) {
-  event.record(stream(index, 99));
-  return static_cast<ScriptedEvent*>(const_cast<void*>(event.eventId()));
-}
+using scripted::device;
+using scripted::driver_event;
+using scripted::log;
+using scripted::ScriptedEvent;
+using scripted::stream;
 
 // Each case uses its own device index: the cache is one per process.
 OFFLOAD_TEST(event_cache_reuses_only_completed_events) {

@@ -1,5 +1,7 @@
 // offload::HostPool through its C++ API (csrc/include/offload/host_pool.h), on the
-// CPU: size classes, reuse, the limit and its error, reserve/trim, threads.
+// CPU: size classes, reuse, the limit and its error, reserve/trim, threads; and,
+// with the scripted device of scripted_device.h, that a block is not handed out
+// again before the copies recorded on it have completed.
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -10,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include "check.h"
+#include "scripted_device.h"
 #include "offload/host_pool.h"
 
 namespace {
@@ -209,3 +212,49 @@ OFFLOAD_TEST(eight_threads_never_share_a_block) {
 }
 
 int main(int argc, char** argv) { return offload_test::run_all(argc, argv); }
+
+OFFLOAD_TEST(block_is_not_reused_before_the_copies_recorded_on_it_complete) {
+  // Host memory for copies on the scripted device: plain memory (no pinner), events from the script.
+  auto pool = offload::HostPool::create(c10::DeviceType::PrivateUse1, 0, 2 * MiB, /*touch_threads=*/1);
+  at::Tensor a = pool->allocate(4096);
+  const void* where = address(a);
+  const int created = scripted::log().created;
+  REQUIRE(pool->record_stream(a, scripted::stream(0, 1)));  // a copy on stream 1 reads it
+  REQUIRE(pool->record_stream(a, scripted::stream(0, 1)));  // later work on the same stream: the same event
+  REQUIRE(pool->record_stream(a, scripted::stream(0, 2)));  // and one on stream 2
+  REQUIRE_EQ(scripted::log().created, created + 2);
+  a.reset();  // the tensor dies while its copies are still queued
+  REQUIRE_EQ(pool->stats().pending_blocks, size_t(1));
+  at::Tensor b = pool->allocate(4096);  // the same class: must not get the block still being read
+  REQUIRE(address(b) != where);
+  b.reset();
+  scripted::log().complete_all();
+  at::Tensor c = pool->allocate(4096);  // both copies done: the block is free again
+  at::Tensor d = pool->allocate(4096);
+  REQUIRE(address(c) == where || address(d) == where);
+  REQUIRE_EQ(pool->stats().pending_blocks, size_t(0));
+}
+
+OFFLOAD_TEST(block_waits_for_every_stream_that_used_it) {
+  auto pool = offload::HostPool::create(c10::DeviceType::PrivateUse1, 0, 2 * MiB, /*touch_threads=*/1);
+  at::Tensor a = pool->allocate(8192);
+  const void* where = address(a);
+  REQUIRE(pool->record_stream(a, scripted::stream(1, 3)));
+  REQUIRE(pool->record_stream(a, scripted::stream(1, 4)));
+  a.reset();
+  // Complete only the first stream's event: the block stays held back.
+  scripted::ScriptedEvent* first = nullptr;
+  for (auto* e : scripted::log().live) {
+    if (e->recorded_on == 3 && !e->done) first = e;
+  }
+  REQUIRE(first != nullptr);
+  first->done = true;
+  std::vector<at::Tensor> held;
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(pool->allocate(8192));
+    REQUIRE(address(held.back()) != where);
+  }
+  scripted::log().complete_all();
+  at::Tensor again = pool->allocate(8192);
+  REQUIRE(address(again) == where);
+}
