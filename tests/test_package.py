@@ -69,6 +69,36 @@ def test_package_imports_without_the_compiled_core():
     assert lines[2] == "[0, 1, 2, 3, 4]"
 
 
+@pytest.mark.parametrize("forced", [False, True])
+def test_package_warns_once_when_an_accelerator_has_no_compiled_core(forced):
+    # An accelerator is made to appear (accelerator_type patched) and the core cannot be imported:
+    # the first use says so once, later uses stay quiet; a forced fallback says nothing.
+    script = (
+        "import sys, warnings\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'offload._C':\n"
+        "            raise ImportError('no compiled core in this install')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import offload\n"
+        "from offload import _backend, _device\n"
+        "_device.accelerator_type = lambda: 'cuda'\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(3):\n"
+        "        assert _backend.core() is None\n"
+        "print(len(seen))\n"
+        "print(seen[0].message if seen else '')\n"
+    )
+    result = run_python(script, **({"OFFLOAD_FORCE_FALLBACK": "1"} if forced else {}))
+    assert result.returncode == 0, result.stderr
+    count, message = (result.stdout.strip().splitlines() + [""])[:2]
+    if forced:
+        assert count == "0"
+    else:
+        assert count == "1" and "pure-PyTorch path" in message and "no compiled core" in message
+
+
 def test_package_info_reports_versions_and_backends():
     result = subprocess.run([sys.executable, "-m", "offload.info"], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
