@@ -13,8 +13,9 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 python -m pip install --quiet "setuptools>=64" wheel
-if ! python -c "import torch" 2>/dev/null; then
-  echo "offload setup: installing torch==2.13.0"
+# offload needs torch >= 2.6; an older one on the system is shadowed inside .venv.
+if ! python -c "import torch, sys; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 6))" 2>/dev/null; then
+  echo "offload setup: installing torch==2.13.0 (none importable, or older than 2.6)"
   python -m pip install --quiet "torch==2.13.0"
 fi
 python -m pip install --quiet ninja "$@"
