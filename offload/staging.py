@@ -359,10 +359,18 @@ class _BufferSet:
     DLPack, whose context keeps the pooled block alive), which the copy engine
     never sees. On every save to a set found free (so no reader exists), after
     those views are built (`_bind`) and before the staged dict is, `mark_baseline`
-    records (a) the Python reference count of every object it hands out and (b)
-    the use count of every alias storage: exactly the stager's own references.
+    records (a) the Python reference count of every object it hands out, (b)
+    the use count of every alias storage and (c) the Python reference count of
+    every alias storage's Python object: exactly the stager's own references.
     Any later excess is a reader: the staged dict or one of its tensors kept (a),
-    or a new view taken from one (b).
+    a new view taken from one (b), or the storage object of one
+    (`tensor.untyped_storage()`, or a TypedStorage over it) kept (c). (c) is a
+    count of its own because holding that object adds nothing to the use count:
+    torch keeps one Python object per storage (in the StorageImpl's PyObject
+    slot) and that object's one reference to the storage is in the baseline of
+    (b) however many Python references it has, so only the Python reference count
+    sees who holds it. The set holds each alias's storage object, so it stays the
+    one torch hands to readers.
     """
 
     def __init__(self, index: int):
@@ -378,11 +386,13 @@ class _BufferSet:
         self.aliases: Dict[int, torch.Tensor] = {}  # storage address -> the same bytes, another storage (readers)
         # The aliases' storage handles, for the use counts (valid: each alias holds its storage).
         self.alias_storages: List[int] = []
+        self.alias_storage_objects: List[Any] = []  # their Python objects: extra references mean a reader
         self.host_leaves: List[Any] = []  # per tensor slot: what the staged dict holds (alias views)
         self.handles: List[Any] = []  # the handles of the last save's copies
         self.watch: List[Any] = []  # the objects handed out; extra references to them mean a reader
         self.ref_base = 0  # sum of the watched objects' reference counts with no reader
         self.use_base = 0  # sum of the alias storages' use counts with no reader
+        self.storage_ref_base = 0  # sum of the alias storage objects' reference counts with no reader
 
     @property
     def held_bytes(self) -> int:
@@ -399,6 +409,8 @@ class _BufferSet:
             return "the state dict staged into it is still referenced (an upload in progress?)"
         if _use_count is not None and self._alias_uses() > self.use_base:
             return "a view of its host buffers is still referenced"
+        if sum(map(sys.getrefcount, self.alias_storage_objects)) > self.storage_ref_base:
+            return "a storage object of its host buffers (tensor.untyped_storage()) is still referenced"
         return None
 
     def _alias_uses(self) -> int:
@@ -407,13 +419,14 @@ class _BufferSet:
     def mark_baseline(self) -> None:
         """Record the references this stager itself holds (call with no staged dict or reader alive)."""
         self.ref_base = sum(map(sys.getrefcount, self.watch))
+        self.storage_ref_base = sum(map(sys.getrefcount, self.alias_storage_objects))
         if _use_count is not None:
             self.use_base = self._alias_uses()
 
     def release(self) -> None:
         self.plan = None
         self.buffers, self.parts, self.calls, self.blocks, self.aliases = {}, {}, [], {}, {}
-        self.alias_storages = []
+        self.alias_storages, self.alias_storage_objects, self.storage_ref_base = [], [], 0
         self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], 0, 0
 
 
@@ -1069,7 +1082,8 @@ class AsyncStager(_StagerProtocol):
                 host_leaves[slot] = dtensor(host_leaves[slot], spec, requires_grad=False)
                 watch.append(host_leaves[slot])
         buffer_set.blocks, buffer_set.aliases = blocks, aliases
-        buffer_set.alias_storages = [a.untyped_storage()._cdata for a in aliases.values()]
+        buffer_set.alias_storage_objects = [a.untyped_storage() for a in aliases.values()]
+        buffer_set.alias_storages = [storage._cdata for storage in buffer_set.alias_storage_objects]
         buffer_set.host_leaves = host_leaves
         buffer_set.watch = list({id(o): o for o in watch}.values())
         buffer_set.plan = plan

@@ -276,6 +276,26 @@ def test_staging_kept_tensor_or_view_keeps_set_busy(backend, device):
     stager.close()
 
 
+def test_staging_kept_storage_object_keeps_set_busy(backend, device):
+    # A reader holding only the storage object of a staged tensor (tensor.untyped_storage(),
+    # or the TypedStorage of tensor.storage()) still reads the host buffer.
+    stager = offload.AsyncStager(ring_size=1, when_busy="raise")
+    w = torch.ones(32, device=device)
+    for take in (torch.Tensor.untyped_storage, torch.Tensor.storage):
+        staged = stager.stage({"w": w}).result()
+        storage = take(staged["w"])
+        del staged
+        gc.collect()
+        with pytest.raises(RuntimeError, match="storage object of its host buffers"):
+            stager.stage({"w": w * 7})
+        untyped = storage if take is torch.Tensor.untyped_storage else storage._untyped_storage
+        reread = torch.empty(0, dtype=torch.float32).set_(untyped, 0, (32,), (1,))
+        assert torch.equal(reread, torch.ones(32))  # never overwritten under the reader
+        del storage, untyped, reread
+        assert torch.equal(stager.stage({"w": w * 3}).result()["w"], torch.full((32,), 3.0))
+    stager.close()
+
+
 def test_staging_busy_ignores_copy_backend_references(backend, device, monkeypatch):
     # A copy backend may hold the host destinations (and views of them) for a while
     # and drop them later, e.g. when a copy is observed complete, as the native
