@@ -883,15 +883,21 @@ class AsyncStager(_StagerProtocol):
         plan = self._plan
         if plan is None and not self._sets:
             self._start_growth(locals_)
-        if (
-            plan is None
-            or plan.tree is not tree
-            or specs != plan.specs
-            or (plan.watched_slots and [_layout_of(locals_[s])[1:] for s in plan.watched_slots] != plan.watched_layouts)
-            or (thorough and list(map(_META, locals_)) != plan.meta)
-        ):
+        try:
+            stale = (
+                plan is None
+                or plan.tree is not tree
+                or specs != plan.specs
+                or (plan.watched_slots
+                    and [_layout_of(locals_[s])[1:] for s in plan.watched_slots] != plan.watched_layouts)
+                or (thorough and list(map(_META, locals_)) != plan.meta)
+            )
+            moved = not stale and list(map(_data_ptr, locals_)) != plan.ptrs
+        except RuntimeError:  # a tensor without storage (sparse, say): planning checks every tensor and names it
+            stale = True
+        if stale:
             return leaves, self._new_plan(fn, tree, locals_, specs), locals_, True
-        if list(map(_data_ptr, locals_)) != plan.ptrs:
+        if moved:
             # New storages (a state dict rebuilt from reallocated tensors): the
             # aliasing may have changed; keep the plan if it did not.
             fresh = self._new_plan(fn, tree, locals_, specs)
@@ -925,6 +931,9 @@ class AsyncStager(_StagerProtocol):
             growth.join()
 
     def _new_plan(self, fn, tree, locals_, specs) -> _Plan:
+        # A cached tree compared only the leaves' types: a tensor may have turned
+        # meta or sparse since the tree was built. The first save's check says so.
+        tree.check_tensors(locals_)
         early_ptrs = set()
         if self._forward_module is not None:
             early_ptrs = {(b.device, b.data_ptr()) for b in self._forward_module.buffers() if b.numel()}

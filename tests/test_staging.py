@@ -437,6 +437,36 @@ def test_staging_bad_input(device):
         stager.protect(object())
 
 
+def test_staging_bad_tensor_in_a_later_save(device):
+    """A tensor that turns meta or sparse after the structure is cached (generated code,
+    cached plan) gets the first save's message, not a raw error from reading its pointer."""
+    cases = [
+        (lambda: torch.empty(4, device="meta"), ValueError, r"state_dict\['m'\]\['w[89]'\] is a meta tensor"),
+        (lambda: torch.eye(2, device=device).to_sparse(), ValueError,
+         r"state_dict\['m'\]\['w[89]'\] has layout torch.sparse_coo"),
+        (lambda: torch.eye(2, device=device).to_sparse_csr(), ValueError,
+         r"state_dict\['m'\]\['w[89]'\] has layout torch.sparse_csr"),
+    ]
+    for watched in (False, True):  # w9 alone, or tied to w8 (a slot whose layout _resolve compares itself)
+        stager = offload.AsyncStager(ring_size=1)
+
+        def state(last):
+            layer = {f"w{j}": torch.full((4,), float(j), device=device) for j in range(9)}
+            layer["w9"] = last
+            if watched:
+                layer["w8"] = last
+            return {"m": layer}
+
+        for _ in range(3):  # the third save runs generated code and the cached plan
+            stager.stage(state(torch.ones(4, device=device))).result()
+        for make, error, message in cases:
+            with pytest.raises(error, match=message):
+                stager.stage(state(make()))
+        good = state(torch.arange(4.0, device=device))
+        _assert_same(stager.stage(good).result(), _snapshot(good))  # the stager still works
+        stager.close()
+
+
 def test_staging_scalars_change_without_replanning(backend, device):
     stager = offload.AsyncStager()
     w = torch.ones(4, device=device)
