@@ -95,6 +95,11 @@ _GROUP_BYTES = 32 << 20
 _GROWTH_MIN_BYTES = 64 << 20
 
 _META = attrgetter("shape", "dtype", "device")
+_SHAPE_DTYPE = attrgetter("shape", "dtype")
+_is_cpu = attrgetter("is_cpu")
+# One call for a list of host-to-host copies (torch >= 2.1): the per-pair copy_
+# runs in C++, not as one Python call per tensor.
+_foreach_copy = torch._foreach_copy_
 _data_ptr = torch.Tensor.data_ptr
 _nbytes = attrgetter("nbytes")
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -248,10 +253,11 @@ class _Plan:
         self.span_strides = [locals_[s].stride() for s in self.span_slots]
         # Tensors whose layout no copy checks on a save with the cached plan (see
         # AsyncStager._resolve): members of spans and of tied units past the first,
-        # empty tensors (nothing to copy) and sources of host copies.
+        # and empty tensors (nothing to copy). Host copies check their sources as
+        # the copy engine does (_copy_on_host).
         watched = set(self.span_slots)
         for unit in self.units:
-            if unit.kind == "tensor" and (len(unit.slots) > 1 or not unit.nbytes or unit.device.type != compute):
+            if unit.kind == "tensor" and (len(unit.slots) > 1 or not unit.nbytes):
                 watched.update(unit.slots)
         self.watched_slots = sorted(watched)
         self.watched_layouts = [_layout_of(locals_[s])[1:] for s in self.watched_slots]
@@ -478,10 +484,11 @@ class _HostCopy:
     """A host-to-host copy (CPU tensors of a state dict that lives on an accelerator),
     shaped like the CopyHandle the stager keeps: done when it returns."""
 
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "meta")
 
-    def __init__(self, tensors: List[torch.Tensor]):
+    def __init__(self, tensors: List[torch.Tensor], meta: Optional[list] = None):
         self.tensors = tensors
+        self.meta = list(map(_SHAPE_DTYPE, tensors)) if meta is None else meta  # per tensor (shape, dtype)
 
     def ready(self) -> bool:
         return True
@@ -494,7 +501,14 @@ class _HostCopy:
 
 
 def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_bytes=None) -> _HostCopy:
-    """copy_to_host's contract for CPU sources: fresh (one pooled block) or into `out`."""
+    """copy_to_host's contract for CPU sources: fresh (one pooled block) or into `out`,
+    which must match the sources in shape and dtype (ValueError otherwise, as the
+    copy engine refuses a changed tensor), and the sources must still be on the host.
+
+    Per save (`out` given) nothing runs per tensor in Python: the check compares
+    C-level maps against the shapes and dtypes kept with `out`, and one
+    torch._foreach_copy_ copies every pair (each a plain copy_, so bit for bit).
+    """
     fn = "offload.AsyncStager.stage"
     if out is None:
         pool = pool if pool is not None else default_host_pool()
@@ -504,14 +518,17 @@ def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_byt
             nbytes = t.numel() * t.element_size()
             dsts.append(block[offset : offset + nbytes].view(t.dtype).view(t.shape))
             offset += _align(nbytes)
+        handle = _HostCopy(dsts)
     else:
-        dsts = out.tensors if isinstance(out, _HostCopy) else out
-        for i, (dst, src) in enumerate(zip(dsts, sources)):
-            if dst.shape != src.shape or dst.dtype != src.dtype:
-                raise ValueError(f"{fn}: host source {i} changed to {tuple(src.shape)} {src.dtype}")
-    for dst, src in zip(dsts, sources):
-        dst.copy_(src)
-    return _HostCopy(dsts)
+        handle = out if isinstance(out, _HostCopy) else _HostCopy(out)
+        dsts = handle.tensors
+        if list(map(_SHAPE_DTYPE, sources)) != handle.meta or not all(map(_is_cpu, sources)):
+            for i, (dst, src) in enumerate(zip(dsts, sources)):
+                if dst.shape != src.shape or dst.dtype != src.dtype or not src.is_cpu:
+                    raise ValueError(f"{fn}: host source {i} changed to {tuple(src.shape)} {src.dtype} on {src.device}")
+    if sources:  # _foreach_copy_ refuses empty lists
+        _foreach_copy(dsts, sources)
+    return handle
 
 
 def _first_save_bytes(tensors) -> int:

@@ -467,6 +467,48 @@ def test_staging_bad_tensor_in_a_later_save(device):
         stager.close()
 
 
+def test_staging_host_tensors_of_accelerator_state_copied_in_one_call(backend, device, monkeypatch):
+    """CPU tensors in an accelerator's state dict (AdamW's `step` scalars) are copied
+    by one torch._foreach_copy_ per save, and no per-tensor layout check runs for them;
+    a host source that changes dtype, shape or layout is still staged bit for bit."""
+    if device.type == "cpu":  # no accelerator: let the CPU tensors stand for the host side of one
+        monkeypatch.setattr(offload.staging._device, "compute_device_type", lambda: "cuda")
+    calls = []
+    real = offload.staging._foreach_copy
+
+    def counting(dsts, sources):
+        calls.append(len(sources))
+        return real(dsts, sources)
+
+    monkeypatch.setattr(offload.staging, "_foreach_copy", counting)
+    n = 40
+    steps = {i: {"step": torch.tensor(float(i))} for i in range(n)}
+    state = {"model": {"w": torch.randn(8, device=device)}, "optim": {"state": steps}}
+    host = 1 + n if device.type == "cpu" else n
+    stager = offload.AsyncStager(ring_size=1)
+    for save in range(5):
+        for entry in steps.values():
+            entry["step"].add_(1)
+        calls.clear()
+        _assert_same(stager.stage(state).result(), _snapshot(state))
+        assert calls == [host], calls  # fresh on the first save, refilled after: one call each
+    assert [r["replanned"] for r in stager.metrics()] == [True] + [False] * 4
+    assert stager._plan.watched_slots == []  # the copy itself checks the host sources
+    base = torch.arange(9.0).view(3, 3)
+    changes = [
+        lambda: steps[3].__setitem__("step", torch.tensor(7.0, dtype=torch.float64)),  # dtype
+        lambda: steps[5].__setitem__("step", torch.arange(4.0)),  # shape
+        lambda: steps[6].__setitem__("step", base),
+        lambda: steps[6].__setitem__("step", base.t()),  # same pointer, shape and dtype; other strides
+    ]
+    for change in changes:
+        change()
+        _assert_same(stager.stage(state).result(), _snapshot(state))
+    stager.close()
+    with pytest.raises(ValueError, match=r"host source 1 changed to \(2,\) torch.float32"):
+        offload.staging._copy_on_host([torch.ones(()), torch.ones(2)], out=[torch.ones(()), torch.ones(3)])
+
+
 def test_staging_scalars_change_without_replanning(backend, device):
     stager = offload.AsyncStager()
     w = torch.ones(4, device=device)
