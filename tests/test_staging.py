@@ -752,6 +752,33 @@ def test_staging_no_memory_growth_over_100_saves(backend, device):
     stager.close()
 
 
+def test_staging_benchmark_rows_say_which_saves_were_measured(device, monkeypatch):
+    """benchmarks/bench_staging.py measures slow baselines over fewer saves: each row's
+    label names the saves its medians cover, for offload and for the baseline."""
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import bench_staging
+        from common import Context
+
+        monkeypatch.setattr(bench_staging, "_size_cases", lambda quick: [("8 tensors x 2 KiB", 8, 1 << 10)])
+        rows = bench_staging._staging_rows(Context(device, quick=True, progress=lambda message: None))
+    finally:  # the benchmarks' modules stay out of other tests' imports
+        sys.modules.pop("bench_staging", None)
+        sys.modules.pop("common", None)
+    later = [r for r in rows if "first save" not in r["case"]]
+    assert later and any(r.get("baseline_saves") == bench_staging.SLOW_SAVES for r in later)
+    for r in later:
+        assert f"saves 2-{bench_staging.SAVES}" in r["case"], r
+        theirs = r.get("baseline_saves")
+        if theirs is not None and theirs != bench_staging.SAVES:
+            assert f"baseline: saves 2-{theirs}" in r["case"], r
+        else:
+            assert "baseline: saves" not in r["case"], r
+
+
 def test_staging_warnings_are_ours_only():
     # The stager implements synchronize_staging itself: no deprecation warning from the protocol.
     with warnings.catch_warnings():
