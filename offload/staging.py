@@ -262,7 +262,6 @@ class _Plan:
         self.watched_slots = sorted(watched)
         self.watched_layouts = [_layout_of(locals_[s])[1:] for s in self.watched_slots]
         self.copy_bytes = sum(u.nbytes for u in self.units)
-        self.host_bytes = sum(_align(u.nbytes) for u in self.units)
         self.signature = tuple((u.key, u.slots, u.early, u.expanded) for b in self.batches for u in b.units)
 
     def _group(self, locals_, paths) -> None:
@@ -379,8 +378,9 @@ class _BufferSet:
     one torch hands to readers.
     """
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, block_bytes):
         self.index = index
+        self.block_bytes = block_bytes  # the pool's HostPool.block_bytes: what a block of n bytes takes from it
         self.plan: Optional[_Plan] = None
         self.buffers: Dict[Any, torch.Tensor] = {}  # unit key -> the engine's host tensor for it
         self.parts: Dict[Tuple, Any] = {}  # unit keys (source order) -> the handle of their fresh copy
@@ -402,6 +402,12 @@ class _BufferSet:
 
     @property
     def held_bytes(self) -> int:
+        """The pool's bytes this set holds: its blocks, at the pool's size classes."""
+        return sum(self.block_bytes(b.numel()) for b in self.blocks.values())
+
+    @property
+    def block_nbytes(self) -> int:
+        """The bytes of its blocks as the copies asked for them (what they can hold)."""
         return sum(b.numel() for b in self.blocks.values())
 
     def busy_reason(self) -> Optional[str]:
@@ -550,6 +556,17 @@ def _first_save_bytes(tensors) -> int:
     return total + total // 256 + (2 << 20)
 
 
+def _pool_bytes_estimate(units, block_bytes) -> int:
+    """About the pool bytes that copying `units` afresh takes, before it runs.
+
+    Units of at least DEFAULT_SMALL_BYTES get a block each from every copy backend,
+    counted at the pool's size class; smaller ones are packed into groups or not,
+    as the backend does, so their blocks' rounding is not known here and they
+    count at their own bytes. A save checks the blocks it got (_over_limit).
+    """
+    return sum(block_bytes(u.nbytes) if u.nbytes >= DEFAULT_SMALL_BYTES else _align(u.nbytes) for u in units)
+
+
 class _PoolGrowth:
     """The first save's host memory, grown on a worker thread while that save plans.
 
@@ -657,8 +674,9 @@ class AsyncStager(_StagerProtocol):
             progress) waits for one or raises, per `when_busy`.
         pool: where host buffers come from (default `offload.default_host_pool()`).
         limit_bytes: most host memory all sets together may hold (int or '8GiB';
-            None: only the pool's limit). The ring does not grow past it; a single
-            state dict larger than it raises RuntimeError.
+            None: only the pool's limit), counted as the pool counts its blocks
+            (rounded up to its size classes, see `host_bytes()`). The ring does
+            not grow past it; a single state dict larger than it raises RuntimeError.
         when_busy: "wait" (default) or "raise" when all sets are busy.
         busy_timeout_s: longest wait for a busy set before RuntimeError.
         forward_buffers: tensors that change during the forward pass (BatchNorm
@@ -714,6 +732,7 @@ class AsyncStager(_StagerProtocol):
         self._saves = 0
         self._closed = False
         self._growth: Optional[_PoolGrowth] = None  # the first save's pool growth, while it plans
+        self._measured: Optional[Tuple] = None  # (plan, pool bytes a fresh set for it took), see _set_bytes
 
     # ------------------------------------------------------------ protocol
 
@@ -742,12 +761,13 @@ class AsyncStager(_StagerProtocol):
 
     def _stage(self, fn, state_dict):
         t_enter = time.perf_counter()
-        thorough = False
+        thorough = replanned = False
         while True:
             leaves, plan, locals_, checked = self._resolve(fn, state_dict, thorough)
-            replanned = plan is not self._plan
+            replanned |= plan is not self._plan  # a retry (_Stale, _over_limit) keeps what the first try saw
             self._plan = plan
             t_wait = time.perf_counter()
+            ring = len(self._sets)
             buffer_set = self._acquire_set(fn, plan)
             waited_ms = (time.perf_counter() - t_wait) * 1e3
             reused, allocated = len(plan.units), 0
@@ -758,9 +778,13 @@ class AsyncStager(_StagerProtocol):
             self._join_growth()
             try:
                 timing, copy_seconds = self._enqueue(plan, buffer_set, locals_, checked)
-                break
             except _Stale:  # a tensor changed under the cached plan; the set is ours, so just redo it
                 thorough = True
+                continue
+            if self._limit and buffer_set.held_bytes > held_before and self.host_bytes() > self._limit:
+                self._over_limit(fn, buffer_set, plan, new_set=len(self._sets) > ring)
+                continue  # another set of the ring takes the save (_acquire_set waits or raises)
+            break
         allocated_bytes = max(0, buffer_set.held_bytes - held_before)
         buffer_set.mark_baseline()
         staged = plan.tree.build(leaves, buffer_set.host_leaves)
@@ -810,7 +834,7 @@ class AsyncStager(_StagerProtocol):
             buffer_set.release()
         self._sets = []
         self._unwaited = {}
-        self._tree = self._plan = None
+        self._tree = self._plan = self._measured = None
         self._tensor_picker = (None, list)
         self._closed = True
 
@@ -858,7 +882,8 @@ class AsyncStager(_StagerProtocol):
         return out
 
     def host_bytes(self) -> int:
-        """Host memory held by all buffer sets."""
+        """Host memory held by all buffer sets, as the pool counts it (`HostPool.block_bytes`
+        of each block: rounded up to the pool's size classes), which `limit_bytes` bounds."""
         return sum(s.held_bytes for s in self._sets)
 
     @property
@@ -928,7 +953,7 @@ class AsyncStager(_StagerProtocol):
 
     def _start_growth(self, locals_) -> None:
         """Grow a native pool by about what the first save copies, beside its planning (_PoolGrowth)."""
-        pool = self._pool if self._pool is not None else default_host_pool()
+        pool = self._host_pool()
         if not pool.native:  # torch's pinned cache keeps blocks by size: a reserve would not serve them
             return
         try:
@@ -941,6 +966,9 @@ class AsyncStager(_StagerProtocol):
         nbytes -= pool.stats()["free_bytes"]
         if nbytes >= _GROWTH_MIN_BYTES:
             self._growth = _PoolGrowth(pool, nbytes)
+
+    def _host_pool(self) -> HostPool:
+        return self._pool if self._pool is not None else default_host_pool()
 
     def _join_growth(self) -> None:
         growth, self._growth = self._growth, None
@@ -981,7 +1009,7 @@ class AsyncStager(_StagerProtocol):
                     return buffer_set
                 reasons.append(f"set {buffer_set.index}: {reason}")
             if len(self._sets) < self._ring_size and self._fits_new_set(fn, plan):
-                buffer_set = _BufferSet(len(self._sets))
+                buffer_set = _BufferSet(len(self._sets), self._host_pool().block_bytes)
                 self._sets.append(buffer_set)
                 return buffer_set
             if self._when_busy == "raise":
@@ -1010,28 +1038,66 @@ class AsyncStager(_StagerProtocol):
     def _fits_new_set(self, fn, plan: _Plan) -> bool:
         if not self._limit:
             return True
-        held = self.host_bytes()
-        if held + plan.host_bytes <= self._limit:
+        held, need = self.host_bytes(), self._set_bytes(plan)
+        if held + need <= self._limit:
             return True
         if not self._sets:
             raise RuntimeError(
-                f"{fn}: the state dict needs {plan.host_bytes} bytes of host buffers but limit_bytes is "
+                f"{fn}: the state dict needs {need} bytes of host buffers but limit_bytes is "
                 f"{self._limit}; raise AsyncStager(limit_bytes=...)"
             )
         return False  # wait for a set in use rather than grow past the limit
+
+    def _set_bytes(self, plan: _Plan) -> int:
+        """The pool bytes a new set for `plan` takes: what a set already fitted to it
+        holds, or what one took before (_over_limit), else the estimate."""
+        for buffer_set in self._sets:
+            if buffer_set.plan is plan:
+                return buffer_set.held_bytes
+        if self._measured is not None and self._measured[0] is plan:
+            return self._measured[1]
+        return _pool_bytes_estimate(plan.units, self._host_pool().block_bytes)
+
+    def _over_limit(self, fn, buffer_set: _BufferSet, plan: _Plan, new_set: bool) -> None:
+        """The blocks a save just took pass limit_bytes (the pool rounded them up past
+        the estimate): the set gives its buffers back once its copies are done, and
+        what it took is remembered so the ring does not grow for this plan again.
+        Returns when the ring has other sets to take the save; raises otherwise."""
+        took, total = buffer_set.held_bytes, self.host_bytes()
+        for handle in buffer_set.handles:
+            handle.wait()
+        buffer_set.release()
+        self._forget_unwaited(buffer_set.index)
+        self._measured = (plan, took)
+        if new_set:
+            self._sets.pop()  # made for this save: the last one
+            if self._sets:
+                return
+        beside = f", beside {total - took} held by the other sets," if total > took else ""
+        raise RuntimeError(
+            f"{fn}: staging this state dict takes {took} bytes of pooled host buffers ({plan.copy_bytes} bytes "
+            f"of tensors, in blocks the pool rounds up to its size classes){beside} but limit_bytes is "
+            f"{self._limit}; raise AsyncStager(limit_bytes=...)"
+        )
+
+    def _forget_unwaited(self, index: int) -> None:
+        """Drop set `index`'s handles from those the compute stream has yet to wait on."""
+        for key in [key for key in self._unwaited if key[0] == index]:
+            del self._unwaited[key]
 
     def _prepare(self, fn, buffer_set: _BufferSet, plan: _Plan) -> Tuple[int, int]:
         """Fit the set to a new plan: keep its parts and buffers that still match,
         copy the rest fresh. Returns (units reused, units allocated)."""
         calls, parts, buffers, fresh_units = self._fit(buffer_set, plan, buffer_set.parts, buffer_set.buffers)
         kept_bytes = sum(_align(t.numel() * t.element_size()) for t in buffers.values())
-        if fresh_units and kept_bytes * 2 < buffer_set.held_bytes:
+        if fresh_units and kept_bytes * 2 < buffer_set.block_nbytes:
             # Mostly new: start afresh rather than keep old blocks half empty.
             calls, parts, buffers, fresh_units = self._fit(buffer_set, plan, {}, {})
         if self._limit and fresh_units:
-            new_bytes = sum(_align(u.nbytes) for u in fresh_units)
+            block_bytes = buffer_set.block_bytes
+            new_bytes = _pool_bytes_estimate(fresh_units, block_bytes)
             kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers.values() if t.numel()}
-            after = self.host_bytes() - buffer_set.held_bytes + sum(kept.values()) + new_bytes
+            after = self.host_bytes() - buffer_set.held_bytes + sum(map(block_bytes, kept.values())) + new_bytes
             if after > self._limit:
                 raise RuntimeError(
                     f"{fn}: staging needs {new_bytes} more bytes of host buffers ({after} in all) but "
@@ -1128,8 +1194,7 @@ class AsyncStager(_StagerProtocol):
         handles: List[Any] = []
         rebind = buffer_set.plan is not plan
         buffer_set.handles = handles  # filled as copies are enqueued: the set is busy while any runs
-        for key in [key for key in self._unwaited if key[0] == buffer_set.index]:
-            del self._unwaited[key]  # this set's earlier copies: never hold a handle the set dropped
+        self._forget_unwaited(buffer_set.index)  # this set's earlier copies: never hold a handle the set dropped
         with torch.no_grad():
             for number, batch in enumerate(plan.batches):
                 if not batch.early and early_handles:

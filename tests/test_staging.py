@@ -455,6 +455,59 @@ def test_staging_limit_bytes(backend, device):
     stager.close()
 
 
+def test_staging_limit_bytes_counts_pool_blocks(backend, device):
+    """limit_bytes bounds the pool blocks the stager holds, which the pool rounds up
+    to its size classes (10 x 400 kB tensors take 10 x 512 KiB natively), not the
+    bytes planning counted: host_bytes() is what the pool reports handed out."""
+    pool = offload.HostPool()
+    state = {f"t{i}": torch.randn(100_000, device=device) for i in range(10)}  # 400 kB each: a block each
+    planned = 10 * 400_000
+    probe = offload.AsyncStager(pool=pool)
+    staged = probe.stage(state).result()
+    held = pool.stats()["in_use_bytes"]
+    assert probe.host_bytes() == held
+    del staged
+    probe.close()
+    gc.collect()
+    if pool.native:
+        assert held > planned * 1.05  # the size classes round these blocks up by 31%
+    limit = int(planned * 1.05)
+    if held > limit:
+        stager = offload.AsyncStager(pool=pool, limit_bytes=limit)
+        with pytest.raises(RuntimeError, match=rf"takes {held} bytes of pooled host buffers .* limit_bytes is {limit}"):
+            stager.stage(state)
+        gc.collect()
+        assert stager.host_bytes() == 0 and pool.stats()["in_use_bytes"] == 0  # nothing kept past the limit
+        stager.close()
+    stager = offload.AsyncStager(pool=pool, limit_bytes=held, ring_size=2, when_busy="raise")
+    first = stager.stage(state)
+    with pytest.raises(RuntimeError, match="busy"):  # a second set would pass the limit: the ring stays at one
+        stager.stage(state)
+    assert pool.stats()["in_use_bytes"] == stager.host_bytes() == held
+    del first
+    _assert_same(stager.stage(state).result(), _snapshot(state))
+    assert [r["set"] for r in stager.metrics()] == [0, 0]
+    stager.close()
+    gc.collect()
+    # A new structure while set 0 is read: planning's estimate lets a second set fit, the
+    # blocks it gets do not. The set gives them back, and the save waits for set 0 (raises here).
+    limit = held + planned + (planned * 3) // 100
+    stager = offload.AsyncStager(pool=pool, limit_bytes=limit, ring_size=2, when_busy="raise")
+    first = stager.stage(state)
+    renamed = {f"renamed{i}": t for i, t in enumerate(state.values())}
+    if pool.native:
+        with pytest.raises(RuntimeError, match="busy"):
+            stager.stage(renamed)
+        gc.collect()
+        assert pool.stats()["in_use_bytes"] == stager.host_bytes() == held
+        with pytest.raises(RuntimeError, match="busy"):  # it does not try again
+            stager.stage(renamed)
+    del first
+    _assert_same(stager.stage(renamed).result(), _snapshot(renamed))
+    assert stager.host_bytes() <= limit
+    stager.close()
+
+
 def test_staging_close_returns_buffers(backend, device):
     pool = offload.HostPool()
     stager = offload.AsyncStager(pool=pool)
