@@ -115,6 +115,14 @@ class HostPool:
         nbytes = size.numel() * itemsize
         return self.acquire(nbytes)[:nbytes].view(dtype).view(size)
 
+    def block_bytes(self, nbytes: int) -> int:
+        """What an acquire of `nbytes` adds to this pool's in-use bytes: the block's size class."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"HostPool.block_bytes: nbytes must be an int, got {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"HostPool.block_bytes: nbytes must be >= 0, got {nbytes}")
+        return int(self._impl.size_class(nbytes))
+
     def record_stream(self, tensor: torch.Tensor, stream) -> bool:
         """Keep `tensor`'s block from reuse until `stream` reaches this point. True if pooled here."""
         if stream is None:
@@ -196,6 +204,12 @@ class _FallbackPool:
             self._in_use += nbytes
             self._peak = max(self._peak, in_use + nbytes)
             return block
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        # Counted as asked (torch's pinned allocator rounds its own blocks up to a
+        # power of two, out of this pool's sight).
+        return nbytes
 
     def record_stream(self, tensor, stream) -> bool:
         # torch's pinned allocator records an event itself on every non_blocking copy.

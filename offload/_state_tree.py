@@ -232,6 +232,16 @@ class StateTree:
                 "can be staged"
             )
 
+    def check_tensors(self, locals_: List[torch.Tensor]) -> None:
+        """_check_tensor's dense-data checks for every tensor leaf (`locals_`, in
+        slot order, DTensors as their local shards), made by C-level maps; a tensor
+        that fails gets the message the first save would have given it. For a
+        cached tree, whose `leaves()` compares only the leaves' types."""
+        if not any(map(_is_meta, locals_)) and set(map(_layout, locals_)) <= {torch.strided}:
+            return
+        for slot, t in enumerate(locals_):
+            self._check_tensor(t, self.paths[self.tensor_pos[slot]])
+
     # ------------------------------------------------------------ generated code
 
     def _compile_build(self):

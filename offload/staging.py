@@ -95,6 +95,11 @@ _GROUP_BYTES = 32 << 20
 _GROWTH_MIN_BYTES = 64 << 20
 
 _META = attrgetter("shape", "dtype", "device")
+_SHAPE_DTYPE = attrgetter("shape", "dtype")
+_is_cpu = attrgetter("is_cpu")
+# One call for a list of host-to-host copies (torch >= 2.1): the per-pair copy_
+# runs in C++, not as one Python call per tensor.
+_foreach_copy = torch._foreach_copy_
 _data_ptr = torch.Tensor.data_ptr
 _nbytes = attrgetter("nbytes")
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -248,15 +253,15 @@ class _Plan:
         self.span_strides = [locals_[s].stride() for s in self.span_slots]
         # Tensors whose layout no copy checks on a save with the cached plan (see
         # AsyncStager._resolve): members of spans and of tied units past the first,
-        # empty tensors (nothing to copy) and sources of host copies.
+        # and empty tensors (nothing to copy). Host copies check their sources as
+        # the copy engine does (_copy_on_host).
         watched = set(self.span_slots)
         for unit in self.units:
-            if unit.kind == "tensor" and (len(unit.slots) > 1 or not unit.nbytes or unit.device.type != compute):
+            if unit.kind == "tensor" and (len(unit.slots) > 1 or not unit.nbytes):
                 watched.update(unit.slots)
         self.watched_slots = sorted(watched)
         self.watched_layouts = [_layout_of(locals_[s])[1:] for s in self.watched_slots]
         self.copy_bytes = sum(u.nbytes for u in self.units)
-        self.host_bytes = sum(_align(u.nbytes) for u in self.units)
         self.signature = tuple((u.key, u.slots, u.early, u.expanded) for b in self.batches for u in b.units)
 
     def _group(self, locals_, paths) -> None:
@@ -359,14 +364,23 @@ class _BufferSet:
     DLPack, whose context keeps the pooled block alive), which the copy engine
     never sees. On every save to a set found free (so no reader exists), after
     those views are built (`_bind`) and before the staged dict is, `mark_baseline`
-    records (a) the Python reference count of every object it hands out and (b)
-    the use count of every alias storage: exactly the stager's own references.
+    records (a) the Python reference count of every object it hands out, (b)
+    the use count of every alias storage and (c) the Python reference count of
+    every alias storage's Python object: exactly the stager's own references.
     Any later excess is a reader: the staged dict or one of its tensors kept (a),
-    or a new view taken from one (b).
+    a new view taken from one (b), or the storage object of one
+    (`tensor.untyped_storage()`, or a TypedStorage over it) kept (c). (c) is a
+    count of its own because holding that object adds nothing to the use count:
+    torch keeps one Python object per storage (in the StorageImpl's PyObject
+    slot) and that object's one reference to the storage is in the baseline of
+    (b) however many Python references it has, so only the Python reference count
+    sees who holds it. The set holds each alias's storage object, so it stays the
+    one torch hands to readers.
     """
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, block_bytes):
         self.index = index
+        self.block_bytes = block_bytes  # the pool's HostPool.block_bytes: what a block of n bytes takes from it
         self.plan: Optional[_Plan] = None
         self.buffers: Dict[Any, torch.Tensor] = {}  # unit key -> the engine's host tensor for it
         self.parts: Dict[Tuple, Any] = {}  # unit keys (source order) -> the handle of their fresh copy
@@ -378,14 +392,22 @@ class _BufferSet:
         self.aliases: Dict[int, torch.Tensor] = {}  # storage address -> the same bytes, another storage (readers)
         # The aliases' storage handles, for the use counts (valid: each alias holds its storage).
         self.alias_storages: List[int] = []
+        self.alias_storage_objects: List[Any] = []  # their Python objects: extra references mean a reader
         self.host_leaves: List[Any] = []  # per tensor slot: what the staged dict holds (alias views)
         self.handles: List[Any] = []  # the handles of the last save's copies
         self.watch: List[Any] = []  # the objects handed out; extra references to them mean a reader
         self.ref_base = 0  # sum of the watched objects' reference counts with no reader
         self.use_base = 0  # sum of the alias storages' use counts with no reader
+        self.storage_ref_base = 0  # sum of the alias storage objects' reference counts with no reader
 
     @property
     def held_bytes(self) -> int:
+        """The pool's bytes this set holds: its blocks, at the pool's size classes."""
+        return sum(self.block_bytes(b.numel()) for b in self.blocks.values())
+
+    @property
+    def block_nbytes(self) -> int:
+        """The bytes of its blocks as the copies asked for them (what they can hold)."""
         return sum(b.numel() for b in self.blocks.values())
 
     def busy_reason(self) -> Optional[str]:
@@ -399,6 +421,8 @@ class _BufferSet:
             return "the state dict staged into it is still referenced (an upload in progress?)"
         if _use_count is not None and self._alias_uses() > self.use_base:
             return "a view of its host buffers is still referenced"
+        if sum(map(sys.getrefcount, self.alias_storage_objects)) > self.storage_ref_base:
+            return "a storage object of its host buffers (tensor.untyped_storage()) is still referenced"
         return None
 
     def _alias_uses(self) -> int:
@@ -407,13 +431,14 @@ class _BufferSet:
     def mark_baseline(self) -> None:
         """Record the references this stager itself holds (call with no staged dict or reader alive)."""
         self.ref_base = sum(map(sys.getrefcount, self.watch))
+        self.storage_ref_base = sum(map(sys.getrefcount, self.alias_storage_objects))
         if _use_count is not None:
             self.use_base = self._alias_uses()
 
     def release(self) -> None:
         self.plan = None
         self.buffers, self.parts, self.calls, self.blocks, self.aliases = {}, {}, [], {}, {}
-        self.alias_storages = []
+        self.alias_storages, self.alias_storage_objects, self.storage_ref_base = [], [], 0
         self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], 0, 0
 
 
@@ -465,10 +490,11 @@ class _HostCopy:
     """A host-to-host copy (CPU tensors of a state dict that lives on an accelerator),
     shaped like the CopyHandle the stager keeps: done when it returns."""
 
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "meta")
 
-    def __init__(self, tensors: List[torch.Tensor]):
+    def __init__(self, tensors: List[torch.Tensor], meta: Optional[list] = None):
         self.tensors = tensors
+        self.meta = list(map(_SHAPE_DTYPE, tensors)) if meta is None else meta  # per tensor (shape, dtype)
 
     def ready(self) -> bool:
         return True
@@ -481,7 +507,14 @@ class _HostCopy:
 
 
 def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_bytes=None) -> _HostCopy:
-    """copy_to_host's contract for CPU sources: fresh (one pooled block) or into `out`."""
+    """copy_to_host's contract for CPU sources: fresh (one pooled block) or into `out`,
+    which must match the sources in shape and dtype (ValueError otherwise, as the
+    copy engine refuses a changed tensor), and the sources must still be on the host.
+
+    Per save (`out` given) nothing runs per tensor in Python: the check compares
+    C-level maps against the shapes and dtypes kept with `out`, and one
+    torch._foreach_copy_ copies every pair (each a plain copy_, so bit for bit).
+    """
     fn = "offload.AsyncStager.stage"
     if out is None:
         pool = pool if pool is not None else default_host_pool()
@@ -491,14 +524,17 @@ def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_byt
             nbytes = t.numel() * t.element_size()
             dsts.append(block[offset : offset + nbytes].view(t.dtype).view(t.shape))
             offset += _align(nbytes)
+        handle = _HostCopy(dsts)
     else:
-        dsts = out.tensors if isinstance(out, _HostCopy) else out
-        for i, (dst, src) in enumerate(zip(dsts, sources)):
-            if dst.shape != src.shape or dst.dtype != src.dtype:
-                raise ValueError(f"{fn}: host source {i} changed to {tuple(src.shape)} {src.dtype}")
-    for dst, src in zip(dsts, sources):
-        dst.copy_(src)
-    return _HostCopy(dsts)
+        handle = out if isinstance(out, _HostCopy) else _HostCopy(out)
+        dsts = handle.tensors
+        if list(map(_SHAPE_DTYPE, sources)) != handle.meta or not all(map(_is_cpu, sources)):
+            for i, (dst, src) in enumerate(zip(dsts, sources)):
+                if dst.shape != src.shape or dst.dtype != src.dtype or not src.is_cpu:
+                    raise ValueError(f"{fn}: host source {i} changed to {tuple(src.shape)} {src.dtype} on {src.device}")
+    if sources:  # _foreach_copy_ refuses empty lists
+        _foreach_copy(dsts, sources)
+    return handle
 
 
 def _first_save_bytes(tensors) -> int:
@@ -518,6 +554,17 @@ def _first_save_bytes(tensors) -> int:
     total = sum(min(whole, used) for whole, used in storages.values())
     # Slack for the copy engine's packing (aligned offsets, block sizes in 2 MiB steps).
     return total + total // 256 + (2 << 20)
+
+
+def _pool_bytes_estimate(units, block_bytes) -> int:
+    """About the pool bytes that copying `units` afresh takes, before it runs.
+
+    Units of at least DEFAULT_SMALL_BYTES get a block each from every copy backend,
+    counted at the pool's size class; smaller ones are packed into groups or not,
+    as the backend does, so their blocks' rounding is not known here and they
+    count at their own bytes. A save checks the blocks it got (_over_limit).
+    """
+    return sum(block_bytes(u.nbytes) if u.nbytes >= DEFAULT_SMALL_BYTES else _align(u.nbytes) for u in units)
 
 
 class _PoolGrowth:
@@ -627,8 +674,9 @@ class AsyncStager(_StagerProtocol):
             progress) waits for one or raises, per `when_busy`.
         pool: where host buffers come from (default `offload.default_host_pool()`).
         limit_bytes: most host memory all sets together may hold (int or '8GiB';
-            None: only the pool's limit). The ring does not grow past it; a single
-            state dict larger than it raises RuntimeError.
+            None: only the pool's limit), counted as the pool counts its blocks
+            (rounded up to its size classes, see `host_bytes()`). The ring does
+            not grow past it; a single state dict larger than it raises RuntimeError.
         when_busy: "wait" (default) or "raise" when all sets are busy.
         busy_timeout_s: longest wait for a busy set before RuntimeError.
         forward_buffers: tensors that change during the forward pass (BatchNorm
@@ -684,6 +732,7 @@ class AsyncStager(_StagerProtocol):
         self._saves = 0
         self._closed = False
         self._growth: Optional[_PoolGrowth] = None  # the first save's pool growth, while it plans
+        self._measured: Optional[Tuple] = None  # (plan, pool bytes a fresh set for it took), see _set_bytes
 
     # ------------------------------------------------------------ protocol
 
@@ -712,12 +761,13 @@ class AsyncStager(_StagerProtocol):
 
     def _stage(self, fn, state_dict):
         t_enter = time.perf_counter()
-        thorough = False
+        thorough = replanned = False
         while True:
             leaves, plan, locals_, checked = self._resolve(fn, state_dict, thorough)
-            replanned = plan is not self._plan
+            replanned |= plan is not self._plan  # a retry (_Stale, _over_limit) keeps what the first try saw
             self._plan = plan
             t_wait = time.perf_counter()
+            ring = len(self._sets)
             buffer_set = self._acquire_set(fn, plan)
             waited_ms = (time.perf_counter() - t_wait) * 1e3
             reused, allocated = len(plan.units), 0
@@ -728,9 +778,13 @@ class AsyncStager(_StagerProtocol):
             self._join_growth()
             try:
                 timing, copy_seconds = self._enqueue(plan, buffer_set, locals_, checked)
-                break
             except _Stale:  # a tensor changed under the cached plan; the set is ours, so just redo it
                 thorough = True
+                continue
+            if self._limit and buffer_set.held_bytes > held_before and self.host_bytes() > self._limit:
+                self._over_limit(fn, buffer_set, plan, new_set=len(self._sets) > ring)
+                continue  # another set of the ring takes the save (_acquire_set waits or raises)
+            break
         allocated_bytes = max(0, buffer_set.held_bytes - held_before)
         buffer_set.mark_baseline()
         staged = plan.tree.build(leaves, buffer_set.host_leaves)
@@ -780,7 +834,7 @@ class AsyncStager(_StagerProtocol):
             buffer_set.release()
         self._sets = []
         self._unwaited = {}
-        self._tree = self._plan = None
+        self._tree = self._plan = self._measured = None
         self._tensor_picker = (None, list)
         self._closed = True
 
@@ -828,7 +882,8 @@ class AsyncStager(_StagerProtocol):
         return out
 
     def host_bytes(self) -> int:
-        """Host memory held by all buffer sets."""
+        """Host memory held by all buffer sets, as the pool counts it (`HostPool.block_bytes`
+        of each block: rounded up to the pool's size classes), which `limit_bytes` bounds."""
         return sum(s.held_bytes for s in self._sets)
 
     @property
@@ -870,15 +925,21 @@ class AsyncStager(_StagerProtocol):
         plan = self._plan
         if plan is None and not self._sets:
             self._start_growth(locals_)
-        if (
-            plan is None
-            or plan.tree is not tree
-            or specs != plan.specs
-            or (plan.watched_slots and [_layout_of(locals_[s])[1:] for s in plan.watched_slots] != plan.watched_layouts)
-            or (thorough and list(map(_META, locals_)) != plan.meta)
-        ):
+        try:
+            stale = (
+                plan is None
+                or plan.tree is not tree
+                or specs != plan.specs
+                or (plan.watched_slots
+                    and [_layout_of(locals_[s])[1:] for s in plan.watched_slots] != plan.watched_layouts)
+                or (thorough and list(map(_META, locals_)) != plan.meta)
+            )
+            moved = not stale and list(map(_data_ptr, locals_)) != plan.ptrs
+        except RuntimeError:  # a tensor without storage (sparse, say): planning checks every tensor and names it
+            stale = True
+        if stale:
             return leaves, self._new_plan(fn, tree, locals_, specs), locals_, True
-        if list(map(_data_ptr, locals_)) != plan.ptrs:
+        if moved:
             # New storages (a state dict rebuilt from reallocated tensors): the
             # aliasing may have changed; keep the plan if it did not.
             fresh = self._new_plan(fn, tree, locals_, specs)
@@ -892,7 +953,7 @@ class AsyncStager(_StagerProtocol):
 
     def _start_growth(self, locals_) -> None:
         """Grow a native pool by about what the first save copies, beside its planning (_PoolGrowth)."""
-        pool = self._pool if self._pool is not None else default_host_pool()
+        pool = self._host_pool()
         if not pool.native:  # torch's pinned cache keeps blocks by size: a reserve would not serve them
             return
         try:
@@ -906,12 +967,18 @@ class AsyncStager(_StagerProtocol):
         if nbytes >= _GROWTH_MIN_BYTES:
             self._growth = _PoolGrowth(pool, nbytes)
 
+    def _host_pool(self) -> HostPool:
+        return self._pool if self._pool is not None else default_host_pool()
+
     def _join_growth(self) -> None:
         growth, self._growth = self._growth, None
         if growth is not None:
             growth.join()
 
     def _new_plan(self, fn, tree, locals_, specs) -> _Plan:
+        # A cached tree compared only the leaves' types: a tensor may have turned
+        # meta or sparse since the tree was built. The first save's check says so.
+        tree.check_tensors(locals_)
         early_ptrs = set()
         if self._forward_module is not None:
             early_ptrs = {(b.device, b.data_ptr()) for b in self._forward_module.buffers() if b.numel()}
@@ -942,7 +1009,7 @@ class AsyncStager(_StagerProtocol):
                     return buffer_set
                 reasons.append(f"set {buffer_set.index}: {reason}")
             if len(self._sets) < self._ring_size and self._fits_new_set(fn, plan):
-                buffer_set = _BufferSet(len(self._sets))
+                buffer_set = _BufferSet(len(self._sets), self._host_pool().block_bytes)
                 self._sets.append(buffer_set)
                 return buffer_set
             if self._when_busy == "raise":
@@ -971,28 +1038,66 @@ class AsyncStager(_StagerProtocol):
     def _fits_new_set(self, fn, plan: _Plan) -> bool:
         if not self._limit:
             return True
-        held = self.host_bytes()
-        if held + plan.host_bytes <= self._limit:
+        held, need = self.host_bytes(), self._set_bytes(plan)
+        if held + need <= self._limit:
             return True
         if not self._sets:
             raise RuntimeError(
-                f"{fn}: the state dict needs {plan.host_bytes} bytes of host buffers but limit_bytes is "
+                f"{fn}: the state dict needs {need} bytes of host buffers but limit_bytes is "
                 f"{self._limit}; raise AsyncStager(limit_bytes=...)"
             )
         return False  # wait for a set in use rather than grow past the limit
+
+    def _set_bytes(self, plan: _Plan) -> int:
+        """The pool bytes a new set for `plan` takes: what a set already fitted to it
+        holds, or what one took before (_over_limit), else the estimate."""
+        for buffer_set in self._sets:
+            if buffer_set.plan is plan:
+                return buffer_set.held_bytes
+        if self._measured is not None and self._measured[0] is plan:
+            return self._measured[1]
+        return _pool_bytes_estimate(plan.units, self._host_pool().block_bytes)
+
+    def _over_limit(self, fn, buffer_set: _BufferSet, plan: _Plan, new_set: bool) -> None:
+        """The blocks a save just took pass limit_bytes (the pool rounded them up past
+        the estimate): the set gives its buffers back once its copies are done, and
+        what it took is remembered so the ring does not grow for this plan again.
+        Returns when the ring has other sets to take the save; raises otherwise."""
+        took, total = buffer_set.held_bytes, self.host_bytes()
+        for handle in buffer_set.handles:
+            handle.wait()
+        buffer_set.release()
+        self._forget_unwaited(buffer_set.index)
+        self._measured = (plan, took)
+        if new_set:
+            self._sets.pop()  # made for this save: the last one
+            if self._sets:
+                return
+        beside = f", beside {total - took} held by the other sets," if total > took else ""
+        raise RuntimeError(
+            f"{fn}: staging this state dict takes {took} bytes of pooled host buffers ({plan.copy_bytes} bytes "
+            f"of tensors, in blocks the pool rounds up to its size classes){beside} but limit_bytes is "
+            f"{self._limit}; raise AsyncStager(limit_bytes=...)"
+        )
+
+    def _forget_unwaited(self, index: int) -> None:
+        """Drop set `index`'s handles from those the compute stream has yet to wait on."""
+        for key in [key for key in self._unwaited if key[0] == index]:
+            del self._unwaited[key]
 
     def _prepare(self, fn, buffer_set: _BufferSet, plan: _Plan) -> Tuple[int, int]:
         """Fit the set to a new plan: keep its parts and buffers that still match,
         copy the rest fresh. Returns (units reused, units allocated)."""
         calls, parts, buffers, fresh_units = self._fit(buffer_set, plan, buffer_set.parts, buffer_set.buffers)
         kept_bytes = sum(_align(t.numel() * t.element_size()) for t in buffers.values())
-        if fresh_units and kept_bytes * 2 < buffer_set.held_bytes:
+        if fresh_units and kept_bytes * 2 < buffer_set.block_nbytes:
             # Mostly new: start afresh rather than keep old blocks half empty.
             calls, parts, buffers, fresh_units = self._fit(buffer_set, plan, {}, {})
         if self._limit and fresh_units:
-            new_bytes = sum(_align(u.nbytes) for u in fresh_units)
+            block_bytes = buffer_set.block_bytes
+            new_bytes = _pool_bytes_estimate(fresh_units, block_bytes)
             kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers.values() if t.numel()}
-            after = self.host_bytes() - buffer_set.held_bytes + sum(kept.values()) + new_bytes
+            after = self.host_bytes() - buffer_set.held_bytes + sum(map(block_bytes, kept.values())) + new_bytes
             if after > self._limit:
                 raise RuntimeError(
                     f"{fn}: staging needs {new_bytes} more bytes of host buffers ({after} in all) but "
@@ -1069,7 +1174,8 @@ class AsyncStager(_StagerProtocol):
                 host_leaves[slot] = dtensor(host_leaves[slot], spec, requires_grad=False)
                 watch.append(host_leaves[slot])
         buffer_set.blocks, buffer_set.aliases = blocks, aliases
-        buffer_set.alias_storages = [a.untyped_storage()._cdata for a in aliases.values()]
+        buffer_set.alias_storage_objects = [a.untyped_storage() for a in aliases.values()]
+        buffer_set.alias_storages = [storage._cdata for storage in buffer_set.alias_storage_objects]
         buffer_set.host_leaves = host_leaves
         buffer_set.watch = list({id(o): o for o in watch}.values())
         buffer_set.plan = plan
@@ -1088,8 +1194,7 @@ class AsyncStager(_StagerProtocol):
         handles: List[Any] = []
         rebind = buffer_set.plan is not plan
         buffer_set.handles = handles  # filled as copies are enqueued: the set is busy while any runs
-        for key in [key for key in self._unwaited if key[0] == buffer_set.index]:
-            del self._unwaited[key]  # this set's earlier copies: never hold a handle the set dropped
+        self._forget_unwaited(buffer_set.index)  # this set's earlier copies: never hold a handle the set dropped
         with torch.no_grad():
             for number, batch in enumerate(plan.batches):
                 if not batch.early and early_handles:

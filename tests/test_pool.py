@@ -95,6 +95,18 @@ def test_pool_limit_from_environment(backend, monkeypatch):
         small_pool()
 
 
+@pytest.mark.parametrize("nbytes", [1, 513, 400_000, MiB + 1])
+def test_pool_block_bytes_is_what_an_acquire_holds(backend, nbytes):
+    pool = small_pool()
+    block = pool.acquire(nbytes)
+    assert pool.block_bytes(nbytes) == pool.stats()["in_use_bytes"] >= nbytes
+    del block
+    with pytest.raises(ValueError, match="HostPool.block_bytes: nbytes must be >= 0, got -1"):
+        pool.block_bytes(-1)
+    with pytest.raises(TypeError, match="HostPool.block_bytes: nbytes must be an int, got float"):
+        pool.block_bytes(1.5)
+
+
 def test_pool_rejects_bad_arguments(backend):
     with pytest.raises(ValueError, match="slab_bytes"):
         offload.HostPool(slab_bytes=0)

@@ -89,6 +89,91 @@ def test_staging_dcp_ten_saves_bit_exact(tmp_path, backend, device):
         _assert_same(target, expected[step])
 
 
+def test_staging_dcp_async_save_response(tmp_path, backend, device):
+    """With a torch whose async_save takes a future from stage(), the stager gets the
+    AsyncSaveResponse form: staging_completion and upload_completion both complete,
+    and DCP is not asked to block on staging after starting the upload."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    if not hasattr(state_dict_saver, "AsyncSaveResponse"):
+        pytest.skip(f"torch {torch.__version__} has no AsyncSaveResponse (torch >= 2.9)")
+    stager = offload.AsyncStager()
+    assert stager.should_synchronize_after_execute is False
+    state = {"model": {"w": torch.randn(64, 3, device=device), "b": torch.randn(3, device=device)}, "step": 7}
+    expected = _snapshot(state)
+    response = dcp.async_save(state, checkpoint_id=str(tmp_path / "ckpt"), async_stager=stager)
+    assert isinstance(response, state_dict_saver.AsyncSaveResponse)
+    state["model"]["w"].add_(1)  # after the call: not in the checkpoint
+    response.upload_completion.result(timeout=120)  # raises what the upload raised
+    assert response.staging_completion.result(timeout=120) is None
+    assert response.staging_completion.done() and response.upload_completion.done()
+    stager.close()
+    target = {"model": {"w": torch.zeros(64, 3, device=device), "b": torch.zeros(3, device=device)}, "step": 7}
+    dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
+    _assert_same(target, expected)
+
+
+def _dcp_round_trip(stager, state, checkpoint_id, target):
+    """dcp.async_save `state` through `stager`, change every tensor of it before the
+    upload finishes, dcp.load into `target` and compare bit for bit with the state as saved."""
+    expected = _snapshot(state)
+    response = dcp.async_save(state, checkpoint_id=str(checkpoint_id), async_stager=stager)
+    for t in _tensors(state):
+        if t.dtype == torch.bool:
+            t.logical_not_()
+        elif t.is_floating_point() and t.element_size() == 1:  # fp8: no arithmetic, its bytes change
+            t.view(torch.uint8).add_(1)
+        else:
+            t.add_(1)
+    getattr(response, "upload_completion", response).result(timeout=120)
+    dcp.load(target, checkpoint_id=str(checkpoint_id))
+    _assert_same(target, expected)
+    return target
+
+
+def test_staging_dcp_nested_and_tied_round_trip(tmp_path, backend, device):
+    stager = offload.AsyncStager()
+    for save in range(3):  # the first save plans, the later ones reuse the plan and buffers
+        torch.manual_seed(save)
+        state = _rich_state(device)
+        target = _rich_state(device)
+        target["tied_b"] = target["tied_a"].clone()  # untied: each key is read from its own checkpoint entry
+        for t in _tensors(target):
+            t.zero_()
+        _dcp_round_trip(stager, state, tmp_path / f"rich{save}", target)
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False]
+    stager.close()
+
+
+def test_staging_dcp_structure_change_round_trip(tmp_path, backend, device):
+    def state(layers, with_optim):
+        model = {f"layer{i}.weight": torch.randn(4, i + 2, device=device) for i in range(layers)}
+        out = {"model": model, "meta": {"layers": layers}}
+        if with_optim:
+            steps = {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(4, i + 2, device=device)}
+                     for i in range(layers)}
+            out["optim"] = {"state": steps, "param_groups": [{"lr": 0.1, "params": list(range(layers))}]}
+        return out
+
+    def zeros_like_state(s):
+        if isinstance(s, torch.Tensor):
+            return torch.zeros_like(s)
+        if isinstance(s, dict):
+            return {k: zeros_like_state(v) for k, v in s.items()}
+        if isinstance(s, list):
+            return [zeros_like_state(v) for v in s]
+        return s
+
+    stager = offload.AsyncStager()
+    shapes = [(3, False), (3, True), (5, True), (3, False)]  # optimizer state appears, the model grows, back
+    for number, (layers, with_optim) in enumerate(shapes):
+        torch.manual_seed(number)
+        s = state(layers, with_optim)
+        _dcp_round_trip(stager, s, tmp_path / f"s{number}", zeros_like_state(s))
+    assert [r["replanned"] for r in stager.metrics()] == [True, True, True, True]
+    stager.close()
+
+
 def _rich_state(device):
     base = torch.arange(64, dtype=torch.float32, device=device).view(8, 8)
     tied = torch.randn(5, 3, device=device)
@@ -276,6 +361,26 @@ def test_staging_kept_tensor_or_view_keeps_set_busy(backend, device):
     stager.close()
 
 
+def test_staging_kept_storage_object_keeps_set_busy(backend, device):
+    # A reader holding only the storage object of a staged tensor (tensor.untyped_storage(),
+    # or the TypedStorage of tensor.storage()) still reads the host buffer.
+    stager = offload.AsyncStager(ring_size=1, when_busy="raise")
+    w = torch.ones(32, device=device)
+    for take in (torch.Tensor.untyped_storage, torch.Tensor.storage):
+        staged = stager.stage({"w": w}).result()
+        storage = take(staged["w"])
+        del staged
+        gc.collect()
+        with pytest.raises(RuntimeError, match="storage object of its host buffers"):
+            stager.stage({"w": w * 7})
+        untyped = storage if take is torch.Tensor.untyped_storage else storage._untyped_storage
+        reread = torch.empty(0, dtype=torch.float32).set_(untyped, 0, (32,), (1,))
+        assert torch.equal(reread, torch.ones(32))  # never overwritten under the reader
+        del storage, untyped, reread
+        assert torch.equal(stager.stage({"w": w * 3}).result()["w"], torch.full((32,), 3.0))
+    stager.close()
+
+
 def test_staging_busy_ignores_copy_backend_references(backend, device, monkeypatch):
     # A copy backend may hold the host destinations (and views of them) for a while
     # and drop them later, e.g. when a copy is observed complete, as the native
@@ -350,6 +455,59 @@ def test_staging_limit_bytes(backend, device):
     stager.close()
 
 
+def test_staging_limit_bytes_counts_pool_blocks(backend, device):
+    """limit_bytes bounds the pool blocks the stager holds, which the pool rounds up
+    to its size classes (10 x 400 kB tensors take 10 x 512 KiB natively), not the
+    bytes planning counted: host_bytes() is what the pool reports handed out."""
+    pool = offload.HostPool()
+    state = {f"t{i}": torch.randn(100_000, device=device) for i in range(10)}  # 400 kB each: a block each
+    planned = 10 * 400_000
+    probe = offload.AsyncStager(pool=pool)
+    staged = probe.stage(state).result()
+    held = pool.stats()["in_use_bytes"]
+    assert probe.host_bytes() == held
+    del staged
+    probe.close()
+    gc.collect()
+    if pool.native:
+        assert held > planned * 1.05  # the size classes round these blocks up by 31%
+    limit = int(planned * 1.05)
+    if held > limit:
+        stager = offload.AsyncStager(pool=pool, limit_bytes=limit)
+        with pytest.raises(RuntimeError, match=rf"takes {held} bytes of pooled host buffers .* limit_bytes is {limit}"):
+            stager.stage(state)
+        gc.collect()
+        assert stager.host_bytes() == 0 and pool.stats()["in_use_bytes"] == 0  # nothing kept past the limit
+        stager.close()
+    stager = offload.AsyncStager(pool=pool, limit_bytes=held, ring_size=2, when_busy="raise")
+    first = stager.stage(state)
+    with pytest.raises(RuntimeError, match="busy"):  # a second set would pass the limit: the ring stays at one
+        stager.stage(state)
+    assert pool.stats()["in_use_bytes"] == stager.host_bytes() == held
+    del first
+    _assert_same(stager.stage(state).result(), _snapshot(state))
+    assert [r["set"] for r in stager.metrics()] == [0, 0]
+    stager.close()
+    gc.collect()
+    # A new structure while set 0 is read: planning's estimate lets a second set fit, the
+    # blocks it gets do not. The set gives them back, and the save waits for set 0 (raises here).
+    limit = held + planned + (planned * 3) // 100
+    stager = offload.AsyncStager(pool=pool, limit_bytes=limit, ring_size=2, when_busy="raise")
+    first = stager.stage(state)
+    renamed = {f"renamed{i}": t for i, t in enumerate(state.values())}
+    if pool.native:
+        with pytest.raises(RuntimeError, match="busy"):
+            stager.stage(renamed)
+        gc.collect()
+        assert pool.stats()["in_use_bytes"] == stager.host_bytes() == held
+        with pytest.raises(RuntimeError, match="busy"):  # it does not try again
+            stager.stage(renamed)
+    del first
+    _assert_same(stager.stage(renamed).result(), _snapshot(renamed))
+    assert stager.host_bytes() <= limit
+    stager.close()
+
+
 def test_staging_close_returns_buffers(backend, device):
     pool = offload.HostPool()
     stager = offload.AsyncStager(pool=pool)
@@ -415,6 +573,78 @@ def test_staging_bad_input(device):
         offload.AsyncStager(forward_buffers=["model.nope"]).stage({"model": {"w": torch.ones(1, device=device)}})
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         stager.protect(object())
+
+
+def test_staging_bad_tensor_in_a_later_save(device):
+    """A tensor that turns meta or sparse after the structure is cached (generated code,
+    cached plan) gets the first save's message, not a raw error from reading its pointer."""
+    cases = [
+        (lambda: torch.empty(4, device="meta"), ValueError, r"state_dict\['m'\]\['w[89]'\] is a meta tensor"),
+        (lambda: torch.eye(2, device=device).to_sparse(), ValueError,
+         r"state_dict\['m'\]\['w[89]'\] has layout torch.sparse_coo"),
+        (lambda: torch.eye(2, device=device).to_sparse_csr(), ValueError,
+         r"state_dict\['m'\]\['w[89]'\] has layout torch.sparse_csr"),
+    ]
+    for watched in (False, True):  # w9 alone, or tied to w8 (a slot whose layout _resolve compares itself)
+        stager = offload.AsyncStager(ring_size=1)
+
+        def state(last):
+            layer = {f"w{j}": torch.full((4,), float(j), device=device) for j in range(9)}
+            layer["w9"] = last
+            if watched:
+                layer["w8"] = last
+            return {"m": layer}
+
+        for _ in range(3):  # the third save runs generated code and the cached plan
+            stager.stage(state(torch.ones(4, device=device))).result()
+        for make, error, message in cases:
+            with pytest.raises(error, match=message):
+                stager.stage(state(make()))
+        good = state(torch.arange(4.0, device=device))
+        _assert_same(stager.stage(good).result(), _snapshot(good))  # the stager still works
+        stager.close()
+
+
+def test_staging_host_tensors_of_accelerator_state_copied_in_one_call(backend, device, monkeypatch):
+    """CPU tensors in an accelerator's state dict (AdamW's `step` scalars) are copied
+    by one torch._foreach_copy_ per save, and no per-tensor layout check runs for them;
+    a host source that changes dtype, shape or layout is still staged bit for bit."""
+    if device.type == "cpu":  # no accelerator: let the CPU tensors stand for the host side of one
+        monkeypatch.setattr(offload.staging._device, "compute_device_type", lambda: "cuda")
+    calls = []
+    real = offload.staging._foreach_copy
+
+    def counting(dsts, sources):
+        calls.append(len(sources))
+        return real(dsts, sources)
+
+    monkeypatch.setattr(offload.staging, "_foreach_copy", counting)
+    n = 40
+    steps = {i: {"step": torch.tensor(float(i))} for i in range(n)}
+    state = {"model": {"w": torch.randn(8, device=device)}, "optim": {"state": steps}}
+    host = 1 + n if device.type == "cpu" else n
+    stager = offload.AsyncStager(ring_size=1)
+    for save in range(5):
+        for entry in steps.values():
+            entry["step"].add_(1)
+        calls.clear()
+        _assert_same(stager.stage(state).result(), _snapshot(state))
+        assert calls == [host], calls  # fresh on the first save, refilled after: one call each
+    assert [r["replanned"] for r in stager.metrics()] == [True] + [False] * 4
+    assert stager._plan.watched_slots == []  # the copy itself checks the host sources
+    base = torch.arange(9.0).view(3, 3)
+    changes = [
+        lambda: steps[3].__setitem__("step", torch.tensor(7.0, dtype=torch.float64)),  # dtype
+        lambda: steps[5].__setitem__("step", torch.arange(4.0)),  # shape
+        lambda: steps[6].__setitem__("step", base),
+        lambda: steps[6].__setitem__("step", base.t()),  # same pointer, shape and dtype; other strides
+    ]
+    for change in changes:
+        change()
+        _assert_same(stager.stage(state).result(), _snapshot(state))
+    stager.close()
+    with pytest.raises(ValueError, match=r"host source 1 changed to \(2,\) torch.float32"):
+        offload.staging._copy_on_host([torch.ones(()), torch.ones(2)], out=[torch.ones(()), torch.ones(3)])
 
 
 def test_staging_scalars_change_without_replanning(backend, device):
@@ -573,6 +803,33 @@ def test_staging_no_memory_growth_over_100_saves(backend, device):
     assert all(r["buffers_allocated"] == 0 for r in records[-100:])
     assert records[-1]["gbps"] is not None
     stager.close()
+
+
+def test_staging_benchmark_rows_say_which_saves_were_measured(device, monkeypatch):
+    """benchmarks/bench_staging.py measures slow baselines over fewer saves: each row's
+    label names the saves its medians cover, for offload and for the baseline."""
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import bench_staging
+        from common import Context
+
+        monkeypatch.setattr(bench_staging, "_size_cases", lambda quick: [("8 tensors x 2 KiB", 8, 1 << 10)])
+        rows = bench_staging._staging_rows(Context(device, quick=True, progress=lambda message: None))
+    finally:  # the benchmarks' modules stay out of other tests' imports
+        sys.modules.pop("bench_staging", None)
+        sys.modules.pop("common", None)
+    later = [r for r in rows if "first save" not in r["case"]]
+    assert later and any(r.get("baseline_saves") == bench_staging.SLOW_SAVES for r in later)
+    for r in later:
+        assert f"saves 2-{bench_staging.SAVES}" in r["case"], r
+        theirs = r.get("baseline_saves")
+        if theirs is not None and theirs != bench_staging.SAVES:
+            assert f"baseline: saves 2-{theirs}" in r["case"], r
+        else:
+            assert "baseline: saves" not in r["case"], r
 
 
 def test_staging_warnings_are_ours_only():
