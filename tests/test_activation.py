@@ -546,6 +546,63 @@ def test_activation_wrapped_forward_keeps_signature(pool):
     handle.disable()
 
 
+def _copies(model):
+    """A deep copy and a pickled round trip (torch.save / torch.load) of `model`."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return copy.deepcopy(model), torch.load(buffer, weights_only=False)
+
+
+def test_activation_copied_model_is_an_ordinary_module(pool):
+    """deepcopy (RL reference models) or pickling a model with offload enabled gives a model
+    that runs its own forward and layers, without offload, and can enable it itself."""
+    import functools
+
+    ref = _model()
+    model = copy.deepcopy(ref)
+    block = model.blocks[1]
+    block.forward = functools.partial(type(block).forward, block)  # someone else's instance forward
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    for clone in _copies(model):
+        with torch.no_grad():
+            for p in clone.parameters():
+                p.mul_(0.5)
+        for m in [clone, *clone.blocks]:
+            assert not isinstance(m.__dict__.get("forward"), offload.wrap._WrappedForward)
+        halved = copy.deepcopy(ref)
+        with torch.no_grad():
+            for p in halved.parameters():
+                p.mul_(0.5)
+        h = halved.embed(x)
+        assert torch.equal(clone(x), halved(x))
+        assert torch.equal(clone.blocks[1](h), halved.blocks[1](h))
+        assert torch.equal(clone.blocks[0](h), halved.blocks[0](h))
+        # Not a user of the original's handle: enabling works and offloads the copy's layers.
+        before = handle.stats()["groups_offloaded"]
+        mine = offload.enable_activation_offload(clone, min_tensor_bytes=0, pool=pool, verbose=False)
+        _assert_equal(_step(clone, x)[1], _step(halved, x)[1])
+        assert mine.stats()["groups_offloaded"] == 3 and handle.stats()["groups_offloaded"] == before
+        mine.disable()
+        assert "forward" not in clone.__dict__ and "forward" not in clone.blocks[0].__dict__
+        assert torch.equal(clone(x), halved(x))
+    # The copy outlives the original and is freed without the cyclic collector.
+    clone = copy.deepcopy(model)
+    del model, block
+    gc.collect()
+    _assert_equal(_step(clone, x)[1], _step(ref, x)[1])
+    gc.disable()
+    try:
+        refs = [weakref.ref(clone), weakref.ref(clone.blocks[0])]
+        del clone
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
 def test_activation_step_search_bisects_to_the_largest_within_tolerance():
     from offload._activation_plan import StepSearch
 
