@@ -395,30 +395,60 @@ def test_activation_inplace_after_save_kept_tensor_raises(pool):
         ref(torch.randn(4, 8)).backward()
 
 
-def test_activation_inplace_after_copy_uses_saved_value(pool):
-    """Modified after its copy completed: the host copy is the value autograd saved."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_activation_inplace_after_copy_raises(mode, pool):
+    """Modified in place after its layer's copy completed (a later layer changes a tensor the
+    previous one saved, then drops it): raises as autograd does, not the host snapshot used."""
     torch.manual_seed(0)
-    model = PairModel("next")
-    offload.enable_activation_offload(model, "sync", min_tensor_bytes=0, keep_last=1, pool=pool)
+    ref = PairModel("next")
     x = torch.randn(4, 8)
-    try:
-        model(x).backward()
-    except RuntimeError as error:  # firing the check is also correct
-        assert "modified by an inplace operation" in str(error)
-        return
-    got = [p.grad.clone() for p in model.parameters()]
-    # Reference: what the gradient is when the saved value is used (the mul_ acts on a copy).
-    model.zero_grad()
-    for block in model.blocks:
-        block.late = "save"
-    x2 = x.clone()
-    pair = (x2, x2)
-    for i, block in enumerate(model.blocks):
-        pair = block(pair)
-        if i == 0:
-            pair = (pair[0], pair[1].detach().clone().mul_(2))
-    pair[0].sum().backward()
-    _assert_equal(got, [p.grad for p in model.parameters()])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref(x).backward()
+    offload.enable_activation_offload(ref, mode, min_tensor_bytes=0, keep_last=1, pool=pool, verbose=False)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[float32 \[4, 8\]\] is at version 1"):
+        ref(x).backward()
+
+
+class _SavesView(nn.Module):
+    """Saves a slice of an intermediate it returns (sin saves its input), not the intermediate."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h[:, :4].sin().sum(1, keepdim=True) + h, h
+
+
+def test_activation_inplace_after_copy_through_a_view_raises(pool):
+    """The saved tensor is a view; the caller changes its base after the copy completed."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList(_SavesView() for _ in range(3))
+    hidden, change = [], []
+
+    def forward(x):
+        for block in model.blocks:
+            x, h = block(x)
+            hidden.append(h)
+            if len(hidden) == 2 and change:
+                hidden[0].add_(1)  # the base of the slice block 0 saved
+        return x.sum()
+
+    model.forward = forward
+    handle = offload.enable_activation_offload(model, "sync", min_tensor_bytes=0, pool=pool, verbose=False)
+    model(torch.randn(4, 8)).backward()  # unchanged: the check leaves the versions as they were
+    assert [h._version for h in hidden] == [0, 0, 0]
+    hidden.clear()
+    change.append(True)
+    loss = model(torch.randn(4, 8))
+    assert handle.stats()["groups_offloaded"] == 2
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    hidden.clear()
+    handle.disable()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # as without offload
+        model(torch.randn(4, 8)).backward()
 
 
 def test_activation_parameters_never_offloaded(pool, monkeypatch):
