@@ -36,8 +36,10 @@ plan is final.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
 import time
+from collections.abc import Mapping
 from typing import List, Optional
 
 import torch
@@ -240,12 +242,35 @@ class _Clock:
         return a.elapsed_time(b) / 1e3
 
 
+_KEY_DEPTH = 6  # containers nested deeper than this are not looked into
+
+
+def _tensor_leaves(value, out: list, depth: int = 0) -> None:
+    """Append the tensors in `value`: lists, tuples, mappings (dict, a Hugging Face
+    BatchEncoding, which is a UserDict) and dataclasses, in order. torch's pytree walks
+    registered containers only, and a UserDict or a user's dataclass is not one."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+        return
+    if depth >= _KEY_DEPTH or value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return
+    if isinstance(value, (list, tuple)):
+        items = value
+    elif isinstance(value, Mapping):
+        items = value.values()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, field.name, None) for field in dataclasses.fields(value)]
+    else:
+        return
+    for item in items:
+        _tensor_leaves(item, out, depth + 1)
+
+
 def _shape_key(args, kwargs):
-    key = []
-    for value in list(args) + [kwargs[k] for k in sorted(kwargs)]:
-        if isinstance(value, torch.Tensor):
-            key.append((tuple(value.shape), str(value.dtype)))
-    return tuple(key)
+    """The shapes and dtypes of the tensors in a forward's inputs, nested ones included."""
+    leaves: list = []
+    _tensor_leaves(list(args) + [kwargs[k] for k in sorted(kwargs)], leaves)
+    return tuple((tuple(t.shape), str(t.dtype)) for t in leaves)
 
 
 def probe_bandwidth(device, nbytes: int = 64 << 20):

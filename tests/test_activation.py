@@ -6,6 +6,7 @@ synchronous), restores, prefetch bookkeeping, the auto planner. GPU-only propert
 """
 
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -515,6 +516,43 @@ def test_activation_auto_plans_and_replans(pool, capsys):
     plan = handle.stats()["plan"]
     assert plan["input_shapes"] == [[6, 16]] and len(plan["mask"]) == 4 and plan["mask"][3] is False
     assert plan["eligible_bytes"] > 0
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+
+
+class _NestedInputModel(Model):
+    """Takes its input inside a container."""
+
+    def forward(self, batch):
+        if isinstance(batch, (list, tuple)):
+            return super().forward(batch[0])
+        return super().forward(batch.x if isinstance(batch, _Batch) else batch["x"])
+
+
+@pytest.mark.parametrize("container", ["dict", "list", "userdict", "dataclass"])
+def test_activation_auto_replans_on_nested_input_shape(container, pool, capsys):
+    """A new input shape inside a dict, a list, a UserDict (Hugging Face's BatchEncoding) or
+    a dataclass is a new shape: auto mode measures it and plans again."""
+    import collections
+
+    wrap = {"dict": lambda x: {"x": x}, "list": lambda x: [x], "dataclass": _Batch,
+            "userdict": lambda x: collections.UserDict(x=x)}[container]
+    torch.manual_seed(0)
+    ref = _NestedInputModel()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    for n in (8, 8, 8, 6, 6, 6):
+        x = torch.randn(n, 16)
+        loss_ref, grads_ref = _step(ref, wrap(x))
+        loss, grads = _step(model, wrap(x))
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+    printed = capsys.readouterr().out
+    assert printed.count("auto plan") == 2 and "[[8, 16]]" in printed and "[[6, 16]]" in printed
+    assert handle.plan["input_shapes"] == [[6, 16]]
 
 
 def test_activation_auto_budget_zero_offloads_everything(pool):
