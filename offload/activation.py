@@ -934,6 +934,14 @@ def enable_activation_offload(
             raise ValueError(f"{fn}: {what} must be an int >= 0, got {value!r}")
     count = len(found)
     keep = [i < keep_first or i >= count - keep_last for i in range(count)]
+    if all(keep):
+        names = [name for name, _ in found]
+        warnings.warn(
+            f"{fn}: nothing will be offloaded: keep_first={keep_first} + keep_last={keep_last} keep all "
+            f"{count} layer(s) found ({', '.join(names[:4])}{', ...' if count > 4 else ''}) on the device; "
+            "lower keep_first/keep_last or name finer layers with layers=[...]",
+            stacklevel=2,
+        )
     # Compiled layers are supported: AOTAutograd saves a compiled region's activations through
     # an autograd function at run time, where the hooks see them (tested with the CPU path).
     # A compiled *model* is not: its forward, traced whole, bypasses the wrappers (warned then).

@@ -2,7 +2,8 @@
 
 Which modules are "layers", in order of preference:
 1. the names the user gives;
-2. FSDP units (FSDP1 `FullyShardedDataParallel`, FSDP2 `fully_shard` modules) below the root;
+2. FSDP units (FSDP1 `FullyShardedDataParallel`, FSDP2 `fully_shard` modules) below the root,
+   the innermost where units nest;
 3. the elements of the model's repeated `nn.ModuleList` (the transformer blocks, e.g. Hugging
    Face `model.model.layers`), the list holding the most parameters.
 
@@ -45,18 +46,19 @@ def _fsdp_classes():
 
 
 def _fsdp_units(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """Top-level FSDP units below the root (a unit inside another unit is part of it)."""
+    """The innermost FSDP units below the root (units that hold no other unit).
+
+    Nested units (`fully_shard` on each block, then on a module holding the blocks) are the
+    usual way to shard: the blocks are the layers, and the outer unit's own modules (a final
+    norm) run inside the span of the last block before them.
+    """
     classes = _fsdp_classes()
     if not classes:
         return []
-    units = []
-    for name, module in model.named_modules():
-        if module is model or not isinstance(module, classes):
-            continue
-        if any(name.startswith(outer + ".") for outer, _ in units):
-            continue
-        units.append((name, module))
-    return units
+    units = [(name, module) for name, module in model.named_modules()
+             if module is not model and isinstance(module, classes)]
+    return [(name, module) for name, module in units
+            if not any(inner.startswith(name + ".") for inner, _ in units)]
 
 
 def _repeated_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:

@@ -889,6 +889,69 @@ def test_activation_fsdp_single_process(kind, pool, monkeypatch, tmp_path):
         dist.destroy_process_group()
 
 
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _model()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("shard_root", [False, True])
+def test_activation_fsdp2_nested_units_are_the_innermost(shard_root, pool, tmp_path):
+    """fully_shard on each block and on a module holding them: the blocks are the layers
+    (was: the holding unit, the only layer, kept as the last one: nothing offloaded)."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
+        pytest.skip("needs torch.distributed with fully_shard (FSDP2)")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        ref, model = _Outer(), _Outer()
+        for m in (ref, model):
+            for block in m.inner.blocks:
+                fsdp.fully_shard(block, reshard_after_forward=False)
+            fsdp.fully_shard(m.inner, reshard_after_forward=False)
+            if shard_root:
+                fsdp.fully_shard(m, reshard_after_forward=False)
+        handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+        assert handle.layers == [f"inner.blocks.{i}" for i in range(4)]
+        x = torch.randn(8, 16)
+        for m in (ref, model):
+            m(x).backward()
+        _assert_equal(_full_grads("fsdp2", ref), _full_grads("fsdp2", model))
+        assert handle.stats()["groups_offloaded"] == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def test_activation_warns_when_nothing_can_be_offloaded(pool):
+    """keep_first + keep_last covering every layer, or an auto budget that cannot be met."""
+    with pytest.warns(UserWarning, match=r"nothing will be offloaded: keep_first=2 \+ keep_last=2 keep all 4"):
+        handle = offload.enable_activation_offload(_model(), keep_first=2, keep_last=2, pool=pool)
+    assert handle.offloaded_layers() == []
+
+
+def test_activation_auto_warns_when_the_budget_cannot_be_met(pool, monkeypatch, capsys):
+    monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: 1 << 30)  # peak 1 GiB
+    model = _model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, memory_budget_bytes="1MiB",
+                                               pool=pool)
+    with pytest.warns(UserWarning, match="cannot meet memory_budget_bytes=1048576"):
+        for _ in range(3):
+            _step(model, torch.randn(8, 16))
+    assert handle.plan["budget_met"] is False and handle.plan["mask"] == [True, True, True, False]
+    assert "does NOT meet memory_budget_bytes=1048576" in capsys.readouterr().out
+    import warnings
+
+    with warnings.catch_warnings():  # once per handle
+        warnings.simplefilter("error")
+        _step(model, torch.randn(6, 16))
+        _step(model, torch.randn(6, 16))
+        _step(model, torch.randn(6, 16))
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_activation_tuple_outputs_keep_first(mode, pool):
     """Layers that take and return tuples; keep_first keeps the first layer on the device."""
