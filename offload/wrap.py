@@ -24,8 +24,8 @@ import inspect
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
+
 
 def _fsdp_classes():
     classes = []
@@ -249,14 +249,3 @@ def unwrap_forward(module: nn.Module) -> None:
         module.forward = wrapper._previous
     else:
         del module.__dict__["forward"]
-
-
-def compiled_modules(module: nn.Module) -> List[str]:
-    """Names of submodules (or the module) that run through torch.compile."""
-    names = []
-    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    optimized = getattr(optimized, "OptimizedModule", ()) if optimized is not None else ()
-    for name, sub in module.named_modules():
-        if (optimized and isinstance(sub, optimized)) or getattr(sub, "_compiled_call_impl", None) is not None:
-            names.append(name or "<layer>")
-    return names
