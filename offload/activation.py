@@ -602,6 +602,18 @@ def _loop_refs() -> int:
 _LOOP_REFS = _loop_refs()
 
 
+def _versions_preserved(tensors: tuple):
+    """torch.autograd._unsafe_preserve_version_counter for several tensors: one context for
+    the tuple where torch takes one (2.7 on), one per tensor before (offload supports 2.6)."""
+    try:
+        return torch.autograd._unsafe_preserve_version_counter(tensors)
+    except AttributeError:  # torch 2.6 reads tensors._version at once
+        stack = contextlib.ExitStack()
+        for t in tensors:
+            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+        return stack
+
+
 def _drop_held(group: _Group) -> None:
     """The group's device tensors are no longer needed (its host copy is complete).
 
@@ -642,7 +654,7 @@ def _drop_held(group: _Group) -> None:
     if alias_slots:
         tensors = tuple(held[slot][0] for slot in alias_slots)
         # set_() bumps the shared counter; the versions are put back as they were.
-        with torch.autograd._unsafe_preserve_version_counter(tensors):
+        with _versions_preserved(tensors):
             for slot, t in zip(alias_slots, tensors):
                 alias = t.detach()
                 alias.set_()
