@@ -36,8 +36,11 @@ plan is final.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
 import time
+import warnings
+from collections.abc import Mapping
 from typing import List, Optional
 
 import torch
@@ -240,12 +243,35 @@ class _Clock:
         return a.elapsed_time(b) / 1e3
 
 
+_KEY_DEPTH = 6  # containers nested deeper than this are not looked into
+
+
+def _tensor_leaves(value, out: list, depth: int = 0) -> None:
+    """Append the tensors in `value`: lists, tuples, mappings (dict, a Hugging Face
+    BatchEncoding, which is a UserDict) and dataclasses, in order. torch's pytree walks
+    registered containers only, and a UserDict or a user's dataclass is not one."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+        return
+    if depth >= _KEY_DEPTH or value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return
+    if isinstance(value, (list, tuple)):
+        items = value
+    elif isinstance(value, Mapping):
+        items = value.values()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, field.name, None) for field in dataclasses.fields(value)]
+    else:
+        return
+    for item in items:
+        _tensor_leaves(item, out, depth + 1)
+
+
 def _shape_key(args, kwargs):
-    key = []
-    for value in list(args) + [kwargs[k] for k in sorted(kwargs)]:
-        if isinstance(value, torch.Tensor):
-            key.append((tuple(value.shape), str(value.dtype)))
-    return tuple(key)
+    """The shapes and dtypes of the tensors in a forward's inputs, nested ones included."""
+    leaves: list = []
+    _tensor_leaves(list(args) + [kwargs[k] for k in sorted(kwargs)], leaves)
+    return tuple((tuple(t.shape), str(t.dtype)) for t in leaves)
 
 
 def probe_bandwidth(device, nbytes: int = 64 << 20):
@@ -299,6 +325,7 @@ class AutoPlanner:
         self.tuning = {}  # key -> _Probe while its plan is being checked against measured steps
         self.last_start = None  # (mark, key, probe serial) of the last training forward of a planned shape
         self.idle_key = None  # the shape of the last forward if its settled plan offloads nothing
+        self.warned_budget = False  # a budget the plan cannot meet is warned about once per handle
 
     def current_plan(self):
         return self.plans.get(self.key)
@@ -484,13 +511,29 @@ class AutoPlanner:
             plan["budget_met"] = False
         elif self.budget is not None:
             plan["budget_met"] = peak + (eligible_bytes - offloaded) <= self.budget
+        missed = ""
+        if plan.get("budget_met") is False:
+            predicted = peak + eligible_bytes - offloaded
+            missed = (f"; does NOT meet memory_budget_bytes={self.budget} (predicted peak {predicted / 2**20:.1f} "
+                      f"MiB, {sum(mask)} of {sum(eligible)} eligible layers offloaded)")
+            if not self.warned_budget:
+                self.warned_budget = True
+                warnings.warn(
+                    f"offload.enable_activation_offload: mode='auto' cannot meet memory_budget_bytes={self.budget} "
+                    f"for inputs {plan['input_shapes']}: the predicted peak device memory is {predicted} bytes with "
+                    f"{sum(mask)} of {sum(eligible)} eligible layers offloaded (keep_first/keep_last keep the "
+                    f"others, and what is not a saved activation stays); raise the budget, lower keep_first/"
+                    "keep_last, or combine with activation checkpointing",
+                    stacklevel=2,
+                )
         if self.verbose:
             print(
                 f"offload.activation auto plan for inputs {plan['input_shapes']}: offload {len(plan['offload'])} "
                 f"of {n} layers ({offloaded / 2**20:.1f} of {eligible_bytes / 2**20:.1f} MiB eligible), "
                 f"predicted exposed copy time {plan['predicted_exposed_ms']:.2f} ms of a "
                 f"{plan['predicted_step_ms']:.2f} ms step at {plan['d2h_gbps']:.1f}/{plan['h2d_gbps']:.1f} GB/s"
-                + ("; timing it against a step without offload" if plan["tuning"]["checked"] else ""),
+                + ("; timing it against a step without offload" if plan["tuning"]["checked"] else "")
+                + missed,
                 flush=True,
             )
         return plan

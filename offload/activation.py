@@ -52,8 +52,9 @@ a model compiled whole bypasses the wrappers and is passed through with a warnin
 
 Version counter. With saved-tensor hooks installed autograd no longer checks that a saved
 tensor was not modified in place. The engine does it instead: each handle remembers the
-tensor's `_version`; a modification seen before the copy is confirmed complete raises
-autograd's error at unpack. After that the host copy is a snapshot of the saved value.
+tensor's `_version`, and unpack raises autograd's error if it changed. Until the copy is
+confirmed complete the tensor itself is held; after that, for a tensor something else can
+still reach, an empty alias sharing its version counter (see `_drop_held`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import sys
 import time
 import warnings
 import weakref
@@ -108,7 +110,7 @@ class _Group:
     """The saved tensors of one forward span (one layer)."""
 
     __slots__ = (
-        "name", "layer", "state", "held", "modified", "spans", "d2h", "h2d", "device_bytes",
+        "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned",
         "__weakref__",
     )
@@ -118,7 +120,8 @@ class _Group:
         self.layer = layer  # index in the layer list (auto-mode statistics), or None
         self.state = _OPEN if offload else _KEPT
         self.held: Optional[list] = []  # per handle slot: (tensor, version), while device data is valid
-        self.modified = ()  # slots whose tensor was modified in place before the copy was confirmed
+        self.modified = None  # slot -> (tensor, saved version, version): modified before the copy was confirmed
+        self.watch = None  # per slot, once held is dropped: (tensor sharing its version counter, version) or None
         self.spans: list = []  # per entry: [tensor, lo, hi] (bytes of its storage to copy)
         self.d2h = None  # CopyHandle of the group's spans to host
         self.h2d = None  # CopyHandle of the spans back to the device (backward)
@@ -404,10 +407,7 @@ class ActivationEngine:
 
     def _settle(self, group: _Group) -> None:
         """The D2H copy is complete (or will be before any reader): drop the device tensors."""
-        held = group.held
-        if held is not None:
-            group.modified = {i for i, (t, v) in enumerate(held) if t._version != v}
-            group.held = None
+        _drop_held(group)
         group.spans = None
         group.state = _HOST
 
@@ -501,12 +501,12 @@ class ActivationEngine:
                 raise _modified_error(_describe(t), version, t._version)
             result = t
         else:
-            if packed.slot in group.modified:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: [{str(packed.dtype).replace('torch.', '')} {list(packed.size)}] was changed "
-                    "after autograd saved it (offload.activation)"
-                )
+            if group.modified and packed.slot in group.modified:
+                raise _modified_error(*group.modified[packed.slot])
+            watch = group.watch[packed.slot]
+            if watch is not None and watch[0]._version != watch[1]:
+                desc = f"{str(packed.dtype).replace('torch.', '')} {list(packed.size)}"
+                raise _modified_error(desc, watch[1], watch[0]._version)
             result = self._restore(group, packed)
         if group.n_unpacked == 0 and self.mode != "sync":
             self._prefetch(group)
@@ -581,8 +581,7 @@ class ActivationEngine:
             # hold the host back in backward and open gaps in the compute stream.
             group.d2h.ready()
         if group.held is not None:
-            group.modified = {i for i, (t, v) in enumerate(group.held) if t._version != v}
-            group.held = None
+            _drop_held(group)
             group.spans = None
             group.state = _HOST
         group.device_bytes = None
@@ -590,6 +589,78 @@ class ActivationEngine:
         group.views = {}
         group.waited = set()
         group.n_unpacked = 0
+
+
+def _loop_refs() -> int:
+    """What `sys.getrefcount` adds, in `_drop_held`'s loop, to a tensor held only by its slot
+    (`t` and the call's argument: 2 on CPython 3.11-3.13; measured, as interpreters differ)."""
+    held = [(object(), 0)]
+    for _, (t, _version) in enumerate(held):
+        return sys.getrefcount(t) - 1
+
+
+_LOOP_REFS = _loop_refs()
+
+
+def _versions_preserved(tensors: tuple):
+    """torch.autograd._unsafe_preserve_version_counter for several tensors: one context for
+    the tuple where torch takes one (2.7 on), one per tensor before (offload supports 2.6)."""
+    try:
+        return torch.autograd._unsafe_preserve_version_counter(tensors)
+    except AttributeError:  # torch 2.6 reads tensors._version at once
+        stack = contextlib.ExitStack()
+        for t in tensors:
+            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+        return stack
+
+
+def _drop_held(group: _Group) -> None:
+    """The group's device tensors are no longer needed (its host copy is complete).
+
+    An in-place change to a saved tensor after this point must still raise at unpack, as
+    autograd's own check would; but the tensor is usually freed before backward (the repro:
+    a later layer modifies a tensor the previous layer saved, then drops it). So per slot
+    the engine keeps a tensor that shares the saved tensor's version counter and no storage
+    (a detached alias, `set_()` to an empty storage), and the version it was saved at.
+
+    Only for tensors something else may still change: ones the caller still references,
+    and views (their base or sibling views may be alive). A tensor referenced only by the
+    group dies with it, so nothing can change it. That keeps the alias (a few us) off the
+    tensors that were local to the layer; a tensor already changed is recorded at once.
+    """
+    held = group.held
+    if held is None:
+        return
+    group.held = None
+    group.spans = None  # its entries reference the tensors too
+    watch = [None] * len(held)
+    modified = {}
+    alias_slots = []
+    slots_of = None  # id(tensor) -> slots holding it, counted only if some tensor needs it
+    for slot, (t, version) in enumerate(held):
+        now = t._version
+        if now != version:
+            modified[slot] = (_describe(t), version, now)
+        elif t._base is not None:
+            alias_slots.append(slot)
+        else:
+            # References: the tuples of the slots holding it, plus what this loop adds.
+            refs = sys.getrefcount(t)
+            if refs > _LOOP_REFS + 1:
+                if slots_of is None:
+                    slots_of = collections.Counter(id(other) for other, _ in held)
+                if refs > _LOOP_REFS + slots_of[id(t)]:
+                    alias_slots.append(slot)
+    if alias_slots:
+        tensors = tuple(held[slot][0] for slot in alias_slots)
+        # set_() bumps the shared counter; the versions are put back as they were.
+        with _versions_preserved(tensors):
+            for slot, t in zip(alias_slots, tensors):
+                alias = t.detach()
+                alias.set_()
+                watch[slot] = (alias, held[slot][1])
+    group.watch = watch
+    group.modified = modified
 
 
 def _aligned_total(sizes) -> int:
@@ -875,6 +946,14 @@ def enable_activation_offload(
             raise ValueError(f"{fn}: {what} must be an int >= 0, got {value!r}")
     count = len(found)
     keep = [i < keep_first or i >= count - keep_last for i in range(count)]
+    if all(keep):
+        names = [name for name, _ in found]
+        warnings.warn(
+            f"{fn}: nothing will be offloaded: keep_first={keep_first} + keep_last={keep_last} keep all "
+            f"{count} layer(s) found ({', '.join(names[:4])}{', ...' if count > 4 else ''}) on the device; "
+            "lower keep_first/keep_last or name finer layers with layers=[...]",
+            stacklevel=2,
+        )
     # Compiled layers are supported: AOTAutograd saves a compiled region's activations through
     # an autograd function at run time, where the hooks see them (tested with the CPU path).
     # A compiled *model* is not: its forward, traced whole, bypasses the wrappers (warned then).

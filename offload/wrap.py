@@ -2,7 +2,8 @@
 
 Which modules are "layers", in order of preference:
 1. the names the user gives;
-2. FSDP units (FSDP1 `FullyShardedDataParallel`, FSDP2 `fully_shard` modules) below the root;
+2. FSDP units (FSDP1 `FullyShardedDataParallel`, FSDP2 `fully_shard` modules) below the root,
+   the innermost where units nest;
 3. the elements of the model's repeated `nn.ModuleList` (the transformer blocks, e.g. Hugging
    Face `model.model.layers`), the list holding the most parameters.
 
@@ -11,20 +12,19 @@ then calls the original. Wrapping `forward` (not `__call__`) keeps the boundary 
 checkpoint wrappers that checkpoint `forward` (Hugging Face >= 5, FSDP2's
 `checkpoint_wrapper` as a list element) and inside FSDP2's pre-forward hook, so a layer's
 unsharded parameters exist when its group opens. FSDP1 unshards inside its own forward,
-so its inner `_fsdp_wrapped_module` is the module wrapped.
+so its inner `_fsdp_wrapped_module` is the module wrapped. A copy of a wrapped module
+(deepcopy, pickle) gets a plain forward of its own (`_WrappedForward`), not the wrapper.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
-
-_MARK = "_offload_activation_wrapped"
 
 
 def _fsdp_classes():
@@ -46,18 +46,19 @@ def _fsdp_classes():
 
 
 def _fsdp_units(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """Top-level FSDP units below the root (a unit inside another unit is part of it)."""
+    """The innermost FSDP units below the root (units that hold no other unit).
+
+    Nested units (`fully_shard` on each block, then on a module holding the blocks) are the
+    usual way to shard: the blocks are the layers, and the outer unit's own modules (a final
+    norm) run inside the span of the last block before them.
+    """
     classes = _fsdp_classes()
     if not classes:
         return []
-    units = []
-    for name, module in model.named_modules():
-        if module is model or not isinstance(module, classes):
-            continue
-        if any(name.startswith(outer + ".") for outer, _ in units):
-            continue
-        units.append((name, module))
-    return units
+    units = [(name, module) for name, module in model.named_modules()
+             if module is not model and isinstance(module, classes)]
+    return [(name, module) for name, module in units
+            if not any(inner.startswith(name + ".") for inner, _ in units)]
 
 
 def _repeated_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -136,6 +137,77 @@ def forward_target(module: nn.Module) -> nn.Module:
     return module
 
 
+class _PlainForward:
+    """The forward of a module copied (deepcopy, pickle) while its forward was wrapped: its
+    class's forward, reached through a weak reference (no cycle, as in `wrap_forward`).
+
+    A copy's state dict keeps every key of the original's, so the copy cannot be left
+    without a `forward` entry; this one behaves as the class's forward, and `wrap_forward`
+    and `unwrap_forward` treat it as absent.
+    """
+
+    __slots__ = ("_module", "__weakref__")
+
+    def __init__(self, module: nn.Module):
+        self._module = weakref.ref(module)
+
+    def __call__(self, *args, **kwargs):
+        module = self._module()
+        return type(module).forward(module, *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        module = self._module()
+        return inspect.signature(type(module).forward.__get__(module))
+
+    def __deepcopy__(self, memo):
+        return _PlainForward(copy.deepcopy(self._module(), memo))
+
+    def __reduce__(self):
+        return _PlainForward, (self._module(),)
+
+
+def _identity(value):
+    return value
+
+
+class _WrappedForward:
+    """What `wrap_forward` installs as `module.forward`: calls `call`, and remembers what
+    `unwrap_forward` restores.
+
+    A copy of the module is an ordinary module, not a second user of the original's
+    handle: a deep copy gets the forward it had before wrapping, bound to the copy (the
+    module is found through deepcopy's memo), and pickling stores that plain forward
+    (the wrapper holds the handle, which does not pickle).
+    """
+
+    def __init__(self, call: Callable, module: nn.Module, had_own: bool, previous):
+        self._call = call
+        self._module = weakref.ref(module)
+        self._had_own = had_own  # someone else's instance forward was there: put back as it was
+        self._previous = previous
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        if self._had_own:
+            return copy.deepcopy(self._previous, memo)
+        module = self._module()
+        return self if module is None else _PlainForward(copy.deepcopy(module, memo))
+
+    def __reduce__(self):
+        if self._had_own:
+            return _identity, (self._previous,)
+        return _PlainForward, (self._module(),)
+
+
+def _own_forward(module: nn.Module):
+    """The instance forward someone else installed, or None (a copy's `_PlainForward` is none)."""
+    current = module.__dict__.get("forward")
+    return None if current is None or isinstance(current, _PlainForward) else current
+
+
 def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> None:
     """Replace module.forward by make(original forward); `unwrap_forward` undoes it.
 
@@ -144,49 +216,36 @@ def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> Non
     without waiting for the cyclic garbage collector (a model dropped without `disable()`
     would otherwise hold its device memory until the collector happens to run).
     """
-    if getattr(module, _MARK, None) is not None:
+    if isinstance(module.__dict__.get("forward"), _WrappedForward):
         raise RuntimeError(
             f"offload: {type(module).__name__} already has activation offload enabled; "
             "call disable() on the first handle before enabling it again"
         )
-    had_own = "forward" in module.__dict__
-    bound = module.forward
-    if had_own:  # someone else's instance forward: called as it is
-        original = bound
+    own = _own_forward(module)
+    if own is not None:  # someone else's instance forward: called as it is
+        original = bound = own
     else:
         func, ref = type(module).forward, weakref.ref(module)
+        bound = func.__get__(module)
 
         def original(*args, **kwargs):
             return func(ref(), *args, **kwargs)
 
-    wrapper = make(original)
+    wrapper = _WrappedForward(make(original), module, own is not None, own)
     functools.update_wrapper(wrapper, bound)
     del wrapper.__wrapped__  # it would hold the module; the signature below is what introspection needs
     try:
         wrapper.__signature__ = inspect.signature(bound)
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
         pass
-    module.__dict__[_MARK] = (had_own, module.__dict__.get("forward"))
     module.forward = wrapper
 
 
 def unwrap_forward(module: nn.Module) -> None:
-    saved = module.__dict__.pop(_MARK, None)
-    if saved is None:
+    wrapper = module.__dict__.get("forward")
+    if not isinstance(wrapper, _WrappedForward):
         return
-    had_own, previous = saved
-    if had_own:
-        module.forward = previous
+    if wrapper._had_own:
+        module.forward = wrapper._previous
     else:
-        module.__dict__.pop("forward", None)
-
-
-def compiled_modules(module: nn.Module) -> List[str]:
-    """Names of submodules (or the module) that run through torch.compile."""
-    names = []
-    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    optimized = getattr(optimized, "OptimizedModule", ()) if optimized is not None else ()
-    for name, sub in module.named_modules():
-        if (optimized and isinstance(sub, optimized)) or getattr(sub, "_compiled_call_impl", None) is not None:
-            names.append(name or "<layer>")
-    return names
+        del module.__dict__["forward"]

@@ -6,6 +6,7 @@ synchronous), restores, prefetch bookkeeping, the auto planner. GPU-only propert
 """
 
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -203,21 +204,31 @@ def _llama(layers):
     return transformers.LlamaForCausalLM(config).train()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+def _steps(mode):
+    """Steps to run: auto measures two steps, then times its plan and then steps without offload
+    (its layers unwrapped): on the CPU, 10 steps cover all three."""
+    return 10 if mode == "auto" else 1
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_activation_llama_bitwise(mode, pool):
     ref = _llama(3)
     model = copy.deepcopy(ref)
-    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool)
+    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool, verbose=False)
     assert handle.layers == ["model.layers.0", "model.layers.1", "model.layers.2"]
-    ids = torch.randint(0, 64, (2, 12))
-    for m in (ref, model):
-        m.zero_grad()
-        m(input_ids=ids, labels=ids).loss.backward()
-    loss_ref = ref(input_ids=ids, labels=ids).loss
-    loss = model(input_ids=ids, labels=ids).loss
-    assert torch.equal(loss, loss_ref)
-    _assert_equal(_grads(model), _grads(ref))
-    assert handle.stats()["groups_offloaded"] == 2
+    offloaded = []
+    for _ in range(_steps(mode)):
+        ids = torch.randint(0, 64, (2, 12))
+        losses = []
+        for m in (ref, model):
+            m.zero_grad()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[1], losses[0])
+        _assert_equal(_grads(model), _grads(ref))
+        offloaded.append(handle.stats()["groups_offloaded"])
+    assert offloaded[0] == 2 and offloaded[-1] == len(handle.offloaded_layers())
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -395,30 +406,60 @@ def test_activation_inplace_after_save_kept_tensor_raises(pool):
         ref(torch.randn(4, 8)).backward()
 
 
-def test_activation_inplace_after_copy_uses_saved_value(pool):
-    """Modified after its copy completed: the host copy is the value autograd saved."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_activation_inplace_after_copy_raises(mode, pool):
+    """Modified in place after its layer's copy completed (a later layer changes a tensor the
+    previous one saved, then drops it): raises as autograd does, not the host snapshot used."""
     torch.manual_seed(0)
-    model = PairModel("next")
-    offload.enable_activation_offload(model, "sync", min_tensor_bytes=0, keep_last=1, pool=pool)
+    ref = PairModel("next")
     x = torch.randn(4, 8)
-    try:
-        model(x).backward()
-    except RuntimeError as error:  # firing the check is also correct
-        assert "modified by an inplace operation" in str(error)
-        return
-    got = [p.grad.clone() for p in model.parameters()]
-    # Reference: what the gradient is when the saved value is used (the mul_ acts on a copy).
-    model.zero_grad()
-    for block in model.blocks:
-        block.late = "save"
-    x2 = x.clone()
-    pair = (x2, x2)
-    for i, block in enumerate(model.blocks):
-        pair = block(pair)
-        if i == 0:
-            pair = (pair[0], pair[1].detach().clone().mul_(2))
-    pair[0].sum().backward()
-    _assert_equal(got, [p.grad for p in model.parameters()])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref(x).backward()
+    offload.enable_activation_offload(ref, mode, min_tensor_bytes=0, keep_last=1, pool=pool, verbose=False)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[float32 \[4, 8\]\] is at version 1"):
+        ref(x).backward()
+
+
+class _SavesView(nn.Module):
+    """Saves a slice of an intermediate it returns (sin saves its input), not the intermediate."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h[:, :4].sin().sum(1, keepdim=True) + h, h
+
+
+def test_activation_inplace_after_copy_through_a_view_raises(pool):
+    """The saved tensor is a view; the caller changes its base after the copy completed."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList(_SavesView() for _ in range(3))
+    hidden, change = [], []
+
+    def forward(x):
+        for block in model.blocks:
+            x, h = block(x)
+            hidden.append(h)
+            if len(hidden) == 2 and change:
+                hidden[0].add_(1)  # the base of the slice block 0 saved
+        return x.sum()
+
+    model.forward = forward
+    handle = offload.enable_activation_offload(model, "sync", min_tensor_bytes=0, pool=pool, verbose=False)
+    model(torch.randn(4, 8)).backward()  # unchanged: the check leaves the versions as they were
+    assert [h._version for h in hidden] == [0, 0, 0]
+    hidden.clear()
+    change.append(True)
+    loss = model(torch.randn(4, 8))
+    assert handle.stats()["groups_offloaded"] == 2
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    hidden.clear()
+    handle.disable()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # as without offload
+        model(torch.randn(4, 8)).backward()
 
 
 def test_activation_parameters_never_offloaded(pool, monkeypatch):
@@ -487,6 +528,43 @@ def test_activation_auto_plans_and_replans(pool, capsys):
     assert plan["eligible_bytes"] > 0
 
 
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+
+
+class _NestedInputModel(Model):
+    """Takes its input inside a container."""
+
+    def forward(self, batch):
+        if isinstance(batch, (list, tuple)):
+            return super().forward(batch[0])
+        return super().forward(batch.x if isinstance(batch, _Batch) else batch["x"])
+
+
+@pytest.mark.parametrize("container", ["dict", "list", "userdict", "dataclass"])
+def test_activation_auto_replans_on_nested_input_shape(container, pool, capsys):
+    """A new input shape inside a dict, a list, a UserDict (Hugging Face's BatchEncoding) or
+    a dataclass is a new shape: auto mode measures it and plans again."""
+    import collections
+
+    wrap = {"dict": lambda x: {"x": x}, "list": lambda x: [x], "dataclass": _Batch,
+            "userdict": lambda x: collections.UserDict(x=x)}[container]
+    torch.manual_seed(0)
+    ref = _NestedInputModel()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    for n in (8, 8, 8, 6, 6, 6):
+        x = torch.randn(n, 16)
+        loss_ref, grads_ref = _step(ref, wrap(x))
+        loss, grads = _step(model, wrap(x))
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+    printed = capsys.readouterr().out
+    assert printed.count("auto plan") == 2 and "[[8, 16]]" in printed and "[[6, 16]]" in printed
+    assert handle.plan["input_shapes"] == [[6, 16]]
+
+
 def test_activation_auto_budget_zero_offloads_everything(pool):
     model = _model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, memory_budget_bytes=0,
@@ -544,6 +622,63 @@ def test_activation_wrapped_forward_keeps_signature(pool):
     handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
     assert [inspect.signature(m.forward) for m in (model, model.blocks[0])] == before
     handle.disable()
+
+
+def _copies(model):
+    """A deep copy and a pickled round trip (torch.save / torch.load) of `model`."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return copy.deepcopy(model), torch.load(buffer, weights_only=False)
+
+
+def test_activation_copied_model_is_an_ordinary_module(pool):
+    """deepcopy (RL reference models) or pickling a model with offload enabled gives a model
+    that runs its own forward and layers, without offload, and can enable it itself."""
+    import functools
+
+    ref = _model()
+    model = copy.deepcopy(ref)
+    block = model.blocks[1]
+    block.forward = functools.partial(type(block).forward, block)  # someone else's instance forward
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    for clone in _copies(model):
+        with torch.no_grad():
+            for p in clone.parameters():
+                p.mul_(0.5)
+        for m in [clone, *clone.blocks]:
+            assert not isinstance(m.__dict__.get("forward"), offload.wrap._WrappedForward)
+        halved = copy.deepcopy(ref)
+        with torch.no_grad():
+            for p in halved.parameters():
+                p.mul_(0.5)
+        h = halved.embed(x)
+        assert torch.equal(clone(x), halved(x))
+        assert torch.equal(clone.blocks[1](h), halved.blocks[1](h))
+        assert torch.equal(clone.blocks[0](h), halved.blocks[0](h))
+        # Not a user of the original's handle: enabling works and offloads the copy's layers.
+        before = handle.stats()["groups_offloaded"]
+        mine = offload.enable_activation_offload(clone, min_tensor_bytes=0, pool=pool, verbose=False)
+        _assert_equal(_step(clone, x)[1], _step(halved, x)[1])
+        assert mine.stats()["groups_offloaded"] == 3 and handle.stats()["groups_offloaded"] == before
+        mine.disable()
+        assert "forward" not in clone.__dict__ and "forward" not in clone.blocks[0].__dict__
+        assert torch.equal(clone(x), halved(x))
+    # The copy outlives the original and is freed without the cyclic collector.
+    clone = copy.deepcopy(model)
+    del model, block
+    gc.collect()
+    _assert_equal(_step(clone, x)[1], _step(ref, x)[1])
+    gc.disable()
+    try:
+        refs = [weakref.ref(clone), weakref.ref(clone.blocks[0])]
+        del clone
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
 
 
 def test_activation_step_search_bisects_to_the_largest_within_tolerance():
@@ -764,7 +899,70 @@ def test_activation_fsdp_single_process(kind, pool, monkeypatch, tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _model()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("shard_root", [False, True])
+def test_activation_fsdp2_nested_units_are_the_innermost(shard_root, pool, tmp_path):
+    """fully_shard on each block and on a module holding them: the blocks are the layers
+    (was: the holding unit, the only layer, kept as the last one: nothing offloaded)."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
+        pytest.skip("needs torch.distributed with fully_shard (FSDP2)")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        ref, model = _Outer(), _Outer()
+        for m in (ref, model):
+            for block in m.inner.blocks:
+                fsdp.fully_shard(block, reshard_after_forward=False)
+            fsdp.fully_shard(m.inner, reshard_after_forward=False)
+            if shard_root:
+                fsdp.fully_shard(m, reshard_after_forward=False)
+        handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+        assert handle.layers == [f"inner.blocks.{i}" for i in range(4)]
+        x = torch.randn(8, 16)
+        for m in (ref, model):
+            m(x).backward()
+        _assert_equal(_full_grads("fsdp2", ref), _full_grads("fsdp2", model))
+        assert handle.stats()["groups_offloaded"] == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def test_activation_warns_when_nothing_can_be_offloaded(pool):
+    """keep_first + keep_last covering every layer, or an auto budget that cannot be met."""
+    with pytest.warns(UserWarning, match=r"nothing will be offloaded: keep_first=2 \+ keep_last=2 keep all 4"):
+        handle = offload.enable_activation_offload(_model(), keep_first=2, keep_last=2, pool=pool)
+    assert handle.offloaded_layers() == []
+
+
+def test_activation_auto_warns_when_the_budget_cannot_be_met(pool, monkeypatch, capsys):
+    monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: 1 << 30)  # peak 1 GiB
+    model = _model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, memory_budget_bytes="1MiB",
+                                               pool=pool)
+    with pytest.warns(UserWarning, match="cannot meet memory_budget_bytes=1048576"):
+        for _ in range(3):
+            _step(model, torch.randn(8, 16))
+    assert handle.plan["budget_met"] is False and handle.plan["mask"] == [True, True, True, False]
+    assert "does NOT meet memory_budget_bytes=1048576" in capsys.readouterr().out
+    import warnings
+
+    with warnings.catch_warnings():  # once per handle
+        warnings.simplefilter("error")
+        _step(model, torch.randn(6, 16))
+        _step(model, torch.randn(6, 16))
+        _step(model, torch.randn(6, 16))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_activation_tuple_outputs_keep_first(mode, pool):
     """Layers that take and return tuples; keep_first keeps the first layer on the device."""
     torch.manual_seed(0)
@@ -773,14 +971,17 @@ def test_activation_tuple_outputs_keep_first(mode, pool):
         block.late = "save"
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, keep_first=1, keep_last=0,
-                                               pool=pool)
+                                               pool=pool, verbose=False)
     assert handle.offloaded_layers() == ["blocks.1", "blocks.2"]
-    x = torch.randn(4, 8)
-    loss_ref, grads_ref = _step(ref, x)
-    loss, grads = _step(model, x)
-    assert torch.equal(loss, loss_ref)
-    _assert_equal(grads, grads_ref)
-    assert handle.stats()["groups_offloaded"] == 2
+    offloaded = []
+    for _ in range(_steps(mode)):
+        x = torch.randn(4, 8)
+        loss_ref, grads_ref = _step(ref, x)
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+        offloaded.append(handle.stats()["groups_offloaded"])
+    assert offloaded[0] == 2 and offloaded[-1] == len(handle.offloaded_layers())
 
 
 class _FakeEvent:
@@ -972,3 +1173,27 @@ def test_activation_steady_step_never_blocks_the_host(kind, monkeypatch):
         assert handle.stats()["groups_offloaded"] >= 1
     handle.disable()
     assert all("forward" not in block.__dict__ for block in model.blocks) and "forward" not in model.__dict__
+
+
+def test_activation_version_preserving_context_works_one_tensor_at_a_time(monkeypatch):
+    # torch 2.6's _unsafe_preserve_version_counter takes one tensor (2.7 added tuples); offload supports 2.6.
+    real = torch.autograd._unsafe_preserve_version_counter
+
+    class OneTensor:
+        def __init__(self, tensor):
+            self.inner = real(tensor) if isinstance(tensor, torch.Tensor) else None
+            self.version = tensor._version  # raises AttributeError for a tuple, as 2.6 did
+
+        def __enter__(self):
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(torch.autograd, "_unsafe_preserve_version_counter", OneTensor)
+    a, b = torch.ones(3), torch.ones(4)
+    before = (a._version, b._version)
+    with act._versions_preserved((a, b)):
+        a.add_(1)
+        b.mul_(2)
+    assert (a._version, b._version) == before and a[0] == 2 and b[0] == 2
