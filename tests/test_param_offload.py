@@ -68,6 +68,43 @@ def test_param_offload_round_trip_and_training_identical(device):
     _assert_same(_snapshot(model, opt), _snapshot(ref, ref_opt))
 
 
+def test_param_offload_new_grads_and_lazy_optimizer_state_move_every_time(device):
+    # zero_grad(set_to_none=True), PyTorch's default, makes new gradient tensors every
+    # step, and AdamW makes its state at its first step (after the first offload here).
+    model, ref = _model(device), _model(device)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step(m, o, i):
+        o.zero_grad(set_to_none=True)
+        gen = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 64, (4, 7), generator=gen).to(device)
+        loss = torch.nn.functional.cross_entropy(m(ids).reshape(-1, 64), ids.reshape(-1))
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    offload.offload_params(model, grads=True, optimizer=opt)  # no grads, no optimizer state yet
+    offload.reload_params(model)
+    hosts = []
+    for i in range(3):
+        assert torch.equal(step(model, opt, i), step(ref, ref_opt, i))
+        grads = [p.grad for p in model.parameters()]
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+                 and (v.device == torch.device(device) or not _device.is_accelerator(device))]
+        assert grads and state
+        offload.offload_params(model, grads=True, optimizer=opt)
+        assert sum(t.untyped_storage().nbytes() for t in grads + state) == 0  # nothing left on the device
+        hosts.append(getattr(model, "_offload_param_mirror").host.data_ptr())
+        offload.reload_params(model)
+    assert hosts[1] == hosts[2]  # same tensors' sizes: the host mirror is reused
+    for i in range(3, 5):
+        assert torch.equal(step(model, opt, i), step(ref, ref_opt, i))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+    for s, r in zip(opt.state.values(), ref_opt.state.values()):
+        assert all(torch.equal(s[k], r[k]) for k in s)
+
+
 def test_param_offload_mirror_allocated_once_and_tied_weights_move_once(device):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False)).to(device)
