@@ -125,6 +125,7 @@ def _scenario_syncs(rank, device):
             _train_step(model, step)
             t = sender.send(model)
             assert t["buckets"] > 3 and t["pack_ms"] > 0 and t["version"] == step
+            assert t["transfer_ms"] > 0  # timed on the host where the collective runs off the accelerator
             assert t["host_copy_ms"] == 0.0 and t["gather_ms"] == 0.0  # phases that did not run
         cast.send(model)
         sender.send(model.state_dict())
@@ -135,7 +136,7 @@ def _scenario_syncs(rank, device):
     for step in range(3):
         _train_step(replica, step)
         t = receiver.load(mine)
-        assert receiver.version == step and t["unpack_ms"] > 0 and t["gather_ms"] == 0.0
+        assert receiver.version == step and t["unpack_ms"] > 0 and t["gather_ms"] == 0.0 and t["transfer_ms"] > 0
         _assert_equal(_sd(mine), _sd(replica), f"sync {step}")
     # bf16 except the norms, which keep fp32
     low = _llama(1, device).to(torch.bfloat16)
@@ -147,6 +148,7 @@ def _scenario_syncs(rank, device):
     _assert_equal(_sd(low), want, "cast")
     got = dict(receiver.receive(copy=True))  # lm_head and embed_tokens are split over 16 KiB buckets
     _assert_equal(got, _sd(replica), "receive")
+    assert receiver.timings["transfer_ms"] > 0
 
 
 def _scenario_host_cache(rank, device):
