@@ -209,6 +209,8 @@ def _bucket_spans(plan: BucketPlan) -> List[BucketSpans]:
 
 
 def _check_source(fn: str, name: str, t: torch.Tensor, device: torch.device, backend) -> None:
+    if t.is_meta:
+        raise ValueError(f"{fn}: tensor {name!r} is a meta tensor, which has no data to send")
     if t.device != device:
         raise ValueError(f"{fn}: tensor {name!r} is on {t.device} but this group's backend ({backend}) sends from "
                          f"{device}")
@@ -493,6 +495,13 @@ class WeightSender:
                 snap.readers -= 1
 
     def _send_items(self, fn: str, items, version: int, pack_device: torch.device, host_copy_ms: float) -> dict:
+        # Every tensor that is not gathered is checked before anything goes on the
+        # wire: once the header is out, receivers wait for buckets, and an error here
+        # would leave them hanging until the group's timeout. DTensors are checked
+        # as they are gathered (gathering them all first would hold the whole model).
+        for name, t in items:
+            if not _is_dtensor(t):
+                _check_source(fn, name, t, pack_device, self._backend)
         timer = PhaseTimer(self.device, PHASES)
         timer.add_host("host_copy", host_copy_ms / 1e3)
         plan, plan_id, fresh = self._plan(items)
@@ -530,7 +539,8 @@ class WeightSender:
                         del gathered[e.name]
                     sources.append(src)
             for e, s in zip(entries, sources):  # the plan checked names, shapes and dtypes
-                _check_source(fn, e.name, s, pack_device, self._backend)
+                if gathers and _is_dtensor(tensors[e.name]):  # the others were checked before the header
+                    _check_source(fn, e.name, s, pack_device, self._backend)
             if staged:
                 if uploads[slot] is not None:
                     uploads[slot].synchronize()  # the host writes this slot next

@@ -211,6 +211,31 @@ def _scenario_bad_receiver(rank, device):
     _assert_equal(_sd(wrong), _sd(model), "after errors")
 
 
+def _scenario_bad_source(rank, device):
+    """A bad source tensor is refused before anything is sent: the receiver, waiting for a sync, gets the next
+    good one (it would otherwise wait for buckets that never come until the group's timeout)."""
+    good = {"w": torch.randn(1000, 100, generator=torch.Generator().manual_seed(0)).to(device),
+            "b": torch.arange(100, dtype=torch.float32, device=device)}
+    if rank == SRC:
+        sender = offload.WeightSender(src=SRC, bucket_bytes=64 << 10)
+        bad = {
+            r"must be a contiguous strided tensor \(layout torch.strided, shape \[100\], stride \[2\]\)":
+                torch.randn(100, 2, device=device).t()[0],
+            r"must be a contiguous strided tensor \(layout torch.sparse_coo": torch.eye(100, device=device)
+                .to_sparse()[0],
+            "is a meta tensor, which has no data to send": torch.empty(100, device="meta"),
+        }
+        for message, tensor in bad.items():
+            with pytest.raises(ValueError, match=f"WeightSender.send: tensor 'b' {message}"):
+                sender.send(dict(good, b=tensor))
+        sender.send(good)
+        return
+    receiver = offload.WeightReceiver(src=SRC)
+    mine = {n: torch.zeros_like(t) for n, t in good.items()}
+    receiver.load(mine)
+    _assert_equal(mine, good, "after refused sources")
+
+
 def _shard(model, device):
     """FSDP2 over both ranks: every decoder layer, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -355,6 +380,11 @@ def test_weight_sync_gloo_host_cache_versions():
 @pytest.mark.slow
 def test_weight_sync_gloo_bad_receiver_names_tensor():
     _spawn(_scenario_bad_receiver)
+
+
+@pytest.mark.slow
+def test_weight_sync_gloo_bad_source_refused_before_header():
+    _spawn(_scenario_bad_source)
 
 
 def test_weight_sync_needs_initialized_group():
