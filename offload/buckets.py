@@ -53,6 +53,10 @@ CPU_DEFAULT_BUCKET_BYTES = 256 << 20
 
 # Casts the kernels implement; everything else is copied as raw bytes.
 _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+# Devices csrc/buckets.cpp copies on: the CPU loop, and the CUDA kernels when the
+# core was built for CUDA (`_backend.built_for`). Anything else (Ascend, or CUDA
+# with a CPU-only core) packs with torch's copies.
+_NATIVE_BUCKET_DEVICES = ("cpu", "cuda")
 
 
 def default_bucket_bytes(device=None) -> int:
@@ -408,7 +412,9 @@ def copy_spans(data: torch.Tensor, tensors: Sequence[torch.Tensor], spans: Bucke
         tensors = [tensors[i] for i in spans.live]
     core = _backend.core()
     name = "pack_bucket" if pack else "unpack_bucket"
-    if core is not None and hasattr(core, name):
+    device_type = data.device.type
+    if (core is not None and hasattr(core, name) and device_type in _NATIVE_BUCKET_DEVICES
+            and _backend.built_for(device_type)):
         args = (data, list(tensors), spans.starts, spans.numels, spans.offsets, spans.dtypes)
         # Passed only when set, so a core built before the argument existed still loads.
         getattr(core, name)(*args, **({"max_blocks": int(max_blocks)} if max_blocks else {}))

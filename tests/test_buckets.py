@@ -231,6 +231,45 @@ def test_buckets_native_checks_spans():
         core.pack_bucket(bucket, [torch.zeros(4, dtype=torch.int32)], [0], [4], [0], [torch.float32])
 
 
+class _CoreWithoutThisDevice:
+    """A compiled core that has bucket copies, but not for the device at hand (Ascend, CUDA with a CPU-only core)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def _refuse(self, bucket, *args, **kwargs):
+        self.calls += 1
+        raise RuntimeError(f"offload: bucket copies on {bucket.device} are not built into this core")
+
+    pack_bucket = unpack_bucket = _refuse
+
+
+def test_buckets_core_used_only_for_devices_it_was_built_for(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    tensors = {"a": _random((33, 5), torch.float32, "cpu", gen), "b": _random((7,), torch.bfloat16, "cpu", gen),
+               "i": _random((9,), torch.int32, "cpu", gen)}
+    core = _CoreWithoutThisDevice()
+    monkeypatch.setattr(offload._backend, "_core", core)
+    monkeypatch.setattr(offload._backend, "built_for", lambda device_type: False)  # not built for this device
+    buckets = _round_trip(tensors, 256, dtype=torch.float16)  # the pure-PyTorch path, bit for bit
+    assert core.calls == 0 and len(buckets) > 1
+    monkeypatch.setattr(offload._backend, "built_for", lambda device_type: True)  # built for it: the core is used
+    with pytest.raises(RuntimeError, match="bucket copies on cpu are not built into this core"):
+        list(offload.pack_buckets(tensors, 1024))
+    assert core.calls == 1
+
+
+def test_buckets_built_for_reads_the_build_target(monkeypatch):
+    monkeypatch.setattr(offload._backend, "_core", object())
+    monkeypatch.setattr(offload._backend, "_build_info", {"target": "cpu"})
+    assert offload._backend.built_for("cpu") and not offload._backend.built_for("cuda")
+    assert not offload._backend.built_for("npu")
+    monkeypatch.setattr(offload._backend, "_build_info", {"target": "cuda"})
+    assert offload._backend.built_for("cuda") and offload._backend.built_for("cpu")
+    monkeypatch.setattr(offload._backend, "_core", None)
+    assert not offload._backend.built_for("cpu")
+
+
 @pytest.mark.cuda
 def test_buckets_cuda_unaligned_sources_and_big_tensor(backend, device):
     """Sources that start off the 16-byte grid (slices) take the head/tail path; many spans take several launches."""
