@@ -604,7 +604,16 @@ class WeightReceiver:
             if not isinstance(box[0], dict) or "entries" not in box[0]:
                 raise RuntimeError(f"offload.WeightReceiver: expected a bucket plan from rank {self.src}, "
                                    f"got {type(box[0]).__name__}")
-            plan = BucketPlan.from_dict(box[0])
+            fn = f"offload.WeightReceiver: the plan from rank {self.src}"
+            try:
+                plan = BucketPlan.from_dict(box[0]).validate(fn)
+            except (KeyError, TypeError, ValueError) as exc:
+                # The sender broadcasts its buckets whatever we think of its plan:
+                # take them (where their sizes are readable) so it is not left hanging.
+                self._drain(box[0].get("bucket_sizes"))
+                if isinstance(exc, ValueError) and str(exc).startswith(fn):
+                    raise
+                raise ValueError(f"{fn} cannot be read: {type(exc).__name__}: {exc}") from exc
             self._plans[plan_id] = (plan, _bucket_spans(plan))
             while len(self._plans) > 8:  # a few senders may share a group; keep their recent plans
                 self._plans.pop(next(iter(self._plans)))
@@ -614,6 +623,13 @@ class WeightReceiver:
         self.version = version
         plan, spans = self._plans[plan_id]
         return plan, spans, version
+
+    def _drain(self, sizes) -> None:
+        """Receive and drop buckets of `sizes` bytes (a sync this receiver refuses), if the sizes are readable."""
+        if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
+            return
+        for n in sizes:
+            dist.broadcast(self._buffers.get(0, n, self.device), src=self.src, group=self.group)
 
     def _buckets(self, plan: BucketPlan, spans: List[BucketSpans],
                  timer: PhaseTimer) -> Iterator[Tuple[torch.Tensor, BucketSpans]]:

@@ -213,7 +213,8 @@ def _scenario_bad_receiver(rank, device):
 
 def _scenario_bad_source(rank, device):
     """A bad source tensor is refused before anything is sent: the receiver, waiting for a sync, gets the next
-    good one (it would otherwise wait for buckets that never come until the group's timeout)."""
+    good one (it would otherwise wait for buckets that never come until the group's timeout). Then a bad plan
+    is refused by the receiver, which still drains its buckets."""
     good = {"w": torch.randn(1000, 100, generator=torch.Generator().manual_seed(0)).to(device),
             "b": torch.arange(100, dtype=torch.float32, device=device)}
     if rank == SRC:
@@ -229,11 +230,32 @@ def _scenario_bad_source(rank, device):
             with pytest.raises(ValueError, match=f"WeightSender.send: tensor 'b' {message}"):
                 sender.send(dict(good, b=tensor))
         sender.send(good)
+        # A plan that disagrees with itself ('b' claims 40 elements, its bytes hold 100): the receiver refuses
+        # it naming the tensor, and still takes the buckets, so this send returns and the next sync works.
+        liar = offload.WeightSender(src=SRC, bucket_bytes=64 << 10)
+        lie = offload.plan_buckets(good, 64 << 10).to_dict()
+        lie["entries"] = [dict(e, shape=[40]) if e["name"] == "b" else e for e in lie["entries"]]
+        plan_of = liar._plan
+
+        def lying_plan(items):
+            plan, plan_id, fresh = plan_of(items)
+            plan.to_dict = lambda: lie  # what is broadcast; the buckets are packed by the true plan
+            return plan, plan_id, fresh
+
+        liar._plan = lying_plan
+        liar.send(good)
+        offload.WeightSender(src=SRC, bucket_bytes=64 << 10).send(good)
         return
     receiver = offload.WeightReceiver(src=SRC)
     mine = {n: torch.zeros_like(t) for n, t in good.items()}
     receiver.load(mine)
     _assert_equal(mine, good, "after refused sources")
+    mine = {n: torch.zeros_like(t) for n, t in good.items()}
+    with pytest.raises(ValueError, match=r"WeightReceiver: the plan from rank 0: tensor 'b' has shape \[40\] "
+                                         r"\(40 elements\) but holds elements \[0, 100\)"):
+        receiver.load(mine)
+    receiver.load(mine)
+    _assert_equal(mine, good, "after a refused plan")
 
 
 def _shard(model, device):
@@ -383,7 +405,7 @@ def test_weight_sync_gloo_bad_receiver_names_tensor():
 
 
 @pytest.mark.slow
-def test_weight_sync_gloo_bad_source_refused_before_header():
+def test_weight_sync_gloo_bad_source_and_bad_plan_refused():
     _spawn(_scenario_bad_source)
 
 
