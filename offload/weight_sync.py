@@ -124,6 +124,17 @@ def _resolve_group(fn: str, group, ranks, backend):
     return group if group is not None else dist.group.WORLD
 
 
+def _is_member(group) -> bool:
+    """False on a rank outside `group` (new_group hands those ranks a sentinel, not a group)."""
+    return group is not dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _check_src(fn: str, group, src: int) -> None:
+    members = dist.get_process_group_ranks(group)
+    if src not in members:
+        raise ValueError(f"{fn}: src must be a rank of the group, got src={src} for ranks {members}")
+
+
 def _transport_device(group) -> torch.device:
     """Buckets live where the group's backend reads them: the accelerator for NCCL/HCCL, else the host."""
     backend = str(dist.get_backend(group)).lower()
@@ -271,7 +282,10 @@ class WeightSender:
     Args:
         group: the process group (sender and receivers); default: the world. Or
             `ranks` to build one (every rank of the world must construct with the
-            same ranks, since `new_group` is collective).
+            same ranks, since `new_group` is collective). A rank outside the group
+            (an FSDP peer of the trainer that is not in the sync group) constructs
+            fine and is gather-only: `send()` and `snapshot()` take part in the
+            DTensor gathers, send nothing and return zero timings.
         src: global rank of the sender.
         bucket_bytes: most bytes per bucket (default `offload.default_bucket_bytes()`);
             also the most bytes of full tensors a "host_cache" snapshot of DTensor
@@ -310,12 +324,18 @@ class WeightSender:
         self.src = int(src)
         self.mode = mode
         self.keep_versions = keep_versions
-        self.device = _transport_device(self.group)
+        self.member = _is_member(self.group)
+        if self.member:
+            _check_src(fn, self.group, self.src)
+        elif dist.get_rank() == self.src:
+            raise ValueError(f"{fn}: src={self.src} (this rank) is not in the group; the sender must be a member")
+        # A non-member only gathers: its "transport" device is where the gathers run.
+        self.device = _transport_device(self.group) if self.member else _device.current_device()
         if bucket_bytes is None:
             bucket_bytes = min(default_bucket_bytes(self.device), DEFAULT_SYNC_BUCKET_BYTES)
         self.bucket_bytes = bucket_bytes
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
-        self._backend = dist.get_backend(self.group)
+        self._backend = dist.get_backend(self.group) if self.member else None
         self.dtype = dtype
         self.keep_dtype = keep_dtype
         self.alignment = alignment
@@ -586,6 +606,10 @@ class WeightReceiver:
         fn = "offload.WeightReceiver"
         self.group = _resolve_group(fn, group, ranks, backend)
         self.src = int(src)
+        if not _is_member(self.group):
+            raise ValueError(f"{fn}: this rank ({dist.get_rank()}) is not in the group, so it cannot receive; "
+                             "construct receivers only on the group's ranks")
+        _check_src(fn, self.group, self.src)
         self.device = _transport_device(self.group)
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
         self._buffers = _Buffers()

@@ -87,12 +87,13 @@ def _run(rank, world, init_method, scenario, device_type, failures):
     os._exit(0)
 
 
-def _spawn(scenario, device_type="cpu"):
+def _spawn(scenario, device_type="cpu", world=2):
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
     rendezvous = tempfile.mkdtemp(prefix="offload-weight-sync-")
     init_method = "file://" + os.path.join(rendezvous, "store")
-    procs = [ctx.Process(target=_run, args=(r, 2, init_method, scenario, device_type, failures)) for r in range(2)]
+    procs = [ctx.Process(target=_run, args=(r, world, init_method, scenario, device_type, failures))
+             for r in range(world)]
     try:
         for p in procs:
             p.start()
@@ -108,7 +109,7 @@ def _spawn(scenario, device_type="cpu"):
     while not failures.empty():
         errors.append(failures.get())
     codes = [p.exitcode for p in procs]
-    assert not errors and codes == [0, 0], "\n".join(errors) or f"a rank hung or crashed (exit codes {codes})"
+    assert not errors and codes == [0] * world, "\n".join(errors) or f"a rank hung or crashed (exit codes {codes})"
 
 
 # ---------------------------------------------------------------- scenarios (module level: spawn pickles them)
@@ -256,6 +257,36 @@ def _scenario_bad_source(rank, device):
         receiver.load(mine)
     receiver.load(mine)
     _assert_equal(mine, good, "after a refused plan")
+
+
+def _scenario_subgroup(rank, device):
+    """Three ranks, a sync group of ranks 0 and 2: rank 1 (a trainer peer outside it) constructs a sender with
+    the same ranks and is gather-only; rank 2 receives bit for bit; members and non-members are told apart."""
+    model = _llama(0, device)
+    sender = offload.WeightSender(src=SRC, ranks=[0, 2], bucket_bytes=32 << 10)  # new_group: every rank calls it
+    group = sender.group  # the sync group on ranks 0 and 2, the non-member sentinel on rank 1
+    if rank == 1:
+        assert not sender.member
+        for step in range(2):
+            t = sender.send(model)
+            assert t["bytes"] == 0 and t["buckets"] == 0 and t["version"] == step
+        with pytest.raises(ValueError, match="WeightReceiver: this rank \\(1\\) is not in the group"):
+            offload.WeightReceiver(src=SRC, group=group)
+        return
+    with pytest.raises(ValueError, match="WeightSender: src must be a rank of the group, got src=1 for ranks"):
+        offload.WeightSender(src=1, group=group)
+    if rank == SRC:
+        assert sender.member
+        for step in range(2):
+            _train_step(model, step)
+            assert sender.send(model)["bytes"] > 0
+        return
+    receiver = offload.WeightReceiver(src=SRC, group=group)
+    mine = _llama(1, device)
+    for step in range(2):
+        _train_step(model, step)
+        receiver.load(mine)
+        _assert_equal(_sd(mine), _sd(model), f"subgroup sync {step}")
 
 
 def _shard(model, device):
@@ -407,6 +438,11 @@ def test_weight_sync_gloo_bad_receiver_names_tensor():
 @pytest.mark.slow
 def test_weight_sync_gloo_bad_source_and_bad_plan_refused():
     _spawn(_scenario_bad_source)
+
+
+@pytest.mark.slow
+def test_weight_sync_gloo_rank_outside_group_is_gather_only():
+    _spawn(_scenario_subgroup, world=3)
 
 
 def test_weight_sync_needs_initialized_group():
