@@ -105,5 +105,14 @@ def force_fallback():
         _core = saved
 
 
+def built_for(device_type: str) -> bool:
+    """Whether the loaded core has native code for `device_type`: the CPU always, else the build's target.
+
+    A core built for the CPU only (or for Ascend) has no CUDA kernels, whatever
+    torch sees at run time; callers route other devices to the pure-PyTorch path.
+    """
+    return _core is not None and (device_type == "cpu" or _build_info.get("target") == device_type)
+
+
 def native_available() -> bool:
     return _core is not None

@@ -48,10 +48,10 @@ class PhaseTimer:
 
     def mark_span(self, name: str, stream=None) -> None:
         """Extend phase `name` as one span from its first mark to its last (overlapping work, e.g. a collective)."""
-        if not self.on_accel:
-            return
         span = self._spans.setdefault(name, [None, None])
-        event = self._event(stream)
+        # Off the accelerator the work is done (gloo returns from wait() once the
+        # collective completed), so the host's clock is the span's clock.
+        event = self._event(stream) if self.on_accel else time.perf_counter()
         if span[0] is None:
             span[0] = event
         span[1] = event
@@ -66,8 +66,11 @@ class PhaseTimer:
                 ms += start.elapsed_time(end)
             span = self._spans.get(name)
             if span is not None and span[0] is not span[1]:
-                span[1].synchronize()
-                ms += span[0].elapsed_time(span[1])
+                if self.on_accel:
+                    span[1].synchronize()
+                    ms += span[0].elapsed_time(span[1])
+                else:
+                    ms += (span[1] - span[0]) * 1e3
             out[f"{name}_ms"] = ms
         out["total_ms"] = (time.perf_counter() - self._t0) * 1e3
         out.update(extra)

@@ -53,6 +53,10 @@ CPU_DEFAULT_BUCKET_BYTES = 256 << 20
 
 # Casts the kernels implement; everything else is copied as raw bytes.
 _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+# Devices csrc/buckets.cpp copies on: the CPU loop, and the CUDA kernels when the
+# core was built for CUDA (`_backend.built_for`). Anything else (Ascend, or CUDA
+# with a CPU-only core) packs with torch's copies.
+_NATIVE_BUCKET_DEVICES = ("cpu", "cuda")
 
 
 def default_bucket_bytes(device=None) -> int:
@@ -123,6 +127,53 @@ class BucketEntry:
         return parse_dtype(self.dtype, f"offload: metadata of tensor {self.name!r}")
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(e: BucketEntry) -> Optional[str]:
+    """What is wrong with one entry on its own (a sentence to follow its name), or None.
+
+    An entry that disagrees with itself (shape against numel and nbytes, a chunk
+    outside its tensor, a cast the packer never makes) would make unpacking read
+    the wrong bytes or fill part of a tensor without a word.
+    """
+    if not isinstance(e.name, str):
+        return f"has a name of type {type(e.name).__name__}; names are str"
+    dtype = _dtype_or_none(e.dtype)
+    if dtype is None:
+        return f"has dtype {e.dtype!r}, which is not a torch dtype name"
+    if e.source_dtype:
+        source = _dtype_or_none(e.source_dtype)
+        if source is None:
+            return f"has source_dtype {e.source_dtype!r}, which is not a torch dtype name"
+        if source != dtype and not (source in _CASTABLE and dtype in _CASTABLE):
+            return f"says {e.source_dtype} was packed as {e.dtype}, a cast the packer never makes"
+    if not isinstance(e.shape, (tuple, list)) or not all(_is_count(s) for s in e.shape):
+        return f"has shape {e.shape!r}; a shape is a sequence of ints >= 0"
+    for field in ("bucket", "offset", "nbytes", "chunk", "start", "numel"):
+        if not _is_count(getattr(e, field)):
+            return f"has {field}={getattr(e, field)!r}; expected an int >= 0"
+    if not _is_count(e.num_chunks) or e.num_chunks < 1 or e.chunk >= e.num_chunks:
+        return f"is chunk {e.chunk} of {e.num_chunks!r}; expected 0 <= chunk < num_chunks"
+    total = _numel(e.shape)
+    if e.num_chunks == 1 and (e.start != 0 or e.numel != total):
+        return (f"has shape {list(e.shape)} ({total} elements) but holds elements [{e.start}, {e.start + e.numel}) "
+                "in its only chunk")
+    if e.start + e.numel > total:
+        return f"holds elements [{e.start}, {e.start + e.numel}) of a tensor of shape {list(e.shape)} ({total} elements)"
+    itemsize = _itemsize(dtype)
+    if e.nbytes != e.numel * itemsize:
+        return f"claims {e.nbytes} bytes for {e.numel} {e.dtype} elements ({e.numel * itemsize} bytes)"
+    if e.offset % itemsize:
+        return f"starts at byte {e.offset}, not a multiple of the {e.dtype} element size ({itemsize})"
+    return None
+
+
+def _entry_label(e) -> str:
+    return f"tensor {e.name!r} (chunk {e.chunk})" if getattr(e, "num_chunks", 1) != 1 else f"tensor {e.name!r}"
+
+
 @dataclass
 class BucketPlan:
     """Every entry, and the bytes used in each bucket (a bucket's buffer needs only that much)."""
@@ -138,6 +189,58 @@ class BucketPlan:
 
     def bucket_entries(self, index: int) -> List[BucketEntry]:
         return [e for e in self.entries if e.bucket == index]
+
+    def validate(self, fn: str = "offload.BucketPlan.validate") -> "BucketPlan":
+        """Raise ValueError naming the tensor unless the plan is consistent; returns the plan.
+
+        Checks each entry against itself (see `_entry_problem`), against the
+        buckets (index in range, bytes inside the bucket's size), and each tensor's
+        chunks against each other (same dtype and shape, every chunk once, the
+        elements covered in order without gap or overlap). A receiver runs this on
+        every plan it is sent, before it unpacks by it.
+        """
+        if not _is_count(self.bucket_bytes) or self.bucket_bytes == 0:
+            raise ValueError(f"{fn}: bucket_bytes must be an int > 0, got {self.bucket_bytes!r}")
+        if not _is_count(self.alignment) or self.alignment == 0 or self.alignment & (self.alignment - 1):
+            raise ValueError(f"{fn}: alignment must be a power of two, got {self.alignment!r}")
+        for i, size in enumerate(self.bucket_sizes):
+            if not _is_count(size) or size > self.bucket_bytes:
+                raise ValueError(f"{fn}: bucket {i} has size {size!r}; expected an int in [0, bucket_bytes="
+                                 f"{self.bucket_bytes}]")
+        chunks: Dict[str, List[BucketEntry]] = {}
+        for e in self.entries:
+            if not isinstance(e, BucketEntry):
+                raise TypeError(f"{fn}: entries must be BucketEntry, got {type(e).__name__}")
+            problem = _entry_problem(e)
+            if problem is not None:
+                raise ValueError(f"{fn}: {_entry_label(e)} {problem}")
+            if e.bucket >= self.num_buckets:
+                raise ValueError(f"{fn}: {_entry_label(e)} is in bucket {e.bucket} but the plan has "
+                                 f"{self.num_buckets} buckets")
+            size = self.bucket_sizes[e.bucket]
+            if e.offset + e.nbytes > size and e.nbytes:
+                raise ValueError(f"{fn}: {_entry_label(e)} claims bytes [{e.offset}, {e.offset + e.nbytes}) of "
+                                 f"bucket {e.bucket}, which holds {size} bytes")
+            chunks.setdefault(e.name, []).append(e)
+        for name, parts in chunks.items():
+            first = parts[0]
+            if len(parts) != first.num_chunks or any(
+                (p.dtype, tuple(p.shape), p.source_dtype, p.num_chunks)
+                != (first.dtype, tuple(first.shape), first.source_dtype, first.num_chunks) for p in parts
+            ):
+                raise ValueError(f"{fn}: tensor {name!r} has {len(parts)} entries that disagree with each other "
+                                 f"(num_chunks {[p.num_chunks for p in parts]}, dtypes {[p.dtype for p in parts]}, "
+                                 f"shapes {[list(p.shape) for p in parts]}); a name appears once, or once per chunk")
+            expected = 0
+            for k, p in enumerate(sorted(parts, key=lambda p: p.chunk)):
+                if p.chunk != k or p.start != expected:
+                    raise ValueError(f"{fn}: tensor {name!r}: chunk {p.chunk} starts at element {p.start}; "
+                                     f"expected chunk {k} at element {expected} (chunks cover the tensor in order)")
+                expected += p.numel
+            if expected != _numel(first.shape):  # a single chunk was checked against its shape above
+                raise ValueError(f"{fn}: tensor {name!r}: its {first.num_chunks} chunks hold {expected} elements of "
+                                 f"{_numel(first.shape)} (shape {list(first.shape)})")
+        return self
 
     def to_dict(self) -> dict:
         return {
@@ -195,6 +298,13 @@ class DtypePolicy:
         if any(p.fullmatch(name) for p in self.patterns):
             return source
         return self.dtype
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -408,7 +518,9 @@ def copy_spans(data: torch.Tensor, tensors: Sequence[torch.Tensor], spans: Bucke
         tensors = [tensors[i] for i in spans.live]
     core = _backend.core()
     name = "pack_bucket" if pack else "unpack_bucket"
-    if core is not None and hasattr(core, name):
+    device_type = data.device.type
+    if (core is not None and hasattr(core, name) and device_type in _NATIVE_BUCKET_DEVICES
+            and _backend.built_for(device_type)):
         args = (data, list(tensors), spans.starts, spans.numels, spans.offsets, spans.dtypes)
         # Passed only when set, so a core built before the argument existed still loads.
         getattr(core, name)(*args, **({"max_blocks": int(max_blocks)} if max_blocks else {}))
@@ -446,8 +558,10 @@ def _check_bucket(fn: str, data: torch.Tensor, entries: Sequence[BucketEntry]) -
     for e in entries:
         if not isinstance(e, BucketEntry):
             raise TypeError(f"{fn}: entries must be BucketEntry, got {type(e).__name__}")
-        itemsize = _itemsize(e.torch_dtype)
-        if e.nbytes != e.numel * itemsize or e.offset < 0 or e.offset + e.nbytes > size or e.offset % itemsize:
+        problem = _entry_problem(e)
+        if problem is not None:
+            raise ValueError(f"{fn}: metadata of {_entry_label(e)} {problem}")
+        if e.offset + e.nbytes > size:
             raise ValueError(
                 f"{fn}: metadata of tensor {e.name!r} (chunk {e.chunk}) does not match bucket {e.bucket}: "
                 f"it claims bytes [{e.offset}, {e.offset + e.nbytes}) for {e.numel} {e.dtype} elements, "

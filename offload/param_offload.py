@@ -15,9 +15,17 @@ stream) and copies the bytes in, so the model is bitwise what it was and
 optimizers, hooks and FSDP's own references still point at the same tensors.
 Tied weights and views share a storage and move once.
 
-The mirror is one host block of exactly the bytes needed (each storage at a
-512-byte aligned offset), taken from the host pool on the first offload and kept
-on the module for every later one. Copies go through `offload.copy_to_host` /
+The tensors to move are collected again at every offload: with
+`zero_grad(set_to_none=True)` (PyTorch's default) each step makes new gradient
+tensors, and optimizers such as AdamW create their state at their first step, so
+a list taken once would leave the new ones on the device. The mirror is one host
+block (each storage at a 512-byte aligned offset), taken from the host pool at
+the first offload and kept on the module: the layout is a function of the
+storages' sizes, so while they stay the same every offload reuses it as it is;
+when they change the layout is planned again, in the same block if it fits, else
+in a new block of exactly the bytes needed. Between a reload and the next
+offload the mirror holds no reference to the device storages, so gradients the
+user drops are freed. Copies go through `offload.copy_to_host` /
 `offload.copy_to_device` on the dedicated streams, in large chunks. Offloading
 frees the device blocks at once; the caching allocator reuses them only after the
 copy that reads them (they are recorded on the copy stream). Reloading leaves the
@@ -32,7 +40,7 @@ time of the call (`total_ms`), bytes and GB/s. They wait for their copy to finis
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -71,13 +79,35 @@ def _tensors(module: torch.nn.Module, grads: bool, optimizer) -> List[torch.Tens
 class _Mirror:
     """The storages of one module and where their bytes live on the host."""
 
-    def __init__(self, storages, sizes: List[int], offsets: List[int], host: torch.Tensor, device):
-        self.storages = storages  # UntypedStorage objects, resized to 0 while offloaded
-        self.sizes = sizes
-        self.offsets = offsets
-        self.host = host  # one pinned uint8 block, exact size
-        self.device = device
+    def __init__(self, pool: HostPool):
+        self.pool = pool
+        self.host: Optional[torch.Tensor] = None  # one pinned uint8 block, kept across offloads
+        self.storages: list = []  # UntypedStorage objects, resized to 0 while offloaded; [] once reloaded
+        self.sizes: List[int] = []
+        self.offsets: List[int] = []
+        self.device = None
         self.offloaded = False
+
+    def plan(self, fn: str, storages, sizes: List[int], device) -> None:
+        """Lay `storages` out in the host block, keeping the block (and the layout) where it still fits."""
+        if sizes != self.sizes:
+            offsets, total = [], 0
+            for n in sizes:
+                offsets.append(total)
+                total += (n + _MIRROR_ALIGNMENT - 1) // _MIRROR_ALIGNMENT * _MIRROR_ALIGNMENT
+            if self.host is None or self.host.numel() < total:
+                # The old block (if any) goes back to the pool when this reference drops:
+                # nothing reads it now, the last reload's copy was waited for.
+                self.host = None
+                try:
+                    self.host = self.pool.acquire(total)
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"{fn}: could not get {total} bytes of pinned host memory for the mirror ({exc}); raise "
+                        "the pool's limit (OFFLOAD_HOST_POOL_LIMIT, HostPool(limit_bytes=...)) or free host memory"
+                    ) from exc
+            self.sizes, self.offsets = sizes, offsets
+        self.storages, self.device = storages, device
 
     def host_views(self) -> List[torch.Tensor]:
         return [self.host[o : o + n] for o, n in zip(self.offsets, self.sizes)]
@@ -87,8 +117,9 @@ class _Mirror:
                 for s, n in zip(self.storages, self.sizes)]
 
 
-def _collect(fn: str, module: torch.nn.Module, grads: bool, optimizer, pool: HostPool):
-    seen: Dict[int, int] = {}
+def _collect(fn: str, module: torch.nn.Module, grads: bool, optimizer):
+    """The distinct storages under the module's tensors now, their sizes and their device."""
+    seen = set()
     storages, sizes, device = [], [], None
     for t in _tensors(module, grads, optimizer):
         if t.is_meta or not _device.is_accelerator(t.device) and _device.accelerator_type() is not None:
@@ -99,21 +130,10 @@ def _collect(fn: str, module: torch.nn.Module, grads: bool, optimizer, pool: Hos
         if device is not None and t.device != device:
             raise ValueError(f"{fn}: the module's tensors are on {device} and {t.device}; offload one device at a time")
         device = t.device
-        seen[storage.data_ptr()] = len(storages)
+        seen.add(storage.data_ptr())
         storages.append(storage)
         sizes.append(storage.nbytes())
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += (n + _MIRROR_ALIGNMENT - 1) // _MIRROR_ALIGNMENT * _MIRROR_ALIGNMENT
-    try:
-        host = pool.acquire(total)
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"{fn}: could not get {total} bytes of pinned host memory for the mirror ({exc}); raise the pool's "
-            "limit (OFFLOAD_HOST_POOL_LIMIT, HostPool(limit_bytes=...)) or free host memory"
-        ) from exc
-    return _Mirror(storages, sizes, offsets, host, device or _device.current_device())
+    return storages, sizes, device or _device.current_device()
 
 
 def _finish(start_event, handle, device, t0: float, nbytes: int, count: int) -> dict:
@@ -152,8 +172,8 @@ def offload_params(
     """Move `module`'s parameters and buffers (and `grads`, and `optimizer`'s state) to pinned host memory.
 
     The device memory is freed; the module must not run until `reload_params(module)`.
-    The set of tensors moved is fixed by the first call (the mirror is sized for it);
-    pass the same `grads` and `optimizer` every time.
+    The tensors are collected at every call (new gradients, optimizer state made
+    since the last call move too); the host mirror is reused while it fits.
     """
     fn = "offload.offload_params"
     if not isinstance(module, torch.nn.Module):
@@ -163,13 +183,9 @@ def offload_params(
         raise RuntimeError(f"{fn}: the parameters of this {type(module).__name__} are already offloaded; "
                            "call offload.reload_params(module) first")
     if mirror is None:
-        mirror = _collect(fn, module, grads, optimizer, pool if pool is not None else default_host_pool())
+        mirror = _Mirror(pool if pool is not None else default_host_pool())
         object.__setattr__(module, _STATE_ATTR, mirror)
-    else:
-        now = [s.nbytes() for s in mirror.storages]
-        if now != mirror.sizes:
-            raise RuntimeError(f"{fn}: the module's storages changed size since the mirror was made "
-                               f"({sum(mirror.sizes)} -> {sum(now)} bytes); this is not supported")
+    mirror.plan(fn, *_collect(fn, module, grads, optimizer))
     t0 = time.perf_counter()
     start = _start(mirror.device)
     handle = copy_to_host(mirror.device_views(), out=mirror.host_views(), chunk_bytes=chunk_bytes)
@@ -196,7 +212,8 @@ def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> di
     handle = copy_to_device(mirror.host_views(), mirror.device, out=mirror.device_views(), chunk_bytes=chunk_bytes)
     handle.wait_stream()
     mirror.offloaded = False
-    return _finish(start, handle, mirror.device, t0, sum(mirror.sizes), len(mirror.storages))
+    storages, mirror.storages = mirror.storages, []  # a gradient the user drops from now on is freed
+    return _finish(start, handle, mirror.device, t0, sum(mirror.sizes), len(storages))
 
 
 def params_offloaded(module: torch.nn.Module) -> bool:

@@ -124,6 +124,17 @@ def _resolve_group(fn: str, group, ranks, backend):
     return group if group is not None else dist.group.WORLD
 
 
+def _is_member(group) -> bool:
+    """False on a rank outside `group` (new_group hands those ranks a sentinel, not a group)."""
+    return group is not dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _check_src(fn: str, group, src: int) -> None:
+    members = dist.get_process_group_ranks(group)
+    if src not in members:
+        raise ValueError(f"{fn}: src must be a rank of the group, got src={src} for ranks {members}")
+
+
 def _transport_device(group) -> torch.device:
     """Buckets live where the group's backend reads them: the accelerator for NCCL/HCCL, else the host."""
     backend = str(dist.get_backend(group)).lower()
@@ -209,6 +220,8 @@ def _bucket_spans(plan: BucketPlan) -> List[BucketSpans]:
 
 
 def _check_source(fn: str, name: str, t: torch.Tensor, device: torch.device, backend) -> None:
+    if t.is_meta:
+        raise ValueError(f"{fn}: tensor {name!r} is a meta tensor, which has no data to send")
     if t.device != device:
         raise ValueError(f"{fn}: tensor {name!r} is on {t.device} but this group's backend ({backend}) sends from "
                          f"{device}")
@@ -269,7 +282,10 @@ class WeightSender:
     Args:
         group: the process group (sender and receivers); default: the world. Or
             `ranks` to build one (every rank of the world must construct with the
-            same ranks, since `new_group` is collective).
+            same ranks, since `new_group` is collective). A rank outside the group
+            (an FSDP peer of the trainer that is not in the sync group) constructs
+            fine and is gather-only: `send()` and `snapshot()` take part in the
+            DTensor gathers, send nothing and return zero timings.
         src: global rank of the sender.
         bucket_bytes: most bytes per bucket (default `offload.default_bucket_bytes()`);
             also the most bytes of full tensors a "host_cache" snapshot of DTensor
@@ -308,12 +324,18 @@ class WeightSender:
         self.src = int(src)
         self.mode = mode
         self.keep_versions = keep_versions
-        self.device = _transport_device(self.group)
+        self.member = _is_member(self.group)
+        if self.member:
+            _check_src(fn, self.group, self.src)
+        elif dist.get_rank() == self.src:
+            raise ValueError(f"{fn}: src={self.src} (this rank) is not in the group; the sender must be a member")
+        # A non-member only gathers: its "transport" device is where the gathers run.
+        self.device = _transport_device(self.group) if self.member else _device.current_device()
         if bucket_bytes is None:
             bucket_bytes = min(default_bucket_bytes(self.device), DEFAULT_SYNC_BUCKET_BYTES)
         self.bucket_bytes = bucket_bytes
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
-        self._backend = dist.get_backend(self.group)
+        self._backend = dist.get_backend(self.group) if self.member else None
         self.dtype = dtype
         self.keep_dtype = keep_dtype
         self.alignment = alignment
@@ -493,6 +515,13 @@ class WeightSender:
                 snap.readers -= 1
 
     def _send_items(self, fn: str, items, version: int, pack_device: torch.device, host_copy_ms: float) -> dict:
+        # Every tensor that is not gathered is checked before anything goes on the
+        # wire: once the header is out, receivers wait for buckets, and an error here
+        # would leave them hanging until the group's timeout. DTensors are checked
+        # as they are gathered (gathering them all first would hold the whole model).
+        for name, t in items:
+            if not _is_dtensor(t):
+                _check_source(fn, name, t, pack_device, self._backend)
         timer = PhaseTimer(self.device, PHASES)
         timer.add_host("host_copy", host_copy_ms / 1e3)
         plan, plan_id, fresh = self._plan(items)
@@ -530,7 +559,8 @@ class WeightSender:
                         del gathered[e.name]
                     sources.append(src)
             for e, s in zip(entries, sources):  # the plan checked names, shapes and dtypes
-                _check_source(fn, e.name, s, pack_device, self._backend)
+                if gathers and _is_dtensor(tensors[e.name]):  # the others were checked before the header
+                    _check_source(fn, e.name, s, pack_device, self._backend)
             if staged:
                 if uploads[slot] is not None:
                     uploads[slot].synchronize()  # the host writes this slot next
@@ -576,6 +606,10 @@ class WeightReceiver:
         fn = "offload.WeightReceiver"
         self.group = _resolve_group(fn, group, ranks, backend)
         self.src = int(src)
+        if not _is_member(self.group):
+            raise ValueError(f"{fn}: this rank ({dist.get_rank()}) is not in the group, so it cannot receive; "
+                             "construct receivers only on the group's ranks")
+        _check_src(fn, self.group, self.src)
         self.device = _transport_device(self.group)
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
         self._buffers = _Buffers()
@@ -594,7 +628,16 @@ class WeightReceiver:
             if not isinstance(box[0], dict) or "entries" not in box[0]:
                 raise RuntimeError(f"offload.WeightReceiver: expected a bucket plan from rank {self.src}, "
                                    f"got {type(box[0]).__name__}")
-            plan = BucketPlan.from_dict(box[0])
+            fn = f"offload.WeightReceiver: the plan from rank {self.src}"
+            try:
+                plan = BucketPlan.from_dict(box[0]).validate(fn)
+            except (KeyError, TypeError, ValueError) as exc:
+                # The sender broadcasts its buckets whatever we think of its plan:
+                # take them (where their sizes are readable) so it is not left hanging.
+                self._drain(box[0].get("bucket_sizes"))
+                if isinstance(exc, ValueError) and str(exc).startswith(fn):
+                    raise
+                raise ValueError(f"{fn} cannot be read: {type(exc).__name__}: {exc}") from exc
             self._plans[plan_id] = (plan, _bucket_spans(plan))
             while len(self._plans) > 8:  # a few senders may share a group; keep their recent plans
                 self._plans.pop(next(iter(self._plans)))
@@ -604,6 +647,13 @@ class WeightReceiver:
         self.version = version
         plan, spans = self._plans[plan_id]
         return plan, spans, version
+
+    def _drain(self, sizes) -> None:
+        """Receive and drop buckets of `sizes` bytes (a sync this receiver refuses), if the sizes are readable."""
+        if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
+            return
+        for n in sizes:
+            dist.broadcast(self._buffers.get(0, n, self.device), src=self.src, group=self.group)
 
     def _buckets(self, plan: BucketPlan, spans: List[BucketSpans],
                  timer: PhaseTimer) -> Iterator[Tuple[torch.Tensor, BucketSpans]]:

@@ -221,6 +221,74 @@ def test_buckets_metadata_mismatch_raises(backend):
         offload.unpack_bucket(bucket.data, bucket.entries, out={"a": torch.zeros(10)})
 
 
+def _plan_dict():
+    """A plan with a split tensor ('big', 3 chunks), a whole one and an empty one, as plain data."""
+    tensors = {"a": torch.arange(10.0), "big": torch.arange(200.0), "e": torch.zeros(0, 3)}
+    plan = offload.plan_buckets(tensors, 512)
+    assert [e.num_chunks for e in plan.entries if e.name == "big"] == [3, 3, 3]
+    return plan.to_dict()
+
+
+def _edit(data, name, chunk=0, **changes):
+    data["entries"] = [dict(e, **changes) if (e["name"], e["chunk"]) == (name, chunk) else e
+                       for e in data["entries"]]
+    return data
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: _edit(d, "a", shape=[40]), r"tensor 'a' has shape \[40\] \(40 elements\) but holds elements "
+                                          r"\[0, 10\) in its only chunk"),
+    (lambda d: _edit(d, "a", nbytes=44), r"tensor 'a' claims 44 bytes for 10 float32 elements \(40 bytes\)"),
+    (lambda d: _edit(d, "a", dtype="int32"), r"tensor 'a' says float32 was packed as int32, a cast the packer "
+                                             r"never makes"),
+    (lambda d: _edit(d, "a", dtype="float33"), r"tensor 'a' has dtype 'float33', which is not a torch dtype name"),
+    (lambda d: _edit(d, "a", start=5), r"tensor 'a' has shape \[10\] \(10 elements\) but holds elements "
+                                       r"\[5, 15\) in its only chunk"),
+    (lambda d: _edit(d, "big", chunk=2, start=195), r"tensor 'big' \(chunk 2\) holds elements \[195, 203\) "
+                                                    r"of a tensor of shape \[200\] \(200 elements\)"),
+    (lambda d: _edit(d, "big", chunk=1, start=0), r"tensor 'big': chunk 1 starts at element 0; expected chunk 1 at "
+                                                  r"element \d+"),
+    (lambda d: _edit(d, "big", chunk=2, numel=4, nbytes=16), r"tensor 'big': its 3 chunks hold 196 elements of 200"),
+    (lambda d: _edit(d, "big", chunk=2, num_chunks=4),
+     r"tensor 'big' has 3 entries that disagree with each other"),
+    (lambda d: dict(d, entries=[e for e in d["entries"] if (e["name"], e["chunk"]) != ("big", 2)]),
+     r"tensor 'big' has 2 entries that disagree"),
+    (lambda d: dict(d, entries=d["entries"] + [d["entries"][0]]), r"tensor 'a' has 2 entries that disagree"),
+    (lambda d: _edit(d, "a", bucket=7), r"tensor 'a' is in bucket 7 but the plan has \d buckets"),
+    (lambda d: _edit(d, "a", offset=496), r"tensor 'a' claims bytes \[496, 536\) of bucket 0, which holds "
+                                          r"\d+ bytes"),
+    (lambda d: _edit(d, "a", offset=2), r"tensor 'a' starts at byte 2, not a multiple of the float32 element "
+                                        r"size \(4\)"),
+    (lambda d: dict(d, bucket_sizes=[600] + d["bucket_sizes"][1:]), r"bucket 0 has size 600; expected an int in "
+                                                                    r"\[0, bucket_bytes=512\]"),
+    (lambda d: dict(d, alignment=24), r"alignment must be a power of two, got 24"),
+])
+def test_buckets_plan_validate_names_the_tensor(edit, message):
+    offload.BucketPlan.from_dict(_plan_dict()).validate()  # a planner's plan is valid, sent as plain data too
+    bad = offload.BucketPlan.from_dict(edit(_plan_dict()))
+    with pytest.raises(ValueError, match="offload.BucketPlan.validate: " + message):
+        bad.validate()
+
+
+def test_buckets_unpack_refuses_inconsistent_entries():
+    """What a plan claims about one entry is checked before unpacking reads or writes a byte by it."""
+    (bucket,) = offload.pack_buckets({"a": torch.arange(10.0), "b": torch.arange(4.0)}, 1024)
+    entry = bucket.entries[0].to_dict()
+    lies = {
+        r"has shape \[40\] \(40 elements\) but holds elements \[0, 10\)": dict(entry, shape=(40,)),
+        r"says float32 was packed as int32": dict(entry, dtype="int32"),
+        r"has shape \[10\] \(10 elements\) but holds elements \[5, 15\)": dict(entry, start=5),
+    }
+    for message, lie in lies.items():
+        lie = BucketEntry(**lie)
+        with pytest.raises(ValueError, match="offload.unpack_bucket: metadata of tensor 'a' " + message):
+            offload.unpack_bucket(bucket.data, [lie])
+        dst = torch.zeros(lie.shape, dtype=lie.torch_dtype)
+        with pytest.raises(ValueError, match="offload.unpack_bucket: metadata of tensor 'a' " + message):
+            offload.unpack_bucket(bucket.data, [lie], out=[dst])  # not a partial load without a word
+        assert not dst.any()
+
+
 @pytest.mark.native
 def test_buckets_native_checks_spans():
     core = offload._backend.core()
@@ -229,6 +297,45 @@ def test_buckets_native_checks_spans():
         core.pack_bucket(bucket, [torch.zeros(32)], [0], [32], [0], [torch.float32])
     with pytest.raises(ValueError, match="cannot cast sources\\[0\\] between Int and Float"):
         core.pack_bucket(bucket, [torch.zeros(4, dtype=torch.int32)], [0], [4], [0], [torch.float32])
+
+
+class _CoreWithoutThisDevice:
+    """A compiled core that has bucket copies, but not for the device at hand (Ascend, CUDA with a CPU-only core)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def _refuse(self, bucket, *args, **kwargs):
+        self.calls += 1
+        raise RuntimeError(f"offload: bucket copies on {bucket.device} are not built into this core")
+
+    pack_bucket = unpack_bucket = _refuse
+
+
+def test_buckets_core_used_only_for_devices_it_was_built_for(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    tensors = {"a": _random((33, 5), torch.float32, "cpu", gen), "b": _random((7,), torch.bfloat16, "cpu", gen),
+               "i": _random((9,), torch.int32, "cpu", gen)}
+    core = _CoreWithoutThisDevice()
+    monkeypatch.setattr(offload._backend, "_core", core)
+    monkeypatch.setattr(offload._backend, "built_for", lambda device_type: False)  # not built for this device
+    buckets = _round_trip(tensors, 256, dtype=torch.float16)  # the pure-PyTorch path, bit for bit
+    assert core.calls == 0 and len(buckets) > 1
+    monkeypatch.setattr(offload._backend, "built_for", lambda device_type: True)  # built for it: the core is used
+    with pytest.raises(RuntimeError, match="bucket copies on cpu are not built into this core"):
+        list(offload.pack_buckets(tensors, 1024))
+    assert core.calls == 1
+
+
+def test_buckets_built_for_reads_the_build_target(monkeypatch):
+    monkeypatch.setattr(offload._backend, "_core", object())
+    monkeypatch.setattr(offload._backend, "_build_info", {"target": "cpu"})
+    assert offload._backend.built_for("cpu") and not offload._backend.built_for("cuda")
+    assert not offload._backend.built_for("npu")
+    monkeypatch.setattr(offload._backend, "_build_info", {"target": "cuda"})
+    assert offload._backend.built_for("cuda") and offload._backend.built_for("cpu")
+    monkeypatch.setattr(offload._backend, "_core", None)
+    assert not offload._backend.built_for("cpu")
 
 
 @pytest.mark.cuda

@@ -68,6 +68,43 @@ def test_param_offload_round_trip_and_training_identical(device):
     _assert_same(_snapshot(model, opt), _snapshot(ref, ref_opt))
 
 
+def test_param_offload_new_grads_and_lazy_optimizer_state_move_every_time(device):
+    # zero_grad(set_to_none=True), PyTorch's default, makes new gradient tensors every
+    # step, and AdamW makes its state at its first step (after the first offload here).
+    model, ref = _model(device), _model(device)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step(m, o, i):
+        o.zero_grad(set_to_none=True)
+        gen = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 64, (4, 7), generator=gen).to(device)
+        loss = torch.nn.functional.cross_entropy(m(ids).reshape(-1, 64), ids.reshape(-1))
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    offload.offload_params(model, grads=True, optimizer=opt)  # no grads, no optimizer state yet
+    offload.reload_params(model)
+    hosts = []
+    for i in range(3):
+        assert torch.equal(step(model, opt, i), step(ref, ref_opt, i))
+        grads = [p.grad for p in model.parameters()]
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+                 and (v.device == torch.device(device) or not _device.is_accelerator(device))]
+        assert grads and state
+        offload.offload_params(model, grads=True, optimizer=opt)
+        assert sum(t.untyped_storage().nbytes() for t in grads + state) == 0  # nothing left on the device
+        hosts.append(getattr(model, "_offload_param_mirror").host.data_ptr())
+        offload.reload_params(model)
+    assert hosts[1] == hosts[2]  # same tensors' sizes: the host mirror is reused
+    for i in range(3, 5):
+        assert torch.equal(step(model, opt, i), step(ref, ref_opt, i))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+    for s, r in zip(opt.state.values(), ref_opt.state.values()):
+        assert all(torch.equal(s[k], r[k]) for k in s)
+
+
 def test_param_offload_mirror_allocated_once_and_tied_weights_move_once(device):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False)).to(device)
@@ -96,43 +133,66 @@ def test_param_offload_bad_calls_raise(device):
         offload.offload_params([torch.zeros(3)])
 
 
-# ---------------------------------------------------------------- FSDP2 on two GPUs
+# ---------------------------------------------------------------- FSDP and FSDP2
 
 
-def _fsdp2_worker(rank, init_method, failures):
+def _local(t):
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
+def _shard(model, wrap: str, device):
+    """Every layer with parameters, then the root: FSDP (v1, flat parameters) or FSDP2 (DTensor parameters)."""
+    if wrap == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        for i, layer in enumerate(model):
+            if any(True for _ in layer.parameters()):
+                model[i] = FSDP(layer, device_id=device)
+        return FSDP(model, device_id=device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp_worker(rank, world, init_method, wrap, device_type, failures):
     try:
         import torch.distributed as dist
-        from torch.distributed.fsdp import fully_shard
 
-        _device._module("cuda").set_device(rank)
-        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=2)
-        device = _device.current_device()
-        model, ref = _model(device), _model(device)
-        for m in (model, ref):
-            for layer in m:
-                if any(True for _ in layer.parameters()):
-                    fully_shard(layer)
-            fully_shard(m)
+        if device_type == "cuda":
+            _device._module("cuda").set_device(rank)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                                world_size=world)
+        device = _device.current_device() if device_type == "cuda" else torch.device("cpu")
+        model, ref = _shard(_model(device), wrap, device), _shard(_model(device), wrap, device)
         opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
         _step(model, opt, 0)
         _step(ref, ref_opt, 0)
-        allocated = _device.memory_allocated(device)
+        allocated = _device.memory_allocated(device) if device_type == "cuda" else 0
         out = offload.offload_params(model, grads=True, optimizer=opt)
-        assert _device.memory_allocated(device) <= allocated - out["bytes"] + (1 << 20)
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+        held = [_local(t) for p in model.parameters() for t in (p, p.grad)] + [_local(v) for v in state]
+        assert state and sum(t.untyped_storage().nbytes() for t in held) == 0  # the local shards, grads, state
+        if device_type == "cuda":
+            assert _device.memory_allocated(device) <= allocated - out["bytes"] + (1 << 20)
         offload.reload_params(model)
         for step in range(1, 3):
             assert torch.equal(_step(model, opt, step), _step(ref, ref_opt, step))
         for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.equal(p.to_local(), q.to_local())
+            assert torch.equal(_local(p), _local(q)) and torch.equal(_local(p.grad), _local(q.grad))
         dist.destroy_process_group()
     except BaseException:
         failures.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
 
 
-@pytest.mark.cuda
-@pytest.mark.multi_gpu
-def test_param_offload_fsdp2_two_gpus(tmp_path):
+def _spawn_fsdp(tmp_path, world: int, wrap: str, device_type: str):
     import torch.multiprocessing as mp
 
     # Rendezvous through a file in the test's own folder: a TCP port picked free
@@ -140,7 +200,8 @@ def test_param_offload_fsdp2_two_gpus(tmp_path):
     init_method = f"file://{tmp_path}/rdzv"
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_fsdp2_worker, args=(r, init_method, failures)) for r in range(2)]
+    procs = [ctx.Process(target=_fsdp_worker, args=(r, world, init_method, wrap, device_type, failures))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -153,3 +214,19 @@ def test_param_offload_fsdp2_two_gpus(tmp_path):
     while not failures.empty():
         errors.append(failures.get())
     assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or "a rank hung or crashed"
+
+
+@pytest.mark.parametrize("wrap", ["fsdp1", "fsdp2"])
+@pytest.mark.skipif(_device.accelerator_type() not in (None, "cuda"),
+                    reason="the one-process world is gloo on the CPU or NCCL on CUDA; HCCL is not wired here")
+def test_param_offload_fsdp_one_process(tmp_path, wrap):
+    """A one-process world (gloo on the CPU in CI; NCCL where there is a GPU, since offload moves only accelerator
+    tensors there): FSDP's flat parameters / FSDP2's DTensor shards, their grads and AdamW's state leave (0 bytes
+    held) and training goes on bit for bit after reload."""
+    _spawn_fsdp(tmp_path, 1, wrap, _device.accelerator_type() or "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.multi_gpu
+def test_param_offload_fsdp2_two_gpus(tmp_path):
+    _spawn_fsdp(tmp_path, 2, "fsdp2", "cuda")

@@ -87,12 +87,13 @@ def _run(rank, world, init_method, scenario, device_type, failures):
     os._exit(0)
 
 
-def _spawn(scenario, device_type="cpu"):
+def _spawn(scenario, device_type="cpu", world=2):
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
     rendezvous = tempfile.mkdtemp(prefix="offload-weight-sync-")
     init_method = "file://" + os.path.join(rendezvous, "store")
-    procs = [ctx.Process(target=_run, args=(r, 2, init_method, scenario, device_type, failures)) for r in range(2)]
+    procs = [ctx.Process(target=_run, args=(r, world, init_method, scenario, device_type, failures))
+             for r in range(world)]
     try:
         for p in procs:
             p.start()
@@ -108,7 +109,7 @@ def _spawn(scenario, device_type="cpu"):
     while not failures.empty():
         errors.append(failures.get())
     codes = [p.exitcode for p in procs]
-    assert not errors and codes == [0, 0], "\n".join(errors) or f"a rank hung or crashed (exit codes {codes})"
+    assert not errors and codes == [0] * world, "\n".join(errors) or f"a rank hung or crashed (exit codes {codes})"
 
 
 # ---------------------------------------------------------------- scenarios (module level: spawn pickles them)
@@ -125,6 +126,7 @@ def _scenario_syncs(rank, device):
             _train_step(model, step)
             t = sender.send(model)
             assert t["buckets"] > 3 and t["pack_ms"] > 0 and t["version"] == step
+            assert t["transfer_ms"] > 0  # timed on the host where the collective runs off the accelerator
             assert t["host_copy_ms"] == 0.0 and t["gather_ms"] == 0.0  # phases that did not run
         cast.send(model)
         sender.send(model.state_dict())
@@ -135,7 +137,7 @@ def _scenario_syncs(rank, device):
     for step in range(3):
         _train_step(replica, step)
         t = receiver.load(mine)
-        assert receiver.version == step and t["unpack_ms"] > 0 and t["gather_ms"] == 0.0
+        assert receiver.version == step and t["unpack_ms"] > 0 and t["gather_ms"] == 0.0 and t["transfer_ms"] > 0
         _assert_equal(_sd(mine), _sd(replica), f"sync {step}")
     # bf16 except the norms, which keep fp32
     low = _llama(1, device).to(torch.bfloat16)
@@ -147,6 +149,7 @@ def _scenario_syncs(rank, device):
     _assert_equal(_sd(low), want, "cast")
     got = dict(receiver.receive(copy=True))  # lm_head and embed_tokens are split over 16 KiB buckets
     _assert_equal(got, _sd(replica), "receive")
+    assert receiver.timings["transfer_ms"] > 0
 
 
 def _scenario_host_cache(rank, device):
@@ -207,6 +210,83 @@ def _scenario_bad_receiver(rank, device):
         receiver.load(missing)
     receiver.load(wrong)  # and the next sync works
     _assert_equal(_sd(wrong), _sd(model), "after errors")
+
+
+def _scenario_bad_source(rank, device):
+    """A bad source tensor is refused before anything is sent: the receiver, waiting for a sync, gets the next
+    good one (it would otherwise wait for buckets that never come until the group's timeout). Then a bad plan
+    is refused by the receiver, which still drains its buckets."""
+    good = {"w": torch.randn(1000, 100, generator=torch.Generator().manual_seed(0)).to(device),
+            "b": torch.arange(100, dtype=torch.float32, device=device)}
+    if rank == SRC:
+        sender = offload.WeightSender(src=SRC, bucket_bytes=64 << 10)
+        bad = {
+            r"must be a contiguous strided tensor \(layout torch.strided, shape \[100\], stride \[2\]\)":
+                torch.randn(100, 2, device=device).t()[0],
+            r"must be a contiguous strided tensor \(layout torch.sparse_coo": torch.eye(100, device=device)
+                .to_sparse()[0],
+            "is a meta tensor, which has no data to send": torch.empty(100, device="meta"),
+        }
+        for message, tensor in bad.items():
+            with pytest.raises(ValueError, match=f"WeightSender.send: tensor 'b' {message}"):
+                sender.send(dict(good, b=tensor))
+        sender.send(good)
+        # A plan that disagrees with itself ('b' claims 40 elements, its bytes hold 100): the receiver refuses
+        # it naming the tensor, and still takes the buckets, so this send returns and the next sync works.
+        liar = offload.WeightSender(src=SRC, bucket_bytes=64 << 10)
+        lie = offload.plan_buckets(good, 64 << 10).to_dict()
+        lie["entries"] = [dict(e, shape=[40]) if e["name"] == "b" else e for e in lie["entries"]]
+        plan_of = liar._plan
+
+        def lying_plan(items):
+            plan, plan_id, fresh = plan_of(items)
+            plan.to_dict = lambda: lie  # what is broadcast; the buckets are packed by the true plan
+            return plan, plan_id, fresh
+
+        liar._plan = lying_plan
+        liar.send(good)
+        offload.WeightSender(src=SRC, bucket_bytes=64 << 10).send(good)
+        return
+    receiver = offload.WeightReceiver(src=SRC)
+    mine = {n: torch.zeros_like(t) for n, t in good.items()}
+    receiver.load(mine)
+    _assert_equal(mine, good, "after refused sources")
+    mine = {n: torch.zeros_like(t) for n, t in good.items()}
+    with pytest.raises(ValueError, match=r"WeightReceiver: the plan from rank 0: tensor 'b' has shape \[40\] "
+                                         r"\(40 elements\) but holds elements \[0, 100\)"):
+        receiver.load(mine)
+    receiver.load(mine)
+    _assert_equal(mine, good, "after a refused plan")
+
+
+def _scenario_subgroup(rank, device):
+    """Three ranks, a sync group of ranks 0 and 2: rank 1 (a trainer peer outside it) constructs a sender with
+    the same ranks and is gather-only; rank 2 receives bit for bit; members and non-members are told apart."""
+    model = _llama(0, device)
+    sender = offload.WeightSender(src=SRC, ranks=[0, 2], bucket_bytes=32 << 10)  # new_group: every rank calls it
+    group = sender.group  # the sync group on ranks 0 and 2, the non-member sentinel on rank 1
+    if rank == 1:
+        assert not sender.member
+        for step in range(2):
+            t = sender.send(model)
+            assert t["bytes"] == 0 and t["buckets"] == 0 and t["version"] == step
+        with pytest.raises(ValueError, match="WeightReceiver: this rank \\(1\\) is not in the group"):
+            offload.WeightReceiver(src=SRC, group=group)
+        return
+    with pytest.raises(ValueError, match="WeightSender: src must be a rank of the group, got src=1 for ranks"):
+        offload.WeightSender(src=1, group=group)
+    if rank == SRC:
+        assert sender.member
+        for step in range(2):
+            _train_step(model, step)
+            assert sender.send(model)["bytes"] > 0
+        return
+    receiver = offload.WeightReceiver(src=SRC, group=group)
+    mine = _llama(1, device)
+    for step in range(2):
+        _train_step(model, step)
+        receiver.load(mine)
+        _assert_equal(_sd(mine), _sd(model), f"subgroup sync {step}")
 
 
 def _shard(model, device):
@@ -353,6 +433,16 @@ def test_weight_sync_gloo_host_cache_versions():
 @pytest.mark.slow
 def test_weight_sync_gloo_bad_receiver_names_tensor():
     _spawn(_scenario_bad_receiver)
+
+
+@pytest.mark.slow
+def test_weight_sync_gloo_bad_source_and_bad_plan_refused():
+    _spawn(_scenario_bad_source)
+
+
+@pytest.mark.slow
+def test_weight_sync_gloo_rank_outside_group_is_gather_only():
+    _spawn(_scenario_subgroup, world=3)
 
 
 def test_weight_sync_needs_initialized_group():
