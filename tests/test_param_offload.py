@@ -7,6 +7,7 @@ import torch
 
 import offload
 from offload import _device
+from _workers import leave_passed_worker, watch_for_aborts
 
 
 def _model(device, seed=0):
@@ -162,6 +163,7 @@ def _shard(model, wrap: str, device):
 
 
 def _fsdp_worker(rank, world, init_method, wrap, device_type, failures):
+    watch_for_aborts()
     try:
         import torch.distributed as dist
 
@@ -190,6 +192,7 @@ def _fsdp_worker(rank, world, init_method, wrap, device_type, failures):
     except BaseException:
         failures.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
+    leave_passed_worker()
 
 
 def _spawn_fsdp(tmp_path, world: int, wrap: str, device_type: str):

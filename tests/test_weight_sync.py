@@ -6,7 +6,6 @@ must arrive, and checks bit for bit after every sync.
 """
 
 import datetime
-import faulthandler
 import os
 import shutil
 import sys
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
+from _workers import leave_passed_worker, watch_for_aborts
 
 SRC = 0
 
@@ -62,7 +62,7 @@ def _assert_equal(got, want, what):
 
 
 def _run(rank, world, init_method, scenario, device_type, failures):
-    faulthandler.enable()  # a rank that aborts (SIGABRT, SIGSEGV) prints where, in its own stderr
+    watch_for_aborts()
     try:
         if device_type == "cuda":
             offload._device._module("cuda").set_device(rank)
@@ -76,15 +76,7 @@ def _run(rank, world, init_method, scenario, device_type, failures):
     except BaseException:
         failures.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
-    # Every check of this rank passed and its group is shut down: leave without the
-    # interpreter's finalization. Tearing down a gloo world that ran FSDP2 collectives
-    # at finalization aborted once in CI ("terminate called without an active
-    # exception", a C++ thread of torch's destroyed while joinable) after all checks
-    # had passed; the order in which torch frees its own objects at exit is not what
-    # these tests test, and a rank that fails above still exits non-zero.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_passed_worker()
 
 
 def _spawn(scenario, device_type="cpu", world=2):
