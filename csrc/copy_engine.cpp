@@ -130,22 +130,31 @@ class InFlight {
     return *registry;
   }
   void add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors) {
+    std::deque<Entry> done;  // destroyed after the lock is released (see drain_locked)
     std::lock_guard<std::mutex> lock(mutex_);
-    drain_locked();
+    drain_locked(done);
     if (tensors.empty()) return;
     entries_.emplace_back(take_event(stream.device()), std::move(tensors));
     entries_.back().first.record(stream);
   }
   void drain() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    drain_locked();
-  }
+    std::deque<Entry> done;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      drain_locked(done);
+    }
+  }  // `done` is destroyed here, outside the lock (see drain_locked)
 
  private:
-  void drain_locked() {
+  using Entry = std::pair<c10::Event, std::vector<at::Tensor>>;
+  // Moves finished entries to `done`, which the caller destroys after releasing
+  // the lock: dropping a tensor whose Python object is alive may take the GIL,
+  // and a thread holding the GIL may be waiting for this lock (handle.query()).
+  void drain_locked(std::deque<Entry>& done) {
     for (auto it = entries_.begin(); it != entries_.end();) {
       if (it->first.query()) {
         give_back_event(std::move(it->first));
+        done.push_back(std::move(*it));
         it = entries_.erase(it);
       } else {
         it = std::next(it);
@@ -153,7 +162,7 @@ class InFlight {
     }
   }
   std::mutex mutex_;
-  std::deque<std::pair<c10::Event, std::vector<at::Tensor>>> entries_;
+  std::deque<Entry> entries_;
 };
 
 bool Transfer::query() const {
@@ -478,14 +487,15 @@ class CopyEngine {
     // Members are prepared while the copy stream is current, so a contiguous()
     // copy or a conj/neg resolution made for one ran there: the copy stream reads
     // the result in order, the pack stream must wait for it before packing it.
+    // Until a pack stream exists the flag stays set: a direct group enqueued in
+    // between reads its own member in copy-stream order, but a small member made
+    // before it still waits in the packed group for the pack stream to come.
     void sync_prepared_work() {
-      if (!unsynced_prepared_work_ || !on_device_) return;
-      if (pack_) {
-        c10::Event made = take_event(device_);
-        made.record(*stream_);
-        made.block(*pack_);
-        give_back_event(std::move(made));
-      }
+      if (!unsynced_prepared_work_ || !on_device_ || !pack_) return;
+      c10::Event made = take_event(device_);
+      made.record(*stream_);
+      made.block(*pack_);
+      give_back_event(std::move(made));
       unsynced_prepared_work_ = false;
     }
 
@@ -525,11 +535,17 @@ class CopyEngine {
       // A handle's groups (out=<handle>) may have been made with a larger
       // group_bytes than this call's: a slot grows to the group it must hold.
       if (!slots_[slot].defined() || slots_[slot].numel() < group.bytes) {
-        // Allocated on the copy stream (current here), written on the pack stream;
-        // a slot replaced here stays reserved for both streams' queued work.
+        // Allocated on the pack stream, which writes it, and recorded on the copy
+        // stream, whose DMAs read it: freed, the block returns to the pack stream's
+        // pool only after those DMAs, so the next transfer's pack cannot overwrite
+        // a slot this one's DMA still reads (allocated on the copy stream, it was
+        // reusable by the next transfer's pack as soon as this one's packs ended).
         const int64_t bytes = std::max(group_limit(options_), group.bytes);
-        slots_[slot] = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
-        slots_[slot].record_stream(*pack_);
+        {
+          c10::StreamGuard on_pack(*pack_);
+          slots_[slot] = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+        }
+        slots_[slot].record_stream(*stream_);
       }
       if (packed_groups_ >= kSlots) r_.events_[slot_events_[slot]].block(*pack_);  // the DMA that read it
       char* target = static_cast<char*>(slots_[slot].data_ptr());
@@ -763,7 +779,13 @@ class CopyEngine {
           }
           multi_tensor_copy(ranges, device_);  // staging: allocated and used on the copy stream only
         }
-        for (int64_t i : span.members) r_.outputs_[i] = (*out_)[i];
+        for (int64_t i : span.members) {
+          r_.outputs_[i] = (*out_)[i];
+          // Written on the copy stream but owned by the caller's: held until the
+          // copies complete, so dropping them (and the handle) early cannot give
+          // their memory to the caller's stream while the DMA still writes it.
+          if (on_device_) r_.keepalive_.push_back((*out_)[i]);
+        }
       }
       if (on_device_) {
         // Pool blocks are held back by the pool's events; other host memory by a reference.
@@ -857,7 +879,7 @@ void bind_copy_engine(py::module_& m) {
       .def("nbytes", &Transfer::nbytes)
       .def("device", &Transfer::device)
       .def("restore_specs", &Transfer::restore_specs)
-      .def("query", &Transfer::query)
+      .def("query", &Transfer::query, py::call_guard<py::gil_scoped_release>())  // drains the registry
       .def("synchronize", &Transfer::synchronize, py::call_guard<py::gil_scoped_release>())
       // stream None: the current stream of the transfer's device.
       .def("wait_stream", [](const Transfer& t, c10::optional<c10::Stream> s) { t.wait_stream(s); })

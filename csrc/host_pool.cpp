@@ -8,6 +8,7 @@
 
 #include "offload/bindings_registry.h"
 #include "offload/checks.h"
+#include "offload/event_cache.h"
 #include "offload/host_memory.h"
 
 namespace offload {
@@ -50,7 +51,14 @@ HostPool::HostPool(c10::DeviceType device_type, size_t limit_bytes, size_t slab_
       limit_bytes_(limit_bytes) {}
 
 HostPool::~HostPool() {
-  // Every tensor holds a reference to the pool, so no block is handed out here.
+  // Every tensor holds a reference to the pool, so no block is handed out here;
+  // but the last tensor may have died while a copy still reads or writes its
+  // block (pending). Wait for those copies before the memory goes back to the
+  // system. At exit the driver may already be gone, and nothing runs any more.
+  try {
+    process_pending_locked(/*wait=*/true);
+  } catch (...) {
+  }
   for (auto& slab : slabs_) {
     if (pinner_ != nullptr) pinner_->unpin(slab->base);
     free_touched(slab->base);
@@ -186,6 +194,7 @@ void HostPool::process_pending_locked(bool wait) {
       ++it;
       continue;
     }
+    for (auto& entry : block->events) give_back_event(std::move(entry.second));
     block->events.clear();
     block->pending = false;
     block->slab->live -= 1;
@@ -242,12 +251,12 @@ bool HostPool::record_stream(const at::Tensor& tensor, const c10::Stream& stream
   Block* block = block_of_locked(tensor.storage().data());
   if (block == nullptr || !block->handed_out) return false;
   for (auto& entry : block->events) {
-    if (entry.first == stream.id()) {
+    if (entry.first == stream) {  // the same stream of the same device: later work implies earlier
       entry.second.record(stream);
       return true;
     }
   }
-  block->events.emplace_back(stream.id(), c10::Event(stream.device_type()));
+  block->events.emplace_back(stream, take_event(stream.device()));
   block->events.back().second.record(stream);
   return true;
 }

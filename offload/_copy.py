@@ -125,6 +125,9 @@ def copy_to_host(
         out: host destinations, either a list of tensors matching `tensors` in shape
             and dtype, or a `CopyHandle` from an earlier `copy_to_host` of tensors of
             the same shapes and dtypes (its host buffers are reused, batched).
+            The caller makes sure nothing still reads those buffers (wait for a
+            `copy_to_device` of that handle first): the refill is not ordered
+            after other streams' copies.
         pool: where host buffers come from (default: `offload.default_host_pool()`).
         stream: the copy stream (default: the device's dedicated device-to-host stream).
         require_pinned: refuse pageable `out` tensors, whose copies would block the host.

@@ -188,10 +188,17 @@ def offload_params(
     mirror.plan(fn, *_collect(fn, module, grads, optimizer))
     t0 = time.perf_counter()
     start = _start(mirror.device)
-    handle = copy_to_host(mirror.device_views(), out=mirror.host_views(), chunk_bytes=chunk_bytes)
+    views = mirror.device_views()
+    handle = copy_to_host(views, out=mirror.host_views(), chunk_bytes=chunk_bytes)
+    if _device.is_accelerator(mirror.device):
+        # The copy stream reads these storages; freed below, their blocks would go back
+        # to the stream that allocated them at once (the copy engine keeps references
+        # to its sources, which resize_(0) does not wait for). Recorded on the copy
+        # stream, the allocator hands them out again only after the copy.
+        d2h = _device.copy_streams(mirror.device)[0]
+        for view in views:
+            _device.record_stream(view, d2h)
     for storage in mirror.storages:
-        # Freed now; the allocator hands the block out again only after the copy
-        # stream passes the copy (copy_to_host recorded the sources on it).
         storage.resize_(0)
     mirror.offloaded = True
     return _finish(start, handle, mirror.device, t0, sum(mirror.sizes), len(mirror.storages))

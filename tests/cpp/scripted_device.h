@@ -25,6 +25,7 @@ struct ScriptedEvent {
 struct Log {
   int created = 0;
   int destroyed = 0;
+  int synchronized = 0;  // host waits on events
   std::set<ScriptedEvent*> live;
   std::vector<std::pair<ScriptedEvent*, c10::StreamId>> blocks;  // (event, waiting stream)
   void complete_all() {
@@ -64,6 +65,10 @@ struct ScriptedGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     log().blocks.emplace_back(static_cast<ScriptedEvent*>(event), stream.id());
   }
   bool queryEvent(void* event) const override { return event == nullptr || static_cast<ScriptedEvent*>(event)->done; }
+  void synchronizeEvent(void* event) const override {  // the host waits: the event completes
+    log().synchronized += 1;
+    if (event != nullptr) static_cast<ScriptedEvent*>(event)->done = true;
+  }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     if (event == nullptr) return;
     log().destroyed += 1;

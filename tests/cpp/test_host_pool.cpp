@@ -258,3 +258,37 @@ OFFLOAD_TEST(block_waits_for_every_stream_that_used_it) {
   at::Tensor again = pool->allocate(8192);
   REQUIRE(address(again) == where);
 }
+
+OFFLOAD_TEST(block_used_by_streams_of_two_devices_waits_for_both) {
+  // Stream ids are unique per device only: the same id on two devices is two streams.
+  auto pool = offload::HostPool::create(c10::DeviceType::PrivateUse1, 0, 2 * MiB, /*touch_threads=*/1);
+  at::Tensor a = pool->allocate(16384);
+  const void* where = address(a);
+  REQUIRE(pool->record_stream(a, scripted::stream(0, 5)));
+  REQUIRE(pool->record_stream(a, scripted::stream(1, 5)));
+  a.reset();
+  for (auto* e : scripted::log().live) {  // only device 0's copy completes
+    if (e->recorded_on == 5 && !e->done) {
+      e->done = true;
+      break;
+    }
+  }
+  at::Tensor b = pool->allocate(16384);
+  REQUIRE(address(b) != where);
+  scripted::log().complete_all();
+  at::Tensor c = pool->allocate(16384);
+  REQUIRE(address(c) == where);
+}
+
+OFFLOAD_TEST(pool_destroyed_with_a_pending_block_waits_for_its_copy) {
+  // The last tensor dies while a copy still uses its block, and with it the pool: the
+  // memory must not go back to the system before the copy is done (a host wait).
+  auto pool = offload::HostPool::create(c10::DeviceType::PrivateUse1, 0, 2 * MiB, /*touch_threads=*/1);
+  at::Tensor a = pool->allocate(4096);
+  REQUIRE(pool->record_stream(a, scripted::stream(2, 9)));
+  const int waits = scripted::log().synchronized;
+  pool.reset();  // the tensor still holds the pool
+  REQUIRE_EQ(scripted::log().synchronized, waits);
+  a.reset();  // the pool goes with it, its block still pending
+  REQUIRE(scripted::log().synchronized > waits);
+}

@@ -70,9 +70,10 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     Slab* slab = nullptr;
     bool handed_out = false;
     bool pending = false;
-    // One event per stream that used the block; re-recorded on reuse of the
-    // stream, because later work on one stream implies the earlier work.
-    std::vector<std::pair<c10::StreamId, c10::Event>> events;
+    // One event per stream that used the block (the stream with its device: a
+    // stream id is unique only per device); re-recorded on reuse of the stream,
+    // because later work on one stream implies the earlier work.
+    std::vector<std::pair<c10::Stream, c10::Event>> events;
   };
   struct Slab {
     char* base = nullptr;
