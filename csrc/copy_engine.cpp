@@ -486,16 +486,11 @@ class CopyEngine {
 
     // Members are prepared while the copy stream is current, so a contiguous()
     // copy or a conj/neg resolution made for one ran there: the copy stream reads
-    // the result in order, the pack stream must wait for it before packing it.
-    // Until a pack stream exists the flag stays set: a direct group enqueued in
-    // between reads its own member in copy-stream order, but a small member made
-    // before it still waits in the packed group for the pack stream to come.
+    // the result in order (a direct group needs nothing), the pack stream must wait
+    // for it before packing it. Called before each pack, once pack_ exists.
     void sync_prepared_work() {
-      if (!unsynced_prepared_work_ || !on_device_ || !pack_) return;
-      c10::Event made = take_event(device_);
-      made.record(*stream_);
-      made.block(*pack_);
-      give_back_event(std::move(made));
+      if (!unsynced_prepared_work_) return;
+      order_after(*pack_, *stream_);
       unsynced_prepared_work_ = false;
     }
 
@@ -503,8 +498,7 @@ class CopyEngine {
       if (!group.host_block.defined()) group.host_block = pool_.allocate(static_cast<size_t>(group.bytes));
       if (group.packed) {
         enqueue_packed(group);
-      } else {
-        sync_prepared_work();
+      } else {  // read on the copy stream, where its member was prepared: in order
         const int64_t i = group.members[0];
         if (!r_.host_bases_[i].defined()) {
           r_.host_bases_[i] = view_like(group.host_block.storage(), 0, prepared_[i].base, c10::Device(at::kCPU));

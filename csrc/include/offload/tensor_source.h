@@ -40,12 +40,6 @@ class TensorSource {
     return (*items_)[i];
   }
 
-  // Every tensor, converted.
-  const std::vector<at::Tensor>& all() {
-    if (items_->size() < size_) fill_to(size_);
-    return *items_;
-  }
-
   // The tensors converted so far (all of them once the engine walked the list).
   const std::vector<at::Tensor>& converted() const { return *items_; }
 
