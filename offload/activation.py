@@ -581,9 +581,7 @@ class ActivationEngine:
             # hold the host back in backward and open gaps in the compute stream.
             group.d2h.ready()
         if group.held is not None:
-            _drop_held(group)
-            group.spans = None
-            group.state = _HOST
+            self._settle(group)
         group.device_bytes = None
         group.h2d = None
         group.views = {}

@@ -181,23 +181,22 @@ class _WrappedForward:
     (the wrapper holds the handle, which does not pickle).
     """
 
-    def __init__(self, call: Callable, module: nn.Module, had_own: bool, previous):
+    def __init__(self, call: Callable, module: nn.Module, previous):
         self._call = call
         self._module = weakref.ref(module)
-        self._had_own = had_own  # someone else's instance forward was there: put back as it was
-        self._previous = previous
+        self._previous = previous  # someone else's instance forward, put back as it was; None: the class's
 
     def __call__(self, *args, **kwargs):
         return self._call(*args, **kwargs)
 
     def __deepcopy__(self, memo):
-        if self._had_own:
+        if self._previous is not None:
             return copy.deepcopy(self._previous, memo)
         module = self._module()
         return self if module is None else _PlainForward(copy.deepcopy(module, memo))
 
     def __reduce__(self):
-        if self._had_own:
+        if self._previous is not None:
             return _identity, (self._previous,)
         return _PlainForward, (self._module(),)
 
@@ -231,7 +230,7 @@ def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> Non
         def original(*args, **kwargs):
             return func(ref(), *args, **kwargs)
 
-    wrapper = _WrappedForward(make(original), module, own is not None, own)
+    wrapper = _WrappedForward(make(original), module, own)
     functools.update_wrapper(wrapper, bound)
     del wrapper.__wrapped__  # it would hold the module; the signature below is what introspection needs
     try:
@@ -245,7 +244,7 @@ def unwrap_forward(module: nn.Module) -> None:
     wrapper = module.__dict__.get("forward")
     if not isinstance(wrapper, _WrappedForward):
         return
-    if wrapper._had_own:
+    if wrapper._previous is not None:
         module.forward = wrapper._previous
     else:
         del module.__dict__["forward"]
