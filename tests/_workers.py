@@ -4,6 +4,8 @@ import faulthandler
 import os
 import sys
 
+import torch.multiprocessing as mp
+
 
 def watch_for_aborts() -> None:
     """A rank that aborts (SIGABRT, SIGSEGV) prints its Python stack in its own stderr."""
@@ -23,3 +25,30 @@ def leave_passed_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_ranks(target, args, world: int, timeout_s: float) -> None:
+    """Run target(rank, *args, failures) in `world` spawned processes and check them.
+
+    A rank still running after `timeout_s` is killed (a hung rank must not outlive
+    the test). Passes only if no rank put a failure (its traceback) in `failures`
+    and every rank exited 0.
+    """
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    procs = [ctx.Process(target=target, args=(rank, *args, failures)) for rank in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    codes = [p.exitcode for p in procs]
+    assert not errors and codes == [0] * world, "\n".join(errors) or f"a rank hung or crashed (exit codes {codes})"

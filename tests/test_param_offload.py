@@ -7,7 +7,7 @@ import torch
 
 import offload
 from offload import _device
-from _workers import leave_passed_worker, watch_for_aborts
+from _workers import leave_passed_worker, run_ranks, watch_for_aborts
 
 
 def _model(device, seed=0):
@@ -196,27 +196,9 @@ def _fsdp_worker(rank, world, init_method, wrap, device_type, failures):
 
 
 def _spawn_fsdp(tmp_path, world: int, wrap: str, device_type: str):
-    import torch.multiprocessing as mp
-
     # Rendezvous through a file in the test's own folder: a TCP port picked free
     # here (bind to 0, close) can be taken by another process before rank 0 binds it.
-    init_method = f"file://{tmp_path}/rdzv"
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, world, init_method, wrap, device_type, failures))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:  # a rank left hanging must not outlive the test
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = []
-    while not failures.empty():
-        errors.append(failures.get())
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or "a rank hung or crashed"
+    run_ranks(_fsdp_worker, (world, f"file://{tmp_path}/rdzv", wrap, device_type), world, timeout_s=240)
 
 
 @pytest.mark.parametrize("wrap", ["fsdp1", "fsdp2"])

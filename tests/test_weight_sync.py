@@ -15,10 +15,9 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import offload
-from _workers import leave_passed_worker, watch_for_aborts
+from _workers import leave_passed_worker, run_ranks, watch_for_aborts
 
 SRC = 0
 
@@ -80,28 +79,12 @@ def _run(rank, world, init_method, scenario, device_type, failures):
 
 
 def _spawn(scenario, device_type="cpu", world=2):
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
     rendezvous = tempfile.mkdtemp(prefix="offload-weight-sync-")
     init_method = "file://" + os.path.join(rendezvous, "store")
-    procs = [ctx.Process(target=_run, args=(r, world, init_method, scenario, device_type, failures))
-             for r in range(world)]
     try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=_JOIN_TIMEOUT_S)
+        run_ranks(_run, (world, init_method, scenario, device_type), world, _JOIN_TIMEOUT_S)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
         shutil.rmtree(rendezvous, ignore_errors=True)
-    errors = []
-    while not failures.empty():
-        errors.append(failures.get())
-    codes = [p.exitcode for p in procs]
-    assert not errors and codes == [0] * world, "\n".join(errors) or f"a rank hung or crashed (exit codes {codes})"
 
 
 # ---------------------------------------------------------------- scenarios (module level: spawn pickles them)
