@@ -31,6 +31,17 @@ struct Log {
   void complete_all() {
     for (ScriptedEvent* e : live) e->done = true;
   }
+  // Completes one pending event recorded on a stream of id `stream` (of any device);
+  // false if there is none.
+  bool complete_one(c10::StreamId stream) {
+    for (ScriptedEvent* e : live) {
+      if (e->recorded_on == stream && !e->done) {
+        e->done = true;
+        return true;
+      }
+    }
+    return false;
+  }
 };
 inline Log& log() {
   static Log l;

@@ -27,6 +27,11 @@ std::shared_ptr<offload::HostPool> make_pool(size_t limit_bytes = 0, size_t slab
 
 const void* address(const at::Tensor& t) { return t.storage().data(); }
 
+// Host memory for copies on the scripted device: plain memory (no pinner), events from the script.
+std::shared_ptr<offload::HostPool> make_scripted_pool() {
+  return offload::HostPool::create(c10::DeviceType::PrivateUse1, /*limit_bytes=*/0, 2 * MiB, /*touch_threads=*/1);
+}
+
 }  // namespace
 
 OFFLOAD_TEST(size_class_small_requests_round_to_powers_of_two) {
@@ -214,8 +219,7 @@ OFFLOAD_TEST(eight_threads_never_share_a_block) {
 int main(int argc, char** argv) { return offload_test::run_all(argc, argv); }
 
 OFFLOAD_TEST(block_is_not_reused_before_the_copies_recorded_on_it_complete) {
-  // Host memory for copies on the scripted device: plain memory (no pinner), events from the script.
-  auto pool = offload::HostPool::create(c10::DeviceType::PrivateUse1, 0, 2 * MiB, /*touch_threads=*/1);
+  auto pool = make_scripted_pool();
   at::Tensor a = pool->allocate(4096);
   const void* where = address(a);
   const int created = scripted::log().created;
@@ -235,20 +239,15 @@ OFFLOAD_TEST(block_is_not_reused_before_the_copies_recorded_on_it_complete) {
   REQUIRE_EQ(pool->stats().pending_blocks, size_t(0));
 }
 
-OFFLOAD_TEST(block_waits_for_every_stream_that_used_it) {
-  auto pool = offload::HostPool::create(c10::DeviceType::PrivateUse1, 0, 2 * MiB, /*touch_threads=*/1);
+// A block used by copies on streams `one` and `two` stays held back until both complete.
+static void check_block_waits_for_both(const c10::Stream& one, const c10::Stream& two) {
+  auto pool = make_scripted_pool();
   at::Tensor a = pool->allocate(8192);
   const void* where = address(a);
-  REQUIRE(pool->record_stream(a, scripted::stream(1, 3)));
-  REQUIRE(pool->record_stream(a, scripted::stream(1, 4)));
+  REQUIRE(pool->record_stream(a, one));
+  REQUIRE(pool->record_stream(a, two));
   a.reset();
-  // Complete only the first stream's event: the block stays held back.
-  scripted::ScriptedEvent* first = nullptr;
-  for (auto* e : scripted::log().live) {
-    if (e->recorded_on == 3 && !e->done) first = e;
-  }
-  REQUIRE(first != nullptr);
-  first->done = true;
+  REQUIRE(scripted::log().complete_one(one.id()));  // one of the copies completes: the block stays held back
   std::vector<at::Tensor> held;
   for (int i = 0; i < 4; ++i) {
     held.push_back(pool->allocate(8192));
@@ -259,31 +258,19 @@ OFFLOAD_TEST(block_waits_for_every_stream_that_used_it) {
   REQUIRE(address(again) == where);
 }
 
+OFFLOAD_TEST(block_waits_for_every_stream_that_used_it) {
+  check_block_waits_for_both(scripted::stream(1, 3), scripted::stream(1, 4));
+}
+
 OFFLOAD_TEST(block_used_by_streams_of_two_devices_waits_for_both) {
   // Stream ids are unique per device only: the same id on two devices is two streams.
-  auto pool = offload::HostPool::create(c10::DeviceType::PrivateUse1, 0, 2 * MiB, /*touch_threads=*/1);
-  at::Tensor a = pool->allocate(16384);
-  const void* where = address(a);
-  REQUIRE(pool->record_stream(a, scripted::stream(0, 5)));
-  REQUIRE(pool->record_stream(a, scripted::stream(1, 5)));
-  a.reset();
-  for (auto* e : scripted::log().live) {  // only device 0's copy completes
-    if (e->recorded_on == 5 && !e->done) {
-      e->done = true;
-      break;
-    }
-  }
-  at::Tensor b = pool->allocate(16384);
-  REQUIRE(address(b) != where);
-  scripted::log().complete_all();
-  at::Tensor c = pool->allocate(16384);
-  REQUIRE(address(c) == where);
+  check_block_waits_for_both(scripted::stream(0, 5), scripted::stream(1, 5));
 }
 
 OFFLOAD_TEST(pool_destroyed_with_a_pending_block_waits_for_its_copy) {
   // The last tensor dies while a copy still uses its block, and with it the pool: the
   // memory must not go back to the system before the copy is done (a host wait).
-  auto pool = offload::HostPool::create(c10::DeviceType::PrivateUse1, 0, 2 * MiB, /*touch_threads=*/1);
+  auto pool = make_scripted_pool();
   at::Tensor a = pool->allocate(4096);
   REQUIRE(pool->record_stream(a, scripted::stream(2, 9)));
   const int waits = scripted::log().synchronized;
