@@ -129,13 +129,15 @@ class InFlight {
     static InFlight* registry = new InFlight();  // never destroyed: it may hold CUDA tensors at exit
     return *registry;
   }
-  void add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors) {
+  // Returns the entry's ticket for release_device_tensors(), or 0 when there was nothing to hold.
+  uint64_t add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors) {
     std::deque<Entry> done;  // destroyed after the lock is released (see drain_locked)
     std::lock_guard<std::mutex> lock(mutex_);
     drain_locked(done);
-    if (tensors.empty()) return;
-    entries_.emplace_back(take_event(stream.device()), std::move(tensors));
-    entries_.back().first.record(stream);
+    if (tensors.empty()) return 0;
+    entries_.push_back(Entry{take_event(stream.device()), std::move(tensors), ++last_ticket_});
+    entries_.back().event.record(stream);
+    return last_ticket_;
   }
   void drain() {
     std::deque<Entry> done;
@@ -144,16 +146,39 @@ class InFlight {
       drain_locked(done);
     }
   }  // `done` is destroyed here, outside the lock (see drain_locked)
+  // Drops the device tensors of one entry before its event completes: the caller
+  // has ordered every later user of their memory after the copies
+  // (Transfer::release_sources). Host tensors stay until the event completes:
+  // host memory has no stream order, so only completion makes its reuse safe.
+  void release_device_tensors(uint64_t ticket) {
+    std::vector<at::Tensor> dropped;  // destroyed after the lock is released (see drain_locked)
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->ticket != ticket) continue;
+      std::vector<at::Tensor> kept;
+      for (auto& t : it->tensors) (t.is_cpu() ? kept : dropped).push_back(std::move(t));
+      it->tensors = std::move(kept);
+      if (it->tensors.empty()) {
+        give_back_event(std::move(it->event));
+        entries_.erase(it);
+      }
+      return;
+    }
+  }
 
  private:
-  using Entry = std::pair<c10::Event, std::vector<at::Tensor>>;
+  struct Entry {
+    c10::Event event;
+    std::vector<at::Tensor> tensors;
+    uint64_t ticket;
+  };
   // Moves finished entries to `done`, which the caller destroys after releasing
   // the lock: dropping a tensor whose Python object is alive may take the GIL,
   // and a thread holding the GIL may be waiting for this lock (handle.query()).
   void drain_locked(std::deque<Entry>& done) {
     for (auto it = entries_.begin(); it != entries_.end();) {
-      if (it->first.query()) {
-        give_back_event(std::move(it->first));
+      if (it->event.query()) {
+        give_back_event(std::move(it->event));
         done.push_back(std::move(*it));
         it = entries_.erase(it);
       } else {
@@ -163,6 +188,7 @@ class InFlight {
   }
   std::mutex mutex_;
   std::deque<Entry> entries_;
+  uint64_t last_ticket_ = 0;
 };
 
 bool Transfer::query() const {
@@ -172,8 +198,19 @@ bool Transfer::query() const {
 }
 
 void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream) {
-  if (stream && !keepalive_.empty()) InFlight::instance().add(*stream, std::move(keepalive_));
+  if (stream && !keepalive_.empty()) {
+    const uint64_t ticket = InFlight::instance().add(*stream, std::move(keepalive_));
+    if (ticket != 0) inflight_tickets_.push_back(ticket);
+  }
   keepalive_.clear();
+}
+
+void Transfer::release_sources(const c10::optional<c10::Stream>& stream) {
+  const auto waiter = consumer(stream);
+  if (!waiter) return;  // a host transfer holds nothing
+  wait_stream(*waiter);
+  for (uint64_t ticket : inflight_tickets_) InFlight::instance().release_device_tensors(ticket);
+  inflight_tickets_.clear();
 }
 
 Transfer::~Transfer() {
@@ -877,7 +914,8 @@ void bind_copy_engine(py::module_& m) {
       .def("synchronize", &Transfer::synchronize, py::call_guard<py::gil_scoped_release>())
       // stream None: the current stream of the transfer's device.
       .def("wait_stream", [](const Transfer& t, c10::optional<c10::Stream> s) { t.wait_stream(s); })
-      .def("wait_stream_for", [](const Transfer& t, int64_t i, c10::optional<c10::Stream> s) { t.wait_stream_for(i, s); });
+      .def("wait_stream_for", [](const Transfer& t, int64_t i, c10::optional<c10::Stream> s) { t.wait_stream_for(i, s); })
+      .def("release_sources", [](Transfer& t, c10::optional<c10::Stream> s) { t.release_sources(s); });
   auto make_options = [](bool require_pinned, int64_t small_bytes, int64_t chunk_bytes) {
     CopyOptions o;
     o.require_pinned = require_pinned;

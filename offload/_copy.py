@@ -66,6 +66,18 @@ class CopyHandle:
         """Make `stream` (default: the current one) wait for the transfer, on the device."""
         self._impl.wait_stream(stream)  # None: the implementation reads the current stream
 
+    def release_sources(self, stream=None) -> None:
+        """Make `stream` (default: the current one) wait for the transfer on the device, and
+        let go of its sources now rather than when the host sees the copies complete.
+
+        Their memory returns to the caching allocator in `stream`'s order: only for
+        sources allocated on `stream` (the allocator gives a freed block to later
+        allocations on the stream it was allocated on, which are queued after this
+        wait). The host is not blocked. Host memory the transfer holds stays held
+        until its copies complete.
+        """
+        self._impl.release_sources(stream)
+
     def wait_tensor(self, index: int, stream=None) -> torch.Tensor:
         """Make `stream` wait only for the copy that carries tensors[index]; returns it."""
         count = self._impl.size()

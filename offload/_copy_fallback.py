@@ -64,6 +64,11 @@ class PyTransfer:
     def wait_stream_for(self, index: int, stream) -> None:
         self.wait_stream(stream)
 
+    def release_sources(self, stream) -> None:
+        # The sources are protected by record_stream here, so there is nothing to drop:
+        # the allocator reuses them once the copy stream has passed them.
+        self.wait_stream(stream)
+
 
 def _describe(t: torch.Tensor) -> str:
     return f"shape {list(t.shape)} and dtype {str(t.dtype).replace('torch.', '')}"

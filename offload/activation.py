@@ -111,7 +111,7 @@ class _Group:
 
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
-        "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned",
+        "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
         "__weakref__",
     )
 
@@ -134,6 +134,7 @@ class _Group:
         self.nbytes = 0  # bytes of its storage spans
         self.los: list = []  # per entry: where its copied span starts in the storage (bytes)
         self.nbytes_aligned = 0  # bytes of the group's host (and restored device) block
+        self.stream = None  # the stream its tensors were saved on (current when it closed), on an accelerator
 
 
 class _Packed:
@@ -383,13 +384,24 @@ class ActivationEngine:
         self._inflight.append(weakref.ref(group))
         self._poll()
         # The window: the group now opening plus those still copying may not exceed it.
+        stream = group.stream = _device.current_stream(self.device) if self.on_accel else None
         while len(self._inflight) > self.resident_groups - 1:
             oldest = self._inflight.popleft()()
             if oldest is None or oldest.state != _COPYING:
                 continue
-            t0 = time.perf_counter()
-            oldest.d2h.wait()
-            c["forward_wait_seconds"] += time.perf_counter() - t0
+            if stream is not None and oldest.stream == stream:
+                # A full window makes the compute stream wait on the device, not the host: the
+                # host goes on queueing kernels while the copy finishes (a host wait here left
+                # the device idle in launch-bound steps). The oldest group's tensors were saved
+                # on this stream, so the core lets go of them at once: the allocator reuses
+                # their memory only for work queued on this stream after the wait.
+                start = self._timed_start(stream)
+                oldest.d2h.release_sources(stream)
+                self._timed_end("forward_wait_seconds", start, stream)
+            else:  # saved on another stream than the one running now: only the host can order it
+                t0 = time.perf_counter()
+                oldest.d2h.wait()
+                c["forward_wait_seconds"] += time.perf_counter() - t0
             self._settle(oldest)
 
     def _poll(self) -> None:

@@ -320,6 +320,32 @@ def test_copy_sources_freed_early_are_not_reused_mid_copy(backend, device):
 
 
 @pytest.mark.cuda
+def test_copy_release_sources_returns_memory_in_stream_order(backend, device):
+    x = torch.randn(1 << 22, device=device)
+    expected = x.cpu()
+    ptr = x.data_ptr()
+    _device.spin(device, 200_000_000)  # the copy stream waits behind this, so the copy is still to run
+    handle = offload.copy_to_host([x])
+    handle.release_sources()  # the current stream waits for the copy on the device; no host wait
+    assert not handle.ready()
+    del x
+    y = torch.full((1 << 22,), 7.0, device=device)  # queued after the wait, in x's memory if it was let go
+    if backend == "native":  # the core let go of x at once; the fallback's record_stream keeps it until done
+        assert y.data_ptr() == ptr
+    (host,) = handle.wait()
+    assert torch.equal(host, expected)
+    assert bool((y == 7.0).all())
+
+
+def test_copy_release_sources_on_the_host_is_a_plain_copy(backend, device):
+    x = torch.randn(1000, device=device)
+    handle = offload.copy_to_host([x])
+    handle.release_sources()
+    (host,) = handle.wait()
+    assert torch.equal(host, x.cpu())
+
+
+@pytest.mark.cuda
 def test_copy_consumer_waits_on_the_device_not_the_host(backend, device):
     hosts = offload.copy_to_host([torch.randn(1 << 20, device=device)]).wait()
     _device.spin(device, 50_000_000)

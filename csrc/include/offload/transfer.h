@@ -62,6 +62,15 @@ class Transfer {
   // only for the copy that carries output `index`.
   void wait_stream(const c10::optional<c10::Stream>& stream = c10::nullopt) const;
   void wait_stream_for(int64_t index, const c10::optional<c10::Stream>& stream = c10::nullopt) const;
+  // The consumer `stream` (default: the current one) waits on the device for the
+  // whole transfer, and the engine drops at once, without a host wait, the device
+  // tensors it held until the copies complete (a device-to-host transfer's
+  // sources). Their memory returns to the caching allocator in that stream's
+  // order, which is safe for memory allocated on that stream: the allocator hands
+  // a freed block to later allocations on the stream it was allocated on, and
+  // those are queued after this wait. The caller promises that. Host tensors stay
+  // held until the copies complete.
+  void release_sources(const c10::optional<c10::Stream>& stream = c10::nullopt);
 
  private:
   friend class CopyEngine;
@@ -82,6 +91,7 @@ class Transfer {
   // Tensors that must outlive the copies (a device-to-host transfer's sources,
   // non-pooled host sources): handed to the in-flight registry when queued.
   std::vector<at::Tensor> keepalive_;
+  std::vector<uint64_t> inflight_tickets_;  // what the in-flight registry holds for this transfer
 };
 
 struct CopyOptions {
