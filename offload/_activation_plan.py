@@ -8,8 +8,9 @@ unpack of successive groups), plus the bandwidth the copies achieved each way.
 
 Plan: a small timeline model replays a step: layer i's copy starts when its group closes
 and the D2H stream is free, the resident window makes the host wait for the oldest copy,
-in backward each group's H2D copy is issued when the group after it starts unpacking
-(prefetch) and compute waits for it. Starting from "offload every eligible layer", layers
+in backward the first group needed from the host is fetched as backward starts, each
+other group's H2D copy when the group after it starts unpacking (prefetch), and compute
+waits for it. Starting from "offload every eligible layer", layers
 are taken back onto the device one at a time, each time the one whose removal cuts the
 predicted exposed time most, until the exposed time is within `TOLERANCE` of the step
 (or, with a memory budget, until no further layer fits in the budget).
@@ -86,6 +87,9 @@ def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: flo
     ready = {}
     h2d_free = t
     chosen = [i for i in range(n) if offload[i]]
+    on_host = [i for i in chosen if i not in resident]
+    if on_host and len(resident) < window:  # fetched as backward starts (_prefetch_at_backward_start)
+        ready[on_host[-1]] = h2d_free = t + nbytes[on_host[-1]] / h2d_bps
     previous = {b: a for a, b in zip(chosen, chosen[1:])}
     for i in reversed(range(n)):
         if offload[i] and i not in resident:

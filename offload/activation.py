@@ -33,7 +33,9 @@ Lifetimes and streams (stream ownership):
 - In backward, a group's H2D copy allocates its outputs on the consumer (current) stream;
   the consumer waits on that group's copy event once (`CopyHandle.wait_stream`), never on
   the whole device. When the first tensor of group g is unpacked, the copy of the group
-  before it is issued (prefetch), so it runs under g's backward compute.
+  before it is issued (prefetch), so it runs under g's backward compute; the step's first
+  unpack (the kept last layer or the head) issues the copy of the first group backward needs
+  from the host, so that stream does not idle while backward works through what stayed.
 
 Storages and views. Each storage is offloaded once per group: all saved views of it
 share one copied byte span [lo, hi) of the storage, and each view is rebuilt with
@@ -498,7 +500,10 @@ class ActivationEngine:
     # ------------------------------------------------------------ backward side
 
     def _unpack(self, packed):
-        self._backward_seen = True  # the next capture starts a new step
+        if not self._backward_seen:  # the step's first unpack: its backward starts
+            self._backward_seen = True  # the next capture starts a new step
+            if self.mode != "sync":
+                self._prefetch_at_backward_start()
         if type(packed) is tuple:
             t, version = packed
             if t._version != version:
@@ -529,8 +534,27 @@ class ActivationEngine:
 
     def _prefetch(self, group: _Group) -> None:
         prev = group.prev() if group.prev is not None else None
-        if prev is not None and prev.state == _HOST and prev.device_bytes is None and prev.d2h is not None:
+        if prev is not None and _on_host_only(prev):
             self._fetch(prev)
+            self._counters["groups_prefetched"] += 1
+
+    def _prefetch_at_backward_start(self) -> None:
+        """Fetch the first group backward will need from the host, as backward starts.
+
+        Backward first runs what forward did after the last offloaded group (the kept last
+        layer, the head, the loss) and then that group and those before it still copying,
+        served from their held device tensors. Prefetching only from a group's first unpack
+        left the host-to-device stream idle through all of that (8 ms of a 60 ms Llama step
+        on the H100). The fetch stays inside the window: it happens only while fewer than
+        `resident_groups` groups are on the device.
+        """
+        group = self._last_offloaded() if self._last_offloaded is not None else None
+        on_device = 0
+        while group is not None and group.state == _COPYING:  # held on the device
+            on_device += 1
+            group = group.prev() if group.prev is not None else None
+        if group is not None and on_device < self.resident_groups and _on_host_only(group):
+            self._fetch(group)
             self._counters["groups_prefetched"] += 1
 
     def _fetch(self, group: _Group) -> None:
@@ -599,6 +623,11 @@ class ActivationEngine:
         group.views = {}
         group.waited = set()
         group.n_unpacked = 0
+
+
+def _on_host_only(group: _Group) -> bool:
+    """Its copy is complete and nothing brought it back to the device yet."""
+    return group.state == _HOST and group.device_bytes is None and group.d2h is not None
 
 
 def _loop_refs() -> int:

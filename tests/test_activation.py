@@ -1047,6 +1047,29 @@ def _fake_stream_step(pool, monkeypatch, _device):
     assert "wait_stream compute" in h2d.log and compute.log.count("record") >= 2
 
 
+def test_activation_backward_prefetches_before_the_first_offloaded_group(pool, monkeypatch):
+    """Backward first runs the kept last layer and the head: the last offloaded group's copy
+    back is issued at the step's first unpack, not when backward reaches that group."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
+    engine = handle.engine
+    log = []
+    fetch, restore = engine._fetch, engine._restore
+    monkeypatch.setattr(engine, "_fetch", lambda group: (log.append(("fetch", group)), fetch(group))[1])
+    monkeypatch.setattr(engine, "_restore", lambda group, p: (log.append(("restore", group)), restore(group, p))[1])
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    for _ in range(2):
+        log.clear()
+        _, grads = _step(model, x)
+        _assert_equal(grads, grads_ref)
+        assert log[0][0] == "fetch" and log[1] == ("restore", log[0][1])  # fetched before backward reached it
+        fetched = [group for what, group in log if what == "fetch"]
+        assert len(fetched) == len(set(map(id, fetched))) == 3  # blocks 0-2, each once; block 3 is kept
+    assert handle.stats()["groups_prefetched"] == 3
+
+
 def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
     """Under autocast the cached bf16 copies of parameters are kept, activations offloaded."""
     model = _model()
