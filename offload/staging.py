@@ -103,6 +103,21 @@ _foreach_copy = torch._foreach_copy_
 _data_ptr = torch.Tensor.data_ptr
 _nbytes = attrgetter("nbytes")
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+# torch's own check that tensors still have the data pointers recorded for them
+# (CUDA graph trees use it for static inputs): one C++ loop for the whole list.
+# Builds without it (CPU-only torch) compare a C-level map of data_ptr instead.
+_ptrs_at_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _same_data_ptrs(tensors: List[torch.Tensor], ptrs: List[int], indices: List[int]) -> bool:
+    """Whether tensors[i].data_ptr() == ptrs[i] for all i (`indices` is list(range(len(ptrs)))),
+    in one call where torch has one: the steady-state check of a save, ~4,000 calls
+    of data_ptr from Python otherwise. Raises RuntimeError for a tensor without storage."""
+    if len(tensors) != len(ptrs):
+        return False
+    if _ptrs_at_equal is not None:
+        return _ptrs_at_equal(tensors, ptrs, indices)
+    return list(map(_data_ptr, tensors)) == ptrs
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -215,6 +230,7 @@ class _Plan:
         self.tree = tree
         self.meta = list(map(_META, locals_))
         self.ptrs = list(map(_data_ptr, locals_))
+        self.ptr_indices = list(range(len(locals_)))  # for _same_data_ptrs
         self.specs = specs
         self.units: List[_Unit] = []
         compute = _device.compute_device_type()
@@ -389,6 +405,7 @@ class _BufferSet:
         # list of kept buffers) or "fresh" (out = None; becomes "reuse" once run).
         self.calls: List[List[list]] = []
         self.blocks: Dict[int, torch.Tensor] = {}  # storage address -> uint8 over the engine's block
+        self._held: Tuple[Optional[dict], int] = (None, 0)  # (the blocks dict, its held_bytes)
         self.aliases: Dict[int, torch.Tensor] = {}  # storage address -> the same bytes, another storage (readers)
         # The aliases' storage handles, for the use counts (valid: each alias holds its storage).
         self.alias_storages: List[int] = []
@@ -402,8 +419,16 @@ class _BufferSet:
 
     @property
     def held_bytes(self) -> int:
-        """The pool's bytes this set holds: its blocks, at the pool's size classes."""
-        return sum(self.block_bytes(b.numel()) for b in self.blocks.values())
+        """The pool's bytes this set holds: its blocks, at the pool's size classes.
+
+        Asked several times a save (limits, metrics); computed once per `blocks`
+        dict, which is replaced, never changed in place, when the blocks change."""
+        blocks, held = self._held
+        if blocks is not self.blocks:
+            blocks = self.blocks
+            held = sum(self.block_bytes(b.numel()) for b in blocks.values())
+            self._held = (blocks, held)  # holds the dict itself: `is` cannot match a new one at its address
+        return held
 
     @property
     def block_nbytes(self) -> int:
@@ -934,7 +959,7 @@ class AsyncStager(_StagerProtocol):
                     and [_layout_of(locals_[s])[1:] for s in plan.watched_slots] != plan.watched_layouts)
                 or (thorough and list(map(_META, locals_)) != plan.meta)
             )
-            moved = not stale and list(map(_data_ptr, locals_)) != plan.ptrs
+            moved = not stale and not _same_data_ptrs(locals_, plan.ptrs, plan.ptr_indices)
         except RuntimeError:  # a tensor without storage (sparse, say): planning checks every tensor and names it
             stale = True
         if stale:
