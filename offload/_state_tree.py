@@ -93,8 +93,9 @@ class StateTree:
     """One shape of state dict: its leaves' paths and types, and how to rebuild it.
 
     `leaves(state_dict)` returns the leaves in a fixed order (raising `Mismatch`
-    when the shape differs); `build(L, T)` makes a new tree whose leaf i is
-    `T[tensor_slot[i]]` for tensor leaves and `L[i]` otherwise.
+    when the shape differs); `build(S, T)` makes a new tree whose tensor leaves
+    are `T` and whose other leaves are `S`, each in leaf order: T[j] is the leaf
+    at `tensor_pos[j]`, S[j] the one at `scalar_pos[j]`.
     """
 
     def __init__(self, fn: str, root):
@@ -105,6 +106,7 @@ class StateTree:
         self.paths: List[Tuple] = []  # per leaf: the keys and indices leading to it
         self.leaf_types: List[type] = []
         self.tensor_pos: List[int] = []  # leaf indices holding tensors, in leaf order
+        self.scalar_pos: List[int] = []  # leaf indices holding anything else, in leaf order
         self.dtensor_slots: List[int] = []  # tensor slots (indices into tensor_pos) holding DTensors
         self._keys: List[Any] = []
         self._types: List[type] = []
@@ -214,7 +216,8 @@ class StateTree:
                 f"a staged state dict holds dicts, lists and tuples of tensors, DTensors and immutable "
                 f"values ({_SCALAR_NAMES}); convert it, e.g. to a tensor or a str, before saving"
             )
-        return f"L[{index}]"
+        self.scalar_pos.append(index)
+        return f"L[{len(self.scalar_pos) - 1}]"
 
     def _check_tensor(self, t: torch.Tensor, path: Tuple) -> None:
         is_dtensor = self._dtensor is not None and isinstance(t, self._dtensor)
@@ -281,8 +284,9 @@ class StateTree:
             raise Mismatch()
         return out
 
-    def build(self, leaves: List[Any], tensors: List[Any]):
-        return self._build(leaves, tensors)
+    def build(self, scalars: List[Any], tensors: List[Any]):
+        """A new tree of this shape: `scalars` are the leaves at scalar_pos, `tensors` those at tensor_pos."""
+        return self._build(scalars, tensors)
 
 
 def _slices(exprs: List[str]) -> str:

@@ -635,14 +635,23 @@ class StagingFuture(Future):
     `result()` (which waits; the wait releases the interpreter lock), `done()`,
     `exception()` or `AsyncStager.synchronize_staging()`. DCP's upload thread calls
     `result()` at once, so `AsyncSaveResponse.staging_completion` fires on time.
-    While this future (or the dict it returns) is alive, its buffer set is busy.
+    The dict itself is made by the first `result()` (on DCP's upload thread, so not
+    inside `stage()`), from the leaves as they were at `stage()`. While this future
+    (or the dict it returns) is alive, its buffer set is busy.
     """
 
-    def __init__(self, staged, handles):
+    def __init__(self, build, scalars, host_leaves, handles):
         super().__init__()
-        self._staged = staged
+        # What the staged dict is made of, until the first result() makes it
+        # (StateTree.build): the non-tensor leaves as of stage() and a list of the
+        # host tensors of its own, which keeps the buffer set busy meanwhile.
+        self._parts = (build, scalars, host_leaves)
+        self._staged = None
         self._pending = [h for h in handles if h is not None]
         self._finish_lock = threading.Lock()
+        # Not _finish_lock: set_result runs done-callbacks (DCP's calls result())
+        # in the thread that holds that one.
+        self._build_lock = threading.Lock()
         self._finish(block=False)
 
     def _finish(self, block: bool, timeout: Optional[float] = None) -> None:
@@ -666,13 +675,21 @@ class StagingFuture(Future):
         except BaseException as error:  # a failed copy fails the future, not the waiter's thread
             with self._finish_lock:
                 if not Future.done(self):
-                    self._pending = self._staged = None
+                    self._pending = self._parts = None
                     self.set_exception(error)
             return
         with self._finish_lock:
             if not Future.done(self):
-                staged, self._staged, self._pending = self._staged, None, None
-                self.set_result(staged)
+                self._pending = None
+                self.set_result(None)  # the copies are complete; result() returns the staged dict
+
+    def _staged_dict(self):
+        with self._build_lock:
+            if self._parts is not None:
+                build, scalars, host_leaves = self._parts
+                self._staged = build(scalars, host_leaves)
+                self._parts = None
+            return self._staged
 
     def done(self) -> bool:
         self._finish(block=False)
@@ -680,7 +697,8 @@ class StagingFuture(Future):
 
     def result(self, timeout: Optional[float] = None):
         self._finish(block=True, timeout=timeout)
-        return super().result(timeout=None if super().done() else 0)
+        super().result(timeout=None if super().done() else 0)  # raises a failed copy's error, or TimeoutError
+        return self._staged_dict()
 
     def exception(self, timeout: Optional[float] = None):
         self._finish(block=True, timeout=timeout)
@@ -747,7 +765,7 @@ class AsyncStager(_StagerProtocol):
         self._forward_module, self._forward_paths = _forward_buffers(fn, forward_buffers)
         self._return_future = _async_save_takes_futures()
         self._tree: Optional[StateTree] = None
-        self._tensor_picker: Tuple = (None, list)  # (tree, _picker of its tensor leaves)
+        self._pickers: Tuple = (None, list, list)  # (tree, _picker of its tensor leaves, of its other leaves)
         self._plan: Optional[_Plan] = None
         self._sets: List[_BufferSet] = []
         # (set, batch) -> the handle the compute stream has not waited on yet; keyed so
@@ -812,9 +830,11 @@ class AsyncStager(_StagerProtocol):
             break
         allocated_bytes = max(0, buffer_set.held_bytes - held_before)
         buffer_set.mark_baseline()
-        staged = plan.tree.build(leaves, buffer_set.host_leaves)
-        future = StagingFuture(staged, buffer_set.handles)
-        del staged
+        # The future makes the staged dict when first asked for it (DCP's upload
+        # thread), not here; until then its own list of the host tensors keeps the
+        # set busy, and it keeps the other leaves as they are now.
+        scalars = self._pickers[2](leaves)
+        future = StagingFuture(plan.tree.build, scalars, list(buffer_set.host_leaves), buffer_set.handles)
         self._saves += 1
         self._metrics.append(
             {
@@ -860,7 +880,7 @@ class AsyncStager(_StagerProtocol):
         self._sets = []
         self._unwaited = {}
         self._tree = self._plan = self._measured = None
-        self._tensor_picker = (None, list)
+        self._pickers = (None, list, list)
         self._closed = True
 
     def __enter__(self) -> "AsyncStager":
@@ -937,9 +957,10 @@ class AsyncStager(_StagerProtocol):
             tree = StateTree(fn, state_dict)
             leaves = tree.leaves(state_dict)
             self._tree = tree
-        if self._tensor_picker[0] is not tree:
-            self._tensor_picker = (tree, _picker(tree.tensor_pos, len(tree.leaf_types)))
-        tensors = self._tensor_picker[1](leaves)
+        if self._pickers[0] is not tree:
+            count = len(tree.leaf_types)
+            self._pickers = (tree, _picker(tree.tensor_pos, count), _picker(tree.scalar_pos, count))
+        tensors = self._pickers[1](leaves)
         specs = None
         locals_ = tensors
         if tree.dtensor_slots:

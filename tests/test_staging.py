@@ -900,3 +900,29 @@ def test_staging_wide_containers_after_generated_code(backend, device):
         del staged
     assert [r["replanned"] for r in stager.metrics()] == [True, False, False, False, True, True, True, True]
     stager.close()
+
+
+def test_staging_future_makes_dict_from_leaves_as_of_stage(backend, device):
+    # The staged dict is made by the future's first result(), not inside stage():
+    # it must still hold the non-tensor leaves as they were at stage(), keep tied
+    # tensors tied, be made once, reach done-callbacks, and keep the set busy
+    # while the future is unresolved.
+    stager = offload.AsyncStager(ring_size=1, when_busy="raise")
+    w = torch.arange(16, dtype=torch.float32, device=device)
+    wide = {f"k{i}": (torch.full((2,), float(i), device=device) if i % 3 else i) for i in range(12)}
+    for step in range(4):  # from the third save on, the generated code of the tree runs
+        state = {"w": w, "tied": [w, w], "meta": {"step": step, "name": f"s{step}"}, "wide": dict(wide)}
+        expected = _snapshot(state)
+        future = stager.stage(state)
+        with pytest.raises(RuntimeError, match="busy"):  # nothing built yet, the set is still held
+            stager.stage(state)
+        state["meta"]["step"], state["meta"]["name"], state["wide"]["k0"] = -1, "changed", -1
+        got = []
+        future.add_done_callback(lambda f: got.append(f.result()))
+        staged = future.result()
+        assert future.result() is staged and got and got[0] is staged
+        _assert_same(staged, expected)
+        assert staged["tied"][0] is staged["tied"][1] is staged["w"]
+        del staged, got, future
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False, False]
+    stager.close()
