@@ -18,6 +18,7 @@ as source text.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from operator import attrgetter
 from typing import Any, List, Optional, Tuple
@@ -109,6 +110,7 @@ class StateTree:
         self.scalar_pos: List[int] = []  # leaf indices holding anything else, in leaf order
         self.dtensor_slots: List[int] = []  # tensor slots (indices into tensor_pos) holding DTensors
         self._keys: List[Any] = []
+        self._wide_keys: List[Tuple] = []  # per wide dict: its keys in order (W of the generated extract)
         self._types: List[type] = []
         self._lens: List[int] = []  # per container, in walk order
         self._check_lines: List[str] = []
@@ -171,7 +173,13 @@ class StateTree:
         if exprs is None:
             exprs = [self._leaf(child, "", path + (key,)) for key, child in items]
         del self._items[first_item:]
-        if isinstance(obj, Mapping):
+        if type(obj) in (dict, OrderedDict):
+            # Keys in the order seen (the usual case): values() in one C call, ~3x
+            # faster than a lookup per key; any other order falls back to lookups.
+            wi = len(self._wide_keys)
+            self._wide_keys.append(tuple(self._keys[k0:k1]))
+            self._items.append(f"*({var}.values() if tuple({var}) == W[{wi}] else map({var}.__getitem__, W[{wi}]))")
+        elif isinstance(obj, Mapping):
             self._items.append(f"*map({var}.__getitem__, K[{k0}:{k1}])")
         else:  # list or tuple: its items in order, after the length check above
             self._items.append(f"*{var}")
@@ -253,8 +261,8 @@ class StateTree:
 
     def _compile_extract(self):
         body = "\n".join(self._check_lines)
-        source = f"def extract(c0, K, C, M):\n{body}\n    return [{', '.join(self._items)}]\n"
-        return _compile(source, "extract", self._keys, self._types)
+        source = f"def extract(c0, K, C, M, W):\n{body}\n    return [{', '.join(self._items)}]\n"
+        return _compile(source, "extract", self._keys, self._types, self._wide_keys)
 
     def leaves(self, root) -> List[Any]:
         """The leaves of `root` in this tree's order; raises Mismatch if the shape differs."""
@@ -315,11 +323,11 @@ def _plain_leaves(obj, types, lens, container_iter, key_iter, out) -> None:
             out.append(child)
 
 
-def _compile(source: str, name: str, keys, types):
+def _compile(source: str, name: str, keys, types, wide_keys=()):
     namespace: dict = {}
     exec(compile(source, f"<offload staging {name}>", "exec"), namespace)  # noqa: S102 - generated above
     fn = namespace[name]
-    keys, types = tuple(keys), tuple(types)
+    keys, types, wide_keys = tuple(keys), tuple(types), tuple(wide_keys)
     if name == "extract":
-        return lambda root: fn(root, keys, types, Mismatch)
+        return lambda root: fn(root, keys, types, Mismatch, wide_keys)
     return lambda L, T: fn(L, T, keys, types)
