@@ -926,3 +926,27 @@ def test_staging_future_makes_dict_from_leaves_as_of_stage(backend, device):
         del staged, got, future
     assert [r["replanned"] for r in stager.metrics()] == [True, False, False, False]
     stager.close()
+
+
+def test_staging_pointer_check_sees_moved_and_newly_tied_tensors(backend, device):
+    # The steady-state check of data pointers (one call of torch's helper where it
+    # has one, a map otherwise) must see a tensor moved to another storage, and a
+    # save must then keep tensors that became tied tied in the staged dict.
+    tensors = [torch.randn(8, device=device) for _ in range(20)]
+    ptrs = [t.data_ptr() for t in tensors]
+    indices = list(range(len(tensors)))
+    same = offload.staging._same_data_ptrs
+    assert same(tensors, ptrs, indices)
+    assert not same(tensors[:-1], ptrs, indices[:-1])
+    moved = tensors[:7] + [tensors[7].clone()] + tensors[8:]
+    assert not same(moved, ptrs, indices)
+    stager = offload.AsyncStager(ring_size=1)
+    a, b = torch.full((4,), 1.0, device=device), torch.full((4,), 2.0, device=device)
+    wide = {f"w{i}": torch.full((2,), float(i), device=device) for i in range(10)}
+    for state in [{"a": a, "b": b, "wide": wide}] * 3 + [{"a": a, "b": a, "wide": wide}]:
+        staged = stager.stage(state).result()
+        _assert_same(staged, _snapshot(state))
+        assert (staged["a"] is staged["b"]) == (state["a"] is state["b"])
+        del staged
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False, True]
+    stager.close()
