@@ -18,6 +18,7 @@ as source text.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from operator import attrgetter
 from typing import Any, List, Optional, Tuple
@@ -93,8 +94,9 @@ class StateTree:
     """One shape of state dict: its leaves' paths and types, and how to rebuild it.
 
     `leaves(state_dict)` returns the leaves in a fixed order (raising `Mismatch`
-    when the shape differs); `build(L, T)` makes a new tree whose leaf i is
-    `T[tensor_slot[i]]` for tensor leaves and `L[i]` otherwise.
+    when the shape differs); `build(S, T)` makes a new tree whose tensor leaves
+    are `T` and whose other leaves are `S`, each in leaf order: T[j] is the leaf
+    at `tensor_pos[j]`, S[j] the one at `scalar_pos[j]`.
     """
 
     def __init__(self, fn: str, root):
@@ -105,8 +107,10 @@ class StateTree:
         self.paths: List[Tuple] = []  # per leaf: the keys and indices leading to it
         self.leaf_types: List[type] = []
         self.tensor_pos: List[int] = []  # leaf indices holding tensors, in leaf order
+        self.scalar_pos: List[int] = []  # leaf indices holding anything else, in leaf order
         self.dtensor_slots: List[int] = []  # tensor slots (indices into tensor_pos) holding DTensors
         self._keys: List[Any] = []
+        self._wide_keys: List[Tuple] = []  # per wide dict: its keys in order (W of the generated extract)
         self._types: List[type] = []
         self._lens: List[int] = []  # per container, in walk order
         self._check_lines: List[str] = []
@@ -169,7 +173,13 @@ class StateTree:
         if exprs is None:
             exprs = [self._leaf(child, "", path + (key,)) for key, child in items]
         del self._items[first_item:]
-        if isinstance(obj, Mapping):
+        if type(obj) in (dict, OrderedDict):
+            # Keys in the order seen (the usual case): values() in one C call, ~3x
+            # faster than a lookup per key; any other order falls back to lookups.
+            wi = len(self._wide_keys)
+            self._wide_keys.append(tuple(self._keys[k0:k1]))
+            self._items.append(f"*({var}.values() if tuple({var}) == W[{wi}] else map({var}.__getitem__, W[{wi}]))")
+        elif isinstance(obj, Mapping):
             self._items.append(f"*map({var}.__getitem__, K[{k0}:{k1}])")
         else:  # list or tuple: its items in order, after the length check above
             self._items.append(f"*{var}")
@@ -214,7 +224,8 @@ class StateTree:
                 f"a staged state dict holds dicts, lists and tuples of tensors, DTensors and immutable "
                 f"values ({_SCALAR_NAMES}); convert it, e.g. to a tensor or a str, before saving"
             )
-        return f"L[{index}]"
+        self.scalar_pos.append(index)
+        return f"L[{len(self.scalar_pos) - 1}]"
 
     def _check_tensor(self, t: torch.Tensor, path: Tuple) -> None:
         is_dtensor = self._dtensor is not None and isinstance(t, self._dtensor)
@@ -250,8 +261,8 @@ class StateTree:
 
     def _compile_extract(self):
         body = "\n".join(self._check_lines)
-        source = f"def extract(c0, K, C, M):\n{body}\n    return [{', '.join(self._items)}]\n"
-        return _compile(source, "extract", self._keys, self._types)
+        source = f"def extract(c0, K, C, M, W):\n{body}\n    return [{', '.join(self._items)}]\n"
+        return _compile(source, "extract", self._keys, self._types, self._wide_keys)
 
     def leaves(self, root) -> List[Any]:
         """The leaves of `root` in this tree's order; raises Mismatch if the shape differs."""
@@ -281,8 +292,9 @@ class StateTree:
             raise Mismatch()
         return out
 
-    def build(self, leaves: List[Any], tensors: List[Any]):
-        return self._build(leaves, tensors)
+    def build(self, scalars: List[Any], tensors: List[Any]):
+        """A new tree of this shape: `scalars` are the leaves at scalar_pos, `tensors` those at tensor_pos."""
+        return self._build(scalars, tensors)
 
 
 def _slices(exprs: List[str]) -> str:
@@ -311,11 +323,11 @@ def _plain_leaves(obj, types, lens, container_iter, key_iter, out) -> None:
             out.append(child)
 
 
-def _compile(source: str, name: str, keys, types):
+def _compile(source: str, name: str, keys, types, wide_keys=()):
     namespace: dict = {}
     exec(compile(source, f"<offload staging {name}>", "exec"), namespace)  # noqa: S102 - generated above
     fn = namespace[name]
-    keys, types = tuple(keys), tuple(types)
+    keys, types, wide_keys = tuple(keys), tuple(types), tuple(wide_keys)
     if name == "extract":
-        return lambda root: fn(root, keys, types, Mismatch)
+        return lambda root: fn(root, keys, types, Mismatch, wide_keys)
     return lambda L, T: fn(L, T, keys, types)

@@ -103,6 +103,21 @@ _foreach_copy = torch._foreach_copy_
 _data_ptr = torch.Tensor.data_ptr
 _nbytes = attrgetter("nbytes")
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+# torch's own check that tensors still have the data pointers recorded for them
+# (CUDA graph trees use it for static inputs): one C++ loop for the whole list.
+# Builds without it (CPU-only torch) compare a C-level map of data_ptr instead.
+_ptrs_at_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _same_data_ptrs(tensors: List[torch.Tensor], ptrs: List[int], indices: List[int]) -> bool:
+    """Whether tensors[i].data_ptr() == ptrs[i] for all i (`indices` is list(range(len(ptrs)))),
+    in one call where torch has one: the steady-state check of a save, ~4,000 calls
+    of data_ptr from Python otherwise. Raises RuntimeError for a tensor without storage."""
+    if len(tensors) != len(ptrs):
+        return False
+    if _ptrs_at_equal is not None:
+        return _ptrs_at_equal(tensors, ptrs, indices)
+    return list(map(_data_ptr, tensors)) == ptrs
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -215,6 +230,7 @@ class _Plan:
         self.tree = tree
         self.meta = list(map(_META, locals_))
         self.ptrs = list(map(_data_ptr, locals_))
+        self.ptr_indices = list(range(len(locals_)))  # for _same_data_ptrs
         self.specs = specs
         self.units: List[_Unit] = []
         compute = _device.compute_device_type()
@@ -362,11 +378,13 @@ class _BufferSet:
     handed out in a staged dict is instead a view of `aliases[storage]`: the same
     bytes as the engine's block under a storage object of its own (made through
     DLPack, whose context keeps the pooled block alive), which the copy engine
-    never sees. On every save to a set found free (so no reader exists), after
-    those views are built (`_bind`) and before the staged dict is, `mark_baseline`
+    never sees. On the save that builds those views (`_bind`), into a set found
+    free (so no reader exists), and before the staged dict is, `mark_baseline`
     records (a) the Python reference count of every object it hands out, (b)
     the use count of every alias storage and (c) the Python reference count of
     every alias storage's Python object: exactly the stager's own references.
+    (Later saves to the set find it free only with every sum back at that
+    baseline, so it is not taken again: ~4,000 reference counts a save saved.)
     Any later excess is a reader: the staged dict or one of its tensors kept (a),
     a new view taken from one (b), or the storage object of one
     (`tensor.untyped_storage()`, or a TypedStorage over it) kept (c). (c) is a
@@ -389,6 +407,7 @@ class _BufferSet:
         # list of kept buffers) or "fresh" (out = None; becomes "reuse" once run).
         self.calls: List[List[list]] = []
         self.blocks: Dict[int, torch.Tensor] = {}  # storage address -> uint8 over the engine's block
+        self._held: Tuple[Optional[dict], int] = (None, 0)  # (the blocks dict, its held_bytes)
         self.aliases: Dict[int, torch.Tensor] = {}  # storage address -> the same bytes, another storage (readers)
         # The aliases' storage handles, for the use counts (valid: each alias holds its storage).
         self.alias_storages: List[int] = []
@@ -399,11 +418,20 @@ class _BufferSet:
         self.ref_base = 0  # sum of the watched objects' reference counts with no reader
         self.use_base = 0  # sum of the alias storages' use counts with no reader
         self.storage_ref_base = 0  # sum of the alias storage objects' reference counts with no reader
+        self.marked = False  # the three baselines are those of the current watch and aliases
 
     @property
     def held_bytes(self) -> int:
-        """The pool's bytes this set holds: its blocks, at the pool's size classes."""
-        return sum(self.block_bytes(b.numel()) for b in self.blocks.values())
+        """The pool's bytes this set holds: its blocks, at the pool's size classes.
+
+        Asked several times a save (limits, metrics); computed once per `blocks`
+        dict, which is replaced, never changed in place, when the blocks change."""
+        blocks, held = self._held
+        if blocks is not self.blocks:
+            blocks = self.blocks
+            held = sum(self.block_bytes(b.numel()) for b in blocks.values())
+            self._held = (blocks, held)  # holds the dict itself: `is` cannot match a new one at its address
+        return held
 
     @property
     def block_nbytes(self) -> int:
@@ -430,6 +458,7 @@ class _BufferSet:
 
     def mark_baseline(self) -> None:
         """Record the references this stager itself holds (call with no staged dict or reader alive)."""
+        self.marked = True
         self.ref_base = sum(map(sys.getrefcount, self.watch))
         self.storage_ref_base = sum(map(sys.getrefcount, self.alias_storage_objects))
         if _use_count is not None:
@@ -440,6 +469,7 @@ class _BufferSet:
         self.buffers, self.parts, self.calls, self.blocks, self.aliases = {}, {}, [], {}, {}
         self.alias_storages, self.alias_storage_objects, self.storage_ref_base = [], [], 0
         self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], 0, 0
+        self.marked = False
 
 
 def _private_alias(block: torch.Tensor) -> torch.Tensor:
@@ -610,14 +640,23 @@ class StagingFuture(Future):
     `result()` (which waits; the wait releases the interpreter lock), `done()`,
     `exception()` or `AsyncStager.synchronize_staging()`. DCP's upload thread calls
     `result()` at once, so `AsyncSaveResponse.staging_completion` fires on time.
-    While this future (or the dict it returns) is alive, its buffer set is busy.
+    The dict itself is made by the first `result()` (on DCP's upload thread, so not
+    inside `stage()`), from the leaves as they were at `stage()`. While this future
+    (or the dict it returns) is alive, its buffer set is busy.
     """
 
-    def __init__(self, staged, handles):
+    def __init__(self, build, scalars, host_leaves, handles):
         super().__init__()
-        self._staged = staged
+        # What the staged dict is made of, until the first result() makes it
+        # (StateTree.build): the non-tensor leaves as of stage() and a list of the
+        # host tensors of its own, which keeps the buffer set busy meanwhile.
+        self._parts = (build, scalars, host_leaves)
+        self._staged = None
         self._pending = [h for h in handles if h is not None]
         self._finish_lock = threading.Lock()
+        # Not _finish_lock: set_result runs done-callbacks (DCP's calls result())
+        # in the thread that holds that one.
+        self._build_lock = threading.Lock()
         self._finish(block=False)
 
     def _finish(self, block: bool, timeout: Optional[float] = None) -> None:
@@ -641,13 +680,21 @@ class StagingFuture(Future):
         except BaseException as error:  # a failed copy fails the future, not the waiter's thread
             with self._finish_lock:
                 if not Future.done(self):
-                    self._pending = self._staged = None
+                    self._pending = self._parts = None
                     self.set_exception(error)
             return
         with self._finish_lock:
             if not Future.done(self):
-                staged, self._staged, self._pending = self._staged, None, None
-                self.set_result(staged)
+                self._pending = None
+                self.set_result(None)  # the copies are complete; result() returns the staged dict
+
+    def _staged_dict(self):
+        with self._build_lock:
+            if self._parts is not None:
+                build, scalars, host_leaves = self._parts
+                self._staged = build(scalars, host_leaves)
+                self._parts = None
+            return self._staged
 
     def done(self) -> bool:
         self._finish(block=False)
@@ -655,7 +702,8 @@ class StagingFuture(Future):
 
     def result(self, timeout: Optional[float] = None):
         self._finish(block=True, timeout=timeout)
-        return super().result(timeout=None if super().done() else 0)
+        super().result(timeout=None if super().done() else 0)  # raises a failed copy's error, or TimeoutError
+        return self._staged_dict()
 
     def exception(self, timeout: Optional[float] = None):
         self._finish(block=True, timeout=timeout)
@@ -722,7 +770,7 @@ class AsyncStager(_StagerProtocol):
         self._forward_module, self._forward_paths = _forward_buffers(fn, forward_buffers)
         self._return_future = _async_save_takes_futures()
         self._tree: Optional[StateTree] = None
-        self._tensor_picker: Tuple = (None, list)  # (tree, _picker of its tensor leaves)
+        self._pickers: Tuple = (None, list, list)  # (tree, _picker of its tensor leaves, of its other leaves)
         self._plan: Optional[_Plan] = None
         self._sets: List[_BufferSet] = []
         # (set, batch) -> the handle the compute stream has not waited on yet; keyed so
@@ -786,10 +834,13 @@ class AsyncStager(_StagerProtocol):
                 continue  # another set of the ring takes the save (_acquire_set waits or raises)
             break
         allocated_bytes = max(0, buffer_set.held_bytes - held_before)
-        buffer_set.mark_baseline()
-        staged = plan.tree.build(leaves, buffer_set.host_leaves)
-        future = StagingFuture(staged, buffer_set.handles)
-        del staged
+        if not buffer_set.marked:
+            buffer_set.mark_baseline()
+        # The future makes the staged dict when first asked for it (DCP's upload
+        # thread), not here; until then its own list of the host tensors keeps the
+        # set busy, and it keeps the other leaves as they are now.
+        scalars = self._pickers[2](leaves)
+        future = StagingFuture(plan.tree.build, scalars, list(buffer_set.host_leaves), buffer_set.handles)
         self._saves += 1
         self._metrics.append(
             {
@@ -835,7 +886,7 @@ class AsyncStager(_StagerProtocol):
         self._sets = []
         self._unwaited = {}
         self._tree = self._plan = self._measured = None
-        self._tensor_picker = (None, list)
+        self._pickers = (None, list, list)
         self._closed = True
 
     def __enter__(self) -> "AsyncStager":
@@ -912,9 +963,10 @@ class AsyncStager(_StagerProtocol):
             tree = StateTree(fn, state_dict)
             leaves = tree.leaves(state_dict)
             self._tree = tree
-        if self._tensor_picker[0] is not tree:
-            self._tensor_picker = (tree, _picker(tree.tensor_pos, len(tree.leaf_types)))
-        tensors = self._tensor_picker[1](leaves)
+        if self._pickers[0] is not tree:
+            count = len(tree.leaf_types)
+            self._pickers = (tree, _picker(tree.tensor_pos, count), _picker(tree.scalar_pos, count))
+        tensors = self._pickers[1](leaves)
         specs = None
         locals_ = tensors
         if tree.dtensor_slots:
@@ -934,7 +986,7 @@ class AsyncStager(_StagerProtocol):
                     and [_layout_of(locals_[s])[1:] for s in plan.watched_slots] != plan.watched_layouts)
                 or (thorough and list(map(_META, locals_)) != plan.meta)
             )
-            moved = not stale and list(map(_data_ptr, locals_)) != plan.ptrs
+            moved = not stale and not _same_data_ptrs(locals_, plan.ptrs, plan.ptr_indices)
         except RuntimeError:  # a tensor without storage (sparse, say): planning checks every tensor and names it
             stale = True
         if stale:
@@ -1178,6 +1230,7 @@ class AsyncStager(_StagerProtocol):
         buffer_set.alias_storages = [storage._cdata for storage in buffer_set.alias_storage_objects]
         buffer_set.host_leaves = host_leaves
         buffer_set.watch = list({id(o): o for o in watch}.values())
+        buffer_set.marked = False
         buffer_set.plan = plan
 
     # ------------------------------------------------------------ copying

@@ -900,3 +900,53 @@ def test_staging_wide_containers_after_generated_code(backend, device):
         del staged
     assert [r["replanned"] for r in stager.metrics()] == [True, False, False, False, True, True, True, True]
     stager.close()
+
+
+def test_staging_future_makes_dict_from_leaves_as_of_stage(backend, device):
+    # The staged dict is made by the future's first result(), not inside stage():
+    # it must still hold the non-tensor leaves as they were at stage(), keep tied
+    # tensors tied, be made once, reach done-callbacks, and keep the set busy
+    # while the future is unresolved.
+    stager = offload.AsyncStager(ring_size=1, when_busy="raise")
+    w = torch.arange(16, dtype=torch.float32, device=device)
+    wide = {f"k{i}": (torch.full((2,), float(i), device=device) if i % 3 else i) for i in range(12)}
+    for step in range(4):  # from the third save on, the generated code of the tree runs
+        state = {"w": w, "tied": [w, w], "meta": {"step": step, "name": f"s{step}"}, "wide": dict(wide)}
+        expected = _snapshot(state)
+        future = stager.stage(state)
+        with pytest.raises(RuntimeError, match="busy"):  # nothing built yet, the set is still held
+            stager.stage(state)
+        state["meta"]["step"], state["meta"]["name"], state["wide"]["k0"] = -1, "changed", -1
+        got = []
+        future.add_done_callback(lambda f: got.append(f.result()))
+        staged = future.result()
+        assert future.result() is staged and got and got[0] is staged
+        _assert_same(staged, expected)
+        assert staged["tied"][0] is staged["tied"][1] is staged["w"]
+        del staged, got, future
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False, False]
+    stager.close()
+
+
+def test_staging_pointer_check_sees_moved_and_newly_tied_tensors(backend, device):
+    # The steady-state check of data pointers (one call of torch's helper where it
+    # has one, a map otherwise) must see a tensor moved to another storage, and a
+    # save must then keep tensors that became tied tied in the staged dict.
+    tensors = [torch.randn(8, device=device) for _ in range(20)]
+    ptrs = [t.data_ptr() for t in tensors]
+    indices = list(range(len(tensors)))
+    same = offload.staging._same_data_ptrs
+    assert same(tensors, ptrs, indices)
+    assert not same(tensors[:-1], ptrs, indices[:-1])
+    moved = tensors[:7] + [tensors[7].clone()] + tensors[8:]
+    assert not same(moved, ptrs, indices)
+    stager = offload.AsyncStager(ring_size=1)
+    a, b = torch.full((4,), 1.0, device=device), torch.full((4,), 2.0, device=device)
+    wide = {f"w{i}": torch.full((2,), float(i), device=device) for i in range(10)}
+    for state in [{"a": a, "b": b, "wide": wide}] * 3 + [{"a": a, "b": a, "wide": wide}]:
+        staged = stager.stage(state).result()
+        _assert_same(staged, _snapshot(state))
+        assert (staged["a"] is staged["b"]) == (state["a"] is state["b"])
+        del staged
+    assert [r["replanned"] for r in stager.metrics()] == [True, False, False, True]
+    stager.close()
