@@ -1159,12 +1159,23 @@ TensorSource::Fill lazy_conversion(const py::list& list) {
   };
 }
 
+// Drops what the copy worker finished and the in-flight registry no longer
+// needs, here, with the GIL held: a dropped tensor that has a Python object takes
+// the GIL, which costs little when held and, released, may wait for another
+// thread's switch interval, per tensor.
+void collect_with_gil() {
+  CopyWorker::instance().collect();
+  InFlight::instance().drain();
+}
+
 // A deferred transfer not queued yet is waited for without the GIL (the worker
 // never needs it, but other Python threads should run meanwhile).
-void wait_enqueued_without_gil(const Transfer& t) {
-  if (!t.enqueue_pending()) return;
-  py::gil_scoped_release no_gil;
-  t.wait_enqueued();
+void settle_deferred(const Transfer& t) {
+  if (t.enqueue_pending()) {
+    py::gil_scoped_release no_gil;
+    t.wait_enqueued();
+  }
+  if (t.deferred()) collect_with_gil();
 }
 
 void bind_copy_engine(py::module_& m) {
@@ -1181,22 +1192,32 @@ void bind_copy_engine(py::module_& m) {
       .def("nbytes", &Transfer::nbytes)
       .def("device", &Transfer::device)
       .def("restore_specs", &Transfer::restore_specs)
-      .def("query", &Transfer::query, py::call_guard<py::gil_scoped_release>())  // drains the registry
-      .def("synchronize", &Transfer::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("query",
+           [](const Transfer& t) {
+             settle_deferred(t);
+             py::gil_scoped_release no_gil;
+             return t.query();  // drains the registry
+           })
+      .def("synchronize",
+           [](const Transfer& t) {
+             settle_deferred(t);
+             py::gil_scoped_release no_gil;
+             t.synchronize();
+           })
       // stream None: the current stream of the transfer's device.
       .def("wait_stream",
            [](const Transfer& t, c10::optional<c10::Stream> s) {
-             wait_enqueued_without_gil(t);
+             settle_deferred(t);
              t.wait_stream(s);
            })
       .def("wait_stream_for",
            [](const Transfer& t, int64_t i, c10::optional<c10::Stream> s) {
-             wait_enqueued_without_gil(t);
+             settle_deferred(t);
              t.wait_stream_for(i, s);
            })
       .def("release_sources",
            [](Transfer& t, c10::optional<c10::Stream> s) {
-             wait_enqueued_without_gil(t);
+             settle_deferred(t);
              t.release_sources(s);
            })
       .def("copy_seconds", &Transfer::copy_seconds);  // never waits
@@ -1223,6 +1244,7 @@ void bind_copy_engine(py::module_& m) {
             std::vector<at::Tensor> all;
             all.reserve(tensors.size());
             lazy_conversion(tensors)(all, tensors.size());
+            collect_with_gil();  // what earlier copies left, before the GIL is let go
             py::gil_scoped_release no_gil;
             return copy_to_host_deferred(std::move(all), pool, stream, reuse, options);
           }

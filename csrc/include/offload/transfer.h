@@ -27,9 +27,10 @@
 //   reads the events (query, synchronize, wait_stream, wait_stream_for,
 //   release_sources, copy_seconds) first waits, on the host, until the worker
 //   has queued them, and raises the worker's error, if any, on every call.
-//   Finished jobs are destroyed by the next call into the engine from a Python
-//   thread (CopyWorker::collect), never by the worker, since dropping the last
-//   C++ reference to a tensor that has a Python object takes the GIL.
+//   Finished jobs are destroyed by a later call from a calling thread (the next
+//   deferred copy, a wait on a deferred handle: CopyWorker::collect, with the
+//   GIL held where called from Python), never by the worker, since dropping the
+//   last C++ reference to a tensor that has a Python object takes the GIL.
 #pragma once
 
 #include <atomic>
@@ -102,6 +103,7 @@ class Transfer {
   // Blocks the host until a deferred transfer's copies are queued (no-op for
   // others); raises the copy worker's error if it failed.
   void wait_enqueued() const;
+  bool deferred() const { return deferred_ != nullptr; }
 
  private:
   friend class CopyEngine;
