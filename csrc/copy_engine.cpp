@@ -10,9 +10,12 @@
 #include "offload/transfer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -129,11 +132,12 @@ class InFlight {
     static InFlight* registry = new InFlight();  // never destroyed: it may hold CUDA tensors at exit
     return *registry;
   }
-  // Returns the entry's ticket for release_device_tensors(), or 0 when there was nothing to hold.
-  uint64_t add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors) {
+  // Returns the entry's ticket for release_device_tensors(), or 0 when there was
+  // nothing to hold. `drain` false: the copy worker, which must not drop tensors.
+  uint64_t add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors, bool drain = true) {
     std::deque<Entry> done;  // destroyed after the lock is released (see drain_locked)
     std::lock_guard<std::mutex> lock(mutex_);
-    drain_locked(done);
+    if (drain) drain_locked(done);
     if (tensors.empty()) return 0;
     entries_.push_back(Entry{take_event(stream.device()), std::move(tensors), ++last_ticket_});
     entries_.back().event.record(stream);
@@ -191,15 +195,102 @@ class InFlight {
   uint64_t last_ticket_ = 0;
 };
 
+// Work the copy worker runs: queue a deferred transfer's copies (CopyEngine::DeferredToHost).
+class DeferredWork {
+ public:
+  virtual ~DeferredWork() = default;
+  // Never throws: a failure is stored on the transfer (Transfer::publish).
+  virtual void run() noexcept = 0;
+};
+
+// The process-wide copy worker: one native thread, started by the first deferred
+// copy, that queues deferred copies in call order (FIFO), so two deferred copies
+// on one copy stream are queued as they were called. It never takes the GIL: it
+// converts nothing from Python and drops no tensor (finished work goes to
+// `retired_`, destroyed by collect() in a calling thread; see transfer.h).
+class CopyWorker {
+ public:
+  static CopyWorker& instance() {
+    static CopyWorker* worker = new CopyWorker();  // never destroyed: its thread runs until exit
+    return *worker;
+  }
+  void submit(std::unique_ptr<DeferredWork> work) {
+    collect();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!started_) {
+      std::thread([this] { loop(); }).detach();
+      started_ = true;
+    }
+    queue_.push_back(std::move(work));
+    wake_.notify_one();
+  }
+  // Destroys finished work in the calling thread.
+  void collect() {
+    std::deque<std::unique_ptr<DeferredWork>> done;
+    std::lock_guard<std::mutex> lock(mutex_);
+    done.swap(retired_);
+  }  // `done` is destroyed here, after the lock is released (a dropped tensor may take the GIL)
+
+ private:
+  void loop() {
+    for (;;) {
+      std::unique_ptr<DeferredWork> work;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return !queue_.empty(); });
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      work->run();
+      std::lock_guard<std::mutex> lock(mutex_);
+      retired_.push_back(std::move(work));
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::unique_ptr<DeferredWork>> queue_;
+  std::deque<std::unique_ptr<DeferredWork>> retired_;
+  bool started_ = false;
+};
+
+void Transfer::wait_enqueued() const {
+  if (!deferred_) return;
+  Deferred& d = *deferred_;
+  if (!d.ready.load(std::memory_order_acquire)) {
+    std::unique_lock<std::mutex> lock(d.mutex);
+    d.queued.wait(lock, [&d] { return d.ready.load(std::memory_order_acquire); });
+  }
+  CopyWorker::instance().collect();
+  if (d.error) std::rethrow_exception(d.error);
+}
+
+void Transfer::publish(std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(deferred_->mutex);
+  deferred_->error = error;
+  deferred_->ready.store(true, std::memory_order_release);
+  deferred_->queued.notify_all();
+}
+
+c10::optional<double> Transfer::copy_seconds() const {
+  TORCH_CHECK_VALUE(timed_, "offload.CopyHandle.copy_seconds: this copy was not timed; pass timing=True to "
+                    "offload.copy_to_host");
+  if (enqueue_pending()) return c10::nullopt;  // never waits
+  wait_enqueued();                             // raises a deferred copy's failure
+  if (host_seconds_) return host_seconds_;
+  if (!timing_end_ || !timing_end_->query()) return c10::nullopt;
+  return timing_start_->elapsedTime(*timing_end_) / 1000.0;  // c10 reports milliseconds
+}
+
 bool Transfer::query() const {
+  wait_enqueued();
   const bool done = events_.empty() || events_.back().query();
   if (done) InFlight::instance().drain();
   return done;
 }
 
-void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream) {
+void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream, bool drain) {
   if (stream && !keepalive_.empty()) {
-    const uint64_t ticket = InFlight::instance().add(*stream, std::move(keepalive_));
+    const uint64_t ticket = InFlight::instance().add(*stream, std::move(keepalive_), drain);
     if (ticket != 0) inflight_tickets_.push_back(ticket);
   }
   keepalive_.clear();
@@ -208,7 +299,7 @@ void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream) {
 void Transfer::release_sources(const c10::optional<c10::Stream>& stream) {
   const auto waiter = consumer(stream);
   if (!waiter) return;  // a host transfer holds nothing
-  wait_stream(*waiter);
+  wait_stream(*waiter);  // waits for a deferred transfer's copies to be queued
   for (uint64_t ticket : inflight_tickets_) InFlight::instance().release_device_tensors(ticket);
   inflight_tickets_.clear();
 }
@@ -224,6 +315,12 @@ void Transfer::mark_complete(const c10::Stream& stream, const std::vector<int64_
 }
 
 void Transfer::synchronize() const {
+  try {
+    wait_enqueued();
+  } catch (...) {  // a failed deferred transfer: let what it queued finish, then say why
+    if (!events_.empty()) events_.back().synchronize();
+    throw;
+  }
   if (!events_.empty()) events_.back().synchronize();
   InFlight::instance().drain();
 }
@@ -236,6 +333,7 @@ c10::optional<c10::Stream> Transfer::consumer(const c10::optional<c10::Stream>& 
 }
 
 void Transfer::wait_stream(const c10::optional<c10::Stream>& stream) const {
+  wait_enqueued();
   // Events are recorded in order on one copy stream: the last implies the rest.
   if (events_.empty()) return;
   if (const auto waiter = consumer(stream)) events_.back().block(*waiter);
@@ -244,6 +342,7 @@ void Transfer::wait_stream(const c10::optional<c10::Stream>& stream) const {
 void Transfer::wait_stream_for(int64_t index, const c10::optional<c10::Stream>& stream) const {
   TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(outputs_.size()), "offload.CopyHandle.wait_tensor: ",
                     "index ", index, " out of range for ", outputs_.size(), " tensors");
+  wait_enqueued();
   const int32_t event = event_of_[index];
   if (event < 0) return;
   if (const auto waiter = consumer(stream)) events_[event].block(*waiter);
@@ -291,8 +390,7 @@ class CopyEngine {
       for (size_t i = 0; i < n; ++i) check_out(fn, i, tensors[i], (*out)[i], c10::Device(at::kCPU),
                                                options.require_pinned, pool.pinned());
     } else if (reuse) {
-      TORCH_CHECK_VALUE(reuse->host_bases_.size() == n, fn, ": out has ", reuse->host_bases_.size(),
-                        " tensors but tensors has ", n);
+      check_reuse_count(*reuse, n);
     }
     const c10::Device device = n ? tensors[0].device() : c10::Device(at::kCPU);
     const bool on_device = !device.is_cpu();
@@ -302,12 +400,50 @@ class CopyEngine {
     ToHost job(tensors, pool, stream, options, *result, on_device);
     try {
       job.run(out, reuse);
+      job.end_timing();
     } catch (...) {
       hold_sources(*result, tensors, on_device, stream);  // copies already queued keep their tensors
       throw;
     }
     hold_sources(*result, tensors, on_device, stream);
     job.finish_views(out.has_value(), reuse);
+    return result;
+  }
+
+  // ------------------------------------------- device -> host, queued by the worker
+  static std::shared_ptr<Transfer> to_host_deferred(std::vector<at::Tensor> tensors, HostPool& pool,
+                                                    const c10::optional<c10::Stream>& stream,
+                                                    const std::shared_ptr<Transfer>& reuse,
+                                                    const CopyOptions& options) {
+    const char* fn = "offload.copy_to_host";
+    TORCH_CHECK_VALUE(reuse != nullptr, fn, ": defer=True needs out=<CopyHandle> (an earlier copy_to_host of "
+                      "tensors of the same shapes and dtypes, whose host buffers it refills), got none");
+    const size_t n = tensors.size();
+    const c10::DeviceType expected = pool.device_type();
+    // Where there is nothing to defer, the copy runs here (transfer.h says why).
+    bool deferrable = n > 0 && !reuse->groups_.empty();
+    for (size_t i = 0; i < n; ++i) {
+      check_source(fn, i, tensors[i], expected, tensors[0]);
+      deferrable = deferrable && !needs_new_tensor(tensors[i]);
+    }
+    deferrable = deferrable && !tensors[0].is_cpu();
+    if (!deferrable) {
+      TensorSource source(tensors);
+      return to_host(source, pool, stream, c10::nullopt, reuse, options);
+    }
+    check_reuse_count(*reuse, n);
+    const c10::Device device = tensors[0].device();
+    TORCH_CHECK_VALUE(stream.has_value(), fn, ": a copy stream is required for ", device);
+    auto job = std::make_unique<DeferredToHost>(std::move(tensors), pool.shared_from_this(), stream, options, device);
+    // Every check the synchronous path makes, here, so a stale handle raises now.
+    job->plan->plan_reused(*reuse);
+    job->plan->finish_views(/*into_out=*/false, reuse);
+    // The snapshot point: the worker's copy and pack streams wait on this record.
+    job->snapshot.emplace(take_event(device));
+    job->snapshot->record(current_stream(device));
+    auto result = job->result;
+    result->deferred_ = std::make_unique<Transfer::Deferred>();
+    CopyWorker::instance().submit(std::move(job));
     return result;
   }
 
@@ -354,6 +490,19 @@ class CopyEngine {
       r.keepalive_.insert(r.keepalive_.end(), sources.begin(), sources.end());
     }
     r.release_keepalive(stream);
+  }
+
+  static void check_reuse_count(const Transfer& reuse, size_t n) {
+    TORCH_CHECK_VALUE(reuse.host_bases_.size() == n, "offload.copy_to_host: out has ", reuse.host_bases_.size(),
+                      " tensors but tensors has ", n);
+  }
+
+  // Whether prepare() would make a new tensor (a kernel) for `t`.
+  static bool needs_new_tensor(const at::Tensor& t) {
+    if (t.is_conj() || t.is_neg()) return true;
+    if (t.is_contiguous()) return false;
+    bool expanded = false;
+    return !is_dense(compact(t, &expanded));
   }
 
   // The per-tensor work both directions share: what is read, and its size.
@@ -405,6 +554,7 @@ class CopyEngine {
       r_.host_bases_.resize(n_);
       r_.restore_.resize(n_);
       r_.event_of_.assign(n_, -1);
+      r_.timed_ = options.timing;
     }
     ~ToHost() {
       if (packed_) give_back_event(std::move(*packed_));
@@ -416,25 +566,16 @@ class CopyEngine {
       if (on_device_) {
         device_guard_.reset_device(device_);
         caller_ = current_stream(device_);
-        order_after(*stream_, *caller_);
+        wait_for_caller(*stream_);
         stream_guard_.emplace(*stream_);
       }
+      start_timing();
       if (out) return run_into(*out);
       if (reuse && reuse->groups_.empty()) return run_into(reuse->host_bases_);  // made with out=<list>
       if (reuse) {
         r_.groups_ = reuse->groups_;
         for (auto& group : r_.groups_) {
-          for (int64_t i : group.members) {
-            prepare_member(i);
-            const at::Tensor& host = reuse->host_bases_[i];
-            TORCH_CHECK_VALUE(same_layout(host, prepared_[i].base), "offload.copy_to_host: out (a CopyHandle) was "
-                              "made for tensors[", i, "] with ", describe(host), " and strides ", host.strides(),
-                              " but tensors[", i, "] now has ", describe(prepared_[i].base), " and strides ",
-                              prepared_[i].base.strides());
-            // A direct copy writes through its host base; packed members are
-            // written through the block, and finish_views takes the handle's bases.
-            if (!group.packed) r_.host_bases_[i] = host;
-          }
+          check_reused(group, *reuse);
           enqueue(group);
         }
         return;
@@ -472,6 +613,41 @@ class CopyEngine {
       }
     }
 
+    // A deferred copy, in the calling thread: takes the handle's groups and checks
+    // every member against them (no kernel: needs_new_tensor ruled those out).
+    void plan_reused(const Transfer& reuse) {
+      r_.groups_ = reuse.groups_;
+      for (const auto& group : r_.groups_) check_reused(group, reuse);
+    }
+
+    // A deferred copy, on the copy worker: the copy and pack streams wait on the
+    // caller's `snapshot` event, then the groups are queued as run() queues them.
+    void enqueue_reused(const c10::Event& snapshot) {
+      c10::DeviceGuard on_device(device_);
+      snapshot_ = &snapshot;
+      wait_for_caller(*stream_);
+      c10::StreamGuard on_copy(*stream_);
+      start_timing();
+      for (auto& group : r_.groups_) enqueue(group);
+      end_timing();
+    }
+
+    // The staging slots, once the packs are queued: recorded on the copy stream,
+    // so their memory returns to the pack stream's pool only after the DMAs.
+    void release_slots() {
+      for (auto& slot : slots_) slot.reset();
+    }
+
+    void end_timing() {
+      if (!options_.timing) return;
+      if (!on_device_) {
+        r_.host_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start_).count();
+        return;
+      }
+      r_.timing_end_.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+      r_.timing_end_->record(*stream_);
+    }
+
     void finish_views(bool into_out, const std::shared_ptr<Transfer>& reuse) {
       if (into_out) return;
       if (reuse) {
@@ -506,6 +682,42 @@ class CopyEngine {
     }
 
    private:
+    // Makes `waiter` wait for the caller's work up to the call: the snapshot
+    // event of a deferred copy, else the caller's stream as it is now.
+    void wait_for_caller(const c10::Stream& waiter) {
+      if (snapshot_ != nullptr) {
+        snapshot_->block(waiter);
+      } else {
+        order_after(waiter, *caller_);
+      }
+    }
+
+    // Timing starts after the wait for the caller, so it counts the copies only.
+    void start_timing() {
+      if (!options_.timing) return;
+      if (!on_device_) {
+        host_start_ = std::chrono::steady_clock::now();
+        return;
+      }
+      r_.timing_start_.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+      r_.timing_start_->record(*stream_);
+    }
+
+    // Prepares the members of `group` and checks them against the handle `reuse`.
+    void check_reused(const Transfer::Group& group, const Transfer& reuse) {
+      for (int64_t i : group.members) {
+        prepare_member(i);
+        const at::Tensor& host = reuse.host_bases_[i];
+        TORCH_CHECK_VALUE(same_layout(host, prepared_[i].base), "offload.copy_to_host: out (a CopyHandle) was "
+                          "made for tensors[", i, "] with ", describe(host), " and strides ", host.strides(),
+                          " but tensors[", i, "] now has ", describe(prepared_[i].base), " and strides ",
+                          prepared_[i].base.strides());
+        // A direct copy writes through its host base; packed members are
+        // written through the block, and finish_views takes the handle's bases.
+        if (!group.packed) r_.host_bases_[i] = host;
+      }
+    }
+
     int64_t prepare_member(int64_t i) {
       check_source("offload.copy_to_host", static_cast<size_t>(i), tensors_[i], tensors_[0].device().type(),
                    tensors_[0]);
@@ -559,7 +771,7 @@ class CopyEngine {
       }
       if (!pack_) {
         pack_ = pack_stream(device_);
-        order_after(*pack_, *caller_);
+        wait_for_caller(*pack_);
       }
       sync_prepared_work();
       const int slot = packed_groups_ % kSlots;
@@ -649,6 +861,50 @@ class CopyEngine {
     int32_t slot_events_[kSlots] = {-1, -1, -1};
     int64_t packed_groups_ = 0;
     bool unsynced_prepared_work_ = false;
+    const c10::Event* snapshot_ = nullptr;  // a deferred copy's snapshot (its job owns it)
+    std::chrono::steady_clock::time_point host_start_;
+  };
+
+  // A deferred copy's job: owns what the copy worker needs until the copies are
+  // queued (transfer.h says who owns what). Members that ToHost refers to are
+  // declared before it and never move (the job lives on the heap).
+  struct DeferredToHost final : DeferredWork {
+    DeferredToHost(std::vector<at::Tensor>&& tensors, std::shared_ptr<HostPool> pool_,
+                   const c10::optional<c10::Stream>& stream_, const CopyOptions& options_, const c10::Device& device)
+        : sources(std::move(tensors)), source(sources), pool(std::move(pool_)), stream(stream_),
+          options(options_), result(std::make_shared<Transfer>(device)),
+          plan(std::make_unique<ToHost>(source, *pool, stream, options, *result, /*on_device=*/true)) {}
+
+    void run() noexcept override {
+      std::exception_ptr error;
+      try {
+        plan->enqueue_reused(*snapshot);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      try {
+        // Moved, not copied: the worker changes no reference count it could
+        // take to zero. Copies already queued keep their sources, as in to_host.
+        Transfer& r = *result;
+        r.keepalive_.insert(r.keepalive_.end(), std::make_move_iterator(sources.begin()),
+                            std::make_move_iterator(sources.end()));
+        r.release_keepalive(stream, /*drain=*/false);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+      give_back_event(std::move(*snapshot));
+      plan->release_slots();
+      result->publish(error);
+    }
+
+    std::vector<at::Tensor> sources;
+    TensorSource source;  // borrows `sources`
+    std::shared_ptr<HostPool> pool;
+    c10::optional<c10::Stream> stream;
+    CopyOptions options;
+    std::shared_ptr<Transfer> result;
+    std::unique_ptr<ToHost> plan;
+    c10::optional<c10::Event> snapshot;  // recorded on the caller's stream at the call
   };
 
   // One host-to-device transfer, enqueued span by span. Small tensors of one
@@ -856,6 +1112,13 @@ std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, H
   return CopyEngine::to_host(source, pool, stream, out, out_transfer, options);
 }
 
+std::shared_ptr<Transfer> copy_to_host_deferred(std::vector<at::Tensor> tensors, HostPool& pool,
+                                                const c10::optional<c10::Stream>& stream,
+                                                const std::shared_ptr<Transfer>& out_transfer,
+                                                const CopyOptions& options) {
+  return CopyEngine::to_host_deferred(std::move(tensors), pool, stream, out_transfer, options);
+}
+
 std::shared_ptr<Transfer> copy_to_device(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
                                          const c10::Device& device, HostPool& pool,
                                          const c10::optional<c10::Stream>& stream,
@@ -896,6 +1159,25 @@ TensorSource::Fill lazy_conversion(const py::list& list) {
   };
 }
 
+// Drops what the copy worker finished and the in-flight registry no longer
+// needs, here, with the GIL held: a dropped tensor that has a Python object takes
+// the GIL, which costs little when held and, released, may wait for another
+// thread's switch interval, per tensor.
+void collect_with_gil() {
+  CopyWorker::instance().collect();
+  InFlight::instance().drain();
+}
+
+// A deferred transfer not queued yet is waited for without the GIL (the worker
+// never needs it, but other Python threads should run meanwhile).
+void settle_deferred(const Transfer& t) {
+  if (t.enqueue_pending()) {
+    py::gil_scoped_release no_gil;
+    t.wait_enqueued();
+  }
+  if (t.deferred()) collect_with_gil();
+}
+
 void bind_copy_engine(py::module_& m) {
   py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
       .def("tensors", &Transfer::tensors)
@@ -910,12 +1192,35 @@ void bind_copy_engine(py::module_& m) {
       .def("nbytes", &Transfer::nbytes)
       .def("device", &Transfer::device)
       .def("restore_specs", &Transfer::restore_specs)
-      .def("query", &Transfer::query, py::call_guard<py::gil_scoped_release>())  // drains the registry
-      .def("synchronize", &Transfer::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("query",
+           [](const Transfer& t) {
+             settle_deferred(t);
+             py::gil_scoped_release no_gil;
+             return t.query();  // drains the registry
+           })
+      .def("synchronize",
+           [](const Transfer& t) {
+             settle_deferred(t);
+             py::gil_scoped_release no_gil;
+             t.synchronize();
+           })
       // stream None: the current stream of the transfer's device.
-      .def("wait_stream", [](const Transfer& t, c10::optional<c10::Stream> s) { t.wait_stream(s); })
-      .def("wait_stream_for", [](const Transfer& t, int64_t i, c10::optional<c10::Stream> s) { t.wait_stream_for(i, s); })
-      .def("release_sources", [](Transfer& t, c10::optional<c10::Stream> s) { t.release_sources(s); });
+      .def("wait_stream",
+           [](const Transfer& t, c10::optional<c10::Stream> s) {
+             settle_deferred(t);
+             t.wait_stream(s);
+           })
+      .def("wait_stream_for",
+           [](const Transfer& t, int64_t i, c10::optional<c10::Stream> s) {
+             settle_deferred(t);
+             t.wait_stream_for(i, s);
+           })
+      .def("release_sources",
+           [](Transfer& t, c10::optional<c10::Stream> s) {
+             settle_deferred(t);
+             t.release_sources(s);
+           })
+      .def("copy_seconds", &Transfer::copy_seconds);  // never waits
   auto make_options = [](bool require_pinned, int64_t small_bytes, int64_t chunk_bytes) {
     CopyOptions o;
     o.require_pinned = require_pinned;
@@ -928,11 +1233,23 @@ void bind_copy_engine(py::module_& m) {
   m.def("copy_to_host",
         [make_options](const py::list& tensors, HostPool& pool, c10::optional<c10::Stream> stream,
                        c10::optional<std::vector<at::Tensor>> out, std::shared_ptr<Transfer> reuse,
-                       bool require_pinned, int64_t small_bytes, int64_t chunk_bytes, int64_t group_bytes) {
-          TensorSource source(tensors.size(), lazy_conversion(tensors));
-          py::gil_scoped_release no_gil;
+                       bool require_pinned, int64_t small_bytes, int64_t chunk_bytes, int64_t group_bytes,
+                       bool defer, bool timing) {
           CopyOptions options = make_options(require_pinned, small_bytes, chunk_bytes);
           options.group_bytes = group_bytes;
+          options.timing = timing;
+          if (defer) {  // converted whole here, with the GIL: the worker never takes it
+            TORCH_CHECK_VALUE(!out.has_value(), "offload.copy_to_host: defer=True takes out=<CopyHandle>, "
+                              "not a list of tensors");
+            std::vector<at::Tensor> all;
+            all.reserve(tensors.size());
+            lazy_conversion(tensors)(all, tensors.size());
+            collect_with_gil();  // what earlier copies left, before the GIL is let go
+            py::gil_scoped_release no_gil;
+            return copy_to_host_deferred(std::move(all), pool, stream, reuse, options);
+          }
+          TensorSource source(tensors.size(), lazy_conversion(tensors));
+          py::gil_scoped_release no_gil;
           return copy_to_host(source, pool, stream, out, reuse, options);
         });
   m.def("copy_to_device",

@@ -78,6 +78,16 @@ class CopyHandle:
         """
         self._impl.release_sources(stream)
 
+    def copy_seconds(self) -> Optional[float]:
+        """Seconds the copies took on the copy stream, or None while they are not complete.
+
+        Never blocks. Needs `copy_to_host(..., timing=True)`. Counts from when the copy
+        stream has passed the caller's earlier work to the last copy; on the host (no
+        streams), the time of the synchronous copies.
+        """
+        seconds = self._impl.copy_seconds()
+        return None if seconds is None else float(seconds)
+
     def wait_tensor(self, index: int, stream=None) -> torch.Tensor:
         """Make `stream` wait only for the copy that carries tensors[index]; returns it."""
         count = self._impl.size()
@@ -129,6 +139,8 @@ def copy_to_host(
     small_bytes: int = DEFAULT_SMALL_BYTES,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     group_bytes: int = DEFAULT_GROUP_BYTES,
+    defer: bool = False,
+    timing: bool = False,
 ) -> CopyHandle:
     """Copy device tensors to pinned host memory, asynchronously.
 
@@ -148,6 +160,17 @@ def copy_to_host(
             (worth it when the same layout is refilled often, as `out=<handle>`
             does) at the cost of three device staging buffers of this size
             while the copy runs. A handle passed as `out` keeps its own groups.
+        defer: with `out=<CopyHandle>`, return once the sources are checked against
+            the handle (a mismatch raises here) and the snapshot point is recorded on
+            the current stream; a native worker thread, which never takes the
+            interpreter lock, queues the copies. The handle's methods that read its
+            events wait for that (briefly, on the host) and raise the worker's error
+            if it failed. Runs synchronously where there is nothing to defer: host
+            sources (on the host no stream order protects the snapshot, so a
+            deferred copy would race with the caller's next writes), a handle made
+            with an `out` list, sources that need a new tensor first (slices with
+            gaps, conj/neg views), and the pure-PyTorch path.
+        timing: time the copies on the copy stream; read with `handle.copy_seconds()`.
 
     The copy starts after all work already queued on the current stream, so it sees
     the values as of this call. Sources are protected from reuse until it completes.
@@ -159,6 +182,10 @@ def copy_to_host(
         raise ValueError(f"{fn}: group_bytes must be > 0, got {group_bytes}")
     pool = _pool_or_default(fn, pool)
     out_handle = out._impl if isinstance(out, CopyHandle) else None
+    if defer and out_handle is None:
+        got = "none" if out is None else type(out).__name__
+        raise ValueError(f"{fn}: defer=True needs out=<CopyHandle> (an earlier copy_to_host of tensors of the "
+                         f"same shapes and dtypes, whose host buffers it refills), got {got}")
     out_list = None if out is None or out_handle is not None else _as_list(fn, out, "out")
     core = _backend.core()
     if core is not None and pool.native:
@@ -166,12 +193,13 @@ def copy_to_host(
         copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
         return _call_native(fn, tensors, out_list, lambda: core.copy_to_host(
             tensors, pool._impl, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes,
-            group_bytes))
+            group_bytes, bool(defer), bool(timing)))
     from ._copy_fallback import copy_to_host as fallback
 
     tensors = _check_list(fn, tensors)
     out_list = None if out_list is None else _check_list(fn, out_list, "out")
-    return CopyHandle(fallback(tensors, pool, stream, out_list, out_handle, require_pinned, chunk_bytes))
+    # The fallback runs synchronously even with defer=True (see its copy_to_host).
+    return CopyHandle(fallback(tensors, pool, stream, out_list, out_handle, require_pinned, chunk_bytes, timing))
 
 
 def copy_to_device(

@@ -6,10 +6,15 @@ Stream ownership: sources belong to the caller's stream and are `record_stream`e
 on the copy stream; host blocks are protected by torch's pinned allocator, which
 records an event on every non-blocking copy; device outputs are allocated on the
 caller's stream (their consumer) and recorded on the copy stream.
+`copy_to_host(..., defer=True)` runs synchronously here (the copies are queued
+before it returns, as without defer; there is no worker thread); with
+`timing=True` it times them with its own timing events on the copy stream, or on
+the host with the clock (host copies are synchronous).
 """
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import torch
@@ -21,12 +26,15 @@ from ._layout import compact, dense_view, is_dense
 class PyTransfer:
     """The fallback's in-flight transfer (the native one is offload._C.Transfer)."""
 
-    def __init__(self, device, outputs, event, nbytes, restore):
+    def __init__(self, device, outputs, event, nbytes, restore, timing=None):
         self._device = device
         self._outputs = outputs
         self._event = event  # recorded on the copy stream after the last copy; None on CPU
         self._nbytes = nbytes
         self._restore = restore  # per output: original (sizes, strides) to restore, or None
+        # copy_to_host(timing=True): (start, end) timing events on the copy stream,
+        # or the seconds of the synchronous host copies; None when not timed.
+        self._timing = timing
 
     def tensors(self) -> List[torch.Tensor]:
         return self._outputs
@@ -63,6 +71,16 @@ class PyTransfer:
 
     def wait_stream_for(self, index: int, stream) -> None:
         self.wait_stream(stream)
+
+    def copy_seconds(self) -> Optional[float]:
+        """Seconds the copies took, or None while they run (never blocks)."""
+        if self._timing is None:
+            raise ValueError("offload.CopyHandle.copy_seconds: this copy was not timed; pass timing=True to "
+                             "offload.copy_to_host")
+        if not isinstance(self._timing, tuple):
+            return self._timing
+        start, end = self._timing
+        return start.elapsed_time(end) / 1000.0 if end.query() else None  # torch reports milliseconds
 
     def release_sources(self, stream) -> None:
         # The sources are protected by record_stream here, so there is nothing to drop:
@@ -109,7 +127,7 @@ def _check_count(fn: str, tensors, out) -> None:
 
 
 @torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
-def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_bytes) -> PyTransfer:
+def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_bytes, timing=False) -> PyTransfer:
     fn = "offload.copy_to_host"
     device_type = _device.compute_device_type()
     for i, t in enumerate(tensors):
@@ -139,6 +157,10 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
         start = _device.new_event(device)
         start.record(_device.current_stream(device))
         copy_stream.wait_event(start)
+    timed_from = _device.new_event(device, timing=True) if timing and on_accel else None
+    if timed_from is not None:
+        timed_from.record(copy_stream)  # after the wait for the caller: the copies only
+    host_start = time.perf_counter()
     outputs, nbytes = [], 0
     with _device.stream_context(copy_stream):
         for i, (t, base) in enumerate(zip(tensors, bases)):
@@ -155,9 +177,12 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
             _device.record_stream(t, copy_stream)
     end = None
     if on_accel:
-        end = _device.new_event(device)
+        end = _device.new_event(device, timing=timed_from is not None)
         end.record(copy_stream)
-    return PyTransfer(device, outputs, end, nbytes, restore)
+    timed = None
+    if timing:
+        timed = (timed_from, end) if on_accel else time.perf_counter() - host_start
+    return PyTransfer(device, outputs, end, nbytes, restore, timed)
 
 
 def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:

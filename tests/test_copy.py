@@ -388,3 +388,147 @@ def test_copy_to_host_checks_every_tensor_against_a_reused_handle(backend, devic
         offload.copy_to_host([torch.ones(3, device=device), torch.ones(2, device=device)], out=first)
     with pytest.raises(ValueError, match=r"tensors\[1\] is a meta tensor"):
         offload.copy_to_host([torch.ones(3, device=device), torch.empty(5, device="meta")])
+
+
+# ---------------------------------------------------------------- deferred enqueue (defer=True)
+
+
+def _refill_handle(device, count=6, numel=700):
+    """Sources and a first copy of them, to refill with defer=True."""
+    sources = [random_tensor((numel + i,), torch.bfloat16, device) for i in range(count)]
+    first = offload.copy_to_host(sources)
+    first.wait()
+    return sources, first
+
+
+def test_copy_defer_needs_a_handle(backend, device):
+    sources = [torch.ones(3, device=device)]
+    with pytest.raises(ValueError, match=r"offload.copy_to_host: defer=True needs out=<CopyHandle>.*got none"):
+        offload.copy_to_host(sources, defer=True)
+    with pytest.raises(ValueError, match=r"offload.copy_to_host: defer=True needs out=<CopyHandle>.*got list"):
+        offload.copy_to_host(sources, out=[torch.empty(3)], defer=True, require_pinned=False)
+
+
+def test_copy_defer_refills_a_handle_bitwise(backend, device):
+    sources, first = _refill_handle(device)
+    ptrs = [t.data_ptr() for t in first.tensors]
+    for t in sources:
+        t.add_(1)  # queued before the call: the deferred copy must see it
+    second = offload.copy_to_host(sources, out=first, defer=True)
+    for src, h in zip(sources, second.wait()):
+        assert_bitwise(src, h)
+    assert [t.data_ptr() for t in second.tensors] == ptrs
+    assert second.ready()
+    if device.type == "cpu":  # host sources: nothing to defer, done on return
+        assert second.nbytes == sum(t.numel() * 2 for t in sources)
+
+
+def test_copy_defer_checks_every_tensor_before_returning(backend, device):
+    sources, first = _refill_handle(device)
+    stale = list(sources)
+    stale[3] = torch.ones(5, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"offload.copy_to_host: .*tensors\[3\]"):
+        offload.copy_to_host(stale, out=first, defer=True)
+    with pytest.raises(ValueError, match=r"out has 6 tensors but tensors has 5"):
+        offload.copy_to_host(sources[:5], out=first, defer=True)
+    with pytest.raises(ValueError, match=r"tensors\[2\] is a meta tensor"):
+        offload.copy_to_host(sources[:2] + [torch.empty(5, device="meta")] + sources[3:], out=first, defer=True)
+
+
+def test_copy_defer_of_sources_that_need_a_new_tensor_runs_at_once(backend, device):
+    base = random_tensor((8, 10), torch.float32, device)
+    waves = random_tensor((5,), torch.complex64, device)
+    sources = [base[:, ::3], waves.conj(), torch.ones(4, device=device)]  # a gapped slice, a lazy conj
+    first = offload.copy_to_host(sources)
+    first.wait()
+    base.mul_(2)
+    waves.mul_(3)
+    second = offload.copy_to_host(sources, out=first, defer=True)
+    for src, h in zip(sources, second.wait()):
+        assert_bitwise(src, h)
+
+
+def test_copy_seconds_of_a_timed_copy(backend, device):
+    sources, first = _refill_handle(device)
+    with pytest.raises(ValueError, match=r"offload.CopyHandle.copy_seconds: this copy was not timed"):
+        first.copy_seconds()
+    timed = offload.copy_to_host(sources, out=first, defer=True, timing=True)
+    timed.wait()
+    seconds = timed.copy_seconds()
+    assert isinstance(seconds, float) and seconds >= 0.0
+    plain = offload.copy_to_host(sources, timing=True)  # without defer as well
+    plain.wait()
+    assert isinstance(plain.copy_seconds(), float)
+
+
+@pytest.mark.cuda
+def test_copy_defer_of_many_small_tensors_is_bitwise(backend, device):
+    sources = [random_tensor((2048 + i % 7,), torch.bfloat16, device) for i in range(4000)]
+    first = offload.copy_to_host(sources, group_bytes=32 << 20)
+    first.wait()
+    for t in sources[::3]:
+        t.neg_()
+    handle = offload.copy_to_host(sources, out=first, defer=True)
+    for src, h in zip(sources, handle.wait()):
+        assert_bitwise(src, h)
+
+
+@pytest.mark.cuda
+def test_copy_defer_sees_work_queued_before_the_call(backend, device):
+    sources, first = _refill_handle(device, count=64, numel=1 << 14)
+    _device.spin(device, 100_000_000)
+    for i, t in enumerate(sources):
+        t.fill_(float(i))  # queued behind the spin on the current stream, before the call
+    handle = offload.copy_to_host(sources, out=first, defer=True)
+    for i, h in enumerate(handle.wait()):
+        assert bool((h == float(i)).all())
+
+
+@pytest.mark.cuda
+def test_copy_defer_sources_dropped_at_once_are_not_reused_mid_copy(backend, device):
+    sources, first = _refill_handle(device, count=256, numel=1 << 14)
+    expected = [t.cpu() for t in sources]
+    _device.spin(device, 200_000_000)  # the copy stream waits behind this
+    handle = offload.copy_to_host(sources, out=first, defer=True)
+    del sources
+    junk = [torch.full((1 << 14,), 7.0, device=device, dtype=torch.bfloat16) for _ in range(256)]
+    for h, e in zip(handle.wait(), expected):
+        assert_bitwise(e, h)
+    del junk
+
+
+@pytest.mark.cuda
+def test_copy_defer_many_in_a_row_complete_in_call_order(backend, device):
+    sources, _ = _refill_handle(device, count=300, numel=4096)
+    handles = []
+    for k in range(6):
+        h = offload.copy_to_host(sources)
+        h.wait()
+        handles.append(h)
+    _device.spin(device, 50_000_000)
+    deferred = []
+    for k, h in enumerate(handles):
+        for t in sources:
+            t.fill_(float(k))  # on the current stream, after copy k-1's snapshot, before copy k's
+        deferred.append(offload.copy_to_host(sources, out=h, defer=True, timing=True))
+    deferred[-1].wait()
+    assert all(d.ready() for d in deferred)  # one copy stream, queued in call order
+    for k, d in enumerate(deferred):
+        assert all(bool((h == float(k)).all()) for h in d.tensors)
+        seconds = d.copy_seconds()
+        assert isinstance(seconds, float) and seconds > 0.0
+
+
+@pytest.mark.cuda
+def test_copy_defer_release_sources_and_wait_stream(backend, device):
+    sources, first = _refill_handle(device, count=32, numel=1 << 16)
+    expected = [t.cpu() for t in sources]
+    _device.spin(device, 100_000_000)
+    handle = offload.copy_to_host(sources, out=first, defer=True)
+    handle.release_sources()  # waits (host) only for the worker to queue, then on the device
+    del sources
+    junk = [torch.full((1 << 16,), 5.0, device=device, dtype=torch.bfloat16) for _ in range(32)]
+    handle.wait_stream()
+    for h, e in zip(handle.wait(), expected):
+        assert_bitwise(e, h)
+    assert all(bool((j == 5.0).all()) for j in junk)

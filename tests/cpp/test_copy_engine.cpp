@@ -176,4 +176,31 @@ OFFLOAD_TEST(bad_out_is_rejected) {
                c10::ValueError, "out[0] has shape [2, 2]");
 }
 
+// copy_to_host_deferred on host tensors runs at once (no stream order protects a
+// snapshot on the host); the checks and the timing are those of a deferred copy.
+OFFLOAD_TEST(deferred_copy_on_the_host_is_synchronous_and_checked) {
+  auto pool = make_pool();
+  std::vector<at::Tensor> sources = {random_bits({64, 3}, at::kFloat), random_bits({5}, at::kShort)};
+  auto first = offload::copy_to_host(sources, *pool, std::nullopt, std::nullopt, nullptr, offload::CopyOptions());
+  REQUIRE_THROWS(first->copy_seconds(), c10::ValueError, "offload.CopyHandle.copy_seconds: this copy was not timed");
+  REQUIRE_THROWS(offload::copy_to_host_deferred(sources, *pool, std::nullopt, nullptr, offload::CopyOptions()),
+                 c10::ValueError, "offload.copy_to_host: defer=True needs out=<CopyHandle>");
+  std::vector<at::Tensor> stale = {random_bits({64, 3}, at::kFloat), random_bits({6}, at::kShort)};
+  REQUIRE_THROWS(offload::copy_to_host_deferred(stale, *pool, std::nullopt, first, offload::CopyOptions()),
+                 c10::ValueError, "tensors[1]");
+
+  std::vector<at::Tensor> next = {random_bits({64, 3}, at::kFloat), random_bits({5}, at::kShort)};
+  offload::CopyOptions timed;
+  timed.timing = true;
+  auto second = offload::copy_to_host_deferred(next, *pool, std::nullopt, first, timed);
+  REQUIRE(!second->enqueue_pending());
+  REQUIRE(second->query());
+  for (size_t i = 0; i < next.size(); ++i) {
+    REQUIRE_EQ(second->tensors()[i].data_ptr(), first->tensors()[i].data_ptr());
+    REQUIRE(bitwise_equal(second->tensors()[i], next[i]));
+  }
+  const auto seconds = second->copy_seconds();
+  REQUIRE(seconds.has_value() && *seconds >= 0.0);
+}
+
 int main(int argc, char** argv) { return offload_test::run_all(argc, argv); }

@@ -14,10 +14,31 @@
 //   stream; the copy stream waits for an event recorded there first (earlier
 //   users of that memory) and record_stream()s them, and the consumer waits for
 //   the transfer's events before reading them.
+// - A deferred device-to-host copy (copy_to_host_deferred) splits the work in
+//   two. The calling thread converts and checks every source, fixes the
+//   transfer's outputs, groups and host buffers (those of the handle it reuses),
+//   and records the snapshot event on the caller's current stream. The copy
+//   worker (one native thread per process, FIFO, never takes the GIL) later
+//   makes the copy stream and the pack stream wait on that event, not on the
+//   caller's stream as it is then, so the copy holds the values as of the call.
+//   Until the worker has queued the copies, the job owns the sources and a
+//   reference to the transfer (so neither dies under it); then the sources go
+//   to the in-flight registry, as for a synchronous copy. Every method that
+//   reads the events (query, synchronize, wait_stream, wait_stream_for,
+//   release_sources, copy_seconds) first waits, on the host, until the worker
+//   has queued them, and raises the worker's error, if any, on every call.
+//   Finished jobs are destroyed by a later call from a calling thread (the next
+//   deferred copy, a wait on a deferred handle: CopyWorker::collect, with the
+//   GIL held where called from Python), never by the worker, since dropping the
+//   last C++ reference to a tensor that has a Python object takes the GIL.
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -71,12 +92,34 @@ class Transfer {
   // those are queued after this wait. The caller promises that. Host tensors stay
   // held until the copies complete.
   void release_sources(const c10::optional<c10::Stream>& stream = c10::nullopt);
+  // Seconds the copies took on the copy stream (after the caller's earlier work),
+  // or nullopt while they run or are not queued yet; never waits. On the host:
+  // the time of the synchronous copies. Raises unless copied with options.timing.
+  c10::optional<double> copy_seconds() const;
+  // True while a deferred transfer's copies are not queued yet.
+  bool enqueue_pending() const {
+    return deferred_ != nullptr && !deferred_->ready.load(std::memory_order_acquire);
+  }
+  // Blocks the host until a deferred transfer's copies are queued (no-op for
+  // others); raises the copy worker's error if it failed.
+  void wait_enqueued() const;
+  bool deferred() const { return deferred_ != nullptr; }
 
  private:
   friend class CopyEngine;
+  // What a deferred transfer's reader waits on (see the top of this file).
+  struct Deferred {
+    std::mutex mutex;
+    std::condition_variable queued;
+    std::atomic<bool> ready{false};
+    std::exception_ptr error;  // written before ready; read after it
+  };
+  // Called by the copy worker once it has queued (or failed to queue) the copies.
+  void publish(std::exception_ptr error);
   // Hands keepalive_ to the in-flight registry, which drops it once the copies
-  // queued on `stream` so far have completed.
-  void release_keepalive(const c10::optional<c10::Stream>& stream);
+  // queued on `stream` so far have completed. `drain` false: leave finished
+  // entries for another thread to drop (the copy worker must not drop tensors).
+  void release_keepalive(const c10::optional<c10::Stream>& stream, bool drain = true);
   // Records the event after which `members` are complete on the copy `stream`.
   void mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members);
   c10::optional<c10::Stream> consumer(const c10::optional<c10::Stream>& stream) const;
@@ -92,6 +135,13 @@ class Transfer {
   // non-pooled host sources): handed to the in-flight registry when queued.
   std::vector<at::Tensor> keepalive_;
   std::vector<uint64_t> inflight_tickets_;  // what the in-flight registry holds for this transfer
+  std::unique_ptr<Deferred> deferred_;      // set by copy_to_host_deferred only
+  // options.timing: timing-enabled events around the copies on the copy stream,
+  // or on the host (synchronous copies) the seconds they took.
+  bool timed_ = false;
+  c10::optional<c10::Event> timing_start_;
+  c10::optional<c10::Event> timing_end_;
+  c10::optional<double> host_seconds_;
 };
 
 struct CopyOptions {
@@ -105,6 +155,8 @@ struct CopyOptions {
   // thousands of small tensors cost fewer launches and events per save. The
   // device holds three staging buffers of this size while a copy runs.
   int64_t group_bytes = int64_t(8) << 20;
+  // copy_to_host: time the copies on the copy stream (Transfer::copy_seconds).
+  bool timing = false;
 };
 
 // Each takes its tensors as a vector or as a TensorSource (converted as the
@@ -117,6 +169,19 @@ std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, H
                                        const c10::optional<c10::Stream>& stream,
                                        const c10::optional<std::vector<at::Tensor>>& out,
                                        const std::shared_ptr<Transfer>& out_transfer, const CopyOptions& options);
+
+// Checks the sources against `out_transfer` (a transfer of tensors of the same
+// layout, whose host buffers are refilled) and records the snapshot event here,
+// then returns; the copy worker queues the copies (see the top of this file).
+// Runs synchronously, as copy_to_host, where there is nothing to defer: host
+// sources (no stream order protects the snapshot on the host, so a deferred copy
+// would race with the caller's next writes), an empty list, a handle made with an
+// out list, or a source that needs a new tensor first (a gapped slice, a
+// conj/neg view: a kernel the caller's thread would have to order).
+std::shared_ptr<Transfer> copy_to_host_deferred(std::vector<at::Tensor> tensors, HostPool& pool,
+                                                const c10::optional<c10::Stream>& stream,
+                                                const std::shared_ptr<Transfer>& out_transfer,
+                                                const CopyOptions& options);
 
 std::shared_ptr<Transfer> copy_to_device(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
                                          const c10::Device& device, HostPool& pool,
