@@ -64,7 +64,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import itertools
 import sys
 import time
 import warnings
@@ -715,6 +714,25 @@ def _carve(block: torch.Tensor, sizes) -> List[torch.Tensor]:
     return views
 
 
+def _module_tensors(root: torch.nn.Module):
+    """The parameters and buffers of `root` and its submodules (repeats possible), read from
+    the modules' own dicts: a third of the cost of parameters() + buffers(), whose walk builds
+    a qualified name for every module and member (~0.35 ms a step for an 8-layer Llama)."""
+    stack, seen = [root], set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for t in module._parameters.values():
+            if t is not None:
+                yield t
+        for t in module._buffers.values():
+            if t is not None:
+                yield t
+        stack.extend(m for m in module._modules.values() if m is not None)
+
+
 def _storage_ptrs(tensors) -> set:
     ptrs = set()
     for p in tensors:
@@ -831,7 +849,7 @@ class ActivationOffload:
                 engine.pass_through_step()
                 return original(*args, **kwargs)
             # Lazy: walked only if a saved tensor needs it (see ActivationEngine.add_params).
-            with engine.capture(itertools.chain(model.parameters(), model.buffers())):
+            with engine.capture(_module_tensors(model)):
                 return original(*args, **kwargs)
 
         return forward
@@ -879,7 +897,7 @@ class ActivationOffload:
     def _add_layer_params(self, index) -> None:
         module = self._modules[index]()
         if module is not None:
-            self.engine.add_params(itertools.chain(module.parameters(), module.buffers()))
+            self.engine.add_params(_module_tensors(module))
 
     def stats(self) -> dict:
         """Counters of the current or last step (see ActivationEngine.stats), plus the plan."""
