@@ -199,8 +199,10 @@ class InFlight {
 class DeferredWork {
  public:
   virtual ~DeferredWork() = default;
-  // Never throws: a failure is stored on the transfer (Transfer::publish).
-  virtual void run() noexcept = 0;
+  // Queues the copies; never throws: returns the failure, if any.
+  virtual std::exception_ptr run() noexcept = 0;
+  // What the transfer's readers wait on; holds no tensor, so the worker may drop it.
+  virtual std::shared_ptr<Transfer::Deferred> state() const = 0;
 };
 
 // The process-wide copy worker: one native thread, started by the first deferred
@@ -221,6 +223,7 @@ class CopyWorker {
       std::thread([this] { loop(); }).detach();
       started_ = true;
     }
+    ++pending_;
     queue_.push_back(std::move(work));
     wake_.notify_one();
   }
@@ -230,6 +233,13 @@ class CopyWorker {
     std::lock_guard<std::mutex> lock(mutex_);
     done.swap(retired_);
   }  // `done` is destroyed here, after the lock is released (a dropped tensor may take the GIL)
+  // Blocks until every submitted copy is queued on its streams. A synchronous
+  // copy into buffers that a deferred one also fills calls it first, so the
+  // copies reach the copy stream in call order (free when nothing is pending).
+  void wait_idle() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [this] { return pending_ == 0; });
+  }
 
  private:
   void loop() {
@@ -241,15 +251,25 @@ class CopyWorker {
         work = std::move(queue_.front());
         queue_.pop_front();
       }
-      work->run();
+      const std::exception_ptr error = work->run();
+      const std::shared_ptr<Transfer::Deferred> state = work->state();
+      {
+        // Retired before its readers are woken: one woken reader's collect() then
+        // finds it, and the sources it still references go at once.
+        std::lock_guard<std::mutex> lock(mutex_);
+        retired_.push_back(std::move(work));
+      }
+      state->publish(error);
       std::lock_guard<std::mutex> lock(mutex_);
-      retired_.push_back(std::move(work));
+      if (--pending_ == 0) idle_.notify_all();
     }
   }
   std::mutex mutex_;
   std::condition_variable wake_;
+  std::condition_variable idle_;
   std::deque<std::unique_ptr<DeferredWork>> queue_;
   std::deque<std::unique_ptr<DeferredWork>> retired_;
+  int64_t pending_ = 0;  // submitted, not yet published
   bool started_ = false;
 };
 
@@ -264,11 +284,11 @@ void Transfer::wait_enqueued() const {
   if (d.error) std::rethrow_exception(d.error);
 }
 
-void Transfer::publish(std::exception_ptr error) {
-  std::lock_guard<std::mutex> lock(deferred_->mutex);
-  deferred_->error = error;
-  deferred_->ready.store(true, std::memory_order_release);
-  deferred_->queued.notify_all();
+void Transfer::Deferred::publish(std::exception_ptr failure) {
+  std::lock_guard<std::mutex> lock(mutex);
+  error = failure;
+  ready.store(true, std::memory_order_release);
+  queued.notify_all();
 }
 
 c10::optional<double> Transfer::copy_seconds() const {
@@ -283,7 +303,9 @@ c10::optional<double> Transfer::copy_seconds() const {
 
 bool Transfer::query() const {
   wait_enqueued();
-  const bool done = events_.empty() || events_.back().query();
+  // The timing end event is recorded after the last completion event: done means
+  // both, so copy_seconds() has its answer once a handle is seen done.
+  const bool done = (events_.empty() || events_.back().query()) && (!timing_end_ || timing_end_->query());
   if (done) InFlight::instance().drain();
   return done;
 }
@@ -322,6 +344,7 @@ void Transfer::synchronize() const {
     throw;
   }
   if (!events_.empty()) events_.back().synchronize();
+  if (timing_end_) timing_end_->synchronize();  // recorded after the last event (see query)
   InFlight::instance().drain();
 }
 
@@ -352,13 +375,14 @@ void Transfer::wait_stream_for(int64_t index, const c10::optional<c10::Stream>& 
 // overlaps the DMA of group k on the copy engine (on one stream they would
 // take turns, ~6% of a small-tensor transfer).
 c10::Stream pack_stream(const c10::Device& device) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, c10::Stream> streams;
-  std::lock_guard<std::mutex> lock(mutex);
+  // Never destroyed: the copy worker may still ask for a stream while statics are torn down at exit.
+  static auto* mutex = new std::mutex();
+  static auto* streams = new std::map<std::pair<int, int>, c10::Stream>();
+  std::lock_guard<std::mutex> lock(*mutex);
   const auto key = std::make_pair(static_cast<int>(device.type()), static_cast<int>(device.index()));
-  auto it = streams.find(key);
-  if (it == streams.end()) {
-    it = streams.emplace(key, c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device)).first;
+  auto it = streams->find(key);
+  if (it == streams->end()) {
+    it = streams->emplace(key, c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device)).first;
   }
   return it->second;
 }
@@ -377,6 +401,8 @@ class CopyEngine {
     const char* fn = "offload.copy_to_host";
     const c10::DeviceType expected = pool.device_type();
     const size_t n = tensors.size();
+    // Into buffers a deferred copy may also fill: after that copy, as called.
+    if (out || reuse) CopyWorker::instance().wait_idle();
     // With out= every tensor is checked here; otherwise each is checked as its
     // group is prepared (ToHost::prepare_member), so the first DMA need not wait
     // for the checks of thousands of tensors behind it.
@@ -442,7 +468,7 @@ class CopyEngine {
     job->snapshot.emplace(take_event(device));
     job->snapshot->record(current_stream(device));
     auto result = job->result;
-    result->deferred_ = std::make_unique<Transfer::Deferred>();
+    result->deferred_ = std::make_shared<Transfer::Deferred>();
     CopyWorker::instance().submit(std::move(job));
     return result;
   }
@@ -875,7 +901,7 @@ class CopyEngine {
           options(options_), result(std::make_shared<Transfer>(device)),
           plan(std::make_unique<ToHost>(source, *pool, stream, options, *result, /*on_device=*/true)) {}
 
-    void run() noexcept override {
+    std::exception_ptr run() noexcept override {
       std::exception_ptr error;
       try {
         plan->enqueue_reused(*snapshot);
@@ -894,8 +920,10 @@ class CopyEngine {
       }
       give_back_event(std::move(*snapshot));
       plan->release_slots();
-      result->publish(error);
+      return error;
     }
+
+    std::shared_ptr<Transfer::Deferred> state() const override { return result->deferred_; }
 
     std::vector<at::Tensor> sources;
     TensorSource source;  // borrows `sources`
@@ -1194,6 +1222,7 @@ void bind_copy_engine(py::module_& m) {
       .def("restore_specs", &Transfer::restore_specs)
       .def("query",
            [](const Transfer& t) {
+             if (t.enqueue_pending()) return false;  // never waits: not even queued yet
              settle_deferred(t);
              py::gil_scoped_release no_gil;
              return t.query();  // drains the registry

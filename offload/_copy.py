@@ -169,7 +169,11 @@ def copy_to_host(
             sources (on the host no stream order protects the snapshot, so a
             deferred copy would race with the caller's next writes), a handle made
             with an `out` list, sources that need a new tensor first (slices with
-            gaps, conj/neg views), and the pure-PyTorch path.
+            gaps, conj/neg views), and the pure-PyTorch path. A later copy into the
+            same buffers, deferred or not, lands after it. Until the worker has
+            queued the copies, a device-wide synchronize does not cover them (use
+            the handle's `wait()` / `wait_stream()`), and the worker's calls to the
+            driver may break a CUDA graph another thread captures in global mode.
         timing: time the copies on the copy stream; read with `handle.copy_seconds()`.
 
     The copy starts after all work already queued on the current stream, so it sees

@@ -475,11 +475,17 @@ def test_copy_defer_of_many_small_tensors_is_bitwise(backend, device):
 
 @pytest.mark.cuda
 def test_copy_defer_sees_work_queued_before_the_call(backend, device):
+    """On a side stream: the worker thread's own current stream is the default one, so a
+    worker that ordered the copy after its thread's stream instead of the caller's would
+    read the sources before the fills."""
     sources, first = _refill_handle(device, count=64, numel=1 << 14)
-    _device.spin(device, 100_000_000)
-    for i, t in enumerate(sources):
-        t.fill_(float(i))  # queued behind the spin on the current stream, before the call
-    handle = offload.copy_to_host(sources, out=first, defer=True)
+    side = _device.new_stream(device)
+    side.wait_stream(_device.current_stream(device))
+    with _device.stream_context(side):
+        _device.spin(device, 100_000_000)
+        for i, t in enumerate(sources):
+            t.fill_(float(i))  # queued behind the spin on the caller's (side) stream, before the call
+        handle = offload.copy_to_host(sources, out=first, defer=True)
     for i, h in enumerate(handle.wait()):
         assert bool((h == float(i)).all())
 
@@ -499,24 +505,28 @@ def test_copy_defer_sources_dropped_at_once_are_not_reused_mid_copy(backend, dev
 
 @pytest.mark.cuda
 def test_copy_defer_many_in_a_row_complete_in_call_order(backend, device):
-    sources, _ = _refill_handle(device, count=300, numel=4096)
-    handles = []
+    """Refills of one set of buffers land in call order, the last one winning: six deferred
+    ones, then deferred ones followed at once by a synchronous one (which waits for the
+    worker to queue them before queueing its own)."""
+    sources, first = _refill_handle(device, count=300, numel=4096)
+    values = [[torch.full_like(t, float(k)) for t in sources] for k in range(6)]
+    _device.spin(device, 50_000_000)  # the device is busy while the copies are queued
+    handle, deferred = first, []
     for k in range(6):
-        h = offload.copy_to_host(sources)
-        h.wait()
-        handles.append(h)
-    _device.spin(device, 50_000_000)
-    deferred = []
-    for k, h in enumerate(handles):
-        for t in sources:
-            t.fill_(float(k))  # on the current stream, after copy k-1's snapshot, before copy k's
-        deferred.append(offload.copy_to_host(sources, out=h, defer=True, timing=True))
-    deferred[-1].wait()
-    assert all(d.ready() for d in deferred)  # one copy stream, queued in call order
-    for k, d in enumerate(deferred):
-        assert all(bool((h == float(k)).all()) for h in d.tensors)
-        seconds = d.copy_seconds()
+        handle = offload.copy_to_host(values[k], out=handle, defer=True, timing=True)
+        deferred.append(handle)
+    handle.wait()
+    assert all(d.ready() for d in deferred)
+    assert all(bool((t == 5.0).all()) for t in handle.tensors)
+    for d in deferred:
+        seconds = d.copy_seconds()  # complete once the handle is seen done
         assert isinstance(seconds, float) and seconds > 0.0
+    _device.spin(device, 50_000_000)
+    for k in range(3):
+        handle = offload.copy_to_host(values[k], out=handle, defer=True)
+    handle = offload.copy_to_host(values[4], out=handle)  # synchronous, after the deferred ones
+    handle.wait()
+    assert all(bool((t == 4.0).all()) for t in handle.tensors)
 
 
 @pytest.mark.cuda
@@ -525,8 +535,11 @@ def test_copy_defer_release_sources_and_wait_stream(backend, device):
     expected = [t.cpu() for t in sources]
     _device.spin(device, 100_000_000)
     handle = offload.copy_to_host(sources, out=first, defer=True)
+    held = _device.memory_allocated(device)
     handle.release_sources()  # waits (host) only for the worker to queue, then on the device
     del sources
+    # Neither the worker's finished job nor the in-flight registry keeps them.
+    assert _device.memory_allocated(device) <= held - 32 * (1 << 16) * 2
     junk = [torch.full((1 << 16,), 5.0, device=device, dtype=torch.bfloat16) for _ in range(32)]
     handle.wait_stream()
     for h, e in zip(handle.wait(), expected):

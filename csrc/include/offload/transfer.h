@@ -65,6 +65,17 @@ class Transfer {
   };
   using Strides = std::pair<std::vector<int64_t>, std::vector<int64_t>>;
 
+  // What a deferred transfer's readers wait on (see the top of this file). Holds no
+  // tensor: the copy worker may drop the last reference to it.
+  struct Deferred {
+    std::mutex mutex;
+    std::condition_variable queued;
+    std::atomic<bool> ready{false};
+    std::exception_ptr error;  // written before ready; read after it
+    // Called by the copy worker once it has queued (or failed to queue) the copies.
+    void publish(std::exception_ptr failure);
+  };
+
   explicit Transfer(c10::Device device) : device_(device) {}
   ~Transfer();  // gives its events back to the cache (event_cache.h)
   Transfer(const Transfer&) = delete;
@@ -107,15 +118,6 @@ class Transfer {
 
  private:
   friend class CopyEngine;
-  // What a deferred transfer's reader waits on (see the top of this file).
-  struct Deferred {
-    std::mutex mutex;
-    std::condition_variable queued;
-    std::atomic<bool> ready{false};
-    std::exception_ptr error;  // written before ready; read after it
-  };
-  // Called by the copy worker once it has queued (or failed to queue) the copies.
-  void publish(std::exception_ptr error);
   // Hands keepalive_ to the in-flight registry, which drops it once the copies
   // queued on `stream` so far have completed. `drain` false: leave finished
   // entries for another thread to drop (the copy worker must not drop tensors).
@@ -135,7 +137,7 @@ class Transfer {
   // non-pooled host sources): handed to the in-flight registry when queued.
   std::vector<at::Tensor> keepalive_;
   std::vector<uint64_t> inflight_tickets_;  // what the in-flight registry holds for this transfer
-  std::unique_ptr<Deferred> deferred_;      // set by copy_to_host_deferred only
+  std::shared_ptr<Deferred> deferred_;      // set by copy_to_host_deferred only
   // options.timing: timing-enabled events around the copies on the copy stream,
   // or on the host (synchronous copies) the seconds they took.
   bool timed_ = false;
