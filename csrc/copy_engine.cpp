@@ -464,6 +464,7 @@ class CopyEngine {
     // Every check the synchronous path makes, here, so a stale handle raises now.
     job->plan->plan_reused(*reuse);
     job->plan->finish_views(/*into_out=*/false, reuse);
+    job->plan->reserve_slots();
     // The snapshot point: the worker's copy and pack streams wait on this record.
     job->snapshot.emplace(take_event(device));
     job->snapshot->record(current_stream(device));
@@ -658,6 +659,22 @@ class CopyEngine {
       end_timing();
     }
 
+    // A deferred copy, in the calling thread: the staging slots its packs will use,
+    // so the copy worker allocates nothing (an allocation may fail, or take the GIL
+    // when the allocator records Python stacks).
+    void reserve_slots() {
+      int64_t packed = 0, largest = 0;
+      for (const auto& group : r_.groups_) {
+        if (!group.packed) continue;
+        packed += 1;
+        largest = std::max(largest, group.bytes);
+      }
+      const c10::Stream pack = pack_stream(device_);
+      for (int64_t slot = 0; slot < std::min<int64_t>(packed, kSlots); ++slot) {
+        ensure_slot(static_cast<int>(slot), largest, pack);
+      }
+    }
+
     // The staging slots, once the packs are queued: recorded on the copy stream,
     // so their memory returns to the pack stream's pool only after the DMAs.
     void release_slots() {
@@ -801,21 +818,7 @@ class CopyEngine {
       }
       sync_prepared_work();
       const int slot = packed_groups_ % kSlots;
-      // A handle's groups (out=<handle>) may have been made with a larger
-      // group_bytes than this call's: a slot grows to the group it must hold.
-      if (!slots_[slot].defined() || slots_[slot].numel() < group.bytes) {
-        // Allocated on the pack stream, which writes it, and recorded on the copy
-        // stream, whose DMAs read it: freed, the block returns to the pack stream's
-        // pool only after those DMAs, so the next transfer's pack cannot overwrite
-        // a slot this one's DMA still reads (allocated on the copy stream, it was
-        // reusable by the next transfer's pack as soon as this one's packs ended).
-        const int64_t bytes = std::max(group_limit(options_), group.bytes);
-        {
-          c10::StreamGuard on_pack(*pack_);
-          slots_[slot] = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
-        }
-        slots_[slot].record_stream(*stream_);
-      }
+      ensure_slot(slot, group.bytes, *pack_);
       if (packed_groups_ >= kSlots) r_.events_[slot_events_[slot]].block(*pack_);  // the DMA that read it
       char* target = static_cast<char*>(slots_[slot].data_ptr());
       for (size_t k = 0; k < group.members.size(); ++k) {
@@ -834,6 +837,24 @@ class CopyEngine {
       copy_bytes_async(group.host_block.data_ptr(), true, target, false, group.bytes, device_);
       slot_events_[slot] = static_cast<int32_t>(r_.events_.size());  // finish() records it next
       packed_groups_ += 1;
+    }
+
+    // Staging slot `slot` holds at least `bytes`. A handle's groups (out=<handle>)
+    // may have been made with a larger group_bytes than this call's: a slot grows
+    // to the group it must hold.
+    void ensure_slot(int slot, int64_t bytes, const c10::Stream& pack) {
+      if (slots_[slot].defined() && slots_[slot].numel() >= bytes) return;
+      // Allocated on the pack stream, which writes it, and recorded on the copy
+      // stream, whose DMAs read it: freed, the block returns to the pack stream's
+      // pool only after those DMAs, so the next transfer's pack cannot overwrite
+      // a slot this one's DMA still reads (allocated on the copy stream, it was
+      // reusable by the next transfer's pack as soon as this one's packs ended).
+      const int64_t size = std::max(group_limit(options_), bytes);
+      {
+        c10::StreamGuard on_pack(pack);
+        slots_[slot] = at::empty({size}, at::TensorOptions().dtype(at::kByte).device(device_));
+      }
+      slots_[slot].record_stream(*stream_);
     }
 
     void finish(const Transfer::Group& group) {

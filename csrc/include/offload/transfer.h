@@ -17,7 +17,9 @@
 // - A deferred device-to-host copy (copy_to_host_deferred) splits the work in
 //   two. The calling thread converts and checks every source, fixes the
 //   transfer's outputs, groups and host buffers (those of the handle it reuses),
-//   and records the snapshot event on the caller's current stream. The copy
+//   allocates the device staging slots (on the pack stream, recorded on the copy
+//   stream, as a synchronous copy does: the worker allocates nothing), and
+//   records the snapshot event on the caller's current stream. The copy
 //   worker (one native thread per process, FIFO, never takes the GIL) later
 //   makes the copy stream and the pack stream wait on that event, not on the
 //   caller's stream as it is then, so the copy holds the values as of the call.
@@ -31,6 +33,8 @@
 //   deferred copy, a wait on a deferred handle: CopyWorker::collect, with the
 //   GIL held where called from Python), never by the worker, since dropping the
 //   last C++ reference to a tensor that has a Python object takes the GIL.
+//   A synchronous copy into buffers (out=) first waits until the worker has
+//   queued every deferred copy, so refills of one set of buffers land in call order.
 #pragma once
 
 #include <atomic>
