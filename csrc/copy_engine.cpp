@@ -1302,6 +1302,12 @@ void bind_copy_engine(py::module_& m) {
           py::gil_scoped_release no_gil;
           return copy_to_host(source, pool, stream, out, reuse, options);
         });
+  // Registered with atexit by the first deferred copy: copies still being queued
+  // are queued before the interpreter (and then the driver) goes away.
+  m.def("wait_copy_worker", [] {
+    py::gil_scoped_release no_gil;
+    CopyWorker::instance().wait_idle();
+  });
   m.def("copy_to_device",
         [make_options](const py::object& tensors, std::shared_ptr<Transfer> from, c10::Device device,
                        HostPool& pool, c10::optional<c10::Stream> stream, c10::optional<std::vector<at::Tensor>> out,

@@ -18,12 +18,17 @@ strides.
 
 from __future__ import annotations
 
+import atexit
 from typing import List, Optional, Sequence
 
 import torch
 
 from . import _backend, _device
 from ._pool import HostPool, default_host_pool
+
+# The first deferred copy registers the core's copy worker to be waited for at exit
+# (copy_to_host's defer): copies still being queued then are queued before the driver goes.
+_worker_waited_at_exit: list = []
 
 # Tensors below this many bytes are packed together into one transfer by the
 # native core; at 1 MiB a single DMA already runs near the bus peak, below it the
@@ -195,6 +200,9 @@ def copy_to_host(
     if core is not None and pool.native:
         device = tensors[0].device if len(tensors) else _device.current_device()
         copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
+        if defer and not _worker_waited_at_exit:
+            _worker_waited_at_exit.append(True)
+            atexit.register(core.wait_copy_worker)
         return _call_native(fn, tensors, out_list, lambda: core.copy_to_host(
             tensors, pool._impl, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes,
             group_bytes, bool(defer), bool(timing)))

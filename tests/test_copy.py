@@ -421,6 +421,12 @@ def test_copy_defer_refills_a_handle_bitwise(backend, device):
     assert second.ready()
     if device.type == "cpu":  # host sources: nothing to defer, done on return
         assert second.nbytes == sum(t.numel() * 2 for t in sources)
+    core = offload._backend.core()
+    if backend == "native" and core is not None:
+        from offload import _copy
+
+        assert _copy._worker_waited_at_exit  # the worker is waited for at exit
+        core.wait_copy_worker()  # nothing pending: returns at once
 
 
 def test_copy_defer_checks_every_tensor_before_returning(backend, device):
