@@ -1,7 +1,8 @@
 """Copy engine and host pool against PyTorch's own copies, in one run.
 
 Baselines: `host.copy_(dev, non_blocking=True)` into preallocated pinned memory
-(one call per tensor), `.to(device, non_blocking=True)`, pageable `.cpu()`, two
+(one call per tensor; also for refills of an earlier copy's buffers, with and without
+the core's deferred enqueue), `.to(device, non_blocking=True)`, pageable `.cpu()`, two
 side streams for both directions at once, and `torch.empty(pin_memory=True)` for
 pool growth and cached allocation. The bus peak is torch's 1 GiB pinned copy.
 """
@@ -94,6 +95,56 @@ def _many_tensors(ctx, count, each, iters):
                    baseline_name=".to(non_blocking) per tensor",
                    of_bus_peak=gbps(total, t_off["median_ms"]) / peak, spread_pct=t_off["spread_pct"]))
     return out
+
+
+def _refill(ctx, count, each, iters):
+    """The steady state of a checkpoint stager: the same tensors copied again into the
+    buffers of an earlier copy (`out=handle`), with the core's worker queueing the copies
+    (`defer=True`) and without; host time of the call (what a training loop waits for)
+    and time from the call to the copy's end, against a `copy_` per tensor."""
+    dev = ctx.device
+    ctx.progress(f"refill {count} x {each // KiB} KiB")
+    srcs = [torch.randint(0, 255, (each,), dtype=torch.uint8, device=dev) for _ in range(count)]
+    hosts = [_pinned(each) for _ in range(count)]
+    first = offload.copy_to_host(srcs, group_bytes=32 * MiB)  # the stager's group size
+    first.wait()
+    total = count * each
+
+    def torch_loop():
+        for h, src in zip(hosts, srcs):
+            h.copy_(src, non_blocking=True)
+
+    def timed(call, finish):
+        _device.synchronize(dev)
+        t0 = time.perf_counter()
+        result = call()
+        t1 = time.perf_counter()
+        finish(result)
+        t2 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+    cases = {
+        "defer": (lambda: offload.copy_to_host(srcs, out=first, defer=True), lambda h: h.wait()),
+        "sync": (lambda: offload.copy_to_host(srcs, out=first), lambda h: h.wait()),
+        "torch": (torch_loop, lambda _: _device.synchronize(dev)),
+    }
+    samples = {name: ([], []) for name in cases}
+    for rep in range(iters + 2):  # in alternation; the first two rounds warm up
+        for name, (call, finish) in cases.items():
+            blocked, done = timed(call, finish)
+            if rep >= 2:
+                samples[name][0].append(blocked)
+                samples[name][1].append(done)
+    med = {name: (summarize(b)["median_ms"], summarize(d)["median_ms"]) for name, (b, d) in samples.items()}
+    label = f"D2H refill {count} x {_fmt(each)}"
+    return [
+        row(SECTION, f"{label}: caller blocked, defer=True", offload=med["defer"][0], baseline=med["torch"][0],
+            unit="ms", baseline_name="copy_ per tensor (host time of the loop)", higher_is_better=False,
+            synchronous_ms=med["sync"][0]),
+        row(SECTION, f"{label}: call to copy done, defer=True", offload=gbps(total, med["defer"][1]),
+            baseline=gbps(total, med["torch"][1]), unit="GB/s", baseline_name="copy_ per tensor",
+            synchronous_gbps=gbps(total, med["sync"][1])),
+    ]
 
 
 def _both_directions(ctx, size, iters):
@@ -199,6 +250,8 @@ def run(ctx) -> list:
     rows = _single_tensor_sweep(ctx, [64 * KiB, MiB, 16 * MiB, 256 * MiB, GiB], iters=20)
     rows += _many_tensors(ctx, 2000, 256 * KiB, iters=10)
     rows += _many_tensors(ctx, 4096, 16 * KiB, iters=10)
+    if _device.is_accelerator(ctx.device):  # on the host a deferred copy runs synchronously
+        rows += _refill(ctx, 4000, 256 * KiB, iters=10)
     rows += _both_directions(ctx, GiB, iters=10)
     rows += _pageable(ctx, GiB, iters=3)
     rows += _pool_growth(ctx, 4 * GiB)
