@@ -447,12 +447,16 @@ class CopyEngine {
     const size_t n = tensors.size();
     const c10::DeviceType expected = pool.device_type();
     // Where there is nothing to defer, the copy runs here (transfer.h says why).
-    bool deferrable = n > 0 && !reuse->groups_.empty();
-    for (size_t i = 0; i < n; ++i) {
-      check_source(fn, i, tensors[i], expected, tensors[0]);
-      deferrable = deferrable && !needs_new_tensor(tensors[i]);
+    // As in to_host, tensors[0] is checked against the pool here and every other
+    // tensor against tensors[0] once, when plan_reused prepares it; one this loop
+    // cannot look into (undefined, meta, not strided) goes the synchronous way,
+    // which raises its error.
+    if (n > 0) check_source(fn, 0, tensors[0], expected, tensors[0]);
+    bool deferrable = n > 0 && !reuse->groups_.empty() && !tensors[0].is_cpu();
+    for (size_t i = 0; i < n && deferrable; ++i) {
+      const at::Tensor& t = tensors[i];
+      deferrable = t.defined() && t.layout() == at::kStrided && !t.is_meta() && !needs_new_tensor(t);
     }
-    deferrable = deferrable && !tensors[0].is_cpu();
     if (!deferrable) {
       TensorSource source(tensors);
       return to_host(source, pool, stream, c10::nullopt, reuse, options);
