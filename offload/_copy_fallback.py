@@ -220,17 +220,17 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
     # Outputs are allocated here, on the consumer's stream; the copy stream waits
     # for everything the consumer queued so far (earlier users of that memory) and
     # for the device-to-host copies that fill the sources.
+    compacted = [compact(h) for h in sources]  # (base, was_expanded) per source
     if handle is not None and on_accel and any(
-        not is_dense(compact(h)[0]) or (out is not None and (out[i].stride() != h.stride() or not is_dense(h)))
-        for i, h in enumerate(sources)
+        not is_dense(base) or (out is not None and (out[i].stride() != h.stride() or not is_dense(h)))
+        for i, (h, (base, _)) in enumerate(zip(sources, compacted))
     ):
         # Below, the host reads these sources itself (a contiguous() copy, or the
         # layout change copy_ makes on the CPU): only once the device-to-host copy
         # that fills them has completed, which a device-side wait does not give.
         handle.synchronize()
     targets, nbytes = [], 0
-    for i, h in enumerate(sources):
-        base, was_expanded = compact(h)
+    for i, (base, was_expanded) in enumerate(compacted):
         if not is_dense(base):
             base = base.contiguous()
         if out is not None:
