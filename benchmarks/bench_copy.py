@@ -57,6 +57,12 @@ def _single_tensor_sweep(ctx, sizes, iters):
     return rows
 
 
+def _copy_each(hosts, srcs) -> None:
+    """PyTorch's way for many tensors: one pinned non_blocking copy_ per tensor."""
+    for host, src in zip(hosts, srcs):
+        host.copy_(src, non_blocking=True)
+
+
 def _joined(handle):
     """Make the current stream wait for `handle` and keep it (and its outputs) for the timer."""
     handle.wait_stream()
@@ -71,12 +77,8 @@ def _many_tensors(ctx, count, each, iters):
     hosts = [_pinned(each) for _ in range(count)]
     handle = offload.copy_to_host(srcs)
 
-    def torch_d2h():
-        for h, s in zip(hosts, srcs):
-            h.copy_(s, non_blocking=True)
-
-    t_off, t_torch = compare_ms(lambda: _joined(offload.copy_to_host(srcs, out=handle)), torch_d2h, dev,
-                                iters=iters)
+    t_off, t_torch = compare_ms(lambda: _joined(offload.copy_to_host(srcs, out=handle)),
+                                lambda: _copy_each(hosts, srcs), dev, iters=iters)
     peak = max(ctx.notes.get("bus_peak_d2h_gbps", 0), 1e-9)
     out = [row(SECTION, f"D2H {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
                baseline=gbps(total, t_torch["median_ms"]), unit="GB/s", baseline_name="copy_ per tensor",
@@ -110,10 +112,6 @@ def _refill(ctx, count, each, iters):
     first.wait()
     total = count * each
 
-    def torch_loop():
-        for h, src in zip(hosts, srcs):
-            h.copy_(src, non_blocking=True)
-
     def timed(call, finish):
         _device.synchronize(dev)
         t0 = time.perf_counter()
@@ -126,7 +124,7 @@ def _refill(ctx, count, each, iters):
     cases = {
         "defer": (lambda: offload.copy_to_host(srcs, out=first, defer=True), lambda h: h.wait()),
         "sync": (lambda: offload.copy_to_host(srcs, out=first), lambda h: h.wait()),
-        "torch": (torch_loop, lambda _: _device.synchronize(dev)),
+        "torch": (lambda: _copy_each(hosts, srcs), lambda _: _device.synchronize(dev)),
     }
     samples = {name: ([], []) for name in cases}
     for rep in range(iters + 2):  # in alternation; the first two rounds warm up
