@@ -777,6 +777,9 @@ class AsyncStager(_StagerProtocol):
         # it never holds a handle the set itself has dropped (see _BufferSet.busy_reason).
         self._unwaited: Dict[Tuple[int, int], Any] = {}
         self._metrics: deque = deque(maxlen=_METRICS_KEPT)
+        # Records whose copy time is not read yet: they hold the copies' handles (and so
+        # host buffers), so they are read as soon as the copies are done (_read_timings).
+        self._untimed: deque = deque()
         self._saves = 0
         self._closed = False
         self._growth: Optional[_PoolGrowth] = None  # the first save's pool growth, while it plans
@@ -861,9 +864,22 @@ class AsyncStager(_StagerProtocol):
                 "_timing": timing,
             }
         )
+        if timing:
+            self._untimed.append(self._metrics[-1])
+        self._read_timings()
         if self._return_future:
             return future
         return future.result()
+
+    def _read_timings(self, final: bool = False) -> None:
+        """Read the copy times of finished saves, oldest first; `final`: drop the rest."""
+        while self._untimed:
+            record = self._untimed[0]
+            _resolve_timing(record)
+            if record["_timing"] is not None and not final:
+                return
+            record["_timing"] = None
+            self._untimed.popleft()
 
     def synchronize_staging(self) -> None:
         """Block the host until every enqueued staging copy has completed."""
@@ -881,6 +897,7 @@ class AsyncStager(_StagerProtocol):
         if self._closed:
             return
         self.synchronize_staging()
+        self._read_timings(final=True)  # the copies are done: no record keeps a handle
         for buffer_set in self._sets:
             buffer_set.release()
         self._sets = []
@@ -1236,7 +1253,7 @@ class AsyncStager(_StagerProtocol):
     # ------------------------------------------------------------ copying
 
     def _enqueue(self, plan: _Plan, buffer_set: _BufferSet, locals_, checked: bool):
-        """Enqueue every batch; returns (per-device timing events, or None on the host; host copy seconds).
+        """Enqueue every batch; returns (per-device timed handles, or None on the host; host copy seconds).
 
         Raises _Stale (having enqueued nothing that could harm the set) when a copy
         refuses a tensor that `_resolve` did not compare (`checked` false).
@@ -1266,21 +1283,21 @@ class AsyncStager(_StagerProtocol):
                 for i in batch.expanded:  # the host keeps one copy of broadcast elements
                     sources[i] = compact(sources[i])[0]
                 device = batch.device
+                timed = False
                 if batch.asynchronous:
                     copy = copy_to_host
                     if sources and sources[0].device != device:
                         if checked:  # pragma: no cover - a plan made from these tensors has their device
                             raise RuntimeError("offload.AsyncStager: staging plan out of date")
                         raise _Stale()
-                    if _device.is_accelerator(device) and device not in timing:
-                        start = _device.new_event(device, timing=True)
-                        start.record(_device.current_stream(device))
-                        timing[device] = [start, None]
+                    timed = _device.is_accelerator(device)
                 else:
                     copy = _copy_on_host
+                # Early batches are waited for at once: only the rest is worth deferring.
+                defer = timed and not batch.early
                 for call in buffer_set.calls[number]:
                     try:
-                        handle, fresh = self._run_call(copy, call, sources, buffer_set, checked)
+                        handle, fresh = self._run_call(copy, call, sources, buffer_set, checked, timed, defer)
                     except _Stale:
                         for running in handles:  # the retry may pick this set again
                             running.wait()
@@ -1289,6 +1306,8 @@ class AsyncStager(_StagerProtocol):
                         raise
                     rebind |= fresh
                     handles.append(handle)
+                    if timed:
+                        timing.setdefault(device, []).append(handle)
                     if batch.early:
                         early_handles.append(handle)
                     if _device.is_accelerator(device) and batch.asynchronous:
@@ -1297,19 +1316,25 @@ class AsyncStager(_StagerProtocol):
                 handle.wait_stream()
         if rebind:
             self._bind(buffer_set, plan)
-        for device, pair in timing.items():
-            end = _device.new_event(device, timing=True)
-            end.record(_device.copy_streams(device)[0])
-            pair[1] = end
         return (timing or None), time.perf_counter() - t0
 
-    def _run_call(self, copy, call, sources, buffer_set: _BufferSet, checked: bool):
-        """Run one copy of a batch; returns (its handle, whether it made new buffers)."""
+    def _run_call(self, copy, call, sources, buffer_set: _BufferSet, checked: bool, timed: bool = False,
+                  defer: bool = False):
+        """Run one copy of a batch; returns (its handle, whether it made new buffers).
+
+        `timed`: the core times the copies on the copy stream (`copy_seconds`). `defer`:
+        a refill of a part's handle (the steady state) is checked here, source by source,
+        and queued by the core's worker thread, which never takes the interpreter lock
+        (copy_to_host's defer), so the caller is back before the groups are queued.
+        """
         mode, positions, out, keys = call
         picked = sources if positions is None else _pick(sources, positions)
+        extra = {"timing": True} if timed else {}
         if mode != "fresh":
             try:
-                return copy(picked, out=out, pool=self._pool), False
+                if defer and mode == "reuse":
+                    return copy(picked, out=out, pool=self._pool, defer=True, **extra), False
+                return copy(picked, out=out, pool=self._pool, **extra), False
             except ValueError:
                 if not checked:
                     raise _Stale() from None
@@ -1317,7 +1342,7 @@ class AsyncStager(_StagerProtocol):
                     raise
                 # Same shapes and dtypes, other strides: this part is copied afresh.
                 del buffer_set.parts[keys]
-        handle = copy(picked, out=None, pool=self._pool, group_bytes=_GROUP_BYTES)
+        handle = copy(picked, out=None, pool=self._pool, group_bytes=_GROUP_BYTES, **extra)
         buffer_set.parts[keys] = handle
         buffer_set.buffers.update(zip(keys, handle.tensors))
         call[0], call[2] = "reuse", handle
@@ -1346,9 +1371,14 @@ def _gc_paused():
 def _resolve_timing(record: dict) -> None:
     timing = record.get("_timing")
     if timing:
-        if not all(end.query() for _, end in timing.values()):
-            return
-        record["copy_ms"] = max(start.elapsed_time(end) for start, end in timing.values())
+        # Per device, its copies run one after another on its copy stream: their sum.
+        per_device = []
+        for handles in timing.values():
+            seconds = [handle.copy_seconds() for handle in handles]
+            if None in seconds:
+                return  # not complete yet (copy_seconds never waits)
+            per_device.append(sum(seconds))
+        record["copy_ms"] = max(per_device) * 1e3
         record["_timing"] = None
     if record["copy_ms"] is not None and record["gbps"] is None and record["copy_ms"] > 0:
         record["gbps"] = record["bytes"] / (record["copy_ms"] * 1e-3) / 1e9

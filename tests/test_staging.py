@@ -778,6 +778,38 @@ def test_staging_forward_buffers_wait_only_for_their_copy(backend, device):
 
 
 @pytest.mark.cuda
+def test_staging_later_saves_are_deferred_and_exact(backend, device, monkeypatch):
+    """From the second save on, the refills are queued by the core's worker thread (defer):
+    each save still holds the values queued before its stage(), not those written after its
+    wait_stream(), and every save's copy time is read."""
+    from offload import staging
+
+    deferred = []  # (save, defer) per copy_to_host call
+    real = staging.copy_to_host
+
+    def spy(*args, **kwargs):
+        deferred.append((save, kwargs.get("defer", False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "copy_to_host", spy)
+    stager = offload.AsyncStager()
+    tensors = [torch.zeros(64 << 10, device=device) for _ in range(500)]  # 256 KiB each
+    for save in range(4):
+        _busy_compute(device, 50)
+        torch._foreach_mul_(tensors, 0.0)
+        torch._foreach_add_(tensors, [float(save * 1000 + i) for i in range(len(tensors))])  # queued before stage()
+        expected = torch.stack(tensors).cpu()
+        future = stager.stage({"t": tensors})
+        stager.wait_stream()
+        torch._foreach_add_(tensors, 0.5)  # after the copy, on the device
+        assert torch.equal(torch.stack(future.result()["t"]), expected)
+    assert {defer for save, defer in deferred if save == 0} == {False}  # planned and copied afresh
+    assert {defer for save, defer in deferred if save > 0} == {True}
+    stager.close()
+    assert all(r["copy_ms"] is not None and r["copy_ms"] > 0 for r in stager.metrics())
+
+
+@pytest.mark.cuda
 def test_staging_no_memory_growth_over_100_saves(backend, device):
     pool = offload.HostPool()
     stager = offload.AsyncStager(pool=pool)
