@@ -401,6 +401,7 @@ class CopyEngine {
     const char* fn = "offload.copy_to_host";
     const c10::DeviceType expected = pool.device_type();
     const size_t n = tensors.size();
+    check_same_sources(options, reuse);
     // Into buffers a deferred copy may also fill: after that copy, as called.
     if (out || reuse) CopyWorker::instance().wait_idle();
     // With out= every tensor is checked here; otherwise each is checked as its
@@ -444,20 +445,14 @@ class CopyEngine {
     const char* fn = "offload.copy_to_host";
     TORCH_CHECK_VALUE(reuse != nullptr, fn, ": defer=True needs out=<CopyHandle> (an earlier copy_to_host of "
                       "tensors of the same shapes and dtypes, whose host buffers it refills), got none");
+    check_same_sources(options, reuse);
     const size_t n = tensors.size();
     const c10::DeviceType expected = pool.device_type();
     // Where there is nothing to defer, the copy runs here (transfer.h says why).
     // As in to_host, tensors[0] is checked against the pool here and every other
-    // tensor against tensors[0] once, when plan_reused prepares it; one this loop
-    // cannot look into (undefined, meta, not strided) goes the synchronous way,
-    // which raises its error.
+    // tensor against tensors[0] once, when plan_reused checks it against the handle.
     if (n > 0) check_source(fn, 0, tensors[0], expected, tensors[0]);
-    bool deferrable = n > 0 && !reuse->groups_.empty() && !tensors[0].is_cpu();
-    for (size_t i = 0; i < n && deferrable; ++i) {
-      const at::Tensor& t = tensors[i];
-      deferrable = t.defined() && t.layout() == at::kStrided && !t.is_meta() && !needs_new_tensor(t);
-    }
-    if (!deferrable) {
+    if (n == 0 || reuse->groups_.empty() || tensors[0].is_cpu()) {
       TensorSource source(tensors);
       return to_host(source, pool, stream, c10::nullopt, reuse, options);
     }
@@ -466,7 +461,12 @@ class CopyEngine {
     TORCH_CHECK_VALUE(stream.has_value(), fn, ": a copy stream is required for ", device);
     auto job = std::make_unique<DeferredToHost>(std::move(tensors), pool.shared_from_this(), stream, options, device);
     // Every check the synchronous path makes, here, so a stale handle raises now.
-    job->plan->plan_reused(*reuse);
+    if (!job->plan->plan_reused(*reuse)) {  // a source needs a kernel first: the synchronous way
+      std::vector<at::Tensor> sources = std::move(job->sources);
+      job.reset();
+      TensorSource source(sources);
+      return to_host(source, pool, stream, c10::nullopt, reuse, options);
+    }
     job->plan->finish_views(/*into_out=*/false, reuse);
     job->plan->reserve_slots();
     // The snapshot point: the worker's copy and pack streams wait on this record.
@@ -521,6 +521,12 @@ class CopyEngine {
       r.keepalive_.insert(r.keepalive_.end(), sources.begin(), sources.end());
     }
     r.release_keepalive(stream);
+  }
+
+  static void check_same_sources(const CopyOptions& options, const std::shared_ptr<Transfer>& reuse) {
+    TORCH_CHECK_VALUE(!options.same_sources || (reuse && reuse->source_keys_), "offload.copy_to_host: "
+                      "same_sources=True needs out=<CopyHandle> from a copy_to_host without out (whose buffers "
+                      "the engine made), got ", reuse ? "a handle made with an out list" : "none");
   }
 
   static void check_reuse_count(const Transfer& reuse, size_t n) {
@@ -606,7 +612,7 @@ class CopyEngine {
       if (reuse) {
         r_.groups_ = reuse->groups_;
         for (auto& group : r_.groups_) {
-          check_reused(group, *reuse);
+          check_reused(group, *reuse, /*deferred=*/false);
           enqueue(group);
         }
         return;
@@ -645,10 +651,14 @@ class CopyEngine {
     }
 
     // A deferred copy, in the calling thread: takes the handle's groups and checks
-    // every member against them (no kernel: needs_new_tensor ruled those out).
-    void plan_reused(const Transfer& reuse) {
+    // every member against them. False, having queued nothing, where a member
+    // needs a new tensor first (a kernel this thread would have to order).
+    bool plan_reused(const Transfer& reuse) {
       r_.groups_ = reuse.groups_;
-      for (const auto& group : r_.groups_) check_reused(group, reuse);
+      for (const auto& group : r_.groups_) {
+        if (!check_reused(group, reuse, /*deferred=*/true)) return false;
+      }
+      return true;
     }
 
     // A deferred copy, on the copy worker: the copy and pack streams wait on the
@@ -709,8 +719,17 @@ class CopyEngine {
         }
         r_.host_bases_ = reuse->host_bases_;
         r_.outputs_ = reuse->outputs_;
+        r_.source_keys_ = reuse->source_keys_;
+        if (auto* keys = r_.source_keys_.get()) {  // every source passed its checks: the buffers' new origin
+          for (const auto& group : r_.groups_) {
+            for (int64_t i : group.members) {
+              keys->data[i].store(reinterpret_cast<uintptr_t>(tensors_[i].const_data_ptr()), std::memory_order_relaxed);
+            }
+          }
+        }
         return;
       }
+      record_source_keys();
       for (const auto& group : r_.groups_) {
         if (!group.packed) continue;
         for (size_t k = 0; k < group.members.size(); ++k) {
@@ -729,6 +748,26 @@ class CopyEngine {
     }
 
    private:
+    // A fresh copy: what each source was (Transfer::SourceKeys), for refills.
+    void record_source_keys() {
+      auto keys = std::make_shared<Transfer::SourceKeys>(n_);
+      for (size_t i = 0; i < n_; ++i) {
+        const Prepared& p = prepared_[i];
+        if (!p.base.defined()) continue;  // empty: in no group
+        const at::Tensor& t = tensors_[i];
+        auto& key = keys->keys[i];
+        // Its host base has its strides: a refill with the same sizes matches it only if contiguous too.
+        key.plain = t.is_contiguous() && !p.expanded && !p.made_contiguous && !p.resolved && p.nbytes > 0 &&
+                    p.base.is_same(t);
+        key.dtype = t.scalar_type();
+        key.sizes_at = static_cast<int64_t>(keys->sizes.size());
+        key.ndim = t.dim();
+        keys->sizes.insert(keys->sizes.end(), t.sizes().begin(), t.sizes().end());
+        keys->data[i].store(reinterpret_cast<uintptr_t>(t.const_data_ptr()), std::memory_order_relaxed);
+      }
+      r_.source_keys_ = std::move(keys);
+    }
+
     // Makes `waiter` wait for the caller's work up to the call: the snapshot
     // event of a deferred copy, else the caller's stream as it is now.
     void wait_for_caller(const c10::Stream& waiter) {
@@ -751,18 +790,44 @@ class CopyEngine {
     }
 
     // Prepares the members of `group` and checks them against the handle `reuse`.
-    void check_reused(const Transfer::Group& group, const Transfer& reuse) {
+    // A member copied as it was (SourceKeys::Key::plain) that still is, with the
+    // same dtype and sizes, is its own base: checked without reading its host
+    // tensor. Any other is prepared as a fresh copy prepares it and compared with
+    // its host base. `deferred`: false, before any kernel, where one needs a new
+    // tensor (the synchronous path makes it on the copy stream).
+    bool check_reused(const Transfer::Group& group, const Transfer& reuse, bool deferred) {
+      const char* fn = "offload.copy_to_host";
+      const Transfer::SourceKeys* keys = reuse.source_keys_.get();
+      const c10::DeviceType type = tensors_[0].device().type();
       for (int64_t i : group.members) {
-        prepare_member(i);
-        const at::Tensor& host = reuse.host_bases_[i];
-        TORCH_CHECK_VALUE(same_layout(host, prepared_[i].base), "offload.copy_to_host: out (a CopyHandle) was "
-                          "made for tensors[", i, "] with ", describe(host), " and strides ", host.strides(),
-                          " but tensors[", i, "] now has ", describe(prepared_[i].base), " and strides ",
-                          prepared_[i].base.strides());
+        const at::Tensor& t = tensors_[i];
+        check_source(fn, static_cast<size_t>(i), t, type, tensors_[0]);
+        const Transfer::SourceKeys::Key* key = keys ? &keys->keys[i] : nullptr;
+        if (key && key->plain && t.is_contiguous() && !t.is_conj() && !t.is_neg() && t.scalar_type() == key->dtype &&
+            t.sizes().equals(c10::IntArrayRef(keys->sizes.data() + key->sizes_at, key->ndim))) {
+          prepared_[i].base = t;
+          prepared_[i].nbytes = tensor_nbytes(t);
+          r_.nbytes_ += prepared_[i].nbytes;
+        } else {
+          if (deferred && needs_new_tensor(t)) return false;
+          prepare_member(i);
+          const at::Tensor& host = reuse.host_bases_[i];
+          TORCH_CHECK_VALUE(same_layout(host, prepared_[i].base), fn, ": out (a CopyHandle) was made for tensors[", i,
+                            "] with ", describe(host), " and strides ", host.strides(), " but tensors[", i,
+                            "] now has ", describe(prepared_[i].base), " and strides ", prepared_[i].base.strides());
+        }
+        if (options_.same_sources) {
+          const auto was = keys ? keys->data[i].load(std::memory_order_relaxed) : uintptr_t(0);
+          const auto now = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+          TORCH_CHECK_VALUE(was == now, fn, ": same_sources=True, but tensors[", i, "] is at ",
+                            reinterpret_cast<const void*>(now), " while the buffers of out (a CopyHandle) were last "
+                            "filled from ", reinterpret_cast<const void*>(was));
+        }
         // A direct copy writes through its host base; packed members are
         // written through the block, and finish_views takes the handle's bases.
-        if (!group.packed) r_.host_bases_[i] = host;
+        if (!group.packed) r_.host_bases_[i] = reuse.host_bases_[i];
       }
+      return true;
     }
 
     int64_t prepare_member(int64_t i) {
@@ -1288,10 +1353,11 @@ void bind_copy_engine(py::module_& m) {
         [make_options](const py::list& tensors, HostPool& pool, c10::optional<c10::Stream> stream,
                        c10::optional<std::vector<at::Tensor>> out, std::shared_ptr<Transfer> reuse,
                        bool require_pinned, int64_t small_bytes, int64_t chunk_bytes, int64_t group_bytes,
-                       bool defer, bool timing) {
+                       bool defer, bool timing, bool same_sources) {
           CopyOptions options = make_options(require_pinned, small_bytes, chunk_bytes);
           options.group_bytes = group_bytes;
           options.timing = timing;
+          options.same_sources = same_sources;
           if (defer) {  // converted whole here, with the GIL: the worker never takes it
             TORCH_CHECK_VALUE(!out.has_value(), "offload.copy_to_host: defer=True takes out=<CopyHandle>, "
                               "not a list of tensors");

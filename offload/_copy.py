@@ -146,6 +146,7 @@ def copy_to_host(
     group_bytes: int = DEFAULT_GROUP_BYTES,
     defer: bool = False,
     timing: bool = False,
+    same_sources: bool = False,
 ) -> CopyHandle:
     """Copy device tensors to pinned host memory, asynchronously.
 
@@ -180,6 +181,11 @@ def copy_to_host(
             the handle's `wait()` / `wait_stream()`), and the worker's calls to the
             driver may break a CUDA graph another thread captures in global mode.
         timing: time the copies on the copy stream; read with `handle.copy_seconds()`.
+        same_sources: with `out=<CopyHandle>` (made without `out`): every tensor must
+            be at the address (`data_ptr()`) of the tensor it replaces when those
+            buffers were last filled, else ValueError before anything is copied. For a
+            caller whose own bookkeeping rests on those addresses (which tensors
+            share memory), so it need not read thousands of them itself.
 
     The copy starts after all work already queued on the current stream, so it sees
     the values as of this call. Sources are protected from reuse until it completes.
@@ -205,13 +211,14 @@ def copy_to_host(
             atexit.register(core.wait_copy_worker)
         return _call_native(fn, tensors, out_list, lambda: core.copy_to_host(
             tensors, pool._impl, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes,
-            group_bytes, bool(defer), bool(timing)))
+            group_bytes, bool(defer), bool(timing), bool(same_sources)))
     from ._copy_fallback import copy_to_host as fallback
 
     tensors = _check_list(fn, tensors)
     out_list = None if out_list is None else _check_list(fn, out_list, "out")
     # The fallback runs synchronously even with defer=True (see its copy_to_host).
-    return CopyHandle(fallback(tensors, pool, stream, out_list, out_handle, require_pinned, chunk_bytes, timing))
+    return CopyHandle(fallback(tensors, pool, stream, out_list, out_handle, require_pinned, chunk_bytes, timing,
+                               same_sources))
 
 
 def copy_to_device(

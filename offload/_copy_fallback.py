@@ -35,6 +35,7 @@ class PyTransfer:
         # copy_to_host(timing=True): (start, end) timing events on the copy stream,
         # or the seconds of the synchronous host copies; None when not timed.
         self._timing = timing
+        self._origins = None  # copy_to_host without out: set there (same_sources)
 
     def tensors(self) -> List[torch.Tensor]:
         return self._outputs
@@ -127,17 +128,33 @@ def _check_count(fn: str, tensors, out) -> None:
 
 
 @torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
-def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_bytes, timing=False) -> PyTransfer:
+def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_bytes, timing=False,
+                 same_sources=False) -> PyTransfer:
     fn = "offload.copy_to_host"
     device_type = _device.compute_device_type()
     for i, t in enumerate(tensors):
         _check_source(fn, i, t, device_type, tensors[0])
+    # Where the sources of these buffers were when last filled (the core's SourceKeys::data):
+    # one list, shared by every transfer into the buffers of a transfer made without out.
+    origins = [t.data_ptr() for t in tensors] if out is None and out_handle is None else None
+    if same_sources and getattr(out_handle, "_origins", None) is None:
+        got = "none" if out_handle is None else "a handle made with an out list"
+        raise ValueError(f"{fn}: same_sources=True needs out=<CopyHandle> from a copy_to_host without out "
+                         f"(whose buffers the engine made), got {got}")
     if out_handle is not None:
         out = out_handle.tensors()
     _check_count(fn, tensors, out)
     if out is not None:
         for i, (t, o) in enumerate(zip(tensors, out)):
             _check_out(fn, i, t, o, "cpu", require_pinned)
+    if getattr(out_handle, "_origins", None) is not None:
+        origins = out_handle._origins
+        now = [t.data_ptr() for t in tensors]
+        if same_sources:
+            for i, (was, at) in enumerate(zip(origins, now)):
+                if _t_nbytes(tensors[i]) and was != at:
+                    raise ValueError(f"{fn}: same_sources=True, but tensors[{i}] is at {at:#x} while the buffers "
+                                     f"of out (a CopyHandle) were last filled from {was:#x}")
     device = tensors[0].device if tensors else _device.current_device()
     on_accel = _device.is_accelerator(device)
     copy_stream = (stream or _device.copy_streams(device)[0]) if on_accel else None
@@ -182,7 +199,15 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
     timed = None
     if timing:
         timed = (timed_from, end) if on_accel else time.perf_counter() - host_start
-    return PyTransfer(device, outputs, end, nbytes, restore, timed)
+    if out_handle is not None and origins is not None:
+        origins[:] = now  # copied: the buffers' new origin
+    transfer = PyTransfer(device, outputs, end, nbytes, restore, timed)
+    transfer._origins = origins
+    return transfer
+
+
+def _t_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:

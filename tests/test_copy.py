@@ -390,6 +390,55 @@ def test_copy_to_host_checks_every_tensor_against_a_reused_handle(backend, devic
         offload.copy_to_host([torch.ones(3, device=device), torch.empty(5, device="meta")])
 
 
+def test_copy_to_host_refill_checks_strides_as_well_as_sizes(backend, device):
+    """A refill is checked against how each buffer was laid out, not only its sizes: a
+    dense transposed source and a contiguous one of the same shape move different bytes.
+    The core refills buffers byte for byte, so it refuses; the fallback copies element
+    by element, so its values are right."""
+    base = torch.arange(24, dtype=torch.float32, device=device)
+    for made_from, refilled_with in ((base.view(6, 4).t(), base.view(4, 6)), (base.view(4, 6), base.view(6, 4).t())):
+        first = offload.copy_to_host([made_from, torch.ones(3, device=device)])
+        first.wait()
+        if backend == "native":
+            with pytest.raises(ValueError, match=r"tensors\[0\] now has shape \[4, 6\].*strides"):
+                offload.copy_to_host([refilled_with, torch.ones(3, device=device)], out=first)
+        else:
+            refill = offload.copy_to_host([refilled_with, torch.ones(3, device=device)], out=first)
+            refill.wait()
+            assert torch.equal(refill.tensors[0], refilled_with.cpu())
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_copy_to_host_same_sources(backend, device, defer):
+    """same_sources=True refuses a source at another address than the buffers' last fill,
+    before copying anything; a refill without it moves that origin."""
+    sources = [torch.randn(300 + i, device=device) for i in range(5)]
+    first = offload.copy_to_host(sources)
+    first.wait()
+    again = offload.copy_to_host(sources, out=first, same_sources=True, defer=defer)
+    again.wait()
+    assert all(torch.equal(h, s.cpu()) for h, s in zip(again.tensors, sources))
+    before = [h.clone() for h in first.tensors]
+    moved = list(sources)
+    moved[3] = sources[3] + 1  # same shape and dtype, other memory
+    with pytest.raises(ValueError, match=r"same_sources=True, but tensors\[3\] is at 0x[0-9a-f]+ while the buffers"):
+        offload.copy_to_host(moved, out=first, same_sources=True, defer=defer)
+    assert all(torch.equal(h, b) for h, b in zip(first.tensors, before))  # nothing was copied
+    refill = offload.copy_to_host(moved, out=first, defer=defer)  # not checked: the new origin
+    refill.wait()
+    assert torch.equal(refill.tensors[3], moved[3].cpu())
+    offload.copy_to_host(moved, out=refill, same_sources=True, defer=defer).wait()  # any handle of the buffers
+    with pytest.raises(ValueError, match=r"same_sources=True, but tensors\[3\]"):
+        offload.copy_to_host(sources, out=first, same_sources=True, defer=defer)
+    with pytest.raises(ValueError, match=r"same_sources=True needs out=<CopyHandle>.*got none"):
+        offload.copy_to_host(sources, same_sources=True)
+    given = offload.copy_to_host(sources, out=[torch.empty_like(s, device="cpu") for s in sources],
+                                 require_pinned=False)
+    given.wait()
+    with pytest.raises(ValueError, match=r"same_sources=True needs out=<CopyHandle>.*made with an out list"):
+        offload.copy_to_host(sources, out=given, same_sources=True)
+
+
 # ---------------------------------------------------------------- deferred enqueue (defer=True)
 
 

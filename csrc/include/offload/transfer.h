@@ -80,6 +80,27 @@ class Transfer {
     void publish(std::exception_ptr failure);
   };
 
+  // What each source of a device-to-host transfer made afresh (no out) was, so
+  // a refill of its buffers (out=<handle>) checks a source against these few
+  // values instead of reading the host tensors: thousands of host tensors read
+  // on every refill cost more than the checks themselves once the training
+  // step between two saves has evicted them from the caches. Shared by every
+  // transfer into the same buffers (a refill's handle works as out= too).
+  struct SourceKeys {
+    struct Key {
+      bool plain = false;  // copied as it was: contiguous, no conj/neg bit, not empty
+      c10::ScalarType dtype = c10::ScalarType::Undefined;
+      int64_t sizes_at = 0;  // its sizes: sizes[sizes_at, sizes_at + ndim)
+      int64_t ndim = 0;
+    };
+    explicit SourceKeys(size_t n) : keys(n), data(n) {}
+    std::vector<Key> keys;
+    std::vector<int64_t> sizes;
+    // Where each source's bytes were when the buffers were last filled
+    // (CopyOptions::same_sources); written and read by calling threads only.
+    std::vector<std::atomic<uintptr_t>> data;
+  };
+
   explicit Transfer(c10::Device device) : device_(device) {}
   ~Transfer();  // gives its events back to the cache (event_cache.h)
   Transfer(const Transfer&) = delete;
@@ -134,6 +155,7 @@ class Transfer {
   std::vector<at::Tensor> host_bases_;  // device-to-host: what was written (outputs_ may be expanded views)
   std::vector<c10::optional<Strides>> restore_;
   std::vector<Group> groups_;
+  std::shared_ptr<SourceKeys> source_keys_;  // device-to-host into pooled buffers (not out=<list>)
   std::vector<c10::Event> events_;   // recorded on the copy stream, in order
   std::vector<int32_t> event_of_;    // per output: the event after which it is complete (-1: no event)
   int64_t nbytes_ = 0;
@@ -163,6 +185,11 @@ struct CopyOptions {
   int64_t group_bytes = int64_t(8) << 20;
   // copy_to_host: time the copies on the copy stream (Transfer::copy_seconds).
   bool timing = false;
+  // copy_to_host(out=<handle>): every source must be where the source it
+  // replaces was when the handle's buffers were last filled, else ValueError. A
+  // caller whose own bookkeeping depends on those addresses (the stager's plan of
+  // which tensors share memory) need not read them itself.
+  bool same_sources = false;
 };
 
 // Each takes its tensors as a vector or as a TensorSource (converted as the
