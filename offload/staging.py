@@ -110,14 +110,16 @@ _ptrs_at_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 def _same_data_ptrs(tensors: List[torch.Tensor], ptrs: List[int], indices: List[int]) -> bool:
-    """Whether tensors[i].data_ptr() == ptrs[i] for all i (`indices` is list(range(len(ptrs)))),
-    in one call where torch has one: the steady-state check of a save, ~4,000 calls
-    of data_ptr from Python otherwise. Raises RuntimeError for a tensor without storage."""
+    """Whether tensors[i].data_ptr() == ptrs[i] for every i in `indices`, in one call
+    where torch has one (~4,000 calls of data_ptr from Python otherwise). Raises
+    RuntimeError for a tensor without storage."""
     if len(tensors) != len(ptrs):
         return False
     if _ptrs_at_equal is not None:
         return _ptrs_at_equal(tensors, ptrs, indices)
-    return list(map(_data_ptr, tensors)) == ptrs
+    if len(indices) == len(tensors):
+        return list(map(_data_ptr, tensors)) == ptrs
+    return [_data_ptr(tensors[i]) for i in indices] == [ptrs[i] for i in indices]
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -265,6 +267,13 @@ class _Plan:
             batch.spans = [u for u in batch.units if u.kind == "span"]
             batch.keys = tuple(u.key for u in batch.units)
             batch.expanded = [i for i, u in enumerate(batch.units) if u.expanded]
+        # Tensors a refill through the core checks the address of itself (copy_to_host's
+        # same_sources; see AsyncStager._resolve): the one source of each tensor unit
+        # of a batch the core copies, when not empty. The rest are compared here.
+        core = {u.slots[0] for b in self.batches if b.asynchronous for u in b.units if u.kind == "tensor" and u.nbytes}
+        self.core_slots = sorted(core)
+        self.host_slots = [s for s in range(len(locals_)) if s not in core]
+        self.host_ptrs = [self.ptrs[s] for s in self.host_slots]
         self.span_slots = [s for u in self.units if u.kind == "span" for s in u.slots]
         self.span_strides = [locals_[s].stride() for s in self.span_slots]
         # Tensors whose layout no copy checks on a save with the cached plan (see
@@ -680,7 +689,9 @@ class StagingFuture(Future):
         except BaseException as error:  # a failed copy fails the future, not the waiter's thread
             with self._finish_lock:
                 if not Future.done(self):
-                    self._pending = self._parts = None
+                    self._pending = None
+                    with self._build_lock:  # a dict made while the copies ran is never handed out
+                        self._parts = self._staged = None
                     self.set_exception(error)
             return
         with self._finish_lock:
@@ -701,6 +712,8 @@ class StagingFuture(Future):
         return super().done()
 
     def result(self, timeout: Optional[float] = None):
+        if not Future.done(self):
+            self._staged_dict()  # made while the copies run: it reads none of their bytes
         self._finish(block=True, timeout=timeout)
         super().result(timeout=None if super().done() else 0)  # raises a failed copy's error, or TimeoutError
         return self._staged_dict()
@@ -827,8 +840,19 @@ class AsyncStager(_StagerProtocol):
                 reused, allocated = self._prepare(fn, buffer_set, plan)
                 held_before = buffer_set.held_bytes
             self._join_growth()
+            # Addresses of the tensors the core copies: compared by the refills of a
+            # set bound to this plan (same_sources), else here, before any copy.
+            same_sources = not checked and self._refills_only(buffer_set, plan)
+            if not checked and not same_sources:
+                try:
+                    moved = not _same_data_ptrs(locals_, plan.ptrs, plan.core_slots)
+                except RuntimeError:  # a tensor without storage: planning names it
+                    moved = True
+                if moved:
+                    thorough = True
+                    continue
             try:
-                timing, copy_seconds = self._enqueue(plan, buffer_set, locals_, checked)
+                timing, copy_seconds = self._enqueue(plan, buffer_set, locals_, checked, same_sources)
             except _Stale:  # a tensor changed under the cached plan; the set is ours, so just redo it
                 thorough = True
                 continue
@@ -963,11 +987,13 @@ class AsyncStager(_StagerProtocol):
     def _resolve(self, fn, state_dict, thorough: bool = False):
         """(leaves, plan, local tensors, checked): reuse the cached tree and plan where they still fit.
 
-        With the same storages as the cached plan and not `thorough`, only the
-        tensors no copy checks are compared here (`_Plan.watched_slots`); the
-        copies check every other one against the buffers they refill and refuse a
-        change (ValueError), and `stage` then plans again with `thorough` set.
-        `checked` says every tensor was compared here.
+        With the cached plan and not `thorough`, only what no copy checks is
+        compared here: the layouts of `_Plan.watched_slots` and the addresses of
+        `_Plan.host_slots`. The copies check every other tensor's layout against
+        the buffers they refill, and its address (same_sources) where they refill
+        a set bound to this plan (else `_stage` compares those addresses); a copy
+        that refuses a tensor raises ValueError, and `stage` then plans again with
+        `thorough` set. `checked` says every tensor was compared here.
         """
         tree = self._tree
         leaves = None
@@ -1003,7 +1029,12 @@ class AsyncStager(_StagerProtocol):
                     and [_layout_of(locals_[s])[1:] for s in plan.watched_slots] != plan.watched_layouts)
                 or (thorough and list(map(_META, locals_)) != plan.meta)
             )
-            moved = not stale and not _same_data_ptrs(locals_, plan.ptrs, plan.ptr_indices)
+            if stale:
+                moved = False
+            elif thorough:
+                moved = not _same_data_ptrs(locals_, plan.ptrs, plan.ptr_indices)
+            else:
+                moved = [_data_ptr(locals_[s]) for s in plan.host_slots] != plan.host_ptrs
         except RuntimeError:  # a tensor without storage (sparse, say): planning checks every tensor and names it
             stale = True
         if stale:
@@ -1013,7 +1044,7 @@ class AsyncStager(_StagerProtocol):
             # aliasing may have changed; keep the plan if it did not.
             fresh = self._new_plan(fn, tree, locals_, specs)
             if fresh.signature == plan.signature and fresh.meta == plan.meta:
-                plan.ptrs = fresh.ptrs
+                plan.ptrs, plan.host_ptrs = fresh.ptrs, fresh.host_ptrs
                 plan.watched_layouts = fresh.watched_layouts
             else:
                 plan = fresh
@@ -1252,11 +1283,21 @@ class AsyncStager(_StagerProtocol):
 
     # ------------------------------------------------------------ copying
 
-    def _enqueue(self, plan: _Plan, buffer_set: _BufferSet, locals_, checked: bool):
+    @staticmethod
+    def _refills_only(buffer_set: _BufferSet, plan: _Plan) -> bool:
+        """Whether every copy of the core's batches refills a handle of `buffer_set`, bound to `plan`."""
+        return buffer_set.plan is plan and all(
+            call[0] == "reuse" for batch, calls in zip(plan.batches, buffer_set.calls) if batch.asynchronous
+            for call in calls
+        )
+
+    def _enqueue(self, plan: _Plan, buffer_set: _BufferSet, locals_, checked: bool, same_sources: bool = False):
         """Enqueue every batch; returns (per-device timed handles, or None on the host; host copy seconds).
 
         Raises _Stale (having enqueued nothing that could harm the set) when a copy
         refuses a tensor that `_resolve` did not compare (`checked` false).
+        `same_sources`: refills also refuse a tensor at another address than the
+        set's last fill (see `_resolve`).
         """
         timing: Dict[Any, list] = {}
         t0 = time.perf_counter()
@@ -1297,7 +1338,8 @@ class AsyncStager(_StagerProtocol):
                 defer = timed and not batch.early
                 for call in buffer_set.calls[number]:
                     try:
-                        handle, fresh = self._run_call(copy, call, sources, buffer_set, checked, timed, defer)
+                        handle, fresh = self._run_call(copy, call, sources, buffer_set, checked, timed, defer,
+                                                       same_sources and batch.asynchronous)
                     except _Stale:
                         for running in handles:  # the retry may pick this set again
                             running.wait()
@@ -1319,21 +1361,24 @@ class AsyncStager(_StagerProtocol):
         return (timing or None), time.perf_counter() - t0
 
     def _run_call(self, copy, call, sources, buffer_set: _BufferSet, checked: bool, timed: bool = False,
-                  defer: bool = False):
+                  defer: bool = False, same_sources: bool = False):
         """Run one copy of a batch; returns (its handle, whether it made new buffers).
 
         `timed`: the core times the copies on the copy stream (`copy_seconds`). `defer`:
         a refill of a part's handle (the steady state) is checked here, source by source,
         and queued by the core's worker thread, which never takes the interpreter lock
         (copy_to_host's defer), so the caller is back before the groups are queued.
+        `same_sources`: a refill also refuses a source at another address than at the
+        set's last fill (copy_to_host's same_sources).
         """
         mode, positions, out, keys = call
         picked = sources if positions is None else _pick(sources, positions)
         extra = {"timing": True} if timed else {}
         if mode != "fresh":
             try:
-                if defer and mode == "reuse":
-                    return copy(picked, out=out, pool=self._pool, defer=True, **extra), False
+                if mode == "reuse" and (defer or same_sources):
+                    return copy(picked, out=out, pool=self._pool, defer=defer, same_sources=same_sources,
+                                **extra), False
                 return copy(picked, out=out, pool=self._pool, **extra), False
             except ValueError:
                 if not checked:
