@@ -390,6 +390,8 @@ c10::Stream pack_stream(const c10::Device& device) {
 // Staging buffers a device-to-host transfer packs into: kSlots of them, reused
 // in turn; packing into a slot waits (on the device) for the DMA that last read it.
 constexpr int kSlots = 3;
+// A deferred copy's groups that the calling thread queues itself (see to_host_deferred).
+constexpr size_t kHeadGroups = 2;
 
 class CopyEngine {
  public:
@@ -460,15 +462,43 @@ class CopyEngine {
     const c10::Device device = tensors[0].device();
     TORCH_CHECK_VALUE(stream.has_value(), fn, ": a copy stream is required for ", device);
     auto job = std::make_unique<DeferredToHost>(std::move(tensors), pool.shared_from_this(), stream, options, device);
+    ToHost& plan = *job->plan;
     // Every check the synchronous path makes, here, so a stale handle raises now.
-    if (!job->plan->plan_reused(*reuse)) {  // a source needs a kernel first: the synchronous way
-      std::vector<at::Tensor> sources = std::move(job->sources);
-      job.reset();
-      TensorSource source(sources);
-      return to_host(source, pool, stream, c10::nullopt, reuse, options);
+    // The first groups are checked and queued by this thread, the way a
+    // synchronous copy queues them, so the copy engine runs while the rest are
+    // checked (~0.1 us a tensor: longer than a 32 MiB DMA for thousands of them).
+    const size_t groups = plan.adopt_groups(*reuse);
+    const size_t head = std::min(groups, kHeadGroups);
+    for (size_t g = 0; g < head; ++g) {
+      if (!plan.check_group(g, *reuse, /*deferred=*/true)) {  // a source needs a kernel first: the synchronous way
+        std::vector<at::Tensor> sources = std::move(job->sources);
+        job.reset();
+        TensorSource source(sources);
+        return to_host(source, pool, stream, c10::nullopt, reuse, options);
+      }
     }
-    job->plan->finish_views(/*into_out=*/false, reuse);
-    job->plan->reserve_slots();
+    // Earlier deferred copies into these buffers are queued before this one's.
+    CopyWorker::instance().wait_idle();
+    size_t checked = head;
+    try {
+      plan.enqueue_here(0, head, *reuse, /*check_from=*/head);
+      while (checked < groups && plan.check_group(checked, *reuse, /*deferred=*/true)) ++checked;
+      if (checked < groups) {
+        // A source needs a new tensor (a kernel this thread orders on the copy
+        // stream): the rest is copied here, as a synchronous copy does.
+        plan.enqueue_here(head, groups, *reuse, /*check_from=*/checked);
+        plan.end_timing();
+        auto result = job->result;
+        hold_sources(*result, job->sources, stream);
+        plan.finish_views(/*into_out=*/false, reuse);
+        return result;
+      }
+    } catch (...) {
+      hold_sources(*job->result, job->sources, stream);  // copies already queued keep their tensors
+      throw;
+    }
+    plan.finish_views(/*into_out=*/false, reuse);
+    plan.reserve_slots();
     // The snapshot point: the worker's copy and pack streams wait on this record.
     job->snapshot.emplace(take_event(device));
     job->snapshot->record(current_stream(device));
@@ -514,6 +544,11 @@ class CopyEngine {
   // A device-to-host transfer holds its sources until its copies complete. They
   // are handed over once queued (or on failure, those converted so far), not
   // before, so the first copy does not wait for thousands of reference counts.
+  static void hold_sources(Transfer& r, std::vector<at::Tensor>& sources, const c10::optional<c10::Stream>& stream) {
+    r.keepalive_.insert(r.keepalive_.end(), sources.begin(), sources.end());
+    r.release_keepalive(stream);
+  }
+
   static void hold_sources(Transfer& r, TensorSource& tensors, bool on_device,
                            const c10::optional<c10::Stream>& stream) {
     if (on_device) {
@@ -650,26 +685,50 @@ class CopyEngine {
       }
     }
 
-    // A deferred copy, in the calling thread: takes the handle's groups and checks
-    // every member against them. False, having queued nothing, where a member
-    // needs a new tensor first (a kernel this thread would have to order).
-    bool plan_reused(const Transfer& reuse) {
+    // A deferred copy, in the calling thread: takes the handle's groups; returns their count.
+    size_t adopt_groups(const Transfer& reuse) {
       r_.groups_ = reuse.groups_;
-      for (const auto& group : r_.groups_) {
-        if (!check_reused(group, reuse, /*deferred=*/true)) return false;
+      return r_.groups_.size();
+    }
+
+    // A deferred copy, in the calling thread: checks the members of group `g`
+    // against the handle. False where a member needs a new tensor first (a
+    // kernel this thread would have to order); its earlier members stay checked.
+    bool check_group(size_t g, const Transfer& reuse, bool deferred) {
+      return check_reused(r_.groups_[g], reuse, deferred);
+    }
+
+    // A deferred copy, in the calling thread: queues groups [from, to) on the copy
+    // stream as run() does, checking those from `check_from` on first (the
+    // synchronous way: a source that needs a new tensor gets it on the copy stream).
+    // The first call orders the copy stream after the caller's work so far and
+    // starts the timing; guards are local (the worker may finish this plan).
+    void enqueue_here(size_t from, size_t to, const Transfer& reuse, size_t check_from) {
+      if (from >= to) return;
+      c10::DeviceGuard on_device(device_);
+      if (!caller_) {
+        caller_ = current_stream(device_);
+        wait_for_caller(*stream_);
+        start_timing();
       }
-      return true;
+      c10::StreamGuard on_copy(*stream_);
+      for (size_t g = from; g < to; ++g) {
+        if (g >= check_from) check_reused(r_.groups_[g], reuse, /*deferred=*/false);
+        enqueue(r_.groups_[g]);
+      }
+      queued_groups_ = to;
     }
 
     // A deferred copy, on the copy worker: the copy and pack streams wait on the
-    // caller's `snapshot` event, then the groups are queued as run() queues them.
+    // caller's `snapshot` event, then the groups the caller did not queue are
+    // queued as run() queues them.
     void enqueue_reused(const c10::Event& snapshot) {
       c10::DeviceGuard on_device(device_);
       snapshot_ = &snapshot;
       wait_for_caller(*stream_);
       c10::StreamGuard on_copy(*stream_);
-      start_timing();
-      for (auto& group : r_.groups_) enqueue(group);
+      if (queued_groups_ == 0) start_timing();
+      for (size_t g = queued_groups_; g < r_.groups_.size(); ++g) enqueue(r_.groups_[g]);
       end_timing();
     }
 
@@ -800,6 +859,7 @@ class CopyEngine {
       const Transfer::SourceKeys* keys = reuse.source_keys_.get();
       const c10::DeviceType type = tensors_[0].device().type();
       for (int64_t i : group.members) {
+        if (prepared_[i].base.defined()) continue;  // checked by an earlier call (see check_group)
         const at::Tensor& t = tensors_[i];
         check_source(fn, static_cast<size_t>(i), t, type, tensors_[0]);
         const Transfer::SourceKeys::Key* key = keys ? &keys->keys[i] : nullptr;
@@ -978,6 +1038,7 @@ class CopyEngine {
     int64_t packed_groups_ = 0;
     bool unsynced_prepared_work_ = false;
     const c10::Event* snapshot_ = nullptr;  // a deferred copy's snapshot (its job owns it)
+    size_t queued_groups_ = 0;              // a deferred copy: groups the calling thread queued
     std::chrono::steady_clock::time_point host_start_;
   };
 

@@ -503,6 +503,33 @@ def test_copy_defer_of_sources_that_need_a_new_tensor_runs_at_once(backend, devi
         assert_bitwise(src, h)
 
 
+def test_copy_defer_late_groups_are_checked_while_the_first_copy(backend, device):
+    """A deferred refill's first groups are queued by the calling thread, which checks
+    the rest meanwhile: a stale source in a late group still raises before the call
+    returns, a late source that needs a new tensor is copied at once, and every copy
+    (and the next refill of the same buffers) is bitwise."""
+    sources = [random_tensor((64 << 10,), torch.float32, device) for _ in range(40)]  # 256 KiB each
+    base = random_tensor((64, 2048), torch.float32, device)
+    sources.append(base[:, ::2].contiguous())
+    first = offload.copy_to_host(sources, group_bytes=1 << 20)  # four tensors a group: eleven groups
+    first.wait()
+    stale = sources[:40] + [torch.ones(5, device=device)]
+    with pytest.raises(ValueError, match=r"tensors\[40\]"):
+        offload.copy_to_host(stale, out=first, defer=True, timing=True)
+    gapped = sources[:40] + [base[:, ::2]]  # not dense: made contiguous on the copy stream
+    torch._foreach_add_(sources, 1.0)
+    base.add_(1.0)
+    handle = offload.copy_to_host(gapped, out=first, defer=True, timing=True)
+    for src, h in zip(gapped, handle.wait()):
+        assert_bitwise(src, h)
+    assert isinstance(handle.copy_seconds(), float)
+    torch._foreach_mul_(sources, 2.0)
+    handle = offload.copy_to_host(sources, out=first, defer=True, timing=True)
+    for src, h in zip(sources, handle.wait()):
+        assert_bitwise(src, h)
+    assert handle.copy_seconds() > 0
+
+
 def test_copy_seconds_of_a_timed_copy(backend, device):
     sources, first = _refill_handle(device)
     with pytest.raises(ValueError, match=r"offload.CopyHandle.copy_seconds: this copy was not timed"):
