@@ -479,6 +479,12 @@ class CopyEngine {
     }
     // Earlier deferred copies into these buffers are queued before this one's.
     CopyWorker::instance().wait_idle();
+    // The snapshot point: every group, queued here or by the worker, is copied
+    // after the caller's work up to this record (the copy and pack streams wait
+    // on it), so work another thread queues on that stream meanwhile is in none.
+    job->snapshot.emplace(take_event(device));
+    job->snapshot->record(current_stream(device));
+    plan.set_snapshot(*job->snapshot);
     size_t checked = head;
     try {
       plan.enqueue_here(0, head, *reuse, /*check_from=*/head);
@@ -488,20 +494,17 @@ class CopyEngine {
         // stream): the rest is copied here, as a synchronous copy does.
         plan.enqueue_here(head, groups, *reuse, /*check_from=*/checked);
         plan.end_timing();
+        plan.finish_views(/*into_out=*/false, reuse);
         auto result = job->result;
         hold_sources(*result, job->sources, stream);
-        plan.finish_views(/*into_out=*/false, reuse);
         return result;
       }
+      plan.finish_views(/*into_out=*/false, reuse);
+      plan.reserve_slots();
     } catch (...) {
       hold_sources(*job->result, job->sources, stream);  // copies already queued keep their tensors
       throw;
     }
-    plan.finish_views(/*into_out=*/false, reuse);
-    plan.reserve_slots();
-    // The snapshot point: the worker's copy and pack streams wait on this record.
-    job->snapshot.emplace(take_event(device));
-    job->snapshot->record(current_stream(device));
     auto result = job->result;
     result->deferred_ = std::make_shared<Transfer::Deferred>();
     CopyWorker::instance().submit(std::move(job));
@@ -698,16 +701,18 @@ class CopyEngine {
       return check_reused(r_.groups_[g], reuse, deferred);
     }
 
+    // A deferred copy: the event the copy and pack streams wait on (its job owns it).
+    void set_snapshot(const c10::Event& snapshot) { snapshot_ = &snapshot; }
+
     // A deferred copy, in the calling thread: queues groups [from, to) on the copy
     // stream as run() does, checking those from `check_from` on first (the
     // synchronous way: a source that needs a new tensor gets it on the copy stream).
-    // The first call orders the copy stream after the caller's work so far and
-    // starts the timing; guards are local (the worker may finish this plan).
+    // The first call makes the copy stream wait on the snapshot and starts the
+    // timing; guards are local (the worker may finish this plan).
     void enqueue_here(size_t from, size_t to, const Transfer& reuse, size_t check_from) {
       if (from >= to) return;
       c10::DeviceGuard on_device(device_);
-      if (!caller_) {
-        caller_ = current_stream(device_);
+      if (queued_groups_ == 0) {
         wait_for_caller(*stream_);
         start_timing();
       }
@@ -812,7 +817,7 @@ class CopyEngine {
       auto keys = std::make_shared<Transfer::SourceKeys>(n_);
       for (size_t i = 0; i < n_; ++i) {
         const Prepared& p = prepared_[i];
-        if (!p.base.defined()) continue;  // empty: in no group
+        if (!p.base.defined()) continue;  // not prepared: nothing to record
         const at::Tensor& t = tensors_[i];
         auto& key = keys->keys[i];
         // Its host base has its strides: a refill with the same sizes matches it only if contiguous too.

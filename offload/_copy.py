@@ -184,9 +184,11 @@ def copy_to_host(
         timing: time the copies on the copy stream; read with `handle.copy_seconds()`.
         same_sources: with `out=<CopyHandle>` (made without `out`): every tensor must
             be at the address (`data_ptr()`) of the tensor it replaces when those
-            buffers were last filled, else ValueError before anything is copied. For a
-            caller whose own bookkeeping rests on those addresses (which tensors
-            share memory), so it need not read thousands of them itself.
+            buffers were last filled, else ValueError. For a caller whose own
+            bookkeeping rests on those addresses (which tensors share memory), so it
+            need not read thousands of them itself. As with any check a refill fails,
+            copies of groups already queued (the first ones, which the core queues
+            while it checks the rest) still land: the buffers may hold a mix.
 
     The copy starts after all work already queued on the current stream, so it sees
     the values as of this call. Sources are protected from reuse until it completes.

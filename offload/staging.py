@@ -233,6 +233,9 @@ class _Plan:
         self.meta = list(map(_META, locals_))
         self.ptrs = list(map(_data_ptr, locals_))
         self.ptr_indices = list(range(len(locals_)))  # for _same_data_ptrs
+        # Bumped when `ptrs` move to new storages with the plan kept: a set filled
+        # under another version has its own record of the addresses (same_sources).
+        self.ptrs_version = 0
         self.specs = specs
         self.units: List[_Unit] = []
         compute = _device.compute_device_type()
@@ -409,6 +412,7 @@ class _BufferSet:
         self.index = index
         self.block_bytes = block_bytes  # the pool's HostPool.block_bytes: what a block of n bytes takes from it
         self.plan: Optional[_Plan] = None
+        self.ptrs_version = -1  # the plan's ptrs_version at the set's last fill
         self.buffers: Dict[Any, torch.Tensor] = {}  # unit key -> the engine's host tensor for it
         self.parts: Dict[Tuple, Any] = {}  # unit keys (source order) -> the handle of their fresh copy
         # Per batch, the copies one save runs: [mode, source positions (None: all),
@@ -856,6 +860,7 @@ class AsyncStager(_StagerProtocol):
             except _Stale:  # a tensor changed under the cached plan; the set is ours, so just redo it
                 thorough = True
                 continue
+            buffer_set.ptrs_version = plan.ptrs_version
             if self._limit and buffer_set.held_bytes > held_before and self.host_bytes() > self._limit:
                 self._over_limit(fn, buffer_set, plan, new_set=len(self._sets) > ring)
                 continue  # another set of the ring takes the save (_acquire_set waits or raises)
@@ -1045,6 +1050,7 @@ class AsyncStager(_StagerProtocol):
             fresh = self._new_plan(fn, tree, locals_, specs)
             if fresh.signature == plan.signature and fresh.meta == plan.meta:
                 plan.ptrs, plan.host_ptrs = fresh.ptrs, fresh.host_ptrs
+                plan.ptrs_version += 1
                 plan.watched_layouts = fresh.watched_layouts
             else:
                 plan = fresh
@@ -1285,8 +1291,10 @@ class AsyncStager(_StagerProtocol):
 
     @staticmethod
     def _refills_only(buffer_set: _BufferSet, plan: _Plan) -> bool:
-        """Whether every copy of the core's batches refills a handle of `buffer_set`, bound to `plan`."""
-        return buffer_set.plan is plan and all(
+        """Whether every copy of the core's batches refills a handle of `buffer_set`, bound to
+        `plan` and last filled from the addresses the plan holds now (so the core's record of
+        them is the plan's)."""
+        return buffer_set.plan is plan and buffer_set.ptrs_version == plan.ptrs_version and all(
             call[0] == "reuse" for batch, calls in zip(plan.batches, buffer_set.calls) if batch.asynchronous
             for call in calls
         )
@@ -1294,8 +1302,10 @@ class AsyncStager(_StagerProtocol):
     def _enqueue(self, plan: _Plan, buffer_set: _BufferSet, locals_, checked: bool, same_sources: bool = False):
         """Enqueue every batch; returns (per-device timed handles, or None on the host; host copy seconds).
 
-        Raises _Stale (having enqueued nothing that could harm the set) when a copy
-        refuses a tensor that `_resolve` did not compare (`checked` false).
+        Raises _Stale when a copy refuses a tensor that `_resolve` did not compare
+        (`checked` false), having enqueued nothing that could harm the set: copies
+        already queued write only this set's buffers, and the retry refills them
+        after those copies, on the same stream.
         `same_sources`: refills also refuse a tensor at another address than the
         set's last fill (see `_resolve`).
         """
@@ -1419,7 +1429,11 @@ def _resolve_timing(record: dict) -> None:
         # Per device, its copies run one after another on its copy stream: their sum.
         per_device = []
         for handles in timing.values():
-            seconds = [handle.copy_seconds() for handle in handles]
+            try:
+                seconds = [handle.copy_seconds() for handle in handles]
+            except Exception:  # noqa: BLE001 - a failed copy: its save's future raises the error
+                record["_timing"] = None
+                return
             if None in seconds:
                 return  # not complete yet (copy_seconds never waits)
             per_device.append(sum(seconds))

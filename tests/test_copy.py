@@ -410,8 +410,8 @@ def test_copy_to_host_refill_checks_strides_as_well_as_sizes(backend, device):
 
 @pytest.mark.parametrize("defer", [False, True])
 def test_copy_to_host_same_sources(backend, device, defer):
-    """same_sources=True refuses a source at another address than the buffers' last fill,
-    before copying anything; a refill without it moves that origin."""
+    """same_sources=True refuses a source at another address than the buffers' last fill;
+    a refill without it moves that origin."""
     sources = [torch.randn(300 + i, device=device) for i in range(5)]
     first = offload.copy_to_host(sources)
     first.wait()
@@ -423,7 +423,7 @@ def test_copy_to_host_same_sources(backend, device, defer):
     moved[3] = sources[3] + 1  # same shape and dtype, other memory
     with pytest.raises(ValueError, match=r"same_sources=True, but tensors\[3\] is at 0x[0-9a-f]+ while the buffers"):
         offload.copy_to_host(moved, out=first, same_sources=True, defer=defer)
-    assert all(torch.equal(h, b) for h, b in zip(first.tensors, before))  # nothing was copied
+    assert all(torch.equal(h, b) for h, b in zip(first.tensors, before))  # one group, checked before it was queued: nothing copied
     refill = offload.copy_to_host(moved, out=first, defer=defer)  # not checked: the new origin
     refill.wait()
     assert torch.equal(refill.tensors[3], moved[3].cpu())

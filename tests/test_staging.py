@@ -1023,3 +1023,39 @@ def test_staging_steady_saves_leave_the_address_check_to_the_copies(backend, dev
     assert {s for s, flag in same_sources if flag} == {1, 2, 3, 4, 5}  # save 3: its first try
     assert [flag for s, flag in same_sources if s == 3] == [True, False]
     assert [r["buffers_allocated"] for r in stager.metrics()] == [50, 0, 0, 0, 0, 0]
+
+
+def test_staging_ring_sets_keep_their_own_record_of_addresses(backend, device):
+    """With two sets, a set refilled after the plan's addresses moved (on a save into the
+    other set) is not checked against its own older record alone: a tied pair untied back
+    onto the first set's old address is seen, and staged untied."""
+    stager = offload.AsyncStager(ring_size=2)
+    t_a, t_b = torch.full((4,), 1.0, device=device), torch.full((4,), 2.0, device=device)
+    w = torch.ones(8, device=device)
+    first = stager.stage({"a": t_a, "b": t_a, "w": w}).result()  # set 0
+    second_state = {"a": t_b, "b": t_b, "w": w}
+    second = stager.stage(second_state).result()  # set 1 (set 0 is held): tied again, at new addresses
+    _assert_same(second, _snapshot(second_state))
+    del first  # set 0 free, set 1 held
+    third_state = {"a": t_a, "b": t_b, "w": w}  # untied: a back where set 0 saw it
+    third = stager.stage(third_state).result()
+    _assert_same(third, _snapshot(third_state))
+    assert third["a"] is not third["b"]
+    assert [m["set"] for m in stager.metrics()] == [0, 1, 0]
+    del second, third
+    stager.close()
+
+
+def test_staging_timing_of_a_failed_copy_is_dropped():
+    """A copy that failed on the core's worker raises from its handle's copy_seconds(); the
+    save's future reports that error, and its metrics record drops the timing instead of
+    raising it again from every later stage(), metrics() and close()."""
+    from offload import staging
+
+    class Failed:
+        def copy_seconds(self):
+            raise RuntimeError("offload: the copy worker failed")
+
+    record = {"_timing": {"cuda:0": [Failed()]}, "copy_ms": None, "gbps": None, "bytes": 1 << 20}
+    staging._resolve_timing(record)
+    assert record["_timing"] is None and record["copy_ms"] is None and record["gbps"] is None
