@@ -452,7 +452,7 @@ class CopyEngine {
     const c10::DeviceType expected = pool.device_type();
     // Where there is nothing to defer, the copy runs here (transfer.h says why).
     // As in to_host, tensors[0] is checked against the pool here and every other
-    // tensor against tensors[0] once, when plan_reused checks it against the handle.
+    // tensor against tensors[0] once, when check_group checks it against the handle.
     if (n > 0) check_source(fn, 0, tensors[0], expected, tensors[0]);
     if (n == 0 || reuse->groups_.empty() || tensors[0].is_cpu()) {
       TensorSource source(tensors);
@@ -547,18 +547,15 @@ class CopyEngine {
   // A device-to-host transfer holds its sources until its copies complete. They
   // are handed over once queued (or on failure, those converted so far), not
   // before, so the first copy does not wait for thousands of reference counts.
-  static void hold_sources(Transfer& r, std::vector<at::Tensor>& sources, const c10::optional<c10::Stream>& stream) {
+  static void hold_sources(Transfer& r, const std::vector<at::Tensor>& sources,
+                           const c10::optional<c10::Stream>& stream) {
     r.keepalive_.insert(r.keepalive_.end(), sources.begin(), sources.end());
     r.release_keepalive(stream);
   }
 
   static void hold_sources(Transfer& r, TensorSource& tensors, bool on_device,
                            const c10::optional<c10::Stream>& stream) {
-    if (on_device) {
-      const auto& sources = tensors.converted();
-      r.keepalive_.insert(r.keepalive_.end(), sources.begin(), sources.end());
-    }
-    r.release_keepalive(stream);
+    hold_sources(r, on_device ? tensors.converted() : std::vector<at::Tensor>(), stream);
   }
 
   static void check_same_sources(const CopyOptions& options, const std::shared_ptr<Transfer>& reuse) {
@@ -875,7 +872,7 @@ class CopyEngine {
           r_.nbytes_ += prepared_[i].nbytes;
         } else {
           if (deferred && needs_new_tensor(t)) return false;
-          prepare_member(i);
+          prepare_checked_member(i);
           const at::Tensor& host = reuse.host_bases_[i];
           TORCH_CHECK_VALUE(same_layout(host, prepared_[i].base), fn, ": out (a CopyHandle) was made for tensors[", i,
                             "] with ", describe(host), " and strides ", host.strides(), " but tensors[", i,
@@ -898,6 +895,11 @@ class CopyEngine {
     int64_t prepare_member(int64_t i) {
       check_source("offload.copy_to_host", static_cast<size_t>(i), tensors_[i], tensors_[0].device().type(),
                    tensors_[0]);
+      return prepare_checked_member(i);
+    }
+
+    // prepare_member for a source check_source has passed.
+    int64_t prepare_checked_member(int64_t i) {
       prepared_[i] = prepare(tensors_[i], /*allow_contiguous=*/true);
       if (prepared_[i].made_contiguous && !prepared_[i].resolved) {
         r_.restore_[i] = Transfer::Strides(tensors_[i].sizes().vec(), tensors_[i].strides().vec());

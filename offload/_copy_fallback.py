@@ -26,7 +26,7 @@ from ._layout import compact, dense_view, is_dense
 class PyTransfer:
     """The fallback's in-flight transfer (the native one is offload._C.Transfer)."""
 
-    def __init__(self, device, outputs, event, nbytes, restore, timing=None):
+    def __init__(self, device, outputs, event, nbytes, restore, timing=None, origins=None):
         self._device = device
         self._outputs = outputs
         self._event = event  # recorded on the copy stream after the last copy; None on CPU
@@ -35,7 +35,7 @@ class PyTransfer:
         # copy_to_host(timing=True): (start, end) timing events on the copy stream,
         # or the seconds of the synchronous host copies; None when not timed.
         self._timing = timing
-        self._origins = None  # copy_to_host without out: set there (same_sources)
+        self._origins = origins  # copy_to_host without out: where the sources were at the last fill
 
     def tensors(self) -> List[torch.Tensor]:
         return self._outputs
@@ -152,7 +152,7 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
         now = [t.data_ptr() for t in tensors]
         if same_sources:
             for i, (was, at) in enumerate(zip(origins, now)):
-                if _t_nbytes(tensors[i]) and was != at:
+                if tensors[i].nbytes and was != at:
                     raise ValueError(f"{fn}: same_sources=True, but tensors[{i}] is at {at:#x} while the buffers "
                                      f"of out (a CopyHandle) were last filled from {was:#x}")
     device = tensors[0].device if tensors else _device.current_device()
@@ -201,13 +201,7 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
         timed = (timed_from, end) if on_accel else time.perf_counter() - host_start
     if out_handle is not None and origins is not None:
         origins[:] = now  # copied: the buffers' new origin
-    transfer = PyTransfer(device, outputs, end, nbytes, restore, timed)
-    transfer._origins = origins
-    return transfer
-
-
-def _t_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return PyTransfer(device, outputs, end, nbytes, restore, timed, origins)
 
 
 def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:

@@ -115,6 +115,9 @@ def _same_data_ptrs(tensors: List[torch.Tensor], ptrs: List[int], indices: List[
     RuntimeError for a tensor without storage."""
     if len(tensors) != len(ptrs):
         return False
+    if len(indices) * 8 < len(tensors):
+        # A few (often none): torch's helper would convert every tensor of the list.
+        return all(_data_ptr(tensors[i]) == ptrs[i] for i in indices)
     if _ptrs_at_equal is not None:
         return _ptrs_at_equal(tensors, ptrs, indices)
     if len(indices) == len(tensors):
@@ -276,7 +279,6 @@ class _Plan:
         core = {u.slots[0] for b in self.batches if b.asynchronous for u in b.units if u.kind == "tensor" and u.nbytes}
         self.core_slots = sorted(core)
         self.host_slots = [s for s in range(len(locals_)) if s not in core]
-        self.host_ptrs = [self.ptrs[s] for s in self.host_slots]
         self.span_slots = [s for u in self.units if u.kind == "span" for s in u.slots]
         self.span_strides = [locals_[s].stride() for s in self.span_slots]
         # Tensors whose layout no copy checks on a save with the cached plan (see
@@ -1039,7 +1041,7 @@ class AsyncStager(_StagerProtocol):
             elif thorough:
                 moved = not _same_data_ptrs(locals_, plan.ptrs, plan.ptr_indices)
             else:
-                moved = [_data_ptr(locals_[s]) for s in plan.host_slots] != plan.host_ptrs
+                moved = bool(plan.host_slots) and not _same_data_ptrs(locals_, plan.ptrs, plan.host_slots)
         except RuntimeError:  # a tensor without storage (sparse, say): planning checks every tensor and names it
             stale = True
         if stale:
@@ -1049,7 +1051,7 @@ class AsyncStager(_StagerProtocol):
             # aliasing may have changed; keep the plan if it did not.
             fresh = self._new_plan(fn, tree, locals_, specs)
             if fresh.signature == plan.signature and fresh.meta == plan.meta:
-                plan.ptrs, plan.host_ptrs = fresh.ptrs, fresh.host_ptrs
+                plan.ptrs = fresh.ptrs
                 plan.ptrs_version += 1
                 plan.watched_layouts = fresh.watched_layouts
             else:
@@ -1385,11 +1387,11 @@ class AsyncStager(_StagerProtocol):
         picked = sources if positions is None else _pick(sources, positions)
         extra = {"timing": True} if timed else {}
         if mode != "fresh":
+            options = extra
+            if mode == "reuse" and (defer or same_sources):  # copy_to_host's only (_copy_on_host takes neither)
+                options = dict(extra, defer=defer, same_sources=same_sources)
             try:
-                if mode == "reuse" and (defer or same_sources):
-                    return copy(picked, out=out, pool=self._pool, defer=defer, same_sources=same_sources,
-                                **extra), False
-                return copy(picked, out=out, pool=self._pool, **extra), False
+                return copy(picked, out=out, pool=self._pool, **options), False
             except ValueError:
                 if not checked:
                     raise _Stale() from None
