@@ -288,8 +288,11 @@ size_t HostPool::trim() {
   return trim_locked();
 }
 
-HostPoolStats HostPool::stats() const {
+HostPoolStats HostPool::stats() {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Blocks whose copies are done are free to serve the next acquire: callers that
+  // size a reserve() from free_bytes (the stager's first save) must see them.
+  process_pending_locked(/*wait=*/false);
   HostPoolStats out = stats_;
   out.limit_bytes = limit_bytes_;
   out.pending_blocks = pending_.size();
@@ -334,7 +337,7 @@ void bind_host_pool(pybind11::module_& m) {
       .def("limit", &HostPool::limit)
       .def("set_limit", &HostPool::set_limit, py::arg("limit_bytes"))
       .def_static("size_class", &HostPool::size_class, py::arg("nbytes"))
-      .def("stats", [](const HostPool& pool) {
+      .def("stats", [](HostPool& pool) {
         const HostPoolStats s = pool.stats();
         py::dict d;
         d["reserved_bytes"] = s.reserved_bytes;

@@ -159,6 +159,11 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
     on_accel = _device.is_accelerator(device)
     copy_stream = (stream or _device.copy_streams(device)[0]) if on_accel else None
 
+    if on_accel and any(t.is_conj() or t.is_neg() for t in tensors):
+        # copy_ applies a conj/neg flag to its target after the copy; for a pinned
+        # target that happens on the host, before a non_blocking DMA has landed.
+        # Resolve the flags on the device instead, on the caller's stream.
+        tensors = [t.resolve_conj().resolve_neg() for t in tensors]
     # Sources that are neither dense nor broadcast are made contiguous on the
     # caller's stream, before the start event, so the copy stream sees them.
     bases, expanded, restore = [], [], []

@@ -232,7 +232,11 @@ OFFLOAD_TEST(block_is_not_reused_before_the_copies_recorded_on_it_complete) {
   at::Tensor b = pool->allocate(4096);  // the same class: must not get the block still being read
   REQUIRE(address(b) != where);
   b.reset();
+  const size_t free_before = pool->stats().free_bytes;  // b's block only: a's copies still run
   scripted::log().complete_all();
+  // stats() itself sees that the copies are done (a reserve sized from free_bytes relies on it).
+  REQUIRE_EQ(pool->stats().pending_blocks, size_t(0));
+  REQUIRE_EQ(pool->stats().free_bytes, free_before + offload::HostPool::size_class(4096));
   at::Tensor c = pool->allocate(4096);  // both copies done: the block is free again
   at::Tensor d = pool->allocate(4096);
   REQUIRE(address(c) == where || address(d) == where);

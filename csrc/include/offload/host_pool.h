@@ -54,7 +54,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   bool owns(const at::Tensor& tensor) const;
   void reserve(size_t nbytes);
   size_t trim();
-  HostPoolStats stats() const;
+  // Counts a block whose recorded copies have completed as free (it polls their events).
+  HostPoolStats stats();
   bool pinned() const { return pinner_ != nullptr; }
   c10::DeviceType device_type() const { return device_type_; }
   size_t limit() const;
