@@ -390,8 +390,13 @@ c10::Stream pack_stream(const c10::Device& device) {
 // Staging buffers a device-to-host transfer packs into: kSlots of them, reused
 // in turn; packing into a slot waits (on the device) for the DMA that last read it.
 constexpr int kSlots = 3;
-// A deferred copy's groups that the calling thread queues itself (see to_host_deferred).
+// A deferred copy's groups that the calling thread queues itself (see to_host_deferred):
+// at least kHeadGroups, and enough that their DMA outlasts what the thread does
+// next, converting and checking every other source (~0.15-0.25 us each on the
+// H100's host), so the copy engine does not idle before the worker takes over.
+// 16 KiB per source is ~0.3 us of DMA at 55 GB/s.
 constexpr size_t kHeadGroups = 2;
+constexpr int64_t kHeadBytesPerSource = int64_t(16) << 10;
 
 class CopyEngine {
  public:
@@ -440,41 +445,48 @@ class CopyEngine {
   }
 
   // ------------------------------------------- device -> host, queued by the worker
-  static std::shared_ptr<Transfer> to_host_deferred(std::vector<at::Tensor> tensors, HostPool& pool,
+  static std::shared_ptr<Transfer> to_host_deferred(std::unique_ptr<TensorSource> owned, HostPool& pool,
                                                     const c10::optional<c10::Stream>& stream,
                                                     const std::shared_ptr<Transfer>& reuse,
-                                                    const CopyOptions& options) {
+                                                    const CopyOptions& options,
+                                                    const std::function<void()>& converted) {
     const char* fn = "offload.copy_to_host";
     TORCH_CHECK_VALUE(reuse != nullptr, fn, ": defer=True needs out=<CopyHandle> (an earlier copy_to_host of "
                       "tensors of the same shapes and dtypes, whose host buffers it refills), got none");
     check_same_sources(options, reuse);
+    TensorSource& tensors = *owned;
     const size_t n = tensors.size();
     const c10::DeviceType expected = pool.device_type();
+    // Every source converted, then the caller told (transfer.h): nothing converts after.
+    auto finish_conversion = [&tensors, &converted] {
+      tensors.convert_all();
+      if (converted) converted();
+    };
     // Where there is nothing to defer, the copy runs here (transfer.h says why).
     // As in to_host, tensors[0] is checked against the pool here and every other
     // tensor against tensors[0] once, when check_group checks it against the handle.
     if (n > 0) check_source(fn, 0, tensors[0], expected, tensors[0]);
     if (n == 0 || reuse->groups_.empty() || tensors[0].is_cpu()) {
-      TensorSource source(tensors);
-      return to_host(source, pool, stream, c10::nullopt, reuse, options);
+      finish_conversion();
+      return to_host(tensors, pool, stream, c10::nullopt, reuse, options);
     }
     check_reuse_count(*reuse, n);
     const c10::Device device = tensors[0].device();
     TORCH_CHECK_VALUE(stream.has_value(), fn, ": a copy stream is required for ", device);
-    auto job = std::make_unique<DeferredToHost>(std::move(tensors), pool.shared_from_this(), stream, options, device);
+    auto job = std::make_unique<DeferredToHost>(std::move(owned), pool.shared_from_this(), stream, options, device);
     ToHost& plan = *job->plan;
     // Every check the synchronous path makes, here, so a stale handle raises now.
     // The first groups are checked and queued by this thread, the way a
     // synchronous copy queues them, so the copy engine runs while the rest are
-    // checked (~0.1 us a tensor: longer than a 32 MiB DMA for thousands of them).
+    // converted and checked (kHeadBytesPerSource).
     const size_t groups = plan.adopt_groups(*reuse);
-    const size_t head = std::min(groups, kHeadGroups);
+    const size_t head = plan.head_groups(kHeadGroups, static_cast<int64_t>(n) * kHeadBytesPerSource);
     for (size_t g = 0; g < head; ++g) {
       if (!plan.check_group(g, *reuse, /*deferred=*/true)) {  // a source needs a kernel first: the synchronous way
-        std::vector<at::Tensor> sources = std::move(job->sources);
+        std::unique_ptr<TensorSource> source = std::move(job->source);
         job.reset();
-        TensorSource source(sources);
-        return to_host(source, pool, stream, c10::nullopt, reuse, options);
+        finish_conversion();
+        return to_host(*source, pool, stream, c10::nullopt, reuse, options);
       }
     }
     // Earlier deferred copies into these buffers are queued before this one's.
@@ -488,6 +500,7 @@ class CopyEngine {
     size_t checked = head;
     try {
       plan.enqueue_here(0, head, *reuse, /*check_from=*/head);
+      finish_conversion();
       while (checked < groups && plan.check_group(checked, *reuse, /*deferred=*/true)) ++checked;
       if (checked < groups) {
         // A source needs a new tensor (a kernel this thread orders on the copy
@@ -496,13 +509,13 @@ class CopyEngine {
         plan.end_timing();
         plan.finish_views(/*into_out=*/false, reuse);
         auto result = job->result;
-        hold_sources(*result, job->sources, stream);
+        hold_sources(*result, job->source->converted(), stream);
         return result;
       }
       plan.finish_views(/*into_out=*/false, reuse);
       plan.reserve_slots();
     } catch (...) {
-      hold_sources(*job->result, job->sources, stream);  // copies already queued keep their tensors
+      hold_sources(*job->result, job->source->converted(), stream);  // copies already queued keep their tensors
       throw;
     }
     auto result = job->result;
@@ -689,6 +702,15 @@ class CopyEngine {
     size_t adopt_groups(const Transfer& reuse) {
       r_.groups_ = reuse.groups_;
       return r_.groups_.size();
+    }
+
+    // A deferred copy, in the calling thread: how many of the adopted groups it
+    // queues itself: at least `min_groups`, and then until they hold `min_bytes`.
+    size_t head_groups(size_t min_groups, int64_t min_bytes) const {
+      size_t g = 0;
+      int64_t bytes = 0;
+      while (g < r_.groups_.size() && (g < min_groups || bytes < min_bytes)) bytes += r_.groups_[g++].bytes;
+      return g;
     }
 
     // A deferred copy, in the calling thread: checks the members of group `g`
@@ -1053,11 +1075,11 @@ class CopyEngine {
   // queued (transfer.h says who owns what). Members that ToHost refers to are
   // declared before it and never move (the job lives on the heap).
   struct DeferredToHost final : DeferredWork {
-    DeferredToHost(std::vector<at::Tensor>&& tensors, std::shared_ptr<HostPool> pool_,
+    DeferredToHost(std::unique_ptr<TensorSource> tensors, std::shared_ptr<HostPool> pool_,
                    const c10::optional<c10::Stream>& stream_, const CopyOptions& options_, const c10::Device& device)
-        : sources(std::move(tensors)), source(sources), pool(std::move(pool_)), stream(stream_),
+        : source(std::move(tensors)), pool(std::move(pool_)), stream(stream_),
           options(options_), result(std::make_shared<Transfer>(device)),
-          plan(std::make_unique<ToHost>(source, *pool, stream, options, *result, /*on_device=*/true)) {}
+          plan(std::make_unique<ToHost>(*source, *pool, stream, options, *result, /*on_device=*/true)) {}
 
     std::exception_ptr run() noexcept override {
       std::exception_ptr error;
@@ -1070,6 +1092,7 @@ class CopyEngine {
         // Moved, not copied: the worker changes no reference count it could
         // take to zero. Copies already queued keep their sources, as in to_host.
         Transfer& r = *result;
+        std::vector<at::Tensor> sources = source->take();  // converted by the caller (to_host_deferred)
         r.keepalive_.insert(r.keepalive_.end(), std::make_move_iterator(sources.begin()),
                             std::make_move_iterator(sources.end()));
         r.release_keepalive(stream, /*drain=*/false);
@@ -1083,8 +1106,7 @@ class CopyEngine {
 
     std::shared_ptr<Transfer::Deferred> state() const override { return result->deferred_; }
 
-    std::vector<at::Tensor> sources;
-    TensorSource source;  // borrows `sources`
+    std::unique_ptr<TensorSource> source;  // every tensor converted before the job is submitted
     std::shared_ptr<HostPool> pool;
     c10::optional<c10::Stream> stream;
     CopyOptions options;
@@ -1298,11 +1320,19 @@ std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, H
   return CopyEngine::to_host(source, pool, stream, out, out_transfer, options);
 }
 
+std::shared_ptr<Transfer> copy_to_host_deferred(std::unique_ptr<TensorSource> tensors, HostPool& pool,
+                                                const c10::optional<c10::Stream>& stream,
+                                                const std::shared_ptr<Transfer>& out_transfer,
+                                                const CopyOptions& options, const std::function<void()>& converted) {
+  return CopyEngine::to_host_deferred(std::move(tensors), pool, stream, out_transfer, options, converted);
+}
+
 std::shared_ptr<Transfer> copy_to_host_deferred(std::vector<at::Tensor> tensors, HostPool& pool,
                                                 const c10::optional<c10::Stream>& stream,
                                                 const std::shared_ptr<Transfer>& out_transfer,
                                                 const CopyOptions& options) {
-  return CopyEngine::to_host_deferred(std::move(tensors), pool, stream, out_transfer, options);
+  return CopyEngine::to_host_deferred(TensorSource::owning(std::move(tensors)), pool, stream, out_transfer, options,
+                                      {});
 }
 
 std::shared_ptr<Transfer> copy_to_device(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
@@ -1426,15 +1456,18 @@ void bind_copy_engine(py::module_& m) {
           options.group_bytes = group_bytes;
           options.timing = timing;
           options.same_sources = same_sources;
-          if (defer) {  // converted whole here, with the GIL: the worker never takes it
+          if (defer) {
             TORCH_CHECK_VALUE(!out.has_value(), "offload.copy_to_host: defer=True takes out=<CopyHandle>, "
                               "not a list of tensors");
-            std::vector<at::Tensor> all;
-            all.reserve(tensors.size());
-            lazy_conversion(tensors)(all, tensors.size());
             collect_with_gil();  // what earlier copies left, before the GIL is let go
-            py::gil_scoped_release no_gil;
-            return copy_to_host_deferred(std::move(all), pool, stream, reuse, options);
+            // Converted with the GIL held until every tensor is (the worker never
+            // takes it): the first groups are queued after converting their own
+            // tensors only. Let go once, not per batch: taken back per batch, it
+            // could wait a switch interval each time for another Python thread.
+            auto source = std::make_unique<TensorSource>(tensors.size(), lazy_conversion(tensors));
+            c10::optional<py::gil_scoped_release> no_gil;
+            return copy_to_host_deferred(std::move(source), pool, stream, reuse, options,
+                                         [&no_gil] { no_gil.emplace(); });
           }
           TensorSource source(tensors.size(), lazy_conversion(tensors));
           py::gil_scoped_release no_gil;

@@ -168,8 +168,9 @@ def copy_to_host(
             while the copy runs. A handle passed as `out` keeps its own groups.
         defer: with `out=<CopyHandle>`, return once the sources are checked against
             the handle (a mismatch raises here) and the snapshot point is recorded on
-            the current stream; the call queues the first two groups itself (so the
-            copy starts while the rest are checked) and a native worker thread, which
+            the current stream; the call queues the first groups itself (at least
+            two, and enough that their copy outlasts converting and checking the
+            rest, which happens meanwhile) and a native worker thread, which
             never takes the interpreter lock, queues the others. The handle's methods that read its
             events wait for that (briefly, on the host) and raise the worker's error
             if it failed. Runs synchronously where there is nothing to defer: host

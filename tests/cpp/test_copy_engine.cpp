@@ -203,4 +203,24 @@ OFFLOAD_TEST(deferred_copy_on_the_host_is_synchronous_and_checked) {
   REQUIRE(seconds.has_value() && *seconds >= 0.0);
 }
 
+// A deferred copy from a lazily converted source converts every tensor before
+// it calls `converted` (where Python lets the GIL go), and none after.
+OFFLOAD_TEST(deferred_copy_converts_every_source_before_it_says_so) {
+  auto pool = make_pool();
+  std::vector<at::Tensor> sources;
+  for (int i = 0; i < 300; ++i) sources.push_back(random_bits({i % 7 + 1}, at::kFloat));
+  auto first = offload::copy_to_host(sources, *pool, std::nullopt, std::nullopt, nullptr, offload::CopyOptions());
+  int said = 0, converted_after = 0;
+  auto fill = [&](std::vector<at::Tensor>& into, size_t upto) {
+    converted_after += said;
+    while (into.size() < upto) into.push_back(sources[into.size()]);
+  };
+  auto lazy = std::make_unique<offload::TensorSource>(sources.size(), fill);
+  auto second = offload::copy_to_host_deferred(std::move(lazy), *pool, std::nullopt, first, offload::CopyOptions(),
+                                               [&] { said += 1; });
+  REQUIRE_EQ(said, 1);
+  REQUIRE_EQ(converted_after, 0);
+  for (size_t i = 0; i < sources.size(); ++i) REQUIRE(bitwise_equal(second->tensors()[i], sources[i]));
+}
+
 int main(int argc, char** argv) { return offload_test::run_all(argc, argv); }

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -29,6 +30,13 @@ class TensorSource {
     owned_.reserve(size);  // references handed out stay valid while it fills
   }
 
+  // A source that owns `tensors` (converted already), for work that outlives its caller.
+  static std::unique_ptr<TensorSource> owning(std::vector<at::Tensor> tensors) {
+    auto source = std::make_unique<TensorSource>(tensors.size(), Fill());
+    source->owned_ = std::move(tensors);
+    return source;
+  }
+
   TensorSource(const TensorSource&) = delete;
   TensorSource& operator=(const TensorSource&) = delete;
 
@@ -42,6 +50,20 @@ class TensorSource {
 
   // The tensors converted so far (all of them once the engine walked the list).
   const std::vector<at::Tensor>& converted() const { return *items_; }
+
+  // Converts what is left. A source whose Fill reads Python objects must be
+  // complete before the list it borrows can go (the call that made it returns).
+  void convert_all() {
+    if (size_ > 0) (*this)[size_ - 1];
+  }
+
+  // Every tensor, converted; moved out of a source that owns them (no reference
+  // count changes), after which the source is spent.
+  std::vector<at::Tensor> take() {
+    convert_all();
+    if (items_ != &owned_) return *items_;
+    return std::move(owned_);
+  }
 
  private:
   static constexpr size_t kBatch = 256;

@@ -18,7 +18,8 @@
 //   two. The calling thread converts and checks every source, queues the first
 //   groups itself as a synchronous copy does (after the worker has queued every
 //   earlier deferred copy, so refills land in call order; the copy engine then
-//   runs while the rest are checked), fixes the transfer's outputs, groups and
+//   runs while the rest are converted and checked: enough groups that their
+//   DMA outlasts that work), fixes the transfer's outputs, groups and
 //   host buffers (those of the handle it reuses), allocates the device staging
 //   slots (on the pack stream, recorded on the copy stream, as a synchronous
 //   copy does: the worker allocates nothing), and records the snapshot event on
@@ -44,6 +45,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -214,6 +216,15 @@ std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, H
 // would race with the caller's next writes), an empty list, a handle made with an
 // out list, or a source that needs a new tensor first (a gapped slice, a
 // conj/neg view: a kernel the caller's thread would have to order).
+// `tensors` may convert lazily (a TensorSource with a Fill): the first groups are
+// queued once their own sources are converted, then every other source is
+// converted and `converted` is called (Python lets the GIL go there), before
+// the rest are checked; nothing is converted after that call.
+std::shared_ptr<Transfer> copy_to_host_deferred(std::unique_ptr<TensorSource> tensors, HostPool& pool,
+                                                const c10::optional<c10::Stream>& stream,
+                                                const std::shared_ptr<Transfer>& out_transfer,
+                                                const CopyOptions& options,
+                                                const std::function<void()>& converted = {});
 std::shared_ptr<Transfer> copy_to_host_deferred(std::vector<at::Tensor> tensors, HostPool& pool,
                                                 const c10::optional<c10::Stream>& stream,
                                                 const std::shared_ptr<Transfer>& out_transfer,
