@@ -490,6 +490,9 @@ class CopyEngine {
       }
     }
     // Earlier deferred copies into these buffers are queued before this one's.
+    // Called from Python, this waits with the GIL held (it is let go only once
+    // every source is converted): the worker never takes it, and it is busy only
+    // while a previous deferred copy's groups are still being queued.
     CopyWorker::instance().wait_idle();
     // The snapshot point: every group, queued here or by the worker, is copied
     // after the caller's work up to this record (the copy and pack streams wait

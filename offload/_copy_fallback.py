@@ -136,25 +136,24 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
         _check_source(fn, i, t, device_type, tensors[0])
     # Where the sources of these buffers were when last filled (the core's SourceKeys::data):
     # one list, shared by every transfer into the buffers of a transfer made without out.
-    origins = [t.data_ptr() for t in tensors] if out is None and out_handle is None else None
-    if same_sources and getattr(out_handle, "_origins", None) is None:
+    refilled = getattr(out_handle, "_origins", None)  # that list, when out_handle has one
+    if same_sources and refilled is None:
         got = "none" if out_handle is None else "a handle made with an out list"
         raise ValueError(f"{fn}: same_sources=True needs out=<CopyHandle> from a copy_to_host without out "
                          f"(whose buffers the engine made), got {got}")
+    # The sources' addresses now (before any conj/neg view is resolved below), where they are kept.
+    now = [t.data_ptr() for t in tensors] if refilled is not None or (out is None and out_handle is None) else None
     if out_handle is not None:
         out = out_handle.tensors()
     _check_count(fn, tensors, out)
     if out is not None:
         for i, (t, o) in enumerate(zip(tensors, out)):
             _check_out(fn, i, t, o, "cpu", require_pinned)
-    if getattr(out_handle, "_origins", None) is not None:
-        origins = out_handle._origins
-        now = [t.data_ptr() for t in tensors]
-        if same_sources:
-            for i, (was, at) in enumerate(zip(origins, now)):
-                if tensors[i].nbytes and was != at:
-                    raise ValueError(f"{fn}: same_sources=True, but tensors[{i}] is at {at:#x} while the buffers "
-                                     f"of out (a CopyHandle) were last filled from {was:#x}")
+    if same_sources:
+        for i, (was, at) in enumerate(zip(refilled, now)):
+            if tensors[i].nbytes and was != at:
+                raise ValueError(f"{fn}: same_sources=True, but tensors[{i}] is at {at:#x} while the buffers "
+                                 f"of out (a CopyHandle) were last filled from {was:#x}")
     device = tensors[0].device if tensors else _device.current_device()
     on_accel = _device.is_accelerator(device)
     copy_stream = (stream or _device.copy_streams(device)[0]) if on_accel else None
@@ -204,9 +203,9 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
     timed = None
     if timing:
         timed = (timed_from, end) if on_accel else time.perf_counter() - host_start
-    if out_handle is not None and origins is not None:
-        origins[:] = now  # copied: the buffers' new origin
-    return PyTransfer(device, outputs, end, nbytes, restore, timed, origins)
+    if refilled is not None:
+        refilled[:] = now  # copied: the buffers' new origin, for every handle sharing the list
+    return PyTransfer(device, outputs, end, nbytes, restore, timed, refilled if refilled is not None else now)
 
 
 def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
