@@ -141,7 +141,8 @@ class HostPool:
         return self._impl.trim()
 
     def stats(self) -> dict:
-        """reserved/in-use/peak bytes, requests, cache hits, slabs, registration seconds."""
+        """reserved/in-use/peak bytes, requests, cache hits, slabs (and those cut afresh for other
+        sizes instead of growing: recycled_slabs), allocation and registration seconds."""
         out = dict(self._impl.stats())
         out["native"] = self.native
         out["pinned"] = self.pinned
@@ -238,6 +239,7 @@ class _FallbackPool:
                 "requests": self._requests,
                 "cache_hits": 0,
                 "slabs": 0,
+                "recycled_slabs": 0,
                 "pending_blocks": 0,
                 "allocation_seconds": self._alloc_seconds,
                 "registration_seconds": 0.0,

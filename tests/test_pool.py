@@ -158,6 +158,22 @@ def test_pool_hands_out_older_slab_tails_before_growing():
 
 
 @pytest.mark.native
+def test_pool_cuts_a_wholly_free_slab_afresh_before_growing():
+    pool = small_pool()  # 4 MiB slabs
+    held = [pool.acquire(2 * MiB), pool.acquire(2 * MiB)]
+    del held  # cached as two 2 MiB blocks: no use to 256 KiB requests
+    small = [pool.acquire(256 << 10) for _ in range(16)]  # the slab, cut into 256 KiB blocks
+    stats = pool.stats()
+    assert (stats["slabs"], stats["reserved_bytes"], stats["recycled_slabs"]) == (1, 4 * MiB, 1)
+    for i, t in enumerate(small):
+        t.fill_(i)
+    assert [int(t[-1]) for t in small] == list(range(16))
+    more = pool.acquire(MiB)  # the slab is in use: the pool grows
+    assert pool.stats()["slabs"] == 2
+    del small, more
+
+
+@pytest.mark.native
 def test_pool_trim_returns_only_wholly_free_slabs():
     pool = small_pool()
     keep = pool.acquire(MiB)
@@ -176,7 +192,7 @@ def test_pool_statistics(backend):
     b = pool.acquire(MiB)
     stats = pool.stats()
     for key in ("reserved_bytes", "in_use_bytes", "peak_in_use_bytes", "requests", "cache_hits", "slabs",
-                "allocation_seconds", "registration_seconds", "limit_bytes"):
+                "recycled_slabs", "allocation_seconds", "registration_seconds", "limit_bytes"):
         assert key in stats, key
     assert stats["requests"] == 2
     assert stats["in_use_bytes"] >= 1000 + MiB

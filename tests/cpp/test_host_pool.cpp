@@ -170,6 +170,33 @@ OFFLOAD_TEST(reserve_and_trim_account_for_every_byte) {
   REQUIRE_EQ(pool->stats().reserved_bytes, 2 * MiB);
 }
 
+OFFLOAD_TEST(a_wholly_free_slab_is_cut_afresh_before_the_pool_grows) {
+  auto pool = make_pool(/*limit_bytes=*/0, /*slab_bytes=*/8 * MiB);
+  {
+    std::vector<at::Tensor> large;
+    for (int i = 0; i < 4; ++i) large.push_back(pool->allocate(2 * MiB));  // the whole first slab
+  }
+  REQUIRE_EQ(pool->stats().free_bytes, 8 * MiB);  // cached as four 2 MiB blocks
+  at::Tensor small = pool->allocate(256 * KiB);   // no 256 KiB block cached, no tail left: reuse the slab
+  auto s = pool->stats();
+  REQUIRE_EQ(s.slabs, uint64_t(1));
+  REQUIRE_EQ(s.reserved_bytes, 8 * MiB);
+  REQUIRE_EQ(s.recycled_slabs, uint64_t(1));
+  REQUIRE_EQ(s.free_bytes, size_t(0));  // its 2 MiB blocks are gone from the free lists
+  at::Tensor mid = pool->allocate(4 * MiB);  // carved from the same slab, after `small`
+  REQUIRE_EQ(pool->stats().slabs, uint64_t(1));
+  REQUIRE(static_cast<const char*>(address(mid)) >= static_cast<const char*>(address(small)) + 256 * KiB);
+  at::Tensor more = pool->allocate(4 * MiB);  // the slab has live blocks: the pool grows
+  s = pool->stats();
+  REQUIRE_EQ(s.slabs, uint64_t(2));
+  REQUIRE_EQ(s.recycled_slabs, uint64_t(1));
+  std::memset(small.data_ptr(), 1, 256 * KiB);  // the three blocks do not overlap
+  std::memset(mid.data_ptr(), 2, 4 * MiB);
+  std::memset(more.data_ptr(), 3, 4 * MiB);
+  REQUIRE_EQ(static_cast<const uint8_t*>(small.data_ptr())[256 * KiB - 1], uint8_t(1));
+  REQUIRE_EQ(static_cast<const uint8_t*>(mid.data_ptr())[4 * MiB - 1], uint8_t(2));
+}
+
 OFFLOAD_TEST(eight_threads_never_share_a_block) {
   auto pool = make_pool(/*limit_bytes=*/0, /*slab_bytes=*/4 * MiB);
   constexpr int kThreads = 8;
@@ -282,4 +309,19 @@ OFFLOAD_TEST(pool_destroyed_with_a_pending_block_waits_for_its_copy) {
   REQUIRE_EQ(scripted::log().synchronized, waits);
   a.reset();  // the pool goes with it, its block still pending
   REQUIRE(scripted::log().synchronized > waits);
+}
+
+OFFLOAD_TEST(a_slab_whose_block_a_copy_still_reads_is_not_recycled) {
+  auto pool = make_scripted_pool();  // 2 MiB slabs
+  at::Tensor a = pool->allocate(2 * MiB);
+  const void* where = address(a);
+  REQUIRE(pool->record_stream(a, scripted::stream(0, 1)));
+  a.reset();  // pending: its copy still runs
+  at::Tensor b = pool->allocate(4096);
+  REQUIRE_EQ(pool->stats().slabs, uint64_t(2));
+  REQUIRE_EQ(pool->stats().recycled_slabs, uint64_t(0));
+  REQUIRE(static_cast<const char*>(address(b)) >= static_cast<const char*>(where) + 2 * MiB ||
+          static_cast<const char*>(address(b)) < static_cast<const char*>(where));
+  scripted::log().complete_all();
+  REQUIRE_EQ(pool->stats().pending_blocks, size_t(0));
 }

@@ -34,6 +34,7 @@ struct HostPoolStats {
   uint64_t requests = 0;
   uint64_t cache_hits = 0;
   uint64_t slabs = 0;
+  uint64_t recycled_slabs = 0;  // wholly free slabs cut afresh for other sizes instead of growing
   double allocation_seconds = 0;    // allocating and touching slabs
   double registration_seconds = 0;  // pinning slabs with the driver
 };
@@ -91,6 +92,11 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   Slab* grow_locked(size_t bytes);
   void process_pending_locked(bool wait);
   size_t trim_locked();
+  // A wholly free slab of at least `cls` bytes, its cached blocks dropped, to carve
+  // from instead of growing; nullptr if none.
+  Slab* recycle_locked(size_t cls);
+  // Drops every block of `slab` from the free lists and the address map.
+  void forget_blocks_locked(Slab* slab);
   Block* block_of_locked(const void* ptr) const;
   [[noreturn]] void fail_limit_locked(size_t nbytes, size_t cls) const;
 
