@@ -255,6 +255,9 @@ def _report(ctx, name, results, forward_ms, bandwidth):
         plan = auto_stats["plan"]
         hideable = min(plan["eligible_bytes"], forward_ms * 1e-3 * (d2h_bw or plan["d2h_gbps"]) * 1e9)
         removed = none_peak - results["auto"][1]  # what offload took off the peak, measured
+        rows.append(row(SECTION, f"{name} auto peak removed vs hideable", offload=removed / GiB,
+                        baseline=hideable / GiB, unit="GiB", baseline_name="what the bus can hide (forward x D2H)",
+                        offloaded_bytes=plan["offloaded_bytes"]))
         lines.append(f"  auto offloads {len(plan['offload'])} layers (model: {plan['tuning']['model_layers']}; "
                      f"probed steps ms by layers offloaded: {plan['tuning']['step_ms']}), "
                      f"{plan['offloaded_bytes'] / GiB:.2f} GiB "

@@ -6,20 +6,28 @@ the planner records per layer the bytes its group copied, its forward time (even
 group's open and close on the compute stream) and its backward time (events at the first
 unpack of successive groups), plus the bandwidth the copies achieved each way.
 
-Plan: a small timeline model replays a step: layer i's copy starts when its group closes
-and the D2H stream is free, the resident window makes the host wait for the oldest copy,
-in backward the first group needed from the host is fetched as backward starts, each
-other group's H2D copy when the group after it starts unpacking (prefetch), and compute
-waits for it. Starting from "offload every eligible layer", layers
-are taken back onto the device one at a time, each time the one whose removal cuts the
-predicted exposed time most, until the exposed time is within `TOLERANCE` of the step
-(or, with a memory budget, until no further layer fits in the budget).
+Plan without a budget (`schedule`): fill the device-to-host stream, in forward order,
+with what it can copy out before backward starts (the last layer that fits is offloaded in
+part: its first saved spans up to a byte cap). The engine runs it without the resident
+window: each group's memory is let go at a planned point (a layer's start, the end of the
+last layer, or backward's start) by a wait of the compute stream on its copy, planned to
+be done by then; and each group is fetched back when backward reaches the latest layer
+that leaves time for its copy (a hook on that layer's output gradient). A sparse plan then
+frees its memory before the peak, which host polling could not: the host runs ahead of the
+device and would see the copies done only later, and the window made adjacent layers stall.
+
+Plan with a memory budget (`choose`): a small timeline model replays a step with the
+resident window (the host waits for the oldest copy when it is full, the first group
+needed from the host is fetched as backward starts, each other group when the one after it
+starts unpacking). Starting from "offload every eligible layer", layers are taken back
+onto the device one at a time, each time the one whose removal cuts the predicted exposed
+time most, until no further layer fits in the budget.
 
 Check against the step (no budget): the model misses what it does not see (the host
 stalls of the resident window, launch-bound steps where the hooks' own cost shows, copies
-slowing compute on a shared memory bus), so the plan is then run and timed. Layers are
-ranked by the same greedy search carried on to the end (the first taken back are the
-worst hidden); a plan is "offload the first k of the ranking". The step with the model's
+slowing compute on a shared memory bus), so the plan is then run and timed. A plan is
+"offload the first k layers of the schedule's order" (a prefix keeps every planned point
+valid: dropping the last copies only ends the others sooner). The step with the model's
 k and a step with nothing offloaded (run without hooks) are timed; if the plan costs more
 than `STEP_TOLERANCE` of the no-offload step, k is bisected down to the largest prefix
 that does not. A count the search settles on above zero is confirmed: the no-offload step
@@ -50,7 +58,7 @@ from . import _device
 from ._copy import copy_to_device, copy_to_host
 
 MEASURE_STEPS = 2  # the first step warms up kernels and the pool; the last one is used
-TOLERANCE = 0.01  # predicted exposed copy time allowed, as a fraction of the step
+TOLERANCE = 0.01  # predicted exposed copy time allowed, as a fraction of the step (budget plans)
 STEP_TOLERANCE = 0.03  # measured step-time overhead allowed over the no-offload step (the issue's 3%)
 PROBE_WARMUP_STEPS = 1
 PROBE_STEPS = 3
@@ -60,6 +68,103 @@ PROBE_STEPS = 3
 PROBE_PENDING = 2
 FIT_FRACTION = 0.9  # a step without offload is tried only if its predicted peak is below this share of memory
 BACKWARD_CAP = 3.0  # a layer's measured backward time is taken as at most this times its forward
+# A schedule plans each copy this much longer than the measured bandwidth says: a group's
+# memory is let go by making the compute stream wait for its copy at a planned point, and a
+# copy a little slower than measured must not turn that wait into a stall.
+COPY_MARGIN = 0.05
+# A layer offloaded in part offloads at least this share of its bytes (less frees too little
+# for the hooks' work and the extra copy).
+MIN_PART = 0.125
+
+
+@dataclasses.dataclass
+class Schedule:
+    """How the engine runs auto mode's plan for one input shape (without a memory budget).
+
+    Points of a step, in order: `j` < n when layer j opens, `n` when the last layer ends,
+    `n + 1` when backward starts (its first unpack).
+    - caps: per layer, the bytes of new storage spans its group may offload (the first ones
+      saved; later tensors stay on the device), or None for all of them.
+    - release_at: layer -> the point at which the compute stream waits, on the device, for
+      its group's copy and its device tensors go back to the allocator in stream order (the
+      copy is planned to be complete by then, so the wait costs nothing). Without such a
+      point a group's memory went back only when the host saw its copy done, and the host
+      runs ahead of the device: a sparse plan freed nothing before backward.
+    - fetch_at: layer j -> layers whose groups are copied back when backward reaches layer
+      j (the gradient of its output is computed), so each arrives just before it is needed;
+      fetch_at_start: those fetched as backward starts.
+    """
+
+    n: int
+    caps: List[Optional[int]]
+    release_at: dict
+    fetch_at: dict
+    fetch_at_start: List[int]
+
+
+def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: float, d2h_bps: float,
+             h2d_bps: float):
+    """Offload, in forward order, what the device-to-host stream can copy out before backward
+    starts, and plan when each group's memory is let go and when it comes back.
+
+    The timeline is the measured one: layer i runs fwd[i] after layer i-1, backward starts
+    `tail` after the last layer ends (head, loss) and reaches the last layer `head_bwd` later;
+    layer i's backward takes bwd[i]. A group's copy starts when it closes (or when the copy
+    before it ends) and must end, with `COPY_MARGIN`, before backward starts: the last layer
+    that fits is offloaded in part. Earliest layers first: their memory is freed for longest
+    and backward needs them last, with the most time to bring them back.
+
+    Returns (Schedule, order, predicted exposed seconds in backward): `order` lists the layers
+    offloaded, in the order their copies run (a prefix of it is a smaller plan that keeps
+    every point valid).
+    """
+    n = len(nbytes)
+    opens, closes, t = [], [], 0.0
+    for i in range(n):
+        opens.append(t)
+        t += fwd[i]
+        closes.append(t)
+    deadline = t + tail
+    caps: List[Optional[int]] = [None] * n
+    release_at, order = {}, []
+    free = 0.0
+    for i in range(n):
+        if not eligible[i] or nbytes[i] <= 0:
+            continue
+        start = max(closes[i], free)
+        room = int((deadline - start) / (1 + COPY_MARGIN) * d2h_bps)
+        take = min(nbytes[i], room)
+        if take < MIN_PART * nbytes[i]:
+            continue
+        free = start + take / d2h_bps * (1 + COPY_MARGIN)
+        caps[i] = None if take >= nbytes[i] else take
+        order.append(i)
+        later = [j for j in range(i + 1, n) if opens[j] >= free]
+        release_at[i] = later[0] if later else (n if closes[-1] >= free else n + 1)
+    # Backward: layer j starts at begins[j]; the groups are fetched in the order backward
+    # needs them, each at the latest layer start that leaves time for its copy.
+    begins, t = [0.0] * n, head_bwd
+    for j in reversed(range(n)):
+        begins[j] = t
+        t += bwd[j]
+    fetch_at: dict = {}
+    fetch_at_start: List[int] = []
+    exposed, h2d_free = 0.0, 0.0
+    for i in reversed(order):
+        size = nbytes[i] if caps[i] is None else caps[i]
+        duration = size / h2d_bps * (1 + COPY_MARGIN)
+        triggers = [j for j in range(i + 1, n) if begins[j] + duration <= begins[i]]
+        if triggers:
+            j = triggers[0]  # the latest start that still leaves time: the least memory held early
+            fetch_at.setdefault(j, []).append(i)
+            at = begins[j]
+        else:
+            fetch_at_start.append(i)
+            at = 0.0
+        end = max(at, h2d_free) + duration
+        h2d_free = end
+        exposed += max(0.0, end - begins[i])
+    return Schedule(n, caps, release_at, fetch_at, fetch_at_start), order, exposed
 
 
 def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: float, window: int):
@@ -140,21 +245,8 @@ def choose(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window, all
     return mask, exposed, step
 
 
-def ranking(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window) -> List[int]:
-    """Eligible layers, best to offload first: the reverse of the order in which the greedy
-    search takes them back (so the first k of it are what `choose` keeps when it stops at k)."""
-    mask = list(eligible)
-    order = []
-    before = set(i for i, on in enumerate(mask) if on)
-    for _ in _removals(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window):
-        now = set(i for i, on in enumerate(mask) if on)
-        order += sorted(before - now)
-        before = now
-    return order[::-1]
-
-
 class StepSearch:
-    """How many layers of the ranking to offload, from measured step times.
+    """How many layers of the schedule's order to offload, from measured step times.
 
     Probes the model's choice first, then nothing offloaded (the baseline); keeps the model's
     choice if it is within `tolerance` of the baseline, else bisects down to the largest
@@ -278,6 +370,12 @@ def _shape_key(args, kwargs):
     return tuple((tuple(t.shape), str(t.dtype)) for t in leaves)
 
 
+def _planned_bytes(layer_bytes, mask, caps) -> int:
+    """Bytes a plan offloads: each chosen layer's, or its cap where it is offloaded in part."""
+    return sum(b if caps is None or caps[i] is None else min(b, caps[i])
+               for i, (b, m) in enumerate(zip(layer_bytes, mask)) if m)
+
+
 def probe_bandwidth(device, nbytes: int = 64 << 20):
     """(d2h, h2d) bytes/s of one copy each way through the copy engine."""
     if not _device.is_accelerator(device):
@@ -299,7 +397,7 @@ def probe_bandwidth(device, nbytes: int = 64 << 20):
 
 
 class _Probe:
-    """A shape's plan being timed: the ranking, the search, and the steps seen of this probe."""
+    """A shape's plan being timed: the schedule's order, the search, and the steps seen of this probe."""
 
     __slots__ = ("order", "search", "serial", "steps", "samples", "pending")
 
@@ -325,6 +423,7 @@ class AutoPlanner:
         self.key = None
         self.measuring = None  # (key, steps measured)
         self.records = {}
+        self.backward_mark = None  # when the measured step's backward started
         self.bandwidth = None
         self.tuning = {}  # key -> _Probe while its plan is being checked against measured steps
         self.last_start = None  # (mark, key, probe serial) of the last training forward of a planned shape
@@ -358,6 +457,7 @@ class AutoPlanner:
             self._tune(key)
             handle._offload = list(self.plans[key]["mask"])
             self.engine.observer = None
+            self.engine.schedule = self.plans[key].get("schedule")
             idle = key not in self.tuning and not any(handle._offload)
             self.idle_key = key if idle else None
             handle._set_layers_wrapped(not idle)
@@ -369,7 +469,9 @@ class AutoPlanner:
             self.measuring = (key, 0)
         handle._offload = [not k for k in handle._keep]
         self.engine.observer = self
+        self.engine.schedule = None  # measured with every eligible layer offloaded, in the window
         self.records = {}
+        self.backward_mark = None
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
         return False
@@ -426,7 +528,7 @@ class AutoPlanner:
         mask = [i in chosen for i in range(len(plan["mask"]))]
         plan["mask"] = mask
         plan["offload"] = [name for name, m in zip(self.handle.layers, mask) if m]
-        plan["offloaded_bytes"] = sum(b for b, m in zip(plan["layer_bytes"], mask) if m)
+        plan["offloaded_bytes"] = _planned_bytes(plan["layer_bytes"], mask, plan.get("caps"))
 
     # ---- observer
     def opened(self, group) -> None:
@@ -440,6 +542,9 @@ class AutoPlanner:
     def unpacked(self, group) -> None:
         record = self.records.setdefault(group.layer, {})
         record.setdefault("unpack", self.clock.mark())
+
+    def backward_started(self) -> None:
+        self.backward_mark = self.clock.mark()
 
     # ---- planning
     def _plan(self, key) -> dict:
@@ -457,6 +562,14 @@ class AutoPlanner:
         for i in range(1, n):
             if i in first_unpack and i - 1 in first_unpack:
                 bwd[i] = max(0.0, self.clock.seconds(first_unpack[i], first_unpack[i - 1]))
+        # Around the layers: from the last one's end to backward's start (head, loss), and from
+        # there to the last layer's backward (their backward).
+        last_close = self.records.get(n - 1, {}).get("close")
+        tail = head_bwd = 0.0
+        if last_close is not None and self.backward_mark is not None:
+            tail = max(0.0, self.clock.seconds(last_close, self.backward_mark))
+            if n - 1 in first_unpack:
+                head_bwd = max(0.0, self.clock.seconds(self.backward_mark, first_unpack[n - 1]))
         # While measuring, backward waits for copies that everything-offloaded could not hide,
         # and that wait lands between two groups' first unpacks: cap at 3x forward (a layer's
         # backward is about 2x its forward, 3x with recomputation) so the plan does not count
@@ -478,9 +591,17 @@ class AutoPlanner:
         if self.budget is not None:
             allowance = max(0, self.budget - peak)
         window = self.engine.resident_groups
-        mask, exposed, step = choose(eligible, nbytes, fwd, bwd, d2h, h2d, window, allowance)
+        plan_schedule = caps = None
+        if self.budget is None:
+            # Hide the copies: what the bus moves before backward starts, freed at planned points.
+            plan_schedule, order, exposed = schedule(eligible, nbytes, fwd, bwd, tail, head_bwd, d2h, h2d)
+            caps = plan_schedule.caps
+            mask = [i in order for i in range(n)]
+            step = sum(fwd) + tail + head_bwd + sum(bwd) + exposed
+        else:  # as few layers as meet the budget, in the resident window
+            mask, exposed, step = choose(eligible, nbytes, fwd, bwd, d2h, h2d, window, allowance)
         eligible_bytes = sum(b for b, e in zip(nbytes, eligible) if e)
-        offloaded = sum(b for b, m in zip(nbytes, mask) if m)
+        offloaded = _planned_bytes(nbytes, mask, caps)
         plan = {
             "input_shapes": [list(shape) for shape, _ in key],
             "mask": mask,
@@ -489,8 +610,12 @@ class AutoPlanner:
             "eligible_bytes": eligible_bytes,
             "hideable_bytes": min(eligible_bytes, int(sum(fwd) * d2h)),
             "layer_bytes": nbytes,
+            "caps": caps,
+            "schedule": plan_schedule,
             "forward_ms": [f * 1e3 for f in fwd],
             "backward_ms": [b * 1e3 for b in bwd],
+            "tail_ms": tail * 1e3,
+            "head_backward_ms": head_bwd * 1e3,
             "d2h_gbps": d2h / 1e9,
             "h2d_gbps": h2d / 1e9,
             "predicted_exposed_ms": exposed * 1e3,
@@ -505,7 +630,6 @@ class AutoPlanner:
         if self.budget is None and fits and any(mask):
             # Timed against the step without offload (see the module docstring); the plan in
             # use meanwhile is the probe's, and `mask` becomes the settled one.
-            order = ranking(eligible, nbytes, fwd, bwd, d2h, h2d, window)
             self.tuning[key] = _Probe(order, StepSearch(sum(mask)))
             plan["tuning"].update(settled=False, checked=True)
             plan["model_mask"] = list(mask)

@@ -27,6 +27,9 @@ Lifetimes and streams (stream ownership):
   them on the D2H stream, so dropping them early could never corrupt the copy.
 - A group still copying when backward reaches it is served from those held tensors (no
   round trip); so are the last groups of a forward.
+- Auto mode's schedule (`_activation_plan.Schedule`) replaces the window and the one-ahead
+  prefetch: each group is released at a planned point by the same device-side wait, and
+  fetched when backward reaches a planned layer (a hook on that layer's output gradient).
 - Each group's spans go to one pooled host block (one pool request per layer, the same
   size every step); it belongs to the group's D2H `CopyHandle` and returns to the pool
   when the group dies (its last saved-tensor handle is freed by autograd).
@@ -113,7 +116,7 @@ class _Group:
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
-        "__weakref__",
+        "cap", "capped", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -136,6 +139,8 @@ class _Group:
         self.los: list = []  # per entry: where its copied span starts in the storage (bytes)
         self.nbytes_aligned = 0  # bytes of the group's host (and restored device) block
         self.stream = None  # the stream its tensors were saved on (current when it closed), on an accelerator
+        self.cap = None  # bytes of new spans it may offload (auto mode's schedule), None: no limit
+        self.capped = 0  # bytes of spans counted against the cap
 
 
 class _Packed:
@@ -206,8 +211,13 @@ class ActivationEngine:
         self._step = 0
         self._counters = self._new_counters()
         self._timing_events: list = []  # (counters, kind, start, end) not yet added to counters
-        # Auto mode's measurements: opened(group), closed(group), unpacked(group); or None.
+        # Auto mode's measurements: opened(group), closed(group), unpacked(group), backward_started(); or None.
         self.observer = None
+        # Auto mode's plan for the current input shape (_activation_plan.Schedule), or None: then the
+        # resident window orders releases and each group prefetches the one before it.
+        self.schedule = None
+        self._due: list = []  # (release point, weakref to group) of this forward's groups, by the schedule
+        self._layer_groups: dict = {}  # layer index -> weakref to its offloaded group in this forward
 
     # ------------------------------------------------------------ statistics
 
@@ -294,6 +304,8 @@ class ActivationEngine:
             self._param_ptrs = set()
             self._param_pending = [params]
             self._last_offloaded = None
+            self._due = []
+            self._layer_groups = {}
         self._capturing += 1
         self._hooks.__enter__()
 
@@ -328,6 +340,9 @@ class ActivationEngine:
         self._group = None
         if group is not None:
             self._close(group)
+        schedule = self.schedule
+        if schedule is not None and layer is not None:
+            self._release_due(layer)  # the point: layer `layer` opens (n: the last layer ended)
         if name is None or not self._capturing:
             return
         observer = self.observer
@@ -336,6 +351,10 @@ class ActivationEngine:
             self._group = group
             if offload:
                 self._last_offloaded = weakref.ref(group)
+                if layer is not None:
+                    self._layer_groups[layer] = self._last_offloaded
+                    if schedule is not None and layer < len(schedule.caps):
+                        group.cap = schedule.caps[layer]
             if observer is not None:
                 observer.opened(group)
 
@@ -384,8 +403,14 @@ class ActivationEngine:
             return
         self._inflight.append(weakref.ref(group))
         self._poll()
-        # The window: the group now opening plus those still copying may not exceed it.
         stream = group.stream = _device.current_stream(self.device) if self.on_accel else None
+        if self.schedule is not None:
+            # Auto mode: the plan says at which point the copy is complete; no window.
+            at = self.schedule.release_at.get(group.layer)
+            if at is not None:
+                self._due.append((at, weakref.ref(group)))
+            return
+        # The window: the group now opening plus those still copying may not exceed it.
         while len(self._inflight) > self.resident_groups - 1:
             oldest = self._inflight.popleft()()
             if oldest is None or oldest.state != _COPYING:
@@ -417,6 +442,33 @@ class ActivationEngine:
             self._inflight.popleft()
             if group is not None and group.state == _COPYING:
                 self._settle(group)
+
+    def _release_due(self, point: int) -> None:
+        """Let go of the groups whose planned release point has come (auto mode's schedule).
+
+        The compute stream waits on the device for each one's copy, planned to be complete by
+        now, and its device tensors go back to the allocator in stream order, as the window
+        does; the host is never blocked. A group saved on another stream is left to `_poll`.
+        """
+        if not self._due:
+            return
+        stream = _device.current_stream(self.device) if self.on_accel else None
+        kind = "forward_wait_seconds" if point <= self.schedule.n else "backward_wait_seconds"
+        pending = []
+        for at, ref in self._due:
+            group = ref()
+            if group is None or group.state != _COPYING:
+                continue
+            if at > point:
+                pending.append((at, ref))
+            elif stream is not None and group.stream == stream:
+                start = self._timed_start(stream)
+                group.d2h.release_sources(stream)
+                self._timed_end(kind, start, stream)
+                self._settle(group)
+            elif group.d2h.ready():
+                self._settle(group)
+        self._due = pending
 
     def _settle(self, group: _Group) -> None:
         """The D2H copy is complete (or will be before any reader): drop the device tensors."""
@@ -484,6 +536,11 @@ class ActivationEngine:
                 if span[1] <= first and last <= span[2] and span[3] == t._version:
                     group, entry = owner, index
         if entry is None:
+            if group.cap is not None:  # auto mode offloads this layer in part: its first spans
+                span_bytes = last - (first - first % _SPAN_ALIGN)
+                if group.capped + span_bytes > group.cap:
+                    return self._keep(t)
+                group.capped += span_bytes
             entry = len(group.spans)
             group.spans.append([t, first - first % _SPAN_ALIGN, last])
             self._storages[ptr] = (group, entry, StorageWeakRef(storage))
@@ -501,7 +558,11 @@ class ActivationEngine:
     def _unpack(self, packed):
         if not self._backward_seen:  # the step's first unpack: its backward starts
             self._backward_seen = True  # the next capture starts a new step
-            if self.mode != "sync":
+            if self.observer is not None:
+                self.observer.backward_started()
+            if self.schedule is not None:
+                self._backward_start_scheduled()
+            elif self.mode != "sync":
                 self._prefetch_at_backward_start()
         if type(packed) is tuple:
             t, version = packed
@@ -532,6 +593,8 @@ class ActivationEngine:
         return result
 
     def _prefetch(self, group: _Group) -> None:
+        if self.schedule is not None:  # fetched at the backward points the schedule chose
+            return
         prev = group.prev() if group.prev is not None else None
         if prev is not None and _on_host_only(prev):
             self._fetch(prev)
@@ -555,6 +618,37 @@ class ActivationEngine:
         if group is not None and on_device < self.resident_groups and _on_host_only(group):
             self._fetch(group)
             self._counters["groups_prefetched"] += 1
+
+    def _backward_start_scheduled(self) -> None:
+        """Backward starts (auto mode): release what the schedule lets go here, fetch what it fetches."""
+        self._release_due(self.schedule.n + 1)
+        self._fetch_groups([self._layer_groups.get(layer) for layer in self.schedule.fetch_at_start])
+
+    def _fetch_groups(self, refs) -> None:
+        """Fetch the groups (weak references, or None) that are on the host only."""
+        for ref in refs:
+            group = ref() if ref is not None else None
+            if group is not None and _on_host_only(group):
+                self._fetch(group)
+                self._counters["groups_prefetched"] += 1
+
+    @_not_traced
+    def fetch_when_backward_reaches(self, output, layers) -> None:
+        """Fetch the groups of `layers` when backward reaches `output` (a layer's output): a
+        hook on its gradient, the first thing computed in that layer's backward. Layers that
+        stay on the device save no tensor of the engine's, so nothing else marks that point."""
+        refs = [self._layer_groups[layer] for layer in layers if layer in self._layer_groups]
+        anchor = _first_grad_tensor(output)
+        if not refs or anchor is None:
+            return  # each is fetched at its first unpack instead
+        engine = weakref.ref(self)  # the hook lives as long as the graph: no cycle through it
+
+        def hook(grad):
+            this = engine()
+            if this is not None:
+                this._fetch_groups(refs)
+
+        anchor.register_hook(hook)
 
     def _fetch(self, group: _Group) -> None:
         with _device.nvtx_range(f"offload.h2d {group.name}") if self.nvtx else contextlib.nullcontext():
@@ -627,6 +721,23 @@ class ActivationEngine:
 def _on_host_only(group: _Group) -> bool:
     """Its copy is complete and nothing brought it back to the device yet."""
     return group.state == _HOST and group.device_bytes is None and group.d2h is not None
+
+
+def _first_grad_tensor(value, depth: int = 0):
+    """The first tensor in a layer's output (a tensor, or one inside a tuple, list or dict,
+    such as a Hugging Face ModelOutput) whose gradient backward computes; None if none."""
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if depth >= 3:
+        return None
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_grad_tensor(item, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _loop_refs() -> int:
@@ -887,8 +998,11 @@ class ActivationOffload:
             if offload:
                 self._add_layer_params(index)
             out = original(*args, **kwargs)
+            schedule = engine.schedule
+            if schedule is not None and index in schedule.fetch_at:
+                engine.fetch_when_backward_reaches(out, schedule.fetch_at[index])
             if index == last:
-                engine.boundary(None)
+                engine.boundary(None, layer=last + 1)  # the point after the last layer (auto mode's schedule)
             return out
 
         return forward
@@ -975,9 +1089,10 @@ def enable_activation_offload(
         model: the module whose forward runs a training step (its root is hooked).
         mode: 'async' (copies overlapped with compute, `resident_groups` layers on the device),
             'sync' (each layer's copies waited for; for debugging and comparison) or 'auto'
-            (measures the first steps, then offloads only the layers whose copies hide under
-            compute, checked against timed steps without offload and backed off while the
-            plan costs over 3%; or as few layers as meet `memory_budget_bytes`).
+            (measures the first steps, then offloads what the bus can copy out before backward
+            starts, earliest layers first, freed and fetched back at planned points; checked
+            against timed steps without offload and backed off while the plan costs over 3%;
+            or as few layers as meet `memory_budget_bytes`).
         layers: names (or modules) of the layers to group by; default: FSDP units, else the
             elements of the model's repeated `nn.ModuleList`.
         min_tensor_bytes: saved tensors smaller than this stay on the device.

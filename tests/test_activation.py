@@ -592,6 +592,112 @@ def test_activation_planner_hides_copies():
     assert sum(mask_budget) == n - 1 - 2 and exposed_budget > 0
 
 
+def test_activation_schedule_fills_the_bus_before_backward():
+    """Auto mode's schedule: earliest layers first, the last one that fits in part; each copy
+    planned complete (with its margin) before its release point and before backward starts;
+    each group fetched back at the latest layer start that leaves time for its copy."""
+    from offload._activation_plan import COPY_MARGIN, schedule
+
+    n = 8
+    nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
+    eligible = [True] * (n - 1) + [False]
+    plan, order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)
+    copy = 100 / 50.0 * (1 + COPY_MARGIN)  # 2.1 s a layer: 1, 3.1, 5.2, 7.3, then 9.4 to the deadline 10
+    assert order == [0, 1, 2, 3, 4] and exposed == 0
+    assert plan.caps == [None] * 4 + [int((10 - (1 + 4 * copy)) / (1 + COPY_MARGIN) * 50.0)] + [None] * 3
+    # Layer opens are 0..7, the last layer ends at 8 (point 8), backward starts at 10 (point 9).
+    assert plan.release_at == {0: 4, 1: 6, 2: 8, 3: 9, 4: 9}
+    # Backward: layer 7 starts at 1, then every 2 s; layer i is needed at 15 - 2 i.
+    assert plan.fetch_at == {5: [4, 3], 4: [2], 3: [1], 2: [0]} and plan.fetch_at_start == []
+    # A slow bus: not even one layer fits before backward starts, and a part of one does.
+    slow, slow_order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 5.0, 50.0)
+    assert slow_order == [0] and 0 < slow.caps[0] < 100 and slow.release_at == {0: 9}
+    # Nothing eligible, or a bus too slow for an eighth of a layer: nothing offloaded.
+    assert schedule([False] * n, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)[1] == []
+    assert schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 0.5, 50.0)[1] == []
+
+
+def _scheduled(engine, n, **kw):
+    from offload._activation_plan import Schedule
+
+    engine.schedule = Schedule(n, kw.get("caps", [None] * n), kw.get("release_at", {}), kw.get("fetch_at", {}),
+                               kw.get("fetch_at_start", []))
+
+
+def test_activation_schedule_caps_and_fetch_points_bitwise(pool):
+    """A schedule that offloads one layer in part: what it keeps stays on the device, every
+    gradient is bitwise the same, and each group comes back at its backward point."""
+    ref = _model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    _step(model, x)
+    full = handle.stats()
+    _scheduled(handle.engine, 4, caps=[None, 2048, None, None], release_at={0: 2, 1: 4, 2: 5},
+               fetch_at={3: [2], 2: [1], 1: [0]})
+    for _ in range(2):
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["groups_offloaded"] == 3 and stats["tensors_kept"] > full["tensors_kept"]
+    assert 0 < stats["d2h_bytes"] < full["d2h_bytes"] and stats["h2d_bytes"] == stats["d2h_bytes"]
+    assert stats["groups_prefetched"] == 3 and stats["groups_fetched"] == 3
+
+
+def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch):
+    """The host never sees a copy done (it runs ahead of the device): each group's memory is
+    still let go, at its planned point, by a wait on the device; no host wait; each group is
+    fetched when backward reaches the layer the schedule names, before it is needed."""
+    from offload import _backend
+
+    clock = [0]
+    compute, d2h, h2d = _FakeStream("compute"), _FakeStream("d2h"), _FakeStream("h2d")
+    monkeypatch.setattr(_device, "new_event", lambda device=None, timing=False: _FakeEvent(clock))
+    monkeypatch.setattr(_device, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(_device, "copy_streams", lambda device=None: (d2h, h2d))
+    monkeypatch.setattr(offload.CopyHandle, "ready", lambda self: False)
+    waits = []
+    monkeypatch.setattr(offload.CopyHandle, "wait", lambda self: waits.append(self))
+    ref = _model(n=4)
+    model = copy.deepcopy(ref)
+    with _backend.force_fallback():
+        handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=offload.HostPool(),
+                                                   verbose=False)
+        engine = handle.engine
+        engine.on_accel = engine.timing = True
+        _scheduled(engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]})
+        log = []
+        settle, fetch, restore = engine._settle, engine._fetch, engine._restore
+
+        def settled(group):
+            log.append(("settle", group.layer, engine._backward_seen, max(engine._layer_groups)))
+            settle(group)
+
+        monkeypatch.setattr(engine, "_settle", settled)
+        monkeypatch.setattr(engine, "_fetch", lambda g: (log.append(("fetch", g.layer)), fetch(g))[1])
+        monkeypatch.setattr(engine, "_restore", lambda g, p: (log.append(("restore", g.layer)), restore(g, p))[1])
+        x = torch.randn(8, 16)
+        _, grads_ref = _step(ref, x)
+        for _ in range(2):
+            log.clear()
+            _, grads = _step(model, x)
+            _assert_equal(grads, grads_ref)
+            # Layer 0 when layer 2 opens (layers 0 and 1 exist), layer 1 after the last layer,
+            # layer 2 when backward starts.
+            assert [e for e in log if e[0] == "settle"] == [("settle", 0, False, 1), ("settle", 1, False, 2),
+                                                             ("settle", 2, True, 2)]
+            order = [e for e in log if e[0] != "settle"]
+            assert [e[1] for e in order if e[0] == "fetch"] == [2, 1, 0]
+            for layer in (0, 1, 2):
+                assert order.index(("fetch", layer)) < order.index(("restore", layer))
+    assert waits == []
+    stats = handle.stats()
+    assert stats["forward_wait_seconds"] > 0 and stats["backward_wait_seconds"] > 0  # the device-side waits
+    handle.disable()
+
+
 @pytest.mark.parametrize("keep_handle", [True, False])
 def test_activation_dropped_model_freed_without_gc(keep_handle, pool):
     """No reference cycle through the wrapped forwards: a model dropped without disable()
@@ -706,18 +812,6 @@ def test_activation_step_search_bisects_to_the_largest_within_tolerance():
         search.record(k, 100.0 if k == 0 or k not in seen else 110.0)
         seen.add(k)
     assert (search.final, probes) == (1, [2, 0, 2, 0, 1])
-
-
-def test_activation_ranking_prefix_is_the_models_choice():
-    from offload._activation_plan import choose, ranking
-
-    n = 8
-    nbytes, fwd, bwd = [100.0 + i for i in range(n)], [1.0] * n, [2.0] * n
-    eligible = [True] * (n - 1) + [False]
-    mask, _, _ = choose(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2)
-    order = ranking(eligible, nbytes, fwd, bwd, 50.0, 50.0, 2)
-    assert sorted(order) == list(range(n - 1))
-    assert set(order[: sum(mask)]) == {i for i, m in enumerate(mask) if m}
 
 
 class _StepClock:
