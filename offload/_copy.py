@@ -73,10 +73,13 @@ class CopyHandle:
 
     def release_sources(self, stream=None) -> None:
         """Make `stream` (default: the current one) wait for the transfer on the device, and
-        let go of its sources now rather than when the host sees the copies complete.
+        let go of the device tensors it holds now rather than when the host sees the copies
+        complete: a device-to-host transfer's sources, or the device tensors a
+        host-to-device transfer wrote into `out=` (held so that dropping them early could not
+        hand their memory on while the copy still writes it).
 
         Their memory returns to the caching allocator in `stream`'s order: only for
-        sources allocated on `stream` (the allocator gives a freed block to later
+        tensors allocated on `stream` (the allocator gives a freed block to later
         allocations on the stream it was allocated on, which are queued after this
         wait). The host is not blocked. Host memory the transfer holds stays held
         until its copies complete.

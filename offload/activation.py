@@ -116,7 +116,7 @@ class _Group:
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
-        "cap", "capped", "__weakref__",
+        "cap", "capped", "fetch_stream", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -141,6 +141,7 @@ class _Group:
         self.stream = None  # the stream its tensors were saved on (current when it closed), on an accelerator
         self.cap = None  # bytes of new spans it may offload (auto mode's schedule), None: no limit
         self.capped = 0  # bytes of spans counted against the cap
+        self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
 
 
 class _Packed:
@@ -664,6 +665,7 @@ class ActivationEngine:
             # 512-byte offsets: a restored view keeps the original's alignment.
             outs = _carve(torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device),
                           [t.numel() for t in group.d2h.tensors])
+            group.fetch_stream = _device.current_stream(self.device) if self.on_accel else None
             group.h2d = copy_to_device(group.d2h, self.device, out=outs, pool=self.pool)
             self._timed_end("h2d_seconds", start, h2d_stream)
         group.device_bytes = group.h2d.tensors
@@ -682,7 +684,13 @@ class ActivationEngine:
                 self._counters["backward_wait_seconds"] += time.perf_counter() - t0
             else:
                 start = self._timed_start(stream)
-                group.h2d.wait_stream(stream)
+                if stream == group.fetch_stream:
+                    # The block's owner waits for the copy: the core need not hold it until the
+                    # host sees the copy done. It held the last group fetched in a step (a
+                    # layer's activations) until the next step's first copy.
+                    group.h2d.release_sources(stream)
+                else:
+                    group.h2d.wait_stream(stream)
                 self._timed_end("backward_wait_seconds", start, stream)
             group.waited.add(stream)
         key = (packed.entry, packed.dtype, packed.size, packed.stride, packed.offset)

@@ -184,6 +184,25 @@ def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(dete
     handle.disable()
 
 
+def test_activation_cuda_step_leaves_no_device_memory():
+    """After a step device memory is where it was before it: the copy engine held the last
+    group fetched back (a layer's activations) until the next step's first copy."""
+    model = _stack(torch.bfloat16, d=512, heads=8, n=6)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(2, 1024, 512, device=_device.current_device(), dtype=torch.bfloat16)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0)
+    for _ in range(3):
+        gc.collect()
+        _device.synchronize()
+        before = _device.memory_allocated()
+        model(x).backward()
+        _device.synchronize()
+        assert _device.memory_allocated() == before
+    assert handle.stats()["groups_fetched"] >= 1
+    handle.disable()
+
+
 class CheckpointedStack(Stack):
     def forward(self, x):
         for block in self.blocks:
