@@ -116,7 +116,7 @@ class _Group:
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
-        "cap", "capped", "fetch_stream", "__weakref__",
+        "cap", "capped", "fetch_stream", "host_block", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -142,6 +142,7 @@ class _Group:
         self.cap = None  # bytes of new spans it may offload (auto mode's schedule), None: no limit
         self.capped = 0  # bytes of spans counted against the cap
         self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
+        self.host_block = None  # the pooled host block its spans were copied into, at aligned offsets
 
 
 class _Packed:
@@ -380,7 +381,8 @@ class ActivationEngine:
         for t, lo, hi, _ in group.spans:
             srcs.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,)))
         group.nbytes_aligned = _aligned_total([src.numel() for src in srcs])
-        outs = _carve(self.pool.acquire(group.nbytes_aligned), [src.numel() for src in srcs])
+        group.host_block = self.pool.acquire(group.nbytes_aligned)
+        outs = _carve(group.host_block, [src.numel() for src in srcs])
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
             start = d2h_stream = None
             if self.timing:
@@ -654,21 +656,25 @@ class ActivationEngine:
     def _fetch(self, group: _Group) -> None:
         with _device.nvtx_range(f"offload.h2d {group.name}") if self.nvtx else contextlib.nullcontext():
             start = h2d_stream = None
-            if self.timing:
-                # The waits copy_to_device would make, made first, so the start event times
-                # the copy alone (not the compute queued before this point).
+            if self.on_accel:
                 h2d_stream = _device.copy_streams(self.device)[1]
-                h2d_stream.wait_stream(_device.current_stream(self.device))
+                if self.timing:
+                    # The wait copy_to_device makes, made first, so the start event times the
+                    # copy alone (not the compute queued before this point).
+                    h2d_stream.wait_stream(_device.current_stream(self.device))
+                # The host block is complete before the copy stream reads it (a group let go
+                # at a release point was seen complete on the device only).
                 group.d2h.wait_stream(h2d_stream)
                 start = self._timed_start(h2d_stream)
-            # One device block per group (allocated on the consumer stream, its owner), spans at
-            # 512-byte offsets: a restored view keeps the original's alignment.
-            outs = _carve(torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device),
-                          [t.numel() for t in group.d2h.tensors])
+            # One device block per group (allocated on the consumer stream, its owner) laid out
+            # as the host block: one DMA of the whole block (the core would stage a group's
+            # adjacent spans and scatter them with a kernel competing with backward for the
+            # SMs), and each restored view keeps the original's 512-byte alignment.
+            block = torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device)
             group.fetch_stream = _device.current_stream(self.device) if self.on_accel else None
-            group.h2d = copy_to_device(group.d2h, self.device, out=outs, pool=self.pool)
+            group.h2d = copy_to_device([group.host_block], self.device, out=[block], pool=self.pool)
             self._timed_end("h2d_seconds", start, h2d_stream)
-        group.device_bytes = group.h2d.tensors
+        group.device_bytes = _carve(block, [t.numel() for t in group.d2h.tensors])
         group.waited = set()
         self._counters["h2d_bytes"] += group.nbytes
         self._counters["groups_fetched"] += 1
