@@ -596,19 +596,27 @@ def test_activation_schedule_fills_the_bus_before_backward():
     """Auto mode's schedule: earliest layers first, the last one that fits in part; each copy
     planned complete (with its margin) before its release point and before backward starts;
     each group fetched back at the latest layer start that leaves time for its copy."""
-    from offload._activation_plan import COPY_MARGIN, schedule
+    from offload._activation_plan import COPY_MARGIN, FETCH_MARGIN, schedule
 
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
     eligible = [True] * (n - 1) + [False]
-    plan, order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)
+    plan, order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0)
     copy = 100 / 50.0 * (1 + COPY_MARGIN)  # 2.1 s a layer: 1, 3.1, 5.2, 7.3, then 9.4 to the deadline 10
     assert order == [0, 1, 2, 3, 4] and exposed == 0
     assert plan.caps == [None] * 4 + [int((10 - (1 + 4 * copy)) / (1 + COPY_MARGIN) * 50.0)] + [None] * 3
     # Layer opens are 0..7, the last layer ends at 8 (point 8), backward starts at 10 (point 9).
     assert plan.release_at == {0: 4, 1: 6, 2: 8, 3: 9, 4: 9}
-    # Backward: layer 7 starts at 1, then every 2 s; layer i is needed at 15 - 2 i.
-    assert plan.fetch_at == {5: [4, 3], 4: [2], 3: [1], 2: [0]} and plan.fetch_at_start == []
+    # Backward: layer 7 starts at 1, then every 2 s; layer i is needed at 15 - 2 i. A layer's
+    # copy back takes 1 s (with FETCH_MARGIN 1.3 s): each is fetched one layer ahead.
+    assert FETCH_MARGIN == 0.3
+    assert plan.fetch_at == {5: [4], 4: [3], 3: [2], 2: [1], 1: [0]} and plan.fetch_at_start == []
+    # A slower way back (2.6 s a layer, 2 s of backward each): up to two layers ahead, behind
+    # the copies queued before it (layer 1 ready at 13.53, layer 0 at 16.13: the bus cannot
+    # hide 0.53 + 1.13 s, predicted exposed; layer 0 then needs no earlier trigger than layer 1).
+    slow_back, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)
+    assert slow_back.fetch_at == {5: [4, 3], 4: [2], 3: [1], 1: [0]}
+    assert exposed == pytest.approx(0.528 + 1.128)
     # A slow bus: not even one layer fits before backward starts, and a part of one does.
     slow, slow_order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 5.0, 50.0)
     assert slow_order == [0] and 0 < slow.caps[0] < 100 and slow.release_at == {0: 9}
