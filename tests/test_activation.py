@@ -625,6 +625,14 @@ def test_activation_schedule_fills_the_bus_before_backward():
     assert schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 0.5, 50.0)[1] == []
 
 
+def _log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
+    """Append ("fetch", key(group)) and ("restore", key(group)) to `log` as the engine does them."""
+    fetch, restore = engine._fetch, engine._restore
+    monkeypatch.setattr(engine, "_fetch", lambda group: (log.append(("fetch", key(group))), fetch(group))[1])
+    monkeypatch.setattr(engine, "_restore",
+                        lambda group, p: (log.append(("restore", key(group))), restore(group, p))[1])
+
+
 def _scheduled(engine, n, **kw):
     from offload._activation_plan import Schedule
 
@@ -677,15 +685,14 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch):
         engine.on_accel = engine.timing = True
         _scheduled(engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]})
         log = []
-        settle, fetch, restore = engine._settle, engine._fetch, engine._restore
+        settle = engine._settle
 
         def settled(group):
             log.append(("settle", group.layer, engine._backward_seen, max(engine._layer_groups)))
             settle(group)
 
         monkeypatch.setattr(engine, "_settle", settled)
-        monkeypatch.setattr(engine, "_fetch", lambda g: (log.append(("fetch", g.layer)), fetch(g))[1])
-        monkeypatch.setattr(engine, "_restore", lambda g, p: (log.append(("restore", g.layer)), restore(g, p))[1])
+        _log_fetch_and_restore(monkeypatch, engine, log, lambda group: group.layer)
         x = torch.randn(8, 16)
         _, grads_ref = _step(ref, x)
         for _ in range(2):
@@ -1157,9 +1164,7 @@ def test_activation_backward_prefetches_before_the_first_offloaded_group(pool, m
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
     engine = handle.engine
     log = []
-    fetch, restore = engine._fetch, engine._restore
-    monkeypatch.setattr(engine, "_fetch", lambda group: (log.append(("fetch", group)), fetch(group))[1])
-    monkeypatch.setattr(engine, "_restore", lambda group, p: (log.append(("restore", group)), restore(group, p))[1])
+    _log_fetch_and_restore(monkeypatch, engine, log)
     x = torch.randn(8, 16)
     _, grads_ref = _step(ref, x)
     for _ in range(2):
