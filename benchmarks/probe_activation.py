@@ -1,0 +1,205 @@
+"""Where activation offload's time goes on a Llama step: a diagnostic, not a bench section.
+
+`python benchmarks/probe_activation.py plans|host|profile [--seq 8192]` on a GPU (from a
+checkout with offload installed). Each probe runs hand-made plans on an async handle
+(`handle._offload` picks the layers, `handle.engine.schedule` the release and fetch points
+of auto mode) next to the same step with the hooks in and nothing offloaded:
+
+- plans:   step time (median of 6), peak above the memory between steps, and the compute
+           stream's device-side waits (release points in forward, copies back in backward);
+- host:    host time per step inside the engine's entry points and the copy calls;
+- profile: the compute stream's kernel time against its span (gaps: the device waiting for
+           the host), and the kernels whose time changed.
+
+RESULTS.md ("Activation offload", session 7) gives what these showed on the H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_activation  # noqa: E402
+from common import Context  # noqa: E402
+
+import offload  # noqa: E402
+from offload import _device  # noqa: E402
+from offload import activation as _activation  # noqa: E402
+from offload._activation_plan import Schedule  # noqa: E402
+
+GiB = float(1 << 30)
+
+
+def _step(model, loss_fn):
+    model.zero_grad(set_to_none=False)
+    loss_fn().backward()
+
+
+def _plans(n):
+    """(label, offloaded layers, caps, release_at, fetch_at, fetch_at_start) to compare."""
+    none = [None] * n
+    part = [None, 450 << 20] + [None] * (n - 2)
+    return [
+        ("{0} freed at layer 7, back at layer 3", (0,), none, {0: 7}, {3: [0]}, []),
+        ("{0} freed at layer 7, back at layer 2", (0,), none, {0: 7}, {2: [0]}, []),
+        ("{0} back as backward starts", (0,), none, {0: 7}, {}, [0]),
+        ("{0, part of 1} auto's shape", (0, 1), part, {0: 7, 1: n + 1}, {4: [1], 3: [0]}, []),
+    ]
+
+
+def probe_plans(ctx, model, loss_fn, handle, n):
+    device = ctx.device
+
+    def timed(label):
+        for _ in range(3):
+            _step(model, loss_fn)
+        gc.collect()
+        _device.synchronize(device)
+        idle = _device.memory_allocated(device)
+        ms, peaks, fwd, bwd = [], [], [], []
+        for _ in range(6):
+            _device.reset_peak_memory_stats(device)
+            start, end = _device.new_event(device, timing=True), _device.new_event(device, timing=True)
+            start.record(_device.current_stream(device))
+            _step(model, loss_fn)
+            end.record(_device.current_stream(device))
+            end.synchronize()
+            ms.append(start.elapsed_time(end))
+            peaks.append(_device.max_memory_allocated(device) - idle)
+            stats = handle.stats()
+            fwd.append(stats["forward_wait_seconds"] * 1e3)
+            bwd.append(stats["backward_wait_seconds"] * 1e3)
+        print(f"{label:40} step {statistics.median(ms):7.2f} ms  peak {max(peaks) / GiB:5.2f} GiB  "
+              f"waits: forward {statistics.median(fwd):.2f} backward {statistics.median(bwd):.2f} ms", flush=True)
+
+    handle._offload = [False] * n
+    timed("hooks in, nothing offloaded")
+    for label, layers, caps, release_at, fetch_at, at_start in _plans(n):
+        handle._offload = [i in layers for i in range(n)]
+        handle.engine.schedule = Schedule(n, caps, release_at, fetch_at, at_start)
+        timed(label)
+
+
+def probe_host(ctx, model, loss_fn, handle, n):
+    seconds, calls = collections.Counter(), collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - t0
+                calls[name] += 1
+        return wrapper
+
+    engine_cls = _activation.ActivationEngine
+    for name in ("_pack", "_unpack", "boundary", "_close", "_fetch", "_restore", "_release_due", "_settle"):
+        setattr(engine_cls, name, timed(name, getattr(engine_cls, name)))
+    _activation.copy_to_host = timed("copy_to_host", _activation.copy_to_host)
+    _activation.copy_to_device = timed("copy_to_device", _activation.copy_to_device)
+    # The hooks were bound when the engine was made: make them again to see the timed methods.
+    handle.engine._hooks = torch.autograd.graph.saved_tensors_hooks(handle.engine._pack, handle.engine._unpack)
+
+    def run(label, steps=5):
+        for _ in range(3):
+            _step(model, loss_fn)
+        _device.synchronize(ctx.device)
+        seconds.clear()
+        calls.clear()
+        forward, backward = [], []
+        for _ in range(steps):
+            _device.synchronize(ctx.device)
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=False)
+            loss = loss_fn()
+            t1 = time.perf_counter()
+            loss.backward()
+            forward.append((t1 - t0) * 1e3)
+            backward.append((time.perf_counter() - t1) * 1e3)
+        _device.synchronize(ctx.device)
+        print(f"{label}: host forward {statistics.median(forward):.2f} ms, backward call "
+              f"{statistics.median(backward):.2f} ms", flush=True)
+        print("   " + ", ".join(f"{k} {seconds[k] * 1e3 / steps:.3f} ms/{calls[k] // steps}"
+                                for k, _ in seconds.most_common(10)), flush=True)
+
+    handle._offload = [False] * n
+    run("hooks in, nothing offloaded")
+    label, layers, caps, release_at, fetch_at, at_start = _plans(n)[0]
+    handle._offload = [i in layers for i in range(n)]
+    handle.engine.schedule = Schedule(n, caps, release_at, fetch_at, at_start)
+    run(label)
+
+
+def probe_profile(ctx, model, loss_fn, handle, n):
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(label):
+        for _ in range(3):
+            _step(model, loss_fn)
+        _device.synchronize(ctx.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                _step(model, loss_fn)
+            _device.synchronize(ctx.device)
+        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        by_stream = collections.defaultdict(list)
+        for e in events:
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+                by_stream[e["args"].get("stream")].append(e)
+        busy = {s: sum(e["dur"] for e in v) for s, v in by_stream.items()}
+        compute = max(busy, key=busy.get)
+        ordered = sorted(by_stream[compute], key=lambda e: e["ts"])
+        span = ordered[-1]["ts"] + ordered[-1]["dur"] - ordered[0]["ts"]
+        print(f"{label}: compute stream per step: span {span / 3e3:.2f} ms, kernels {busy[compute] / 3e3:.2f} ms, "
+              f"gaps {(span - busy[compute]) / 3e3:.2f} ms (the profiler's own host cost inflates gaps)", flush=True)
+        per_kernel = collections.Counter()
+        for e in ordered:
+            per_kernel[e["name"][:90]] += e["dur"] / 3e3
+        return per_kernel
+
+    handle._offload = [False] * n
+    base = kernels("hooks in, nothing offloaded")
+    label, layers, caps, release_at, fetch_at, at_start = _plans(n)[0]
+    handle._offload = [i in layers for i in range(n)]
+    handle.engine.schedule = Schedule(n, caps, release_at, fetch_at, at_start)
+    mine = kernels(label)
+    changed = sorted((mine[k] - base[k], k) for k in set(mine) | set(base))
+    print("kernels whose time changed most (ms per step):")
+    for delta, name in changed[:3] + changed[-5:]:
+        print(f"   {delta:+.3f}  {name}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("probe", choices=["plans", "host", "profile"])
+    parser.add_argument("--seq", type=int, default=8192)
+    args = parser.parse_args()
+    device = _device.current_device()
+    if not _device.is_accelerator(device):
+        sys.exit("probe_activation: needs an accelerator (the plans it compares move device memory)")
+    ctx = Context(device=device, quick=False)
+    model, loss_fn = bench_activation._llama(ctx, args.seq)
+    n = model.config.num_hidden_layers
+    handle = offload.enable_activation_offload(model, "async", resident_groups=n, verbose=False)
+    try:
+        {"plans": probe_plans, "host": probe_host, "profile": probe_profile}[args.probe](ctx, model, loss_fn, handle, n)
+    finally:
+        handle.disable()
+
+
+if __name__ == "__main__":
+    main()
