@@ -596,12 +596,8 @@ class ActivationEngine:
         return result
 
     def _prefetch(self, group: _Group) -> None:
-        if self.schedule is not None:  # fetched at the backward points the schedule chose
-            return
-        prev = group.prev() if group.prev is not None else None
-        if prev is not None and _on_host_only(prev):
-            self._fetch(prev)
-            self._counters["groups_prefetched"] += 1
+        if self.schedule is None:  # else fetched at the backward points the schedule chose
+            self._fetch_groups([group.prev])
 
     def _prefetch_at_backward_start(self) -> None:
         """Fetch the first group backward will need from the host, as backward starts.
@@ -656,12 +652,13 @@ class ActivationEngine:
     def _fetch(self, group: _Group) -> None:
         with _device.nvtx_range(f"offload.h2d {group.name}") if self.nvtx else contextlib.nullcontext():
             start = h2d_stream = None
+            consumer = _device.current_stream(self.device) if self.on_accel else None
             if self.on_accel:
                 h2d_stream = _device.copy_streams(self.device)[1]
                 if self.timing:
                     # The wait copy_to_device makes, made first, so the start event times the
                     # copy alone (not the compute queued before this point).
-                    h2d_stream.wait_stream(_device.current_stream(self.device))
+                    h2d_stream.wait_stream(consumer)
                 # The host block is complete before the copy stream reads it (a group let go
                 # at a release point was seen complete on the device only).
                 group.d2h.wait_stream(h2d_stream)
@@ -671,7 +668,7 @@ class ActivationEngine:
             # adjacent spans and scatter them with a kernel competing with backward for the
             # SMs), and each restored view keeps the original's 512-byte alignment.
             block = torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device)
-            group.fetch_stream = _device.current_stream(self.device) if self.on_accel else None
+            group.fetch_stream = consumer
             group.h2d = copy_to_device([group.host_block], self.device, out=[block], pool=self.pool)
             self._timed_end("h2d_seconds", start, h2d_stream)
         group.device_bytes = _carve(block, [t.numel() for t in group.d2h.tensors])

@@ -104,13 +104,16 @@ def test_activation_cuda_llama_bitwise(deterministic):
         assert torch.equal(a, b)
 
 
-def _activation_peak(model, x):
-    """Peak device bytes above what was allocated before the forward."""
+def _activation_peak(model, x, hold_device_cycles: int = 0):
+    """Peak device bytes above what was allocated before the forward. `hold_device_cycles`:
+    a spin kernel queued first, so the host runs that far ahead of the device."""
     gc.collect()
     _device.synchronize()
     model.zero_grad(set_to_none=False)
     before = _device.memory_allocated()
     _device.reset_peak_memory_stats()
+    if hold_device_cycles:
+        _device.spin(_device.current_device(), hold_device_cycles)
     model(x).backward()
     _device.synchronize()
     return _device.max_memory_allocated() - before
@@ -159,19 +162,8 @@ def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(dete
     handle._offload = [i in (0, 1) for i in range(8)]
     handle.engine.schedule = Schedule(8, [None] * 8, {0: 4, 1: 6}, {3: [1], 2: [0]}, [])
 
-    def held_back_peak(m):
-        gc.collect()
-        _device.synchronize()
-        m.zero_grad(set_to_none=False)
-        before = _device.memory_allocated()
-        _device.reset_peak_memory_stats()
-        _device.spin(_device.current_device(), 200_000_000)  # ~0.1 s: the host runs ahead of the device
-        m(x).backward()
-        _device.synchronize()
-        return _device.max_memory_allocated() - before
-
-    held_back_peak(model)
-    offloaded = held_back_peak(model)
+    _activation_peak(model, x, hold_device_cycles=200_000_000)  # ~0.1 s: the host runs ahead of the device
+    offloaded = _activation_peak(model, x, hold_device_cycles=200_000_000)
     # Two layers' activations are gone before the peak at the end of forward (slack: rounding).
     assert offloaded <= plain - 2 * per_layer + (16 << 20), (offloaded, plain, per_layer)
     stats = handle.stats()
