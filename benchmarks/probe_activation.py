@@ -169,6 +169,17 @@ def probe_profile(ctx, model, loss_fn, handle, n):
         per_kernel = collections.Counter()
         for e in ordered:
             per_kernel[e["name"][:90]] += e["dur"] / 3e3
+        # Host-side runtime and driver calls: a call that blocks the host (a synchronizing
+        # copy, an event or stream sync, a pinned or device allocation) shows here.
+        api_ms, api_calls, longest = collections.Counter(), collections.Counter(), []
+        for e in events:
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
+                api_ms[e["name"]] += e["dur"] / 3e3
+                api_calls[e["name"]] += 1
+                longest.append((e["dur"], e["name"]))
+        print("   runtime calls per step: " + ", ".join(
+            f"{name} {ms:.2f} ms/{api_calls[name] // 3}" for name, ms in api_ms.most_common(8)), flush=True)
+        print("   longest: " + ", ".join(f"{name} {us / 1e3:.2f} ms" for us, name in sorted(longest)[-5:]), flush=True)
         return per_kernel
 
     handle._offload = [False] * n
