@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import statistics
 import time
 import warnings
@@ -79,6 +80,11 @@ FETCH_MARGIN = 0.3
 # A layer offloaded in part offloads at least this share of its bytes (less frees too little
 # for the hooks' work and the extra copy).
 MIN_PART = 0.125
+# A layer whose copy would start on an idle device-to-host stream is copied in this many
+# parts, each as soon as the layer has saved its share of the bytes: waiting for the layer
+# to end left the bus idle through the first offloaded layer's forward (an eighth of the
+# block stack's forward, ~12% of what the bus can hide in it).
+SPLIT_PARTS = 4
 
 
 @dataclasses.dataclass
@@ -91,12 +97,17 @@ class Schedule:
       saved; later tensors stay on the device), or None for all of them.
     - release_at: layer -> the point at which the compute stream waits, on the device, for
       its group's copy and its device tensors go back to the allocator in stream order (the
-      copy is planned to be complete by then, so the wait costs nothing). Without such a
-      point a group's memory went back only when the host saw its copy done, and the host
-      runs ahead of the device: a sparse plan freed nothing before backward.
+      copy is planned to be complete by then, so the wait costs nothing); a list for a layer
+      copied in parts: a point per part. Without such a point a group's memory went back
+      only when the host saw its copy done, and the host runs ahead of the device: a sparse
+      plan freed nothing before backward.
     - fetch_at: layer j -> layers whose groups are copied back when backward reaches layer
       j (the gradient of its output is computed), so each arrives just before it is needed;
       fetch_at_start: those fetched as backward starts.
+    - split_at: layer -> the layer's bytes of new spans, ascending, at which its group is
+      closed (its copy starts) and the layer goes on in a new group (part): the copy runs
+      while the layer still saves tensors, and each part is let go at its own point. The
+      parts of a layer are fetched together.
     """
 
     n: int
@@ -104,19 +115,25 @@ class Schedule:
     release_at: dict
     fetch_at: dict
     fetch_at_start: List[int]
+    split_at: dict = dataclasses.field(default_factory=dict)
 
 
 def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: float, d2h_bps: float,
              h2d_bps: float):
-    """Offload, in forward order, what the device-to-host stream can copy out before backward
-    starts, and plan when each group's memory is let go and when it comes back.
+    """Offload, in forward order, what the device-to-host stream can copy out before the last
+    layer ends, and plan when each group's memory is let go and when it comes back.
 
     The timeline is the measured one: layer i runs fwd[i] after layer i-1, backward starts
     `tail` after the last layer ends (head, loss) and reaches the last layer `head_bwd` later;
     layer i's backward takes bwd[i]. A group's copy starts when it closes (or when the copy
-    before it ends) and must end, with `COPY_MARGIN`, before backward starts: the last layer
-    that fits is offloaded in part. Earliest layers first: their memory is freed for longest
-    and backward needs them last, with the most time to bring them back.
+    before it ends); a layer that opens with the stream idle is copied in `SPLIT_PARTS`
+    parts, the first when the layer has run a part of its time. Every copy must end, with
+    `COPY_MARGIN`, when the last layer does (point n): memory let go later, as backward
+    starts, comes after the peak of a training step (the head's logits and the loss sit on
+    top of every activation), so it would not lower it; a layer whose copy passes the last
+    layer's open is split there too, the part copied by then let go as the last layer opens.
+    The last layer that fits is offloaded in part. Earliest layers first: their memory is
+    freed for longest and backward needs them last, with the most time to bring them back.
 
     Returns (Schedule, order, predicted exposed seconds in backward): `order` lists the layers
     offloaded, in the order their copies run (a prefix of it is a smaller plan that keeps
@@ -128,49 +145,75 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
         opens.append(t)
         t += fwd[i]
         closes.append(t)
-    deadline = t + tail
+    deadline = t
     caps: List[Optional[int]] = [None] * n
-    release_at, order = {}, []
+    release_at, order, split_at = {}, [], {}
     free = 0.0
+    per_byte = (1 + COPY_MARGIN) / d2h_bps
     for i in range(n):
         if not eligible[i] or nbytes[i] <= 0:
             continue
-        start = max(closes[i], free)
-        room = int((deadline - start) / (1 + COPY_MARGIN) * d2h_bps)
-        take = min(nbytes[i], room)
+        split = free < closes[i]  # else the copies before it keep the stream busy past its end
+        start = max(opens[i] + fwd[i] / SPLIT_PARTS if split else closes[i], free)
+        take = min(nbytes[i], int((deadline - start) / per_byte))
         if take < MIN_PART * nbytes[i]:
             continue
-        free = start + take / d2h_bps * (1 + COPY_MARGIN)
+        # Parts, by the bytes of new spans where each ends: the layer's quarters while it
+        # runs (split), and where the copy passes the last layer's open, so that what is
+        # copied by then goes as the last layer starts: it adds its own activations after
+        # that, and only a part as small as what it and the loss add can wait for point n.
+        ends = [nbytes[i] * k // SPLIT_PARTS for k in range(1, SPLIT_PARTS)] if split else []
+        ends.append(int((opens[-1] - start) / per_byte))
+        ends = sorted({b for b in ends if 0 < b < take}) + [take]
+        points, done, begun = [], free, 0
+        for b in ends:
+            # A part closes when the layer has saved its bytes (evenly over the layer's
+            # time), the last one when the layer ends; its copy follows the one before it.
+            saved = closes[i] if b == take else opens[i] + fwd[i] * b / nbytes[i]
+            done = max(saved, done) + (b - begun) * per_byte
+            begun = b
+            later = [j for j in range(i + 1, n) if opens[j] >= done]
+            points.append(later[0] if later else n)
+        if done > deadline:
+            continue
+        free = done
         caps[i] = None if take >= nbytes[i] else take
         order.append(i)
-        later = [j for j in range(i + 1, n) if opens[j] >= free]
-        release_at[i] = later[0] if later else (n if closes[-1] >= free else n + 1)
-    # Backward: layer j starts at begins[j]; the groups are fetched in the order backward
-    # needs them, each at the latest layer start that leaves time for its copy behind the
-    # copies queued before it (one host-to-device stream).
+        if len(ends) > 1:
+            split_at[i] = ends[:-1]
+            release_at[i] = points
+        else:
+            release_at[i] = points[0]
+    # Backward: layer j starts at begins[j]. The groups come back in the order backward needs
+    # them, through one host-to-device stream: a copy must end before its layer starts and
+    # before the next copy's latest start, so latest starts are found from the group needed
+    # last, and each group is fetched at the latest layer start before its own (the least
+    # memory held early). Each group at its own latest start, ignoring the copies queued
+    # behind it, left those too late (10 ms exposed on the H100's block stack, two layers).
     begins, t = [0.0] * n, head_bwd
     for j in reversed(range(n)):
         begins[j] = t
         t += bwd[j]
+    durations = {i: (nbytes[i] if caps[i] is None else caps[i]) / h2d_bps * (1 + FETCH_MARGIN) for i in order}
+    latest, bound = {}, math.inf
+    for i in order:  # forward order: the group needed last first
+        bound = latest[i] = min(begins[i], bound) - durations[i]
     fetch_at: dict = {}
     fetch_at_start: List[int] = []
     exposed, h2d_free = 0.0, 0.0
     for i in reversed(order):
-        size = nbytes[i] if caps[i] is None else caps[i]
-        duration = size / h2d_bps * (1 + FETCH_MARGIN)
-        latest = max(begins[i] - duration, h2d_free)  # a later start delays it; an earlier one gains nothing
-        triggers = [j for j in range(i + 1, n) if begins[j] <= latest]
+        triggers = [j for j in range(i + 1, n) if begins[j] <= latest[i]]
         if triggers:
-            j = triggers[0]  # the latest such layer start: the least memory held early
+            j = triggers[0]  # the latest such layer start
             fetch_at.setdefault(j, []).append(i)
             at = begins[j]
         else:
             fetch_at_start.append(i)
             at = 0.0
-        end = max(at, h2d_free) + duration
+        end = max(at, h2d_free) + durations[i]
         h2d_free = end
         exposed += max(0.0, end - begins[i])
-    return Schedule(n, caps, release_at, fetch_at, fetch_at_start), order, exposed
+    return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at), order, exposed
 
 
 def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: float, window: int):

@@ -116,7 +116,7 @@ class _Group:
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
-        "cap", "capped", "fetch_stream", "host_block", "__weakref__",
+        "cap", "capped", "split", "part", "continued", "fetch_stream", "host_block", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -140,7 +140,10 @@ class _Group:
         self.nbytes_aligned = 0  # bytes of the group's host (and restored device) block
         self.stream = None  # the stream its tensors were saved on (current when it closed), on an accelerator
         self.cap = None  # bytes of new spans it may offload (auto mode's schedule), None: no limit
-        self.capped = 0  # bytes of spans counted against the cap
+        self.capped = 0  # bytes of its layer's new spans so far (counted against the cap)
+        self.split = None  # the schedule's part ends of its layer (Schedule.split_at), or None
+        self.part = 0  # the index of its layer's part it ends (its release point; see _split)
+        self.continued = False  # a later part of a layer copied in parts
         self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
         self.host_block = None  # the pooled host block its spans were copied into, at aligned offsets
 
@@ -219,7 +222,7 @@ class ActivationEngine:
         # resident window orders releases and each group prefetches the one before it.
         self.schedule = None
         self._due: list = []  # (release point, weakref to group) of this forward's groups, by the schedule
-        self._layer_groups: dict = {}  # layer index -> weakref to its offloaded group in this forward
+        self._layer_groups: dict = {}  # layer index -> weakrefs to its offloaded groups in this forward
 
     # ------------------------------------------------------------ statistics
 
@@ -228,7 +231,9 @@ class ActivationEngine:
         return {
             "d2h_bytes": 0, "h2d_bytes": 0, "d2h_seconds": 0.0, "h2d_seconds": 0.0,
             "forward_wait_seconds": 0.0, "backward_wait_seconds": 0.0,
-            "groups_offloaded": 0, "groups_fetched": 0, "groups_prefetched": 0,
+            # A group is a layer's saved tensors, or a part of them (auto mode copies a layer in
+            # parts while it runs): layers_offloaded counts each layer once.
+            "layers_offloaded": 0, "groups_offloaded": 0, "groups_fetched": 0, "groups_prefetched": 0,
             "tensors_offloaded": 0, "tensors_kept": 0,
         }
 
@@ -354,9 +359,10 @@ class ActivationEngine:
             if offload:
                 self._last_offloaded = weakref.ref(group)
                 if layer is not None:
-                    self._layer_groups[layer] = self._last_offloaded
+                    self._layer_groups[layer] = [self._last_offloaded]
                     if schedule is not None and layer < len(schedule.caps):
                         group.cap = schedule.caps[layer]
+                        group.split = schedule.split_at.get(layer)
             if observer is not None:
                 observer.opened(group)
 
@@ -397,6 +403,7 @@ class ActivationEngine:
         c = self._counters
         c["d2h_bytes"] += group.d2h.nbytes
         c["groups_offloaded"] += 1
+        c["layers_offloaded"] += not group.continued
         c["tensors_offloaded"] += len(group.held)
         if self.mode == "sync":
             t0 = time.perf_counter()
@@ -410,6 +417,8 @@ class ActivationEngine:
         if self.schedule is not None:
             # Auto mode: the plan says at which point the copy is complete; no window.
             at = self.schedule.release_at.get(group.layer)
+            if isinstance(at, list):  # a point per part
+                at = at[min(group.part, len(at) - 1)]
             if at is not None:
                 self._due.append((at, weakref.ref(group)))
             return
@@ -453,7 +462,7 @@ class ActivationEngine:
         now, and its device tensors go back to the allocator in stream order, as the window
         does; the host is never blocked. A group saved on another stream is left to `_poll`.
         """
-        if not self._due:
+        if all(at > point for at, _ in self._due):  # most points release nothing: no stream read
             return
         stream = _device.current_stream(self.device) if self.on_accel else None
         kind = "forward_wait_seconds" if point <= self.schedule.n else "backward_wait_seconds"
@@ -538,19 +547,45 @@ class ActivationEngine:
                 span = owner.spans[index]
                 if span[1] <= first and last <= span[2] and span[3] == t._version:
                     group, entry = owner, index
+        split = False
         if entry is None:
-            if group.cap is not None:  # auto mode offloads this layer in part: its first spans
-                span_bytes = last - (first - first % _SPAN_ALIGN)
-                if group.capped + span_bytes > group.cap:
-                    return self._keep(t)
-                group.capped += span_bytes
+            span_bytes = last - (first - first % _SPAN_ALIGN)
+            if group.cap is not None and group.capped + span_bytes > group.cap:
+                return self._keep(t)  # auto mode offloads this layer in part: its first spans
+            group.capped += span_bytes
+            ends = group.split
+            split = ends is not None and group.part < len(ends) and group.capped >= ends[group.part]
             entry = len(group.spans)
             group.spans.append([t, first - first % _SPAN_ALIGN, last])
             self._storages[ptr] = (group, entry, StorageWeakRef(storage))
         slot = len(group.held)
         group.held.append((t, t._version))
         group.n_handles += 1
-        return _Packed(group, entry, slot, t.dtype, t.shape, t.stride(), t.storage_offset() * itemsize)
+        packed = _Packed(group, entry, slot, t.dtype, t.shape, t.stride(), t.storage_offset() * itemsize)
+        if split:
+            self._split(group)
+        return packed
+
+    def _split(self, group: _Group) -> None:
+        """Auto mode: copy out what the layer saved so far and go on in a new group of it.
+
+        The copy runs while the layer goes on, and the group is let go at its own point; a
+        later view of a storage copied here shares that copy if it lies in it unchanged,
+        else the new group copies its bytes again.
+        """
+        part = _Group(group.name, group.layer, True, self._last_offloaded)
+        part.cap, part.capped, part.split, part.continued = group.cap, group.capped, group.split, True
+        # One span may pass several part ends: this group ends the last of them (its copy is
+        # planned complete by that part's point, not an earlier one).
+        ends = group.split
+        index = group.part
+        while index < len(ends) and group.capped >= ends[index]:
+            index += 1
+        group.part, part.part = index - 1, index
+        self._group = part
+        self._last_offloaded = weakref.ref(part)
+        self._layer_groups[group.layer].append(self._last_offloaded)
+        self._close(group)
 
     def _keep(self, t):
         self._counters["tensors_kept"] += 1
@@ -621,7 +656,12 @@ class ActivationEngine:
     def _backward_start_scheduled(self) -> None:
         """Backward starts (auto mode): release what the schedule lets go here, fetch what it fetches."""
         self._release_due(self.schedule.n + 1)
-        self._fetch_groups([self._layer_groups.get(layer) for layer in self.schedule.fetch_at_start])
+        self._fetch_groups(self._groups_of(self.schedule.fetch_at_start))
+
+    def _groups_of(self, layers) -> list:
+        """Weak references to the offloaded groups of `layers` in this forward, each layer's
+        last part first: backward needs the tensors a layer saved last first."""
+        return [ref for layer in layers for ref in reversed(self._layer_groups.get(layer, ()))]
 
     def _fetch_groups(self, refs) -> None:
         """Fetch the groups (weak references, or None) that are on the host only."""
@@ -636,7 +676,7 @@ class ActivationEngine:
         """Fetch the groups of `layers` when backward reaches `output` (a layer's output): a
         hook on its gradient, the first thing computed in that layer's backward. Layers that
         stay on the device save no tensor of the engine's, so nothing else marks that point."""
-        refs = [self._layer_groups[layer] for layer in layers if layer in self._layer_groups]
+        refs = self._groups_of(layers)
         anchor = _first_grad_tensor(output)
         if not refs or anchor is None:
             return  # each is fetched at its first unpack instead

@@ -127,7 +127,10 @@ def test_activation_blocks_bitwise(mode, backend, pool):
         assert torch.equal(loss, loss_ref)
         _assert_equal(grads, grads_ref)
     stats = handle.stats()
-    assert stats["groups_offloaded"] == 3  # the last of 4 layers stays by default
+    # The last of 4 layers stays by default; auto mode's schedule copies the first in parts.
+    assert stats["offloaded_layers"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert stats["layers_offloaded"] == 3
+    assert stats["groups_offloaded"] == 3 if mode != "auto" else stats["groups_offloaded"] > 3
     assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] == stats["d2h_bytes"]
     assert stats["tensors_offloaded"] > 20
     handle.disable()
@@ -227,7 +230,7 @@ def test_activation_llama_bitwise(mode, pool):
             losses.append(loss.detach())
         assert torch.equal(losses[1], losses[0])
         _assert_equal(_grads(model), _grads(ref))
-        offloaded.append(handle.stats()["groups_offloaded"])
+        offloaded.append(handle.stats()["layers_offloaded"])
     assert offloaded[0] == 2 and offloaded[-1] == len(handle.offloaded_layers())
 
 
@@ -592,34 +595,52 @@ def test_activation_planner_hides_copies():
     assert sum(mask_budget) == n - 1 - 2 and exposed_budget > 0
 
 
-def test_activation_schedule_fills_the_bus_before_backward():
-    """Auto mode's schedule: earliest layers first, the last one that fits in part; each copy
-    planned complete (with its margin) before its release point and before backward starts;
-    each group fetched back at the latest layer start that leaves time for its copy."""
-    from offload._activation_plan import COPY_MARGIN, FETCH_MARGIN, schedule
+def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
+    """Auto mode's schedule: earliest layers first, the last one that fits in part, the first
+    copied in parts while it runs; each copy planned complete (with its margin) before its
+    release point and before the last layer ends; each group fetched back at the latest layer
+    start that leaves time for its copy."""
+    from offload._activation_plan import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, schedule
 
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
     eligible = [True] * (n - 1) + [False]
     plan, order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0)
-    copy = 100 / 50.0 * (1 + COPY_MARGIN)  # 2.1 s a layer: 1, 3.1, 5.2, 7.3, then 9.4 to the deadline 10
-    assert order == [0, 1, 2, 3, 4] and exposed == 0
-    assert plan.caps == [None] * 4 + [int((10 - (1 + 4 * copy)) / (1 + COPY_MARGIN) * 50.0)] + [None] * 3
-    # Layer opens are 0..7, the last layer ends at 8 (point 8), backward starts at 10 (point 9).
-    assert plan.release_at == {0: 4, 1: 6, 2: 8, 3: 9, 4: 9}
+    per = (1 + COPY_MARGIN) / 50.0  # 0.021 s a byte: 2.1 s a layer
+    # Layer 0 opens on an idle stream: copied in 4 parts of 25 bytes as it saves them (each
+    # at a quarter of its second), from 0.25 s to 2.35; then layers 1 and 2 (2.35-4.45,
+    # 4.45-6.55), and from 6.55 what fits by 8, the last layer's end (the deadline, not
+    # backward's start at 10): 69 bytes, split where the copy passes the last layer's open
+    # (7 s: 21 bytes).
+    assert SPLIT_PARTS == 4 and plan.split_at == {0: [25, 50, 75], 3: [21]}
+    assert order == [0, 1, 2, 3] and exposed == 0
+    assert plan.caps == [None] * 3 + [int((8 - 6.55) / per)] + [None] * 4
+    # Layer opens are 0..7: each part goes at the first open after its copy (layer 0's parts
+    # end at 0.775, 1.3, 1.825 and 2.35 s); layer 3's first part as the last layer opens,
+    # the rest when it ends (point 8).
+    assert plan.release_at == {0: [1, 2, 2, 3], 1: 5, 2: 7, 3: [7, 8]}
     # Backward: layer 7 starts at 1, then every 2 s; layer i is needed at 15 - 2 i. A layer's
     # copy back takes 1 s (with FETCH_MARGIN 1.3 s): each is fetched one layer ahead.
     assert FETCH_MARGIN == 0.3
-    assert plan.fetch_at == {5: [4], 4: [3], 3: [2], 2: [1], 1: [0]} and plan.fetch_at_start == []
-    # A slower way back (2.6 s a layer, 2 s of backward each): up to two layers ahead, behind
-    # the copies queued before it (layer 1 ready at 13.53, layer 0 at 16.13: the bus cannot
-    # hide 0.53 + 1.13 s, predicted exposed; layer 0 then needs no earlier trigger than layer 1).
+    assert plan.fetch_at == {4: [3], 3: [2], 2: [1], 1: [0]} and plan.fetch_at_start == []
+    # A slower way back (2.6 s a layer, 2 s of backward each): the copies queue on one stream,
+    # so the latest starts count back from layer 0's need (15 s): 12.4, 9.8, 7.2, and 5.41 for
+    # layer 3 (69 bytes); each is fetched at the latest layer start before that, and nothing
+    # is exposed (fetched each at its own latest start, layers 2, 1 and 0 came 2.98 s late).
     slow_back, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)
-    assert slow_back.fetch_at == {5: [4, 3], 4: [2], 3: [1], 1: [0]}
-    assert exposed == pytest.approx(0.528 + 1.128)
-    # A slow bus: not even one layer fits before backward starts, and a part of one does.
+    assert slow_back.fetch_at == {5: [3], 4: [2], 3: [1], 2: [0]} and exposed == 0
+    # Slower still (13 s a layer): what cannot be hidden is fetched as backward starts, in
+    # the order backward needs it, and its lateness is predicted.
+    slowest, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 10.0)
+    assert slowest.fetch_at_start == [3, 2, 1] and exposed > 0
+    # A slow bus: not even one layer fits before the last one ends, and a part of one does
+    # (from 0.25 s: 7.75 s / 1.05 at 5 bytes/s = 36 bytes), copied in parts that end at 5.5,
+    # 6.97 (the 32 bytes copied by the last layer's open) and 7.81 s.
     slow, slow_order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 5.0, 50.0)
-    assert slow_order == [0] and 0 < slow.caps[0] < 100 and slow.release_at == {0: 9}
+    assert slow_order == [0] and slow.caps[0] == 36
+    assert slow.split_at == {0: [25, 32]} and slow.release_at == {0: [6, 7, 8]}
+    # A copy stream still busy when a layer ends: that layer is not split.
+    assert 1 not in plan.split_at and 2 not in plan.split_at
     # Nothing eligible, or a bus too slow for an eighth of a layer: nothing offloaded.
     assert schedule([False] * n, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)[1] == []
     assert schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 0.5, 50.0)[1] == []
@@ -637,7 +658,7 @@ def _scheduled(engine, n, **kw):
     from offload._activation_plan import Schedule
 
     engine.schedule = Schedule(n, kw.get("caps", [None] * n), kw.get("release_at", {}), kw.get("fetch_at", {}),
-                               kw.get("fetch_at_start", []))
+                               kw.get("fetch_at_start", []), kw.get("split_at", {}))
 
 
 def test_activation_schedule_caps_and_fetch_points_bitwise(pool):
@@ -662,10 +683,60 @@ def test_activation_schedule_caps_and_fetch_points_bitwise(pool):
     assert stats["groups_prefetched"] == 3 and stats["groups_fetched"] == 3
 
 
-def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch):
+@pytest.mark.parametrize("split_bytes", [256, 4096])
+def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, split_bytes, pool):
+    """A layer the schedule splits: its first part's copy is queued before the layer ends,
+    views of one storage saved in several parts come back bitwise, and every part is fetched
+    at its layer's backward point, a layer's last part first (backward needs it first)."""
+    from offload import activation as _activation
+
+    ref = _model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    engine = handle.engine
+    ends = [k * split_bytes for k in range(1, 64)]
+    _scheduled(engine, 4, release_at={0: [2, 3] * 32, 1: 4, 2: 4}, fetch_at={3: [2], 2: [1], 1: [0]},
+               split_at={0: ends, 1: ends, 2: ends})
+    log = []
+    copy_to_host = _activation.copy_to_host
+    monkeypatch.setattr(_activation, "copy_to_host", lambda *a, **k: (log.append("copy"), copy_to_host(*a, **k))[1])
+    model.blocks[0].register_forward_hook(lambda *_: log.append("layer 0 ended"))
+    _log_fetch_and_restore(monkeypatch, engine, log)
+    closed = []  # groups in the order their copies were queued
+    close = engine._close
+    monkeypatch.setattr(engine, "_close", lambda group: (closed.append(group), close(group))[1])
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    for _ in range(2):
+        log.clear()
+        closed.clear()
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+        assert log.index("copy") < log.index("layer 0 ended")
+        stats = handle.stats()
+        assert stats["groups_offloaded"] > stats["layers_offloaded"] + 3 * (split_bytes == 256)
+        assert stats["layers_offloaded"] == 3
+        fetched = [e[1] for e in log if e[0] == "fetch"]
+        # Each at its point, none on demand (a part whose tensors autograd dropped in forward
+        # is freed with them, never fetched).
+        assert len(fetched) == stats["groups_prefetched"] == stats["groups_fetched"] > 3 + 3 * (split_bytes == 256)
+        assert [g.layer for g in fetched] == sorted((g.layer for g in fetched), reverse=True)
+        for later, earlier in zip(fetched, fetched[1:]):
+            if later.layer == earlier.layer:
+                assert closed.index(later) > closed.index(earlier)
+        restored = [e[1] for e in log if e[0] == "restore"]
+        for group in restored:
+            assert log.index(("fetch", group)) < log.index(("restore", group))
+    handle.disable()
+
+
+@pytest.mark.parametrize("parts", [False, True])
+def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, parts):
     """The host never sees a copy done (it runs ahead of the device): each group's memory is
     still let go, at its planned point, by a wait on the device; no host wait; each group is
-    fetched when backward reaches the layer the schedule names, before it is needed."""
+    fetched when backward reaches the layer the schedule names, before it is needed.
+    `parts`: layer 0 is copied in two parts, each let go at its own point."""
     from offload import _backend
 
     clock = [0]
@@ -683,7 +754,11 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch):
                                                    verbose=False)
         engine = handle.engine
         engine.on_accel = engine.timing = True
-        _scheduled(engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]})
+        if parts:
+            _scheduled(engine, 4, release_at={0: [1, 2], 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]},
+                       split_at={0: [512]})
+        else:
+            _scheduled(engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]})
         log = []
         settle = engine._settle
 
@@ -699,12 +774,13 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch):
             log.clear()
             _, grads = _step(model, x)
             _assert_equal(grads, grads_ref)
-            # Layer 0 when layer 2 opens (layers 0 and 1 exist), layer 1 after the last layer,
-            # layer 2 when backward starts.
-            assert [e for e in log if e[0] == "settle"] == [("settle", 0, False, 1), ("settle", 1, False, 2),
-                                                             ("settle", 2, True, 2)]
+            # Layer 0 when layer 2 opens (layers 0 and 1 exist; in parts: its first part when
+            # layer 1 opens), layer 1 after the last layer, layer 2 when backward starts.
+            first = [("settle", 0, False, 0)] if parts else []
+            assert [e for e in log if e[0] == "settle"] == first + [("settle", 0, False, 1), ("settle", 1, False, 2),
+                                                                     ("settle", 2, True, 2)]
             order = [e for e in log if e[0] != "settle"]
-            assert [e[1] for e in order if e[0] == "fetch"] == [2, 1, 0]
+            assert [e[1] for e in order if e[0] == "fetch"] == [2, 1, 0] + [0] * parts
             for layer in (0, 1, 2):
                 assert order.index(("fetch", layer)) < order.index(("restore", layer))
     assert waits == []
@@ -870,7 +946,7 @@ def test_activation_auto_backs_off_on_measured_steps(overhead, pool, capsys):
     assert plan["offload"] == [n for n, m in zip(handle.layers, plan["mask"]) if m]
     assert "settled on" in capsys.readouterr().out
     stats = handle.stats()
-    assert stats["groups_offloaded"] == expected
+    assert stats["layers_offloaded"] == expected
     if expected == 0:
         assert stats["tensors_kept"] == 0  # no hooks at all: a step exactly as without offload
     handle.disable()
@@ -1089,7 +1165,7 @@ def test_activation_tuple_outputs_keep_first(mode, pool):
         loss, grads = _step(model, x)
         assert torch.equal(loss, loss_ref)
         _assert_equal(grads, grads_ref)
-        offloaded.append(handle.stats()["groups_offloaded"])
+        offloaded.append(handle.stats()["layers_offloaded"])
     assert offloaded[0] == 2 and offloaded[-1] == len(handle.offloaded_layers())
 
 
