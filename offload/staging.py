@@ -90,6 +90,8 @@ _MAX_LOOSE = 16
 # the same speed, and the device holds 3 x 32 MiB of staging buffers while a
 # copy runs.
 _GROUP_BYTES = 32 << 20
+# Saves whose spent copy handles a stager keeps, at most, until a result() lets them go.
+_SPENT_KEPT = 4
 # A first save of at least this many bytes grows the pool beside its planning
 # (_PoolGrowth); below it one ordinary slab suffices and a thread is not worth it.
 _GROWTH_MIN_BYTES = 64 << 20
@@ -660,8 +662,9 @@ class StagingFuture(Future):
     (or the dict it returns) is alive, its buffer set is busy.
     """
 
-    def __init__(self, build, scalars, host_leaves, handles):
+    def __init__(self, build, scalars, host_leaves, handles, spent=None):
         super().__init__()
+        self._spent = spent  # the stager's handles of earlier saves, let go by result() (AsyncStager._spent)
         # What the staged dict is made of, until the first result() makes it
         # (StateTree.build): the non-tensor leaves as of stage() and a list of the
         # host tensors of its own, which keeps the buffer set busy meanwhile.
@@ -721,6 +724,8 @@ class StagingFuture(Future):
         if not Future.done(self):
             self._staged_dict()  # made while the copies run: it reads none of their bytes
         self._finish(block=True, timeout=timeout)
+        if self._spent:
+            self._spent.clear()
         super().result(timeout=None if super().done() else 0)  # raises a failed copy's error, or TimeoutError
         return self._staged_dict()
 
@@ -799,6 +804,11 @@ class AsyncStager(_StagerProtocol):
         # Records whose copy time is not read yet: they hold the copies' handles (and so
         # host buffers), so they are read as soon as the copies are done (_read_timings).
         self._untimed: deque = deque()
+        # The handles of saves whose copy times were read, let go by a later future's
+        # result() (DCP's upload thread, or after the caller's own wait) rather than in
+        # stage(): freeing the handle of 4,000 copies took ~0.2 ms of the caller's time
+        # on the H100's host. Bounded for callers that never ask for a result.
+        self._spent: list = []
         self._saves = 0
         self._closed = False
         self._growth: Optional[_PoolGrowth] = None  # the first save's pool growth, while it plans
@@ -874,7 +884,8 @@ class AsyncStager(_StagerProtocol):
         # thread), not here; until then its own list of the host tensors keeps the
         # set busy, and it keeps the other leaves as they are now.
         scalars = self._pickers[2](leaves)
-        future = StagingFuture(plan.tree.build, scalars, list(buffer_set.host_leaves), buffer_set.handles)
+        future = StagingFuture(plan.tree.build, scalars, list(buffer_set.host_leaves), buffer_set.handles,
+                               self._spent)
         self._saves += 1
         self._metrics.append(
             {
@@ -906,11 +917,16 @@ class AsyncStager(_StagerProtocol):
         """Read the copy times of finished saves, oldest first; `final`: drop the rest."""
         while self._untimed:
             record = self._untimed[0]
+            timing = record["_timing"]
             _resolve_timing(record)
             if record["_timing"] is not None and not final:
-                return
+                break
             record["_timing"] = None
+            if timing:
+                self._spent.append(timing)
             self._untimed.popleft()
+        if final or len(self._spent) > _SPENT_KEPT:
+            self._spent.clear()
 
     def synchronize_staging(self) -> None:
         """Block the host until every enqueued staging copy has completed."""
