@@ -136,6 +136,18 @@ class HostPool:
         """Grow ahead of the hot path so later acquires of up to `nbytes` hit the cache."""
         self._impl.reserve(parse_bytes(nbytes, "HostPool.reserve: nbytes"))
 
+    # reserve() split for a growth on another thread (native pools only; see the
+    # core's HostPool::begin_reserve): announced here, so allocations made from now
+    # on wait for its slabs instead of growing beside it; grown by _grow_reserved.
+    def _begin_reserve(self, nbytes: int, largest_block: int = 0) -> int:
+        return self._impl.begin_reserve(nbytes, largest_block)
+
+    def _grow_reserved(self, nbytes: int) -> None:
+        self._impl.grow_reserved(nbytes)
+
+    def _cancel_reserve(self, nbytes: int) -> None:
+        self._impl.cancel_reserve(nbytes)
+
     def trim(self) -> int:
         """Give every wholly free slab back to the system; returns the bytes released."""
         return self._impl.trim()

@@ -584,14 +584,17 @@ def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_byt
     return handle
 
 
-def _first_save_bytes(tensors) -> int:
-    """About the host bytes a first save copies: each storage once, and never more
-    of it than its tensors cover (a slice of a large buffer costs the slice)."""
+def _first_save_bytes(tensors) -> Tuple[int, int]:
+    """About the host bytes a first save copies, and its largest tensor's bytes: each
+    storage once, and never more of it than its tensors cover (a slice of a large
+    buffer costs the slice)."""
     storages: Dict[int, list] = {}  # storage address -> [its bytes, bytes of its tensors]
+    largest = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         if not nbytes:
             continue
+        largest = max(largest, nbytes)
         storage = t.untyped_storage()
         seen = storages.get(storage.data_ptr())
         if seen is None:
@@ -600,7 +603,7 @@ def _first_save_bytes(tensors) -> int:
             seen[1] += nbytes
     total = sum(min(whole, used) for whole, used in storages.values())
     # Slack for the copy engine's packing (aligned offsets, block sizes in 2 MiB steps).
-    return total + total // 256 + (2 << 20)
+    return total + total // 256 + (2 << 20), largest
 
 
 def _pool_bytes_estimate(units, block_bytes) -> int:
@@ -615,32 +618,44 @@ def _pool_bytes_estimate(units, block_bytes) -> int:
 
 
 class _PoolGrowth:
-    """The first save's host memory, grown on a worker thread while that save plans.
+    """The first save's host memory, grown on a worker thread while that save plans and copies.
 
     A first save costs its planning (Python), the pool's growth (first touch of
     fresh pages and their registration with the driver: native code that releases
     the interpreter lock) and the copy. Started before planning, the growth runs
-    beside it, and as one slab it is touched by all of the pool's threads where
-    growing group by group makes slabs of `slab_bytes`. `join()` comes before
-    the first copy is enqueued, so no allocation races the growth. A growth that
-    fails (the pool's limit, say) is dropped: the copies grow the pool as they go
+    beside it, in large slabs (the pool touches the next while the driver pins
+    one). The reservation is announced to the pool before the thread starts, so
+    the first save's copies, which start once it has planned, take each slab as
+    it is added instead of growing the pool beside it: the copy of the first
+    slabs overlaps the growth of the last. A growth that fails (the pool's
+    limit, say) ends the reservation: the copies then grow the pool as they go
     and report the limit themselves, with its usual message.
     """
 
-    def __init__(self, pool: HostPool, nbytes: int):
-        self._thread = threading.Thread(target=self._grow, args=(pool, nbytes), name="offload-stager-growth",
-                                        daemon=True)
-        self._thread.start()
+    def __init__(self, pool: HostPool, nbytes: int, largest_block: int):
+        self._thread = None
+        self._bytes = pool._begin_reserve(nbytes, largest_block)
+        if not self._bytes:
+            return
+        try:
+            self._thread = threading.Thread(target=self._grow, args=(pool, self._bytes),
+                                            name="offload-stager-growth", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self._thread = None
+            pool._cancel_reserve(self._bytes)
+            raise
 
     @staticmethod
     def _grow(pool: HostPool, nbytes: int) -> None:
         try:
-            pool.reserve(nbytes)
+            pool._grow_reserved(nbytes)
         except Exception:  # noqa: BLE001 - see the class docstring
             pass
 
     def join(self) -> None:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class _Stale(Exception):
@@ -855,7 +870,7 @@ class AsyncStager(_StagerProtocol):
             if buffer_set.plan is not plan:
                 reused, allocated = self._prepare(fn, buffer_set, plan)
                 held_before = buffer_set.held_bytes
-            self._join_growth()
+            # A first save's growth (_PoolGrowth) goes on while it copies: joined once it has.
             # Addresses of the tensors the core copies: compared by the refills of a
             # set bound to this plan (same_sources), else here, before any copy.
             same_sources = not checked and self._refills_only(buffer_set, plan)
@@ -1081,7 +1096,7 @@ class AsyncStager(_StagerProtocol):
         if not pool.native:  # torch's pinned cache keeps blocks by size: a reserve would not serve them
             return
         try:
-            nbytes = _first_save_bytes(locals_)
+            nbytes, largest = _first_save_bytes(locals_)
         except Exception:  # noqa: BLE001 - a tensor planning refuses (meta, say): planning says why
             return
         if self._limit and nbytes > self._limit:
@@ -1089,7 +1104,11 @@ class AsyncStager(_StagerProtocol):
         # Cached free blocks (a closed stager's, say) serve the copies first: grow by the rest.
         nbytes -= pool.stats()["free_bytes"]
         if nbytes >= _GROWTH_MIN_BYTES:
-            self._growth = _PoolGrowth(pool, nbytes)
+            try:
+                # Copies pack small tensors into blocks of up to _GROUP_BYTES; larger ones get their own.
+                self._growth = _PoolGrowth(pool, nbytes, max(largest, _GROUP_BYTES))
+            except Exception:  # noqa: BLE001 - the pool's limit, say: the copies report it (see _PoolGrowth)
+                self._growth = None
 
     def _host_pool(self) -> HostPool:
         return self._pool if self._pool is not None else default_host_pool()

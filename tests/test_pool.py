@@ -132,14 +132,56 @@ def test_pool_limit_reclaims_free_slabs_before_failing():
 
 
 @pytest.mark.native
-def test_pool_reserve_then_acquire_hits_the_reserved_slab():
-    pool = small_pool()
+def test_pool_reserve_then_acquire_hits_the_reserved_slabs():
+    pool = small_pool()  # 4 MiB slabs: a reservation grows in slabs of 8 MiB
     pool.reserve(16 * MiB)
     stats = pool.stats()
-    assert stats["slabs"] == 1 and stats["reserved_bytes"] == 16 * MiB
+    assert stats["slabs"] == 2 and stats["reserved_bytes"] == 16 * MiB
     blocks = [pool.acquire(MiB) for _ in range(16)]
-    assert pool.stats()["slabs"] == 1
+    assert pool.stats()["slabs"] == 2
     del blocks
+
+
+def _acquire_on_thread(pool, count, nbytes):
+    got = []
+    thread = threading.Thread(target=lambda: got.extend(pool.acquire(nbytes) for _ in range(count)), daemon=True)
+    thread.start()
+    return thread, got
+
+
+@pytest.mark.native
+def test_pool_acquires_wait_for_a_reservation_another_thread_grows():
+    pool = small_pool()  # reservation slabs of 8 MiB; a last one under half of that joins the one before
+    announced = pool._begin_reserve(18 * MiB)
+    assert announced == 18 * MiB
+    waiter, got = _acquire_on_thread(pool, 12, MiB)
+    waiter.join(0.3)
+    assert waiter.is_alive(), "an acquire with a reservation announced must wait for its slabs, not grow"
+    assert pool.stats()["slabs"] == 0
+    pool._grow_reserved(announced)
+    waiter.join(10)
+    assert not waiter.is_alive() and len(got) == 12
+    stats = pool.stats()
+    assert (stats["slabs"], stats["reserved_bytes"]) == (2, 18 * MiB)  # 8 + 10 MiB: nothing grown beside them
+    for i, t in enumerate(got):
+        t.fill_(i)
+    assert [int(t[0]) for t in got] == list(range(12))  # twelve distinct blocks
+
+
+@pytest.mark.native
+def test_pool_cancelled_reservation_lets_waiting_acquires_grow():
+    pool = small_pool()
+    announced = pool._begin_reserve(16 * MiB)
+    big, got_big = _acquire_on_thread(pool, 1, 10 * MiB)  # larger than the reservation's slabs: never waits
+    big.join(10)
+    assert not big.is_alive() and got_big[0].numel() == 10 * MiB
+    waiter, got = _acquire_on_thread(pool, 1, MiB)
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    pool._cancel_reserve(announced)  # the grower failed, say: the acquire grows a slab of its own
+    waiter.join(10)
+    assert not waiter.is_alive() and got[0].numel() == MiB
+    assert pool.stats()["reserved_bytes"] == 10 * MiB + 4 * MiB
 
 
 @pytest.mark.native

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -53,7 +54,20 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // Returns false when `tensor` is not from this pool.
   bool record_stream(const at::Tensor& tensor, const c10::Stream& stream);
   bool owns(const at::Tensor& tensor) const;
+  // Grows the pool so that `nbytes` more can be carved without growing later.
   void reserve(size_t nbytes);
+  // reserve() in two steps, for a growth another thread runs while this one
+  // allocates (the stager's first save): begin_reserve() announces it and returns
+  // the bytes to grow (0: none); from then on an allocation that finds no room
+  // waits for the next of its slabs instead of growing beside it. grow_reserved()
+  // then grows them, slab by slab, touching the next while the driver pins the
+  // current one; an error ends the reservation (waiting allocations then grow
+  // the pool themselves) and is raised. Each begin_reserve() that returned
+  // bytes needs exactly one grow_reserved(bytes) or cancel_reserve(bytes).
+  // `largest_block`: the largest request expected, so no slab is smaller.
+  size_t begin_reserve(size_t nbytes, size_t largest_block = 0);
+  void grow_reserved(size_t bytes);
+  void cancel_reserve(size_t bytes);
   size_t trim();
   // Counts a block whose recorded copies have completed as free (it polls their events).
   HostPoolStats stats();
@@ -90,6 +104,11 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   Block* find_free_locked(size_t cls);
   Block* carve_locked(size_t cls, size_t nbytes);
   Slab* grow_locked(size_t bytes);
+  // Adds a touched (and pinned) slab to the pool; part of a reservation.
+  Slab* add_slab_locked(char* base, size_t bytes);
+  bool has_room_locked(size_t cls) const;
+  // allocate(): while a reservation is being grown, waits for room for `cls`.
+  void wait_for_reserve_locked(std::unique_lock<std::mutex>& lock, size_t cls);
   void process_pending_locked(bool wait);
   size_t trim_locked();
   // A wholly free slab of at least `cls` bytes, its cached blocks dropped, to carve
@@ -113,6 +132,9 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   std::deque<Block*> pending_;
   std::map<uintptr_t, Block*> by_address_;  // every carved block, for record_stream
   HostPoolStats stats_;
+  size_t reserving_ = 0;      // bytes begin_reserve() announced that are not in slabs yet
+  size_t reserve_slab_ = 0;   // the size of those slabs: larger requests do not wait for them
+  std::condition_variable grown_;  // a reserved slab was added, or the reservation ended
 };
 
 }  // namespace offload
