@@ -641,7 +641,6 @@ class CopyEngine {
            const CopyOptions& options, Transfer& r, bool on_device)
         : tensors_(tensors), pool_(pool), stream_(stream), options_(options), r_(r), on_device_(on_device),
           device_(r.device_), n_(tensors.size()), prepared_(n_) {
-      r_.restore_.resize(n_);
       r_.event_of_.assign(n_, -1);
       r_.timed_ = options.timing;
     }
@@ -932,6 +931,7 @@ class CopyEngine {
     int64_t prepare_checked_member(int64_t i) {
       prepared_[i] = prepare(tensors_[i], /*allow_contiguous=*/true);
       if (prepared_[i].made_contiguous && !prepared_[i].resolved) {
+        if (r_.restore_.empty()) r_.restore_.resize(n_);  // sized on first use: most copies have none
         r_.restore_[i] = Transfer::Strides(tensors_[i].sizes().vec(), tensors_[i].strides().vec());
       }
       if (prepared_[i].made_contiguous || prepared_[i].resolved) {  // a new tensor, made on the copy stream

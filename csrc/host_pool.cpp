@@ -354,10 +354,10 @@ void HostPool::grow_reserved(size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     slab_bytes = reserve_slab_;
   }
-  // A last slab under half the others joins the one before it: fewer, larger slabs.
+  // A last slab of at most half the others joins the one before it: fewer, larger slabs.
   std::vector<size_t> slabs;
   for (size_t left = bytes; left > 0;) {
-    const size_t take = left < slab_bytes + slab_bytes / 2 ? left : slab_bytes;
+    const size_t take = left <= slab_bytes + slab_bytes / 2 ? left : slab_bytes;
     slabs.push_back(take);
     left -= take;
   }

@@ -151,7 +151,7 @@ def _acquire_on_thread(pool, count, nbytes):
 
 @pytest.mark.native
 def test_pool_acquires_wait_for_a_reservation_another_thread_grows():
-    pool = small_pool()  # reservation slabs of 8 MiB; a last one under half of that joins the one before
+    pool = small_pool()  # reservation slabs of 8 MiB; a last one of at most half of that joins the one before
     announced = pool._begin_reserve(18 * MiB)
     assert announced == 18 * MiB
     waiter, got = _acquire_on_thread(pool, 12, MiB)

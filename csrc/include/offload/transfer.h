@@ -114,7 +114,8 @@ class Transfer {
   const std::vector<at::Tensor>& tensors() const { return *outputs_; }
   int64_t nbytes() const { return nbytes_; }
   c10::Device device() const { return device_; }
-  // Original sizes and strides of sources that moved as contiguous copies.
+  // Original sizes and strides of sources that moved as contiguous copies, per
+  // tensor; empty for a device-to-host transfer that made none.
   const std::vector<c10::optional<Strides>>& restore_specs() const { return restore_; }
 
   bool query() const;
