@@ -634,16 +634,16 @@ class _PoolGrowth:
 
     def __init__(self, pool: HostPool, nbytes: int, largest_block: int):
         self._thread = None
-        self._bytes = pool._begin_reserve(nbytes, largest_block)
-        if not self._bytes:
+        announced = pool._begin_reserve(nbytes, largest_block)
+        if not announced:
             return
         try:
-            self._thread = threading.Thread(target=self._grow, args=(pool, self._bytes),
+            self._thread = threading.Thread(target=self._grow, args=(pool, announced),
                                             name="offload-stager-growth", daemon=True)
             self._thread.start()
         except BaseException:
             self._thread = None
-            pool._cancel_reserve(self._bytes)
+            pool._cancel_reserve(announced)
             raise
 
     @staticmethod
