@@ -225,9 +225,9 @@ std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, H
 // out list, or a source that needs a new tensor first (a gapped slice, a
 // conj/neg view: a kernel the caller's thread would have to order).
 // `tensors` may convert lazily (a TensorSource with a Fill): the first groups are
-// queued once their own sources are converted, then every other source is
-// converted and `converted` is called (Python lets the GIL go there), before
-// the rest are checked; nothing is converted after that call.
+// queued once their own sources are converted, then the rest are converted and
+// checked batch by batch, and `converted` is called once every source is
+// (Python lets the GIL go there); nothing is converted after that call.
 std::shared_ptr<Transfer> copy_to_host_deferred(std::unique_ptr<TensorSource> tensors, HostPool& pool,
                                                 const c10::optional<c10::Stream>& stream,
                                                 const std::shared_ptr<Transfer>& out_transfer,
