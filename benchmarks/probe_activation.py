@@ -106,7 +106,7 @@ def probe_host(ctx, model, loss_fn, handle, n):
     engine_cls = _activation.ActivationEngine
     for name in ("_pack", "_unpack", "boundary", "_close", "_fetch", "_restore", "_release_due", "_settle"):
         setattr(engine_cls, name, timed(name, getattr(engine_cls, name)))
-    _activation.copy_to_host = timed("copy_to_host", _activation.copy_to_host)
+    _activation.copy_spans_to_host = timed("copy_spans_to_host", _activation.copy_spans_to_host)
     _activation.copy_to_device = timed("copy_to_device", _activation.copy_to_device)
     # The hooks were bound when the engine was made: make them again to see the timed methods.
     handle.engine._hooks = torch.autograd.graph.saved_tensors_hooks(handle.engine._pack, handle.engine._unpack)

@@ -530,6 +530,71 @@ class CopyEngine {
     return result;
   }
 
+  // ------------------------------------------- byte spans of storages -> one host block
+  static std::shared_ptr<Transfer> spans_to_host(const std::vector<at::Tensor>& sources,
+                                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
+                                                 const at::Tensor& out, const std::vector<int64_t>& offsets,
+                                                 HostPool& pool, const c10::optional<c10::Stream>& stream,
+                                                 int64_t chunk_bytes) {
+    const char* fn = "offload.copy_spans_to_host";
+    const size_t n = sources.size();
+    TORCH_CHECK_VALUE(starts.size() == n && sizes.size() == n && offsets.size() == n, fn,
+                      ": tensors, starts, sizes and offsets need one entry per span, got ", n, ", ", starts.size(),
+                      ", ", sizes.size(), " and ", offsets.size());
+    TORCH_CHECK_VALUE(out.defined() && out.is_cpu() && out.scalar_type() == at::kByte && out.dim() == 1 &&
+                          out.is_contiguous(),
+                      fn, ": out must be a 1-d uint8 host tensor (a HostPool block), got ",
+                      out.defined() ? describe(out) : std::string("an undefined tensor"));
+    TORCH_CHECK_VALUE(pool.owns(out), fn, ": out must be a block of the pool the copy records on "
+                      "(HostPool.acquire), so it is not reused before the copy completes");
+    const c10::DeviceType expected = pool.device_type();
+    int64_t total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      check_source(fn, i, sources[i], expected, sources[0]);
+      const int64_t storage_bytes = static_cast<int64_t>(sources[i].storage().nbytes());
+      TORCH_CHECK_VALUE(starts[i] >= 0 && sizes[i] >= 0 && starts[i] + sizes[i] <= storage_bytes, fn, ": span ", i,
+                        " is bytes [", starts[i], ", ", starts[i] + sizes[i], ") of a storage of ", storage_bytes,
+                        " bytes");
+      TORCH_CHECK_VALUE(offsets[i] >= 0 && offsets[i] + sizes[i] <= out.numel(), fn, ": span ", i, " goes to bytes [",
+                        offsets[i], ", ", offsets[i] + sizes[i], ") of out, which has ", out.numel());
+      total += sizes[i];
+    }
+    const c10::Device device = n ? sources[0].device() : c10::Device(at::kCPU);
+    const bool on_device = !device.is_cpu();
+    TORCH_CHECK_VALUE(!on_device || stream.has_value(), fn, ": a copy stream is required for ", device);
+    auto result = std::make_shared<Transfer>(device);
+    result->nbytes_ = total;
+    result->outputs_->push_back(out);
+    result->host_bases_->push_back(out);
+    result->event_of_.assign(1, -1);
+    char* dst = static_cast<char*>(out.data_ptr());
+    auto copy_all = [&] {
+      for (size_t i = 0; i < n; ++i) {
+        const char* src = static_cast<const char*>(sources[i].storage().data()) + starts[i];
+        for (int64_t at = 0; at < sizes[i]; at += chunk_bytes) {
+          copy_bytes_async(dst + offsets[i] + at, true, src + at, false, std::min(chunk_bytes, sizes[i] - at), device);
+        }
+      }
+    };
+    if (!on_device) {  // host to host: done on return
+      copy_all();
+      return result;
+    }
+    {
+      // The copy stream waits for the caller's work so far (the values the spans
+      // hold now); the pool holds `out` back until the copies complete, and the
+      // transfer holds the sources (their storages) until then.
+      c10::DeviceGuard on_device_guard(device);
+      order_after(*stream, current_stream(device));
+      c10::StreamGuard on_copy(*stream);
+      copy_all();
+      if (!pool.record_stream(out, *stream)) result->keepalive_.push_back(out);
+      result->mark_complete(*stream, {0});
+    }
+    hold_sources(*result, sources, stream);
+    return result;
+  }
+
   // ------------------------------------------------------------ host -> device
   static std::shared_ptr<Transfer> to_device(TensorSource& tensors,
                                              const std::shared_ptr<Transfer>& from, const c10::Device& device,
@@ -1345,6 +1410,14 @@ std::shared_ptr<Transfer> copy_to_host_deferred(std::vector<at::Tensor> tensors,
                                       {});
 }
 
+std::shared_ptr<Transfer> copy_spans_to_host(const std::vector<at::Tensor>& tensors,
+                                             const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
+                                             const at::Tensor& out, const std::vector<int64_t>& offsets,
+                                             HostPool& pool, const c10::optional<c10::Stream>& stream,
+                                             const CopyOptions& options) {
+  return CopyEngine::spans_to_host(tensors, starts, sizes, out, offsets, pool, stream, options.chunk_bytes);
+}
+
 std::shared_ptr<Transfer> copy_to_device(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
                                          const c10::Device& device, HostPool& pool,
                                          const c10::optional<c10::Stream>& stream,
@@ -1532,6 +1605,14 @@ void bind_copy_engine(py::module_& m) {
     py::gil_scoped_release no_gil;
     CopyWorker::instance().wait_idle();
   });
+  m.def("copy_spans_to_host",
+        [make_options](const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& starts,
+                       const std::vector<int64_t>& sizes, const at::Tensor& out, const std::vector<int64_t>& offsets,
+                       HostPool& pool, c10::optional<c10::Stream> stream, int64_t chunk_bytes) {
+          py::gil_scoped_release no_gil;
+          const auto options = make_options(true, 0, chunk_bytes);
+          return copy_spans_to_host(tensors, starts, sizes, out, offsets, pool, stream, options);
+        });
   m.def("copy_to_device",
         [make_options](const py::object& tensors, std::shared_ptr<Transfer> from, c10::Device device,
                        HostPool& pool, c10::optional<c10::Stream> stream, c10::optional<std::vector<at::Tensor>> out,

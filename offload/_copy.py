@@ -228,6 +228,45 @@ def copy_to_host(
                                same_sources))
 
 
+def copy_spans_to_host(tensors, starts, sizes, out: torch.Tensor, offsets, *, pool: Optional[HostPool] = None,
+                       stream=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> CopyHandle:
+    """Copy byte spans of tensors' storages into one pooled host block, asynchronously.
+
+    Span i is bytes [starts[i], starts[i] + sizes[i]) of ``tensors[i].untyped_storage()``;
+    it lands at ``out[offsets[i]:offsets[i] + sizes[i]]``. `out` is a uint8 block of
+    `pool` (``pool.acquire``). The handle's one tensor is `out`. The copy starts after
+    the work queued on the current stream, as `copy_to_host`; the sources are held
+    until it completes.
+
+    The native core copies the spans in one call, with no tensor per span (the
+    activation engine's group of a layer); the pure-PyTorch path makes uint8 views of
+    the spans and of their places in `out` and copies those.
+    """
+    fn = "offload.copy_spans_to_host"
+    tensors = _as_list(fn, tensors)
+    if not (len(starts) == len(sizes) == len(offsets) == len(tensors)):
+        raise ValueError(f"{fn}: tensors, starts, sizes and offsets need one entry per span, got "
+                         f"{len(tensors)}, {len(starts)}, {len(sizes)} and {len(offsets)}")
+    _check_sizes(fn, 0, chunk_bytes)
+    pool = _pool_or_default(fn, pool)
+    core = _backend.core()
+    if core is not None and pool.native:
+        device = tensors[0].device if tensors else _device.current_device()
+        copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
+        return _call_native(fn, tensors, None, lambda: core.copy_spans_to_host(
+            tensors, list(starts), list(sizes), out, list(offsets), pool._impl, copy_stream, chunk_bytes))
+    for i, (t, lo, n, at) in enumerate(zip(tensors, starts, sizes, offsets)):  # the checks the core makes
+        storage_bytes = t.untyped_storage().nbytes()
+        if lo < 0 or n < 0 or lo + n > storage_bytes:
+            raise ValueError(f"{fn}: span {i} is bytes [{lo}, {lo + n}) of a storage of {storage_bytes} bytes")
+        if at < 0 or at + n > out.numel():
+            raise ValueError(f"{fn}: span {i} goes to bytes [{at}, {at + n}) of out, which has {out.numel()}")
+    spans = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (n,))
+             for t, lo, n in zip(tensors, starts, sizes)]
+    places = [out[at : at + n] for at, n in zip(offsets, sizes)]
+    return copy_to_host(spans, out=places, pool=pool, stream=stream, chunk_bytes=chunk_bytes)
+
+
 def copy_to_device(
     tensors,
     device=None,

@@ -4,7 +4,7 @@ next layer computes, and come back one layer ahead in backward.
 The data path, top to bottom:
   `enable_activation_offload(model)` / `activation_offload()`   (user API, wrap.py finds layers)
   -> `ActivationEngine`: `saved_tensors_hooks` pack/unpack, grouping, window, prefetch
-  -> `copy_to_host` / `copy_to_device` (the copy engine, one batched call per group)
+  -> `copy_spans_to_host` / `copy_to_device` (the copy engine, one batched call per group)
   -> `HostPool` (pinned blocks, reused across steps).
 
 Groups. A group is the span of forward from one layer's start to the next layer's start
@@ -78,7 +78,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _device
 from . import wrap as _wrap
-from ._copy import copy_to_device, copy_to_host
+from ._copy import copy_spans_to_host, copy_to_device
 from ._pool import HostPool, default_host_pool
 
 MODES = ("async", "sync", "auto")
@@ -116,7 +116,7 @@ class _Group:
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
-        "cap", "capped", "split", "part", "continued", "fetch_stream", "host_block", "__weakref__",
+        "cap", "capped", "split", "part", "continued", "fetch_stream", "host_block", "sizes", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -146,6 +146,7 @@ class _Group:
         self.continued = False  # a later part of a layer copied in parts
         self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
         self.host_block = None  # the pooled host block its spans were copied into, at aligned offsets
+        self.sizes: list = []  # per entry: bytes of its copied span
 
 
 class _Packed:
@@ -383,22 +384,21 @@ class ActivationEngine:
             return
         # One pooled host block per group, spans at aligned offsets: one pool request per
         # layer instead of one per tensor, and the same block size every step (cache hits).
-        srcs = []
-        for t, lo, hi, _ in group.spans:
-            srcs.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,)))
-        group.nbytes_aligned = _aligned_total([src.numel() for src in srcs])
+        group.sizes = sizes = [hi - lo for _, lo, hi, _ in group.spans]
+        offsets = _aligned_offsets(sizes)
+        group.nbytes_aligned = _aligned_total(sizes)
         group.host_block = self.pool.acquire(group.nbytes_aligned)
-        outs = _carve(group.host_block, [src.numel() for src in srcs])
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
             start = d2h_stream = None
             if self.timing:
-                # Waiting here as copy_to_host would lets the start event time the copy alone.
+                # Waiting here as the copy would lets the start event time the copy alone.
                 d2h_stream = _device.copy_streams(self.device)[0]
                 d2h_stream.wait_stream(_device.current_stream(self.device))
                 start = self._timed_start(d2h_stream)
-            group.d2h = copy_to_host(srcs, out=outs, pool=self.pool)
+            # One call for the group's spans: the core makes no tensor per span.
+            group.d2h = copy_spans_to_host([entry[0] for entry in group.spans], los, sizes, group.host_block, offsets,
+                                           pool=self.pool)
             self._timed_end("d2h_seconds", start, d2h_stream)
-        del srcs, outs
         group.state = _COPYING
         c = self._counters
         c["d2h_bytes"] += group.d2h.nbytes
@@ -711,7 +711,7 @@ class ActivationEngine:
             group.fetch_stream = consumer
             group.h2d = copy_to_device([group.host_block], self.device, out=[block], pool=self.pool)
             self._timed_end("h2d_seconds", start, h2d_stream)
-        group.device_bytes = _carve(block, [t.numel() for t in group.d2h.tensors])
+        group.device_bytes = _carve(block, group.sizes)
         group.waited = set()
         self._counters["h2d_bytes"] += group.nbytes
         self._counters["groups_fetched"] += 1
@@ -867,13 +867,18 @@ def _aligned_total(sizes) -> int:
     return sum(-(-n // _SPAN_ALIGN) * _SPAN_ALIGN for n in sizes)
 
 
+def _aligned_offsets(sizes) -> List[int]:
+    """Where spans of the given sizes start in a block, each on a _SPAN_ALIGN boundary."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-n // _SPAN_ALIGN) * _SPAN_ALIGN
+    return offsets
+
+
 def _carve(block: torch.Tensor, sizes) -> List[torch.Tensor]:
     """Views of uint8 `block` of the given sizes, each starting on a _SPAN_ALIGN boundary."""
-    views, at = [], 0
-    for n in sizes:
-        views.append(block[at : at + n])
-        at += -(-n // _SPAN_ALIGN) * _SPAN_ALIGN
-    return views
+    return [block[at : at + n] for at, n in zip(_aligned_offsets(sizes), sizes)]
 
 
 def _module_tensors(root: torch.nn.Module):

@@ -471,13 +471,13 @@ def test_activation_parameters_never_offloaded(pool, monkeypatch):
         p.requires_grad_(False)  # frozen weights are recognised by storage
     model.blocks[0].register_buffer("scale", torch.ones(16))
     sources = []
-    real = act.copy_to_host
+    real = act.copy_spans_to_host
 
-    def spy(tensors, **kw):
+    def spy(tensors, *args, **kw):
         sources.extend(tensors)
-        return real(tensors, **kw)
+        return real(tensors, *args, **kw)
 
-    monkeypatch.setattr(act, "copy_to_host", spy)
+    monkeypatch.setattr(act, "copy_spans_to_host", spy)
     offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
     model(torch.randn(8, 16)).backward()
     params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
@@ -698,8 +698,8 @@ def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, 
     _scheduled(engine, 4, release_at={0: [2, 3] * 32, 1: 4, 2: 4}, fetch_at={3: [2], 2: [1], 1: [0]},
                split_at={0: ends, 1: ends, 2: ends})
     log = []
-    copy_to_host = _activation.copy_to_host
-    monkeypatch.setattr(_activation, "copy_to_host", lambda *a, **k: (log.append("copy"), copy_to_host(*a, **k))[1])
+    copy_spans = _activation.copy_spans_to_host
+    monkeypatch.setattr(_activation, "copy_spans_to_host", lambda *a, **k: (log.append("copy"), copy_spans(*a, **k))[1])
     model.blocks[0].register_forward_hook(lambda *_: log.append("layer 0 ended"))
     _log_fetch_and_restore(monkeypatch, engine, log)
     closed = []  # groups in the order their copies were queued

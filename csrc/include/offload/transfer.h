@@ -216,6 +216,18 @@ std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, H
                                        const c10::optional<std::vector<at::Tensor>>& out,
                                        const std::shared_ptr<Transfer>& out_transfer, const CopyOptions& options);
 
+// Copies byte spans of device storages into one host block: span i, bytes
+// [starts[i], starts[i] + sizes[i]) of tensors[i]'s storage, lands at out[offsets[i]:].
+// `out` is a uint8 block of `pool` (recorded on the copy stream). One call for a
+// group of spans (the activation engine's saved tensors of a layer), no
+// per-span tensors; the handle's one output is `out`. After the caller's work
+// on its current stream, as copy_to_host.
+std::shared_ptr<Transfer> copy_spans_to_host(const std::vector<at::Tensor>& tensors,
+                                             const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
+                                             const at::Tensor& out, const std::vector<int64_t>& offsets,
+                                             HostPool& pool, const c10::optional<c10::Stream>& stream,
+                                             const CopyOptions& options);
+
 // Checks the sources against `out_transfer` (a transfer of tensors of the same
 // layout, whose host buffers are refilled) and records the snapshot event here,
 // then returns; the copy worker queues the copies (see the top of this file).
