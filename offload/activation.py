@@ -71,7 +71,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -385,8 +385,7 @@ class ActivationEngine:
         # One pooled host block per group, spans at aligned offsets: one pool request per
         # layer instead of one per tensor, and the same block size every step (cache hits).
         group.sizes = sizes = [hi - lo for _, lo, hi, _ in group.spans]
-        offsets = _aligned_offsets(sizes)
-        group.nbytes_aligned = _aligned_total(sizes)
+        offsets, group.nbytes_aligned = _aligned_layout(sizes)
         group.host_block = self.pool.acquire(group.nbytes_aligned)
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
             start = d2h_stream = None
@@ -863,22 +862,18 @@ def _drop_held(group: _Group) -> None:
     group.modified = modified
 
 
-def _aligned_total(sizes) -> int:
-    return sum(-(-n // _SPAN_ALIGN) * _SPAN_ALIGN for n in sizes)
-
-
-def _aligned_offsets(sizes) -> List[int]:
-    """Where spans of the given sizes start in a block, each on a _SPAN_ALIGN boundary."""
+def _aligned_layout(sizes) -> Tuple[List[int], int]:
+    """Where spans of the given sizes start in a block, each on a _SPAN_ALIGN boundary, and the block's bytes."""
     offsets, at = [], 0
     for n in sizes:
         offsets.append(at)
         at += -(-n // _SPAN_ALIGN) * _SPAN_ALIGN
-    return offsets
+    return offsets, at
 
 
 def _carve(block: torch.Tensor, sizes) -> List[torch.Tensor]:
     """Views of uint8 `block` of the given sizes, each starting on a _SPAN_ALIGN boundary."""
-    return [block[at : at + n] for at, n in zip(_aligned_offsets(sizes), sizes)]
+    return [block[at : at + n] for at, n in zip(_aligned_layout(sizes)[0], sizes)]
 
 
 def _module_tensors(root: torch.nn.Module):
