@@ -100,15 +100,20 @@ void check_out(const char* fn, size_t i, const at::Tensor& src, const at::Tensor
   }
 }
 
+// Copies `nbytes` from `src` to `dst` in pieces of at most `chunk_bytes`, on the
+// current stream of `device`.
+void copy_chunked(char* dst, bool dst_on_host, const char* src, bool src_on_host, int64_t nbytes,
+                  int64_t chunk_bytes, const c10::Device& device) {
+  for (int64_t at = 0; at < nbytes; at += chunk_bytes) {
+    copy_bytes_async(dst + at, dst_on_host, src + at, src_on_host, std::min(chunk_bytes, nbytes - at), device);
+  }
+}
+
 // Copies the bytes of dense `src` into dense `dst` (identical strides), in chunks,
 // on the current stream of `device`.
 void copy_bytes(const at::Tensor& dst, const at::Tensor& src, int64_t chunk_bytes, const c10::Device& device) {
-  const int64_t nbytes = tensor_nbytes(src);
-  char* d = static_cast<char*>(dst.data_ptr());
-  const char* s = static_cast<const char*>(src.data_ptr());
-  for (int64_t at = 0; at < nbytes; at += chunk_bytes) {
-    copy_bytes_async(d + at, dst.is_cpu(), s + at, src.is_cpu(), std::min(chunk_bytes, nbytes - at), device);
-  }
+  copy_chunked(static_cast<char*>(dst.data_ptr()), dst.is_cpu(), static_cast<const char*>(src.data_ptr()),
+               src.is_cpu(), tensor_nbytes(src), chunk_bytes, device);
 }
 
 bool same_layout(const at::Tensor& a, const at::Tensor& b) {
@@ -571,9 +576,7 @@ class CopyEngine {
     auto copy_all = [&] {
       for (size_t i = 0; i < n; ++i) {
         const char* src = static_cast<const char*>(sources[i].storage().data()) + starts[i];
-        for (int64_t at = 0; at < sizes[i]; at += chunk_bytes) {
-          copy_bytes_async(dst + offsets[i] + at, true, src + at, false, std::min(chunk_bytes, sizes[i] - at), device);
-        }
+        copy_chunked(dst + offsets[i], true, src, !on_device, sizes[i], chunk_bytes, device);
       }
     };
     if (!on_device) {  // host to host: done on return
@@ -1314,10 +1317,8 @@ class CopyEngine {
         {
           c10::optional<c10::StreamGuard> on_copy;
           if (on_device_) on_copy.emplace(*stream_);
-          for (int64_t at = 0; at < span.bytes; at += options_.chunk_bytes) {
-            copy_bytes_async(static_cast<char*>(buffer.data_ptr()) + at, false, host + at, true,
-                             std::min(options_.chunk_bytes, span.bytes - at), device_);
-          }
+          copy_chunked(static_cast<char*>(buffer.data_ptr()), false, host, true, span.bytes, options_.chunk_bytes,
+                       device_);
         }
         for (size_t k = 0; k < span.members.size(); ++k) {
           const int64_t i = span.members[k];
