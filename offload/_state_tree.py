@@ -25,6 +25,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ._object_scan import types_equal
+
 _is_meta = attrgetter("is_meta")
 _layout = attrgetter("layout")
 
@@ -277,7 +279,7 @@ class StateTree:
             raise
         except (KeyError, IndexError, TypeError, AttributeError):
             raise Mismatch() from None
-        if list(map(type, leaves)) != self.leaf_types:
+        if not types_equal(leaves, self.leaf_types):
             raise Mismatch()
         return leaves
 
@@ -288,7 +290,7 @@ class StateTree:
             _plain_leaves(root, self._types, self._lens, iter(range(len(self._types))), iter(self._keys), out)
         except (KeyError, IndexError, TypeError, AttributeError, StopIteration):
             raise Mismatch() from None
-        if list(map(type, out)) != self.leaf_types:
+        if not types_equal(out, self.leaf_types):
             raise Mismatch()
         return out
 

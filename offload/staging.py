@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import threading
 import time
 from collections import deque
@@ -65,6 +64,7 @@ import torch
 from . import _device
 from ._copy import DEFAULT_SMALL_BYTES, copy_to_host
 from ._layout import compact
+from ._object_scan import refcount_sum, storage_bytes
 from ._pool import HostPool, default_host_pool, parse_bytes
 from ._state_tree import Mismatch, StateTree, dtensor_type
 
@@ -462,11 +462,11 @@ class _BufferSet:
                 return "its copy is still running"
         # Totals suffice: no count drops below its baseline while the stager holds
         # what it held then, so any excess in the sum is an excess somewhere.
-        if sum(map(sys.getrefcount, self.watch)) > self.ref_base:
+        if refcount_sum(self.watch) > self.ref_base:
             return "the state dict staged into it is still referenced (an upload in progress?)"
         if _use_count is not None and self._alias_uses() > self.use_base:
             return "a view of its host buffers is still referenced"
-        if sum(map(sys.getrefcount, self.alias_storage_objects)) > self.storage_ref_base:
+        if refcount_sum(self.alias_storage_objects) > self.storage_ref_base:
             return "a storage object of its host buffers (tensor.untyped_storage()) is still referenced"
         return None
 
@@ -476,8 +476,8 @@ class _BufferSet:
     def mark_baseline(self) -> None:
         """Record the references this stager itself holds (call with no staged dict or reader alive)."""
         self.marked = True
-        self.ref_base = sum(map(sys.getrefcount, self.watch))
-        self.storage_ref_base = sum(map(sys.getrefcount, self.alias_storage_objects))
+        self.ref_base = refcount_sum(self.watch)
+        self.storage_ref_base = refcount_sum(self.alias_storage_objects)
         if _use_count is not None:
             self.use_base = self._alias_uses()
 
@@ -584,24 +584,11 @@ def _copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_byt
     return handle
 
 
-def _first_save_bytes(tensors) -> Tuple[int, int]:
+def _first_save_bytes(tensors: List[torch.Tensor]) -> Tuple[int, int]:
     """About the host bytes a first save copies, and its largest tensor's bytes: each
     storage once, and never more of it than its tensors cover (a slice of a large
     buffer costs the slice)."""
-    storages: Dict[int, list] = {}  # storage address -> [its bytes, bytes of its tensors]
-    largest = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not nbytes:
-            continue
-        largest = max(largest, nbytes)
-        storage = t.untyped_storage()
-        seen = storages.get(storage.data_ptr())
-        if seen is None:
-            storages[storage.data_ptr()] = [storage.nbytes(), nbytes]
-        else:
-            seen[1] += nbytes
-    total = sum(min(whole, used) for whole, used in storages.values())
+    total, largest = storage_bytes(tensors)
     # Slack for the copy engine's packing (aligned offsets, block sizes in 2 MiB steps).
     return total + total // 256 + (2 << 20), largest
 

@@ -372,6 +372,40 @@ def test_staging_ring_uses_next_set_then_raises_when_all_busy(backend, device):
     stager.close()
 
 
+@pytest.mark.parametrize("impl", ["python", "native"])
+def test_staging_object_scans_count_references_and_match_exact_types(impl):
+    # The busy check's reference sums and the cached tree's type check, in C and in Python.
+    from offload import _backend, _object_scan
+    if impl == "native":
+        core = _backend.core()
+        if core is None:
+            pytest.skip("needs the compiled core (offload._C)")
+        refcount_sum, types_equal, storage_bytes = core._refcount_sum, core._types_equal, core._storage_bytes
+    else:
+        scan = _object_scan
+        refcount_sum, types_equal, storage_bytes = scan._refcount_sum, scan._types_equal, scan._storage_bytes
+    objects = [torch.ones(2), torch.zeros(3), object()]
+    base = refcount_sum(objects)
+    held = objects[1]
+    assert refcount_sum(objects) == base + 1
+    also = [objects[0], objects[2]]
+    assert refcount_sum(objects) == base + 3
+    del held, also
+    assert refcount_sum(objects) == base
+    assert types_equal(objects, [torch.Tensor, torch.Tensor, object])
+    assert not types_equal(objects, [torch.Tensor, torch.Tensor, int])
+    assert not types_equal(objects, [torch.Tensor, torch.Tensor])  # another length
+    assert not types_equal([torch.nn.Parameter(torch.ones(1))], [torch.Tensor])  # a subclass is another type
+    assert types_equal([], [])
+    # A first save's size: each storage once, at most what its tensors cover.
+    big = torch.zeros(1000)  # 4000 bytes
+    tied = torch.ones(10, dtype=torch.float64)
+    tensors = [big[:100], big[100:150].view(5, 10).t(), tied, tied, torch.empty(0), torch.zeros(3, dtype=torch.int8)]
+    assert storage_bytes(tensors) == (400 + 200 + 80 + 3, 400)  # the tied 80 bytes count once: 160 > 80
+    assert storage_bytes([big, big[:10]]) == (4000, 4000)  # never more than the storage
+    assert storage_bytes([]) == (0, 0)
+
+
 def test_staging_kept_tensor_or_view_keeps_set_busy(backend, device):
     stager = offload.AsyncStager(ring_size=1, when_busy="raise")
     w = torch.ones(32, device=device)
