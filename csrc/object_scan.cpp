@@ -13,6 +13,12 @@
 // start beside the planning: ~2 us a tensor in Python (a storage object made per
 // tensor), 9 ms at 4,000 tensors on the H100's host, all of it ahead of the growth.
 //
+// The last two make a first save's reader views: for each of the copy engine's
+// host tensors, a tensor of the same dtype and layout over the same bytes under
+// another storage (staging.py's _BufferSet says why). In Python each cost a
+// storage object, dict lookups and an as_strided, ~5 us: 20 ms of a 4,000-tensor
+// first save on the H100's host, after its copies were queued.
+//
 // They run with the interpreter lock held and take lists (pybind11 refuses
 // anything else with a TypeError).
 #include <algorithm>
@@ -23,6 +29,7 @@
 #include <torch/extension.h>
 
 #include "offload/bindings_registry.h"
+#include "offload/tensor_layout.h"
 
 namespace offload {
 namespace {
@@ -77,6 +84,46 @@ std::pair<int64_t, int64_t> storage_bytes(const std::vector<at::Tensor>& tensors
   return {total, largest};
 }
 
+// The address of each tensor's storage; 0 for a tensor with no elements, whose
+// view needs no alias.
+std::vector<int64_t> storage_addresses(const std::vector<at::Tensor>& tensors) {
+  std::vector<int64_t> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    out.push_back(t.numel() == 0 ? 0 : reinterpret_cast<int64_t>(t.storage().data()));
+  }
+  return out;
+}
+
+// For each host tensor, the same dtype, sizes, strides and storage offset over
+// the storage of `aliases[address of its storage]`, a uint8 tensor whose storage
+// starts at the same byte (so the element offset carries over); an empty tensor
+// of its layout for a tensor with no bytes.
+std::vector<at::Tensor> views_over(const std::vector<at::Tensor>& tensors,
+                                   const std::unordered_map<int64_t, at::Tensor>& aliases) {
+  const char* fn = "offload.AsyncStager (reader views)";
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.layout() == at::kStrided, fn, ": tensor ", i,
+                      " must be a strided host tensor, got ", t.device(), " ", t.layout());
+    if (t.numel() == 0) {
+      out.push_back(at::empty_strided(t.sizes(), t.strides(), t.options()));
+      continue;
+    }
+    const auto found = aliases.find(reinterpret_cast<int64_t>(t.storage().data()));
+    TORCH_CHECK_VALUE(found != aliases.end(), fn, ": no alias for the storage of tensor ", i);
+    const c10::Storage& storage = found->second.storage();
+    int64_t last = t.storage_offset();  // the last element it reaches
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    TORCH_CHECK_VALUE((last + 1) * static_cast<int64_t>(t.element_size()) <= static_cast<int64_t>(storage.nbytes()),
+                      fn, ": tensor ", i, " reaches past its alias (", storage.nbytes(), " bytes)");
+    out.push_back(make_view(storage, t.scalar_type(), t.device(), t.sizes(), t.strides(), t.storage_offset()));
+  }
+  return out;
+}
+
 void bind_object_scan(pybind11::module_& m) {
   m.def("_refcount_sum", &refcount_sum, "Sum of the reference counts of a list's items (the stager's busy check)",
         pybind11::arg("objects"));
@@ -85,6 +132,11 @@ void bind_object_scan(pybind11::module_& m) {
   m.def("_storage_bytes", &storage_bytes,
         "(bytes, largest): the storage bytes a first save of these tensors copies, and the largest tensor's",
         pybind11::arg("tensors"));
+  m.def("_storage_addresses", &storage_addresses, "The address of each tensor's storage (0: no elements)",
+        pybind11::arg("tensors"));
+  m.def("_views_over", &views_over,
+        "Each host tensor's layout over the storage of the alias of its storage (a first save's reader views)",
+        pybind11::arg("tensors"), pybind11::arg("aliases"));
 }
 
 }  // namespace

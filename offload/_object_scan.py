@@ -1,7 +1,7 @@
 """Loops over thousands of Python objects (a state dict's leaves) that the stager runs per save.
 
-The compiled core runs them in C (csrc/object_scan.cpp: microseconds where the
-interpreter takes 0.1-0.15 ms at 4,000 objects); without it, the same in Python.
+The compiled core runs them in C (csrc/object_scan.cpp says what each saves);
+without it, the same in Python.
 The choice is made once, at import, so that a reference-count baseline and the
 sums compared with it always come from the same function.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 from typing import Any, Dict, List, Tuple
+
+import torch
 
 from . import _backend
 
@@ -39,6 +41,27 @@ def _storage_bytes(tensors: List[Any]) -> Tuple[int, int]:
     return sum(min(whole, used) for whole, used in storages.values()), largest
 
 
+def _storage_addresses(tensors: List[torch.Tensor]) -> List[int]:
+    return [t.untyped_storage().data_ptr() if t.numel() else 0 for t in tensors]
+
+
+def _views_over(tensors: List[torch.Tensor], aliases: Dict[int, torch.Tensor]) -> List[torch.Tensor]:
+    typed: Dict[Tuple, torch.Tensor] = {}  # (address, dtype) -> the whole alias as dtype: one as_strided a tensor
+    out = []
+    for t in tensors:
+        if not t.numel():
+            out.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype))
+            continue
+        address, dtype = t.untyped_storage().data_ptr(), t.dtype
+        base = typed.get((address, dtype))
+        if base is None:
+            alias = aliases[address]
+            usable = alias.numel() // dtype.itemsize * dtype.itemsize  # a block may end mid-element
+            base = typed[(address, dtype)] = alias[:usable].view(dtype)
+        out.append(base.as_strided(t.shape, t.stride(), t.storage_offset()))
+    return out
+
+
 _core = _backend.core()
 # A sum of reference counts, only ever compared with another sum from this same function.
 refcount_sum = _core._refcount_sum if _core is not None else _refcount_sum
@@ -47,3 +70,8 @@ types_equal = _core._types_equal if _core is not None else _types_equal
 # (bytes, largest): the bytes of the tensors' storages a first save copies (each storage
 # once, never more of it than its tensors' bytes add up to) and the largest tensor's bytes.
 storage_bytes = _core._storage_bytes if _core is not None else _storage_bytes
+# The address of each tensor's storage; 0 for a tensor with no elements.
+storage_addresses = _core._storage_addresses if _core is not None else _storage_addresses
+# Each host tensor's dtype and layout over the storage of aliases[its storage's address]
+# (a uint8 tensor whose storage starts at the same byte); a new empty tensor where it has no elements.
+views_over = _core._views_over if _core is not None else _views_over

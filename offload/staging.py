@@ -64,7 +64,7 @@ import torch
 from . import _device
 from ._copy import DEFAULT_SMALL_BYTES, copy_to_host
 from ._layout import compact
-from ._object_scan import refcount_sum, storage_bytes
+from ._object_scan import refcount_sum, storage_addresses, storage_bytes, views_over
 from ._pool import HostPool, default_host_pool, parse_bytes
 from ._state_tree import Mismatch, StateTree, dtensor_type
 
@@ -503,34 +503,25 @@ def _private_alias(block: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-def _reader_view(engine_side: torch.Tensor, blocks: dict, aliases: dict, typed: dict, old_blocks: dict,
-                 old_aliases: dict):
-    """The tensor a staged dict holds for the engine's host tensor: the same bytes,
-    layout and dtype, viewed through the private alias of the engine's block.
+def _reader_views(engine_sides: List[torch.Tensor], blocks: dict, aliases: dict, old_blocks: dict,
+                  old_aliases: dict) -> List[torch.Tensor]:
+    """The tensors a staged dict holds for the engine's host tensors: the same bytes,
+    layout and dtype, viewed through the private alias of each engine block.
 
-    `typed` caches the alias viewed as each dtype, so each tensor costs one
-    as_strided (a view of that alias: it holds the alias storage like any view).
+    An alias per block (a few), made here or kept from `old_aliases`; the views in
+    one core call (views_over), whose storage they hold like any view.
     """
-    if engine_side.numel() == 0:  # no bytes: nothing to share, nothing to watch
-        return torch.empty_strided(engine_side.shape, engine_side.stride(), dtype=engine_side.dtype)
-    storage = engine_side.untyped_storage()
-    address = storage.data_ptr()
-    dtype = engine_side.dtype
-    base = typed.get((address, dtype))
-    if base is None:
-        alias = aliases.get(address)
+    addresses = storage_addresses(engine_sides)
+    for address, engine_side in dict(zip(addresses, engine_sides)).items():
+        if not address:  # no elements: a view of nothing, no alias
+            continue
+        block, alias = old_blocks.get(address), old_aliases.get(address)
         if alias is None:
-            block, alias = old_blocks.get(address), old_aliases.get(address)
-            if alias is None:
-                block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-                alias = _private_alias(block)
-            blocks[address], aliases[address] = block, alias
-        # The whole block as `dtype` (a block may end mid-element of a wider dtype).
-        usable = alias.numel() // dtype.itemsize * dtype.itemsize
-        base = typed[(address, dtype)] = alias[:usable].view(dtype)
-    # The engine's storage and the alias start at the same byte, so the element
-    # offset carries over.
-    return base.as_strided(engine_side.shape, engine_side.stride(), engine_side.storage_offset())
+            storage = engine_side.untyped_storage()
+            block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            alias = _private_alias(block)
+        blocks[address], aliases[address] = block, alias
+    return views_over(engine_sides, aliases)
 
 
 class _HostCopy:
@@ -1274,14 +1265,14 @@ class AsyncStager(_StagerProtocol):
 
     def _bind(self, buffer_set: _BufferSet, plan: _Plan) -> None:
         """The staged dict's tensor leaves: views of private aliases of the engine's
-        blocks (`_reader_view`), made here and never given to the copy engine."""
+        blocks (`_reader_views`), made here and never given to the copy engine."""
         blocks: Dict[int, torch.Tensor] = {}
         aliases: Dict[int, torch.Tensor] = {}
-        typed: Dict[Tuple, torch.Tensor] = {}
         host_leaves: List[Any] = [None] * len(plan.meta)
-        old_blocks, old_aliases, buffers = buffer_set.blocks, buffer_set.aliases, buffer_set.buffers
-        for unit in plan.units:
-            host = _reader_view(buffers[unit.key], blocks, aliases, typed, old_blocks, old_aliases)
+        units, buffers = plan.units, buffer_set.buffers
+        hosts = _reader_views([buffers[unit.key] for unit in units], blocks, aliases, buffer_set.blocks,
+                              buffer_set.aliases)
+        for unit, host in zip(units, hosts):
             if unit.kind == "tensor":
                 if unit.expanded:
                     host = host.expand(unit.shape)

@@ -373,17 +373,17 @@ def test_staging_ring_uses_next_set_then_raises_when_all_busy(backend, device):
 
 
 @pytest.mark.parametrize("impl", ["python", "native"])
-def test_staging_object_scans_count_references_and_match_exact_types(impl):
+def test_staging_object_scans_match_the_python_loops(impl):
     # The busy check's reference sums and the cached tree's type check, in C and in Python.
     from offload import _backend, _object_scan
     if impl == "native":
         core = _backend.core()
         if core is None:
             pytest.skip("needs the compiled core (offload._C)")
-        refcount_sum, types_equal, storage_bytes = core._refcount_sum, core._types_equal, core._storage_bytes
+        scan = core
     else:
         scan = _object_scan
-        refcount_sum, types_equal, storage_bytes = scan._refcount_sum, scan._types_equal, scan._storage_bytes
+    refcount_sum, types_equal, storage_bytes = scan._refcount_sum, scan._types_equal, scan._storage_bytes
     objects = [torch.ones(2), torch.zeros(3), object()]
     base = refcount_sum(objects)
     held = objects[1]
@@ -404,6 +404,23 @@ def test_staging_object_scans_count_references_and_match_exact_types(impl):
     assert storage_bytes(tensors) == (400 + 200 + 80 + 3, 400)  # the tied 80 bytes count once: 160 > 80
     assert storage_bytes([big, big[:10]]) == (4000, 4000)  # never more than the storage
     assert storage_bytes([]) == (0, 0)
+    # A first save's reader views: each engine tensor's layout over its block's alias storage.
+    block = torch.arange(64, dtype=torch.uint8)
+    engine = [block[8:16].view(torch.float32), block[16:48].view(torch.int16).view(4, 4).t(), block[:0],
+              torch.zeros(2, 0)]
+    addresses = scan._storage_addresses(engine)
+    assert addresses == [block.data_ptr()] * 2 + [0, 0]  # no elements: no alias needed
+    alias = block.clone()  # another storage with the same bytes, standing in for the DLPack alias
+    views = scan._views_over(engine, {block.data_ptr(): alias})
+    for view, t in zip(views, engine):
+        assert (view.dtype, view.shape, view.stride()) == (t.dtype, t.shape, t.stride())
+        assert view.numel() == 0 or view.untyped_storage().data_ptr() == alias.data_ptr()
+        assert torch.equal(view, t)
+    alias.zero_()
+    assert not views[0].any() and not views[1].any()  # the alias's bytes, not the block's
+    if impl == "native":
+        with pytest.raises(ValueError, match="no alias for the storage of tensor 0"):
+            scan._views_over(engine, {})
 
 
 def test_staging_kept_tensor_or_view_keeps_set_busy(backend, device):
