@@ -62,6 +62,12 @@ def core():
     return _core
 
 
+def loaded_core():
+    """core() without its warning: for choices made at import, so that `import offload`
+    stays quiet and the first use of a copy path is what says the core is missing."""
+    return _core
+
+
 def why_not() -> Optional[str]:
     return _why_not
 

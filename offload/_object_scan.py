@@ -62,7 +62,7 @@ def _views_over(tensors: List[torch.Tensor], aliases: Dict[int, torch.Tensor]) -
     return out
 
 
-_core = _backend.core()
+_core = _backend.loaded_core()
 # A sum of reference counts, only ever compared with another sum from this same function.
 refcount_sum = _core._refcount_sum if _core is not None else _refcount_sum
 # Whether each object's type is exactly the type at its position (lists of equal length).
