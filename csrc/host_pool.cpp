@@ -316,9 +316,7 @@ bool HostPool::owns(const at::Tensor& tensor) const {
   return block != nullptr && block->handed_out;
 }
 
-// Its slabs serve any one request of up to twice the slab size, as the pool's
-// own growth would (begin_reserve sizes them no smaller than largest_block).
-void HostPool::reserve(size_t nbytes) { grow_reserved(begin_reserve(nbytes, std::min(nbytes, 2 * slab_bytes_))); }
+void HostPool::reserve(size_t nbytes) { grow_reserved(begin_reserve(nbytes)); }
 
 size_t HostPool::begin_reserve(size_t nbytes, size_t largest_block) {
   if (nbytes == 0) return 0;
@@ -332,16 +330,12 @@ size_t HostPool::begin_reserve(size_t nbytes, size_t largest_block) {
     if (stats_.reserved_bytes + reserving_ + bytes > limit_bytes_) fail_limit_locked(nbytes, bytes);
   }
   reserving_ += bytes;
-  // Slabs of an eighth of the reservation, between the pool's slab size and twice
-  // that (256-512 MiB by default on an accelerator), and never smaller than the
-  // largest block expected: copies into the first slabs run while the next are
-  // touched and pinned, and a slab is touched while the one before is pinned, so
-  // the growth takes about one slab's touch plus the rest's pinning. A first
-  // checkpoint save on the H100's host took 230 ms to grow 4 GiB as one slab before
-  // its copy began; the driver pinned 4 GiB in pieces of 256 MiB as fast as in one
-  // piece there. Grown in two slabs, 1 GiB left its copies waiting ~30 ms for the first.
-  const size_t eighth = round_up((bytes + 7) / 8, kLargeGranule);
-  reserve_slab_ = std::max(std::min(std::max(eighth, slab_bytes_), 2 * slab_bytes_), size_class(largest_block));
+  // Slabs of twice the pool's slab size (512 MiB by default on an accelerator), or
+  // of the largest block expected: copies into the first slabs run while the next
+  // are touched and pinned. A first checkpoint save on the H100's host took 230 ms
+  // to grow 4 GiB as one slab before its copy began; the driver pinned 4 GiB in
+  // pieces of 256 MiB as fast as in one piece there.
+  reserve_slab_ = std::max(2 * slab_bytes_, size_class(largest_block));
   return bytes;
 }
 

@@ -54,8 +54,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // Returns false when `tensor` is not from this pool.
   bool record_stream(const at::Tensor& tensor, const c10::Stream& stream);
   bool owns(const at::Tensor& tensor) const;
-  // Grows the pool so that `nbytes` more can be carved without growing later
-  // (by requests of up to twice the slab size each).
+  // Grows the pool so that `nbytes` more can be carved without growing later.
   void reserve(size_t nbytes);
   // reserve() in two steps, for a growth another thread runs while this one
   // allocates (the stager's first save): begin_reserve() announces it and returns
@@ -65,8 +64,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // current one; an error ends the reservation (waiting allocations then grow
   // the pool themselves) and is raised. Each begin_reserve() that returned
   // bytes needs exactly one grow_reserved(bytes) or cancel_reserve(bytes).
-  // `largest_block`: the largest request expected, so no slab is smaller. Slabs
-  // are an eighth of the reservation, between the slab size and twice that.
+  // `largest_block`: the largest request expected, so no slab is smaller.
   size_t begin_reserve(size_t nbytes, size_t largest_block = 0);
   void grow_reserved(size_t bytes);
   void cancel_reserve(size_t bytes);
