@@ -19,8 +19,8 @@
 // storage object, dict lookups and an as_strided, ~5 us: 20 ms of a 4,000-tensor
 // first save on the H100's host, after its copies were queued.
 //
-// They run with the interpreter lock held and take lists (pybind11 refuses
-// anything else with a TypeError).
+// They run with the interpreter lock held. The first two take lists (pybind11
+// refuses anything else with a TypeError); the others any sequence of tensors.
 #include <algorithm>
 #include <cstdint>
 #include <unordered_map>
