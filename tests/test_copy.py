@@ -573,6 +573,29 @@ def test_copy_defer_late_groups_are_checked_while_the_first_copy(backend, device
     assert handle.copy_seconds() > 0
 
 
+def test_copy_defer_head_group_source_that_needs_a_new_tensor(backend, device):
+    """The calling thread queues each head group as soon as it is checked: a source that
+    needs a new tensor in a head group after the first leaves the first group queued and
+    has the rest copied at once, all bitwise, and the next refill of the buffers too."""
+    sources = [random_tensor((64 << 10,), torch.float32, device) for _ in range(40)]  # 256 KiB each
+    base = random_tensor((64, 2048), torch.float32, device)
+    sources[5] = base[:, ::2].contiguous()
+    first = offload.copy_to_host(sources, group_bytes=1 << 20)  # four tensors a group: sources[5] in the second
+    first.wait()
+    gapped = list(sources)
+    gapped[5] = base[:, ::2]  # not dense: made contiguous on the copy stream
+    torch._foreach_add_(sources, 1.0)
+    base.add_(1.0)
+    handle = offload.copy_to_host(gapped, out=first, defer=True, timing=True)
+    for src, h in zip(gapped, handle.wait()):
+        assert_bitwise(src, h)
+    assert isinstance(handle.copy_seconds(), float)
+    torch._foreach_mul_(sources, 2.0)
+    handle = offload.copy_to_host(sources, out=first, defer=True)
+    for src, h in zip(sources, handle.wait()):
+        assert_bitwise(src, h)
+
+
 def test_copy_seconds_of_a_timed_copy(backend, device):
     sources, first = _refill_handle(device)
     with pytest.raises(ValueError, match=r"offload.CopyHandle.copy_seconds: this copy was not timed"):
