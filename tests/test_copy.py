@@ -546,20 +546,22 @@ def test_copy_defer_of_sources_that_need_a_new_tensor_runs_at_once(backend, devi
         assert_bitwise(src, h)
 
 
-def test_copy_defer_late_groups_are_checked_while_the_first_copy(backend, device):
-    """A deferred refill's first groups are queued by the calling thread, which checks
-    the rest meanwhile: a stale source in a late group still raises before the call
-    returns, a late source that needs a new tensor is copied at once, and every copy
-    (and the next refill of the same buffers) is bitwise."""
-    sources = [random_tensor((64 << 10,), torch.float32, device) for _ in range(40)]  # 256 KiB each
+def _copied_with_a_gapped_source(device, at: int):
+    """41 sources of 256 KiB copied four a group (group_bytes 1 MiB: eleven groups), source
+    `at` a dense copy of a gapped slice; returns (sources, the slice's base, the handle)."""
+    sources = [random_tensor((64 << 10,), torch.float32, device) for _ in range(41)]
     base = random_tensor((64, 2048), torch.float32, device)
-    sources.append(base[:, ::2].contiguous())
-    first = offload.copy_to_host(sources, group_bytes=1 << 20)  # four tensors a group: eleven groups
+    sources[at] = base[:, ::2].contiguous()
+    first = offload.copy_to_host(sources, group_bytes=1 << 20)
     first.wait()
-    stale = sources[:40] + [torch.ones(5, device=device)]
-    with pytest.raises(ValueError, match=r"tensors\[40\]"):
-        offload.copy_to_host(stale, out=first, defer=True, timing=True)
-    gapped = sources[:40] + [base[:, ::2]]  # not dense: made contiguous on the copy stream
+    return sources, base, first
+
+
+def _assert_gapped_then_dense_refills(sources, base, first, at: int) -> None:
+    """A deferred refill whose source `at` is the gapped slice itself (not dense: made
+    contiguous on the copy stream), then one of the dense sources: both bitwise."""
+    gapped = list(sources)
+    gapped[at] = base[:, ::2]
     torch._foreach_add_(sources, 1.0)
     base.add_(1.0)
     handle = offload.copy_to_host(gapped, out=first, defer=True, timing=True)
@@ -573,27 +575,24 @@ def test_copy_defer_late_groups_are_checked_while_the_first_copy(backend, device
     assert handle.copy_seconds() > 0
 
 
+def test_copy_defer_late_groups_are_checked_while_the_first_copy(backend, device):
+    """A deferred refill's first groups are queued by the calling thread, which checks
+    the rest meanwhile: a stale source in a late group still raises before the call
+    returns, a late source that needs a new tensor is copied at once, and every copy
+    (and the next refill of the same buffers) is bitwise."""
+    sources, base, first = _copied_with_a_gapped_source(device, at=40)  # in the last group
+    stale = sources[:40] + [torch.ones(5, device=device)]
+    with pytest.raises(ValueError, match=r"tensors\[40\]"):
+        offload.copy_to_host(stale, out=first, defer=True, timing=True)
+    _assert_gapped_then_dense_refills(sources, base, first, at=40)
+
+
 def test_copy_defer_head_group_source_that_needs_a_new_tensor(backend, device):
     """The calling thread queues each head group as soon as it is checked: a source that
     needs a new tensor in a head group after the first leaves the first group queued and
     has the rest copied at once, all bitwise, and the next refill of the buffers too."""
-    sources = [random_tensor((64 << 10,), torch.float32, device) for _ in range(40)]  # 256 KiB each
-    base = random_tensor((64, 2048), torch.float32, device)
-    sources[5] = base[:, ::2].contiguous()
-    first = offload.copy_to_host(sources, group_bytes=1 << 20)  # four tensors a group: sources[5] in the second
-    first.wait()
-    gapped = list(sources)
-    gapped[5] = base[:, ::2]  # not dense: made contiguous on the copy stream
-    torch._foreach_add_(sources, 1.0)
-    base.add_(1.0)
-    handle = offload.copy_to_host(gapped, out=first, defer=True, timing=True)
-    for src, h in zip(gapped, handle.wait()):
-        assert_bitwise(src, h)
-    assert isinstance(handle.copy_seconds(), float)
-    torch._foreach_mul_(sources, 2.0)
-    handle = offload.copy_to_host(sources, out=first, defer=True)
-    for src, h in zip(sources, handle.wait()):
-        assert_bitwise(src, h)
+    sources, base, first = _copied_with_a_gapped_source(device, at=5)  # in the second group, of the head
+    _assert_gapped_then_dense_refills(sources, base, first, at=5)
 
 
 def test_copy_seconds_of_a_timed_copy(backend, device):
