@@ -28,6 +28,7 @@
 #include "offload/checks.h"
 #include "offload/event_cache.h"
 #include "offload/multi_tensor_copy.h"
+#include "offload/prefetch.h"
 #include "offload/tensor_layout.h"
 #include "offload/tensor_source.h"
 
@@ -1449,16 +1450,6 @@ std::shared_ptr<Transfer> copy_to_device(const std::vector<at::Tensor>& tensors,
 namespace {
 
 namespace py = pybind11;
-
-// Asks for the cache line at `p` ahead of its use. A prefetch never faults, so a
-// stale or invalid address costs nothing but the request.
-inline void prefetch(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p);
-#else
-  (void)p;
-#endif
-}
 
 // The lines of a tensor the conversion and the copy engine's checks read: its
 // reference count, sizes, strides, dtype and device (TensorImpl spans ~4 lines).

@@ -19,20 +19,30 @@
 // storage object, dict lookups and an as_strided, ~5 us: 20 ms of a 4,000-tensor
 // first save on the H100's host, after its copies were queued.
 //
+// A fifth reads a wide dict's values in the plan's key order, for the cached
+// tree's extraction of the leaves (offload/_state_tree.py), on every save.
+//
 // They run with the interpreter lock held. The first two take lists (pybind11
-// refuses anything else with a TypeError); the others any sequence of tensors.
+// refuses anything else with a TypeError), dict_values a dict and a tuple; the
+// others any sequence of tensors.
 #include <algorithm>
 #include <cstdint>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include <torch/extension.h>
 
 #include "offload/bindings_registry.h"
+#include "offload/prefetch.h"
 #include "offload/tensor_layout.h"
 
 namespace offload {
 namespace {
+
+// Objects ahead of the one read whose header is asked for (prefetch.h): each
+// object is a cache miss of its own after a training step.
+constexpr Py_ssize_t kAhead = 8;
 
 // The sum of Py_REFCNT over the items of `objects`. Only compared with another
 // sum from this same function (a buffer set's baseline), so whatever fixed count
@@ -41,7 +51,10 @@ int64_t refcount_sum(const pybind11::list& objects) {
   int64_t total = 0;
   PyObject* list = objects.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
-  for (Py_ssize_t i = 0; i < n; ++i) total += static_cast<int64_t>(Py_REFCNT(PyList_GET_ITEM(list, i)));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch(PyList_GET_ITEM(list, i + kAhead));
+    total += static_cast<int64_t>(Py_REFCNT(PyList_GET_ITEM(list, i)));
+  }
   return total;
 }
 
@@ -54,9 +67,62 @@ bool types_equal(const pybind11::list& objects, const pybind11::list& types) {
   const Py_ssize_t n = PyList_GET_SIZE(objs);
   if (PyList_GET_SIZE(typs) != n) return false;
   for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch(PyList_GET_ITEM(objs, i + kAhead));
     if (reinterpret_cast<PyObject*>(Py_TYPE(PyList_GET_ITEM(objs, i))) != PyList_GET_ITEM(typs, i)) return false;
   }
   return true;
+}
+
+// [d[k] for k in keys]: the values of a wide dict of the state dict in the
+// order the cached plan saw its keys. Its own order is tried first, one pass
+// comparing each key with the expected one by identity (the same key objects,
+// the usual case), then by equality; where it differs (another insertion order,
+// an OrderedDict reordered by move_to_end, whose dict order is not its
+// iteration order) each key is looked up. A missing key raises KeyError. In
+// Python, `tuple(d) == keys` then `list(d.values())` made two lists of 4,000.
+pybind11::list dict_values(const pybind11::dict& d, const pybind11::tuple& keys) {
+  PyObject* dict = d.ptr();
+  PyObject* expected = keys.ptr();
+  const Py_ssize_t n = PyTuple_GET_SIZE(expected);
+  // The values' addresses first (the dict's own entries, read in order), then a
+  // reference to each, its object asked for ahead (each is a cache miss).
+  std::vector<PyObject*> values;
+  values.reserve(static_cast<size_t>(n));
+  bool in_order = PyDict_GET_SIZE(dict) == n;
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (in_order && PyDict_Next(dict, &pos, &key, &value)) {
+    PyObject* want = PyTuple_GET_ITEM(expected, static_cast<Py_ssize_t>(values.size()));
+    // Equality only for exact str keys: no Python __eq__ runs while the dict is walked.
+    if (key != want && !(PyUnicode_CheckExact(key) && PyUnicode_CheckExact(want) &&
+                         PyUnicode_Compare(key, want) == 0)) {
+      in_order = false;
+      break;
+    }
+    values.push_back(value);
+  }
+  if (in_order) {
+    pybind11::list out(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) prefetch(values[static_cast<size_t>(i + kAhead)]);
+      PyObject* item = values[static_cast<size_t>(i)];
+      Py_INCREF(item);
+      PyList_SET_ITEM(out.ptr(), i, item);  // steals the reference
+    }
+    return out;
+  }
+  pybind11::list looked_up(n);
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* want = PyTuple_GET_ITEM(expected, k);
+    PyObject* found = PyDict_GetItemWithError(dict, want);  // borrowed
+    if (found == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, want);
+      throw pybind11::error_already_set();
+    }
+    Py_INCREF(found);
+    PyList_SET_ITEM(looked_up.ptr(), k, found);
+  }
+  return looked_up;
 }
 
 // (bytes, largest): the bytes of `tensors`' storages that a first save copies,
@@ -129,6 +195,8 @@ void bind_object_scan(pybind11::module_& m) {
         pybind11::arg("objects"));
   m.def("_types_equal", &types_equal, "Whether each item of a list has exactly the type at its position in another",
         pybind11::arg("objects"), pybind11::arg("types"));
+  m.def("_dict_values", &dict_values, "The values of a dict in the order of a tuple of its keys (KeyError if one "
+        "is missing)", pybind11::arg("d"), pybind11::arg("keys"));
   m.def("_storage_bytes", &storage_bytes,
         "(bytes, largest): the storage bytes a first save of these tensors copies, and the largest tensor's",
         pybind11::arg("tensors"));

@@ -435,7 +435,7 @@ def probe_bandwidth(device, nbytes: int = 64 << 20):
     for _ in range(2):  # the first round allocates the pool's blocks
         a = clock.mark()
         handle = copy_to_host([src])
-        handle.wait()
+        handle.synchronize()
         b = clock.mark()
         back = copy_to_device(handle, device)
         back.wait_stream()

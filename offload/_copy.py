@@ -62,6 +62,15 @@ class CopyHandle:
         """True once every copy of this transfer has completed (never blocks)."""
         return bool(self._impl.query())
 
+    def synchronize(self) -> None:
+        """Block the host until the transfer is complete.
+
+        `wait()` without the list it returns: that list is a Python object per
+        tensor (0.16 ms for 4,000 on the H100's host), work a caller that only
+        waits need not pay.
+        """
+        self._impl.synchronize()
+
     def wait(self) -> List[torch.Tensor]:
         """Block the host until the transfer is complete; returns `tensors`."""
         self._impl.synchronize()
@@ -198,7 +207,11 @@ def copy_to_host(
     the values as of this call. Sources are protected from reuse until it completes.
     """
     fn = "offload.copy_to_host"
-    tensors = _as_list(fn, tensors)
+    # A deferred copy converts the whole list before it lets the interpreter lock
+    # go (see the core's copy_to_host): a caller's list cannot change under it, so
+    # it is not copied (4,000 items: ~20 us a call).
+    if not (defer and type(tensors) is list):
+        tensors = _as_list(fn, tensors)
     _check_sizes(fn, small_bytes, chunk_bytes)
     if group_bytes <= 0:
         raise ValueError(f"{fn}: group_bytes must be > 0, got {group_bytes}")

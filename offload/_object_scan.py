@@ -24,6 +24,12 @@ def _types_equal(objects: List[Any], types: List[type]) -> bool:
     return list(map(type, objects)) == types
 
 
+def _dict_values(d: dict, keys: tuple) -> List[Any]:
+    if tuple(d) == keys:
+        return list(d.values())
+    return list(map(d.__getitem__, keys))
+
+
 def _storage_bytes(tensors: List[Any]) -> Tuple[int, int]:
     storages: Dict[int, list] = {}  # storage address -> [its bytes, bytes of its tensors]
     largest = 0
@@ -67,6 +73,8 @@ _core = _backend.loaded_core()
 refcount_sum = _core._refcount_sum if _core is not None else _refcount_sum
 # Whether each object's type is exactly the type at its position (lists of equal length).
 types_equal = _core._types_equal if _core is not None else _types_equal
+# [d[k] for k in keys] for a dict holding exactly those keys (KeyError if one is missing).
+dict_values = _core._dict_values if _core is not None else _dict_values
 # (bytes, largest): the bytes of the tensors' storages a first save copies (each storage
 # once, never more of it than its tensors' bytes add up to) and the largest tensor's bytes.
 storage_bytes = _core._storage_bytes if _core is not None else _storage_bytes

@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ._object_scan import types_equal
+from ._object_scan import dict_values, types_equal
 
 _is_meta = attrgetter("is_meta")
 _layout = attrgetter("layout")
@@ -176,11 +176,11 @@ class StateTree:
             exprs = [self._leaf(child, "", path + (key,)) for key, child in items]
         del self._items[first_item:]
         if type(obj) in (dict, OrderedDict):
-            # Keys in the order seen (the usual case): values() in one C call, ~3x
-            # faster than a lookup per key; any other order falls back to lookups.
+            # dict_values: the values in one pass when the keys come in the order
+            # seen (the usual case), else a lookup per key.
             wi = len(self._wide_keys)
             self._wide_keys.append(tuple(self._keys[k0:k1]))
-            self._items.append(f"*({var}.values() if tuple({var}) == W[{wi}] else map({var}.__getitem__, W[{wi}]))")
+            self._items.append(f"*V({var}, W[{wi}])")
         elif isinstance(obj, Mapping):
             self._items.append(f"*map({var}.__getitem__, K[{k0}:{k1}])")
         else:  # list or tuple: its items in order, after the length check above
@@ -263,7 +263,7 @@ class StateTree:
 
     def _compile_extract(self):
         body = "\n".join(self._check_lines)
-        source = f"def extract(c0, K, C, M, W):\n{body}\n    return [{', '.join(self._items)}]\n"
+        source = f"def extract(c0, K, C, M, W, V):\n{body}\n    return [{', '.join(self._items)}]\n"
         return _compile(source, "extract", self._keys, self._types, self._wide_keys)
 
     def leaves(self, root) -> List[Any]:
@@ -331,5 +331,5 @@ def _compile(source: str, name: str, keys, types, wide_keys=()):
     fn = namespace[name]
     keys, types, wide_keys = tuple(keys), tuple(types), tuple(wide_keys)
     if name == "extract":
-        return lambda root: fn(root, keys, types, Mismatch, wide_keys)
+        return lambda root: fn(root, keys, types, Mismatch, wide_keys, dict_values)
     return lambda L, T: fn(L, T, keys, types)

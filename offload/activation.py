@@ -406,7 +406,7 @@ class ActivationEngine:
         c["tensors_offloaded"] += len(group.held)
         if self.mode == "sync":
             t0 = time.perf_counter()
-            group.d2h.wait()
+            group.d2h.synchronize()
             c["forward_wait_seconds"] += time.perf_counter() - t0
             self._settle(group)
             return
@@ -437,7 +437,7 @@ class ActivationEngine:
                 self._timed_end("forward_wait_seconds", start, stream)
             else:  # saved on another stream than the one running now: only the host can order it
                 t0 = time.perf_counter()
-                oldest.d2h.wait()
+                oldest.d2h.synchronize()
                 c["forward_wait_seconds"] += time.perf_counter() - t0
             self._settle(oldest)
 
@@ -722,7 +722,7 @@ class ActivationEngine:
         if stream not in group.waited:
             if self.mode == "sync" or not self.on_accel:
                 t0 = time.perf_counter()
-                group.h2d.wait()
+                group.h2d.synchronize()
                 self._counters["backward_wait_seconds"] += time.perf_counter() - t0
             else:
                 start = self._timed_start(stream)

@@ -146,7 +146,7 @@ def _finish(start_event, handle, device, t0: float, nbytes: int, count: int) -> 
         end.synchronize()
         copy_ms = start_event.elapsed_time(end)
     else:
-        handle.wait()
+        handle.synchronize()
         copy_ms = (time.perf_counter() - t0) * 1e3
     total_ms = (time.perf_counter() - t0) * 1e3
     return {"copy_ms": copy_ms, "total_ms": total_ms, "bytes": nbytes, "storages": count,

@@ -389,7 +389,7 @@ class WeightSender:
                 _, oldest = self._snapshots.popitem(last=False)
                 if oldest.layout == layout and oldest.readers == 0:  # never overwrite a snapshot being sent
                     for handle in oldest.handles:
-                        handle.wait()  # its copies are done before new ones overwrite the buffers
+                        handle.synchronize()  # its copies are done before new ones overwrite the buffers
                     reuse = oldest.handles
         if duplicate:  # the FSDP peers are in the gathers already: take part, then refuse
             self._gather_only(items, version)
@@ -405,7 +405,7 @@ class WeightSender:
                 # Host wait: group k-2's copy has read its gathered tensors, and the
                 # engine (drained by the wait) has let them go, so their memory is
                 # free before this group's gathers allocate (module docstring).
-                handles[k - 2].wait()
+                handles[k - 2].synchronize()
             gathered = [_gather(t) for _, t in group]
             # The copy stream waits for the current stream (which the gathers
             # joined), and the engine holds `gathered` until the copy completes.

@@ -68,6 +68,20 @@ def test_copy_round_trip_is_bitwise_for_every_dtype_and_layout(backend, device, 
         assert b.stride() == src.stride(), f"{name}: strides {b.stride()} != {src.stride()}"
 
 
+def test_copy_synchronize_completes_the_transfer_without_the_tensor_list(backend, device):
+    sources = list(layouts(device, torch.float32).values())
+    handle = offload.copy_to_host(sources)
+    assert handle.synchronize() is None
+    assert handle.ready()
+    for src, h in zip(sources, handle.tensors):
+        assert_bitwise(src, h)
+    back = offload.copy_to_device(handle, device)
+    back.synchronize()
+    assert back.ready()
+    for src, b in zip(sources, back.tensors):
+        assert_bitwise(src, b)
+
+
 def test_copy_lazy_conj_and_neg_views_move_their_values(backend, device):
     # A conj/neg view shares its base's bytes and carries a flag; its values are what must arrive.
     z = random_tensor((5, 7), torch.complex64, device)

@@ -421,6 +421,21 @@ def test_staging_object_scans_match_the_python_loops(impl):
     if impl == "native":
         with pytest.raises(ValueError, match="no alias for the storage of tensor 0"):
             scan._views_over(engine, {})
+    # A wide dict's values in the plan's key order: its own order, another one, a missing key.
+    dict_values = scan._dict_values
+    values = [torch.ones(1), 2, "x", None]
+    d = {f"layer{i}.weight": v for i, v in enumerate(values)}
+    keys = tuple(d)
+    got = dict_values(d, keys)
+    assert len(got) == 4 and all(a is b for a, b in zip(got, values))
+    assert dict_values(d, tuple("".join(k) for k in keys)) == got  # equal keys, other objects
+    reordered = collections.OrderedDict(d)
+    reordered.move_to_end("layer0.weight")  # its iteration order is not its dict order
+    assert all(a is b for a, b in zip(dict_values(reordered, keys), values))
+    assert all(a is b for a, b in zip(dict_values(dict(reversed(d.items())), keys), values))
+    with pytest.raises(KeyError, match="layer9.weight"):
+        dict_values(d, keys[:3] + ("layer9.weight",))
+    assert dict_values({}, ()) == []
 
 
 def test_staging_kept_tensor_or_view_keeps_set_busy(backend, device):

@@ -67,10 +67,15 @@ class TensorSource {
 
  private:
   static constexpr size_t kBatch = 256;
+  // The first batch is small: the first group's copy waits for it, and it needs
+  // only a few tensors (256 took ~25 us of a steady 4,000-tensor save's ~0.65 ms
+  // to its first DMA on the H100's host).
+  static constexpr size_t kFirstBatch = 16;
 
   void fill_to(size_t upto) {
     TORCH_CHECK_INDEX(upto <= size_, "offload: tensor ", upto - 1, " of a list of ", size_);
-    fill_(owned_, std::min(size_, std::max(upto, owned_.size() + kBatch)));
+    const size_t batch = owned_.empty() ? kFirstBatch : kBatch;
+    fill_(owned_, std::min(size_, std::max(upto, owned_.size() + batch)));
   }
 
   size_t size_;
