@@ -202,6 +202,7 @@ class InFlight {
 };
 
 // Work the copy worker runs: queue a deferred transfer's copies (CopyEngine::DeferredToHost).
+// Shared: the calling thread keeps a reference while it still checks the sources.
 class DeferredWork {
  public:
   virtual ~DeferredWork() = default;
@@ -222,7 +223,7 @@ class CopyWorker {
     static CopyWorker* worker = new CopyWorker();  // never destroyed: its thread runs until exit
     return *worker;
   }
-  void submit(std::unique_ptr<DeferredWork> work) {
+  void submit(std::shared_ptr<DeferredWork> work) {
     collect();
     std::lock_guard<std::mutex> lock(mutex_);
     if (!started_) {
@@ -235,7 +236,7 @@ class CopyWorker {
   }
   // Destroys finished work in the calling thread.
   void collect() {
-    std::deque<std::unique_ptr<DeferredWork>> done;
+    std::deque<std::shared_ptr<DeferredWork>> done;
     std::lock_guard<std::mutex> lock(mutex_);
     done.swap(retired_);
   }  // `done` is destroyed here, after the lock is released (a dropped tensor may take the GIL)
@@ -250,7 +251,7 @@ class CopyWorker {
  private:
   void loop() {
     for (;;) {
-      std::unique_ptr<DeferredWork> work;
+      std::shared_ptr<DeferredWork> work;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [this] { return !queue_.empty(); });
@@ -273,8 +274,8 @@ class CopyWorker {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable idle_;
-  std::deque<std::unique_ptr<DeferredWork>> queue_;
-  std::deque<std::unique_ptr<DeferredWork>> retired_;
+  std::deque<std::shared_ptr<DeferredWork>> queue_;
+  std::deque<std::shared_ptr<DeferredWork>> retired_;
   int64_t pending_ = 0;  // submitted, not yet published
   bool started_ = false;
 };
@@ -396,16 +397,6 @@ c10::Stream pack_stream(const c10::Device& device) {
 // Staging buffers a device-to-host transfer packs into: kSlots of them, reused
 // in turn; packing into a slot waits (on the device) for the DMA that last read it.
 constexpr int kSlots = 3;
-// A deferred copy's groups that the calling thread queues itself (see to_host_deferred):
-// at least kHeadGroups, and enough that their DMA outlasts what the thread does
-// next, converting and checking every other source (~0.15-0.25 us each on the
-// H100's host), so the copy engine does not idle before the worker takes over.
-// 32 KiB per source is ~0.6 us of DMA at 55 GB/s. At 16 KiB, a profile of a
-// 4,000-tensor refill showed the copy engine idle ~0.5 ms between the last head
-// group and the worker's first: the thread's other work there (~1 ms with the
-// wake-up of the worker) outlasted the head's 1.2 ms of DMA on a slower host.
-constexpr size_t kHeadGroups = 2;
-constexpr int64_t kHeadBytesPerSource = int64_t(32) << 10;
 
 class CopyEngine {
  public:
@@ -482,14 +473,16 @@ class CopyEngine {
     check_reuse_count(*reuse, n);
     const c10::Device device = tensors[0].device();
     TORCH_CHECK_VALUE(stream.has_value(), fn, ": a copy stream is required for ", device);
-    auto job = std::make_unique<DeferredToHost>(std::move(owned), pool.shared_from_this(), stream, options, device);
+    auto job = std::make_shared<DeferredToHost>(std::move(owned), pool.shared_from_this(), stream, options, device);
     ToHost& plan = *job->plan;
     // Every check the synchronous path makes, here, so a stale handle raises now.
-    // The first groups are checked and queued by this thread, the way a
-    // synchronous copy queues them, so the copy engine runs while the rest are
-    // converted and checked (kHeadBytesPerSource).
+    // This thread checks the sources group by group and queues the first group
+    // itself; the copy worker queues each later group as soon as this thread has
+    // checked it (DeferredToHost::follow), so the copies run while the rest are
+    // converted and checked, and this thread queues nothing else. (It used to
+    // queue the first groups up to 32 KiB a source itself, then hand the rest
+    // over: ~0.5 ms of a 4,000-tensor refill's ~1.9 ms in the caller on the H100.)
     const size_t groups = plan.adopt_groups(*reuse);
-    const size_t head = plan.head_groups(kHeadGroups, static_cast<int64_t>(n) * kHeadBytesPerSource);
     if (!plan.check_group(0, *reuse, /*deferred=*/true)) {  // a source needs a kernel first: the synchronous way
       std::unique_ptr<TensorSource> source = std::move(job->source);
       job.reset();
@@ -497,9 +490,9 @@ class CopyEngine {
       return to_host(*source, pool, stream, c10::nullopt, reuse, options);
     }
     // Earlier deferred copies into these buffers are queued before this one's.
-    // Called from Python, this waits with the GIL held (it is let go only once
-    // every source is converted): the worker never takes it, and it is busy only
-    // while a previous deferred copy's groups are still being queued.
+    // Called from Python, this waits with the GIL held: the worker never takes
+    // it, and it is busy only while a previous deferred copy's groups are still
+    // being queued.
     CopyWorker::instance().wait_idle();
     // The snapshot point: every group, queued here or by the worker, is copied
     // after the caller's work up to this record (the copy and pack streams wait
@@ -507,42 +500,53 @@ class CopyEngine {
     job->snapshot.emplace(take_event(device));
     job->snapshot->record(current_stream(device));
     plan.set_snapshot(*job->snapshot);
-    size_t checked = 1, queued = 1;
+    auto result = job->result;
+    size_t checked = 1;
+    bool handed_off = false;
     try {
-      // Each head group is queued as soon as it is checked, so the first DMA
-      // waits for the checks of its own few sources, not of the whole head's
-      // (~500 at 256 KiB, ~0.1 ms on the H100's host).
       plan.enqueue_here(0, 1, *reuse, /*check_from=*/1);
-      // Each batch of sources is checked right after it is converted, while its
-      // tensors are still in the caches (converting all first, then checking,
-      // read every tensor twice from memory on the H100's host).
-      while (checked < groups && plan.check_group(checked, *reuse, /*deferred=*/true)) {
-        ++checked;
-        if (checked <= head) {
-          plan.enqueue_here(queued, checked, *reuse, /*check_from=*/checked);
-          queued = checked;
+      if (groups > 1) {
+        plan.reserve_slots();  // the worker allocates nothing
+        result->deferred_ = std::make_shared<Transfer::Deferred>();
+        CopyWorker::instance().submit(job);
+        handed_off = true;
+        // Each group is published once checked, while its tensors are still in
+        // the caches (see lazy_conversion's prefetching).
+        while (checked < groups && plan.check_group(checked, *reuse, /*deferred=*/true)) {
+          job->checked.store(++checked, std::memory_order_release);
         }
       }
-      finish_conversion();
-      if (checked < groups) {
-        // A source needs a new tensor (a kernel this thread orders on the copy
-        // stream): the rest is copied here, as a synchronous copy does.
-        plan.enqueue_here(queued, groups, *reuse, /*check_from=*/checked);
-        plan.end_timing();
+      if (checked == groups) {
+        tensors.convert_all();  // tensors in no group (empty ones), checked by finish_views
         plan.finish_views(/*into_out=*/false, reuse);
-        auto result = job->result;
-        hold_sources(*result, job->source->converted(), stream);
+        if (!handed_off) {
+          plan.end_timing();
+          hold_sources(*result, job->source->converted(), stream);
+          return result;
+        }
+        // From here the job is the worker's: it queues what is left, then takes the sources.
+        job->handoff.store(DeferredToHost::kComplete, std::memory_order_release);
         return result;
       }
-      plan.finish_views(/*into_out=*/false, reuse);
-      plan.reserve_slots();
     } catch (...) {
-      hold_sources(*job->result, job->source->converted(), stream);  // copies already queued keep their tensors
+      if (handed_off) job->take_back();
+      hold_sources(*result, job->source->converted(), stream);  // copies already queued keep their tensors
       throw;
     }
-    auto result = job->result;
-    result->deferred_ = std::make_shared<Transfer::Deferred>();
-    CopyWorker::instance().submit(std::move(job));
+    // A source needs a new tensor (a kernel this thread orders on the copy
+    // stream): the worker stops where it is and the rest is copied here, as a
+    // synchronous copy does.
+    try {
+      job->take_back();
+      finish_conversion();
+      plan.enqueue_here(plan.queued_groups(), groups, *reuse, /*check_from=*/checked);
+      plan.end_timing();
+      plan.finish_views(/*into_out=*/false, reuse);
+    } catch (...) {
+      hold_sources(*result, job->source->converted(), stream);
+      throw;
+    }
+    hold_sources(*result, job->source->converted(), stream);
     return result;
   }
 
@@ -791,15 +795,6 @@ class CopyEngine {
       return r_.groups_.size();
     }
 
-    // A deferred copy, in the calling thread: how many of the adopted groups it
-    // queues itself: at least `min_groups`, and then until they hold `min_bytes`.
-    size_t head_groups(size_t min_groups, int64_t min_bytes) const {
-      size_t g = 0;
-      int64_t bytes = 0;
-      while (g < r_.groups_.size() && (g < min_groups || bytes < min_bytes)) bytes += r_.groups_[g++].bytes;
-      return g;
-    }
-
     // A deferred copy, in the calling thread: checks the members of group `g`
     // against the handle. False where a member needs a new tensor first (a
     // kernel this thread would have to order); its earlier members stay checked.
@@ -830,18 +825,30 @@ class CopyEngine {
       queued_groups_ = to;
     }
 
-    // A deferred copy, on the copy worker: the copy and pack streams wait on the
-    // caller's `snapshot` event, then the groups the caller did not queue are
-    // queued as run() queues them.
-    void enqueue_reused(const c10::Event& snapshot) {
+    // A deferred copy, on the copy worker: queues the groups after those queued
+    // so far, each once `checked` (the calling thread's count of checked groups)
+    // passes it, until `handoff` leaves kChecking; returns that state, and every
+    // group below the final count is queued. The calling thread queued the first
+    // group, so the copy stream already waits on the snapshot, the pack stream
+    // where a packed group came first (else enqueue_packed makes it wait).
+    // Spins while the caller checks (well under a millisecond a refill): a
+    // wake-up per group would cost the caller a notify each.
+    int follow_checks(const std::atomic<size_t>& checked, const std::atomic<int>& handoff, int checking) {
       c10::DeviceGuard on_device(device_);
-      snapshot_ = &snapshot;
-      wait_for_caller(*stream_);
       c10::StreamGuard on_copy(*stream_);
-      if (queued_groups_ == 0) start_timing();
-      for (size_t g = queued_groups_; g < r_.groups_.size(); ++g) enqueue(r_.groups_[g]);
-      end_timing();
+      for (;;) {
+        const int state = handoff.load(std::memory_order_acquire);
+        const size_t limit = checked.load(std::memory_order_acquire);  // final once state is not `checking`
+        while (queued_groups_ < limit) {
+          enqueue(r_.groups_[queued_groups_]);
+          queued_groups_ += 1;
+        }
+        if (state != checking) return state;
+        std::this_thread::yield();
+      }
     }
+
+    size_t queued_groups() const { return queued_groups_; }
 
     // A deferred copy, in the calling thread: the staging slots its packs will use,
     // so the copy worker allocates nothing (an allocation may fail, or take the GIL
@@ -1154,14 +1161,23 @@ class CopyEngine {
     int64_t packed_groups_ = 0;
     bool unsynced_prepared_work_ = false;
     const c10::Event* snapshot_ = nullptr;  // a deferred copy's snapshot (its job owns it)
-    size_t queued_groups_ = 0;              // a deferred copy: groups the calling thread queued
+    size_t queued_groups_ = 0;              // a deferred copy: groups queued (by the caller, then the worker)
     std::chrono::steady_clock::time_point host_start_;
   };
 
   // A deferred copy's job: owns what the copy worker needs until the copies are
   // queued (transfer.h says who owns what). Members that ToHost refers to are
   // declared before it and never move (the job lives on the heap).
+  //
+  // Handoff: the calling thread checks the sources group by group and publishes
+  // its count (`checked`); the worker queues each group below it. The caller
+  // then sets `handoff`: kComplete (every group checked, every source
+  // converted: the worker queues the rest, then takes the sources and frees the
+  // slots), or kTakenBack (a source failed its check or needs a new tensor: the
+  // worker stops, says so in `stopped`, and leaves the rest to the caller).
   struct DeferredToHost final : DeferredWork {
+    static constexpr int kChecking = 0, kComplete = 1, kTakenBack = 2;
+
     DeferredToHost(std::unique_ptr<TensorSource> tensors, std::shared_ptr<HostPool> pool_,
                    const c10::optional<c10::Stream>& stream_, const CopyOptions& options_, const c10::Device& device)
         : source(std::move(tensors)), pool(std::move(pool_)), stream(stream_),
@@ -1170,12 +1186,20 @@ class CopyEngine {
 
     std::exception_ptr run() noexcept override {
       std::exception_ptr error;
+      int how = kChecking;
       try {
-        plan->enqueue_reused(*snapshot);
+        how = plan->follow_checks(checked, handoff, kChecking);
       } catch (...) {
         error = std::current_exception();
+        // Nothing more is queued; the plan stays the caller's until it hands off.
+        while ((how = handoff.load(std::memory_order_acquire)) == kChecking) std::this_thread::yield();
+      }
+      if (how == kTakenBack) {
+        stopped.store(true, std::memory_order_release);
+        return error;  // the caller queues the rest and owns the sources, snapshot and slots
       }
       try {
+        plan->end_timing();
         // Moved, not copied: the worker changes no reference count it could
         // take to zero. Copies already queued keep their sources, as in to_host.
         Transfer& r = *result;
@@ -1191,9 +1215,20 @@ class CopyEngine {
       return error;
     }
 
+    // In the calling thread, once submitted: stops the worker after the groups
+    // queued so far and waits until it has (it is at work on this job: the
+    // caller waited for it to be idle before submitting).
+    void take_back() {
+      handoff.store(kTakenBack, std::memory_order_release);
+      while (!stopped.load(std::memory_order_acquire)) std::this_thread::yield();
+    }
+
     std::shared_ptr<Transfer::Deferred> state() const override { return result->deferred_; }
 
-    std::unique_ptr<TensorSource> source;  // every tensor converted before the job is submitted
+    std::atomic<size_t> checked{1};  // groups the caller has checked (it queues the first)
+    std::atomic<int> handoff{kChecking};
+    std::atomic<bool> stopped{false};  // the worker let go of the plan (kTakenBack)
+    std::unique_ptr<TensorSource> source;  // every tensor converted before the worker takes them
     std::shared_ptr<HostPool> pool;
     c10::optional<c10::Stream> stream;
     CopyOptions options;

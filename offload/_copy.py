@@ -180,20 +180,20 @@ def copy_to_host(
             while the copy runs. A handle passed as `out` keeps its own groups.
         defer: with `out=<CopyHandle>`, return once the sources are checked against
             the handle (a mismatch raises here) and the snapshot point is recorded on
-            the current stream; the call queues the first groups itself (at least
-            two, and enough that their copy outlasts converting and checking the
-            rest, which happens meanwhile) and a native worker thread, which
-            never takes the interpreter lock, queues the others. The handle's methods that read its
-            events wait for that (briefly, on the host) and raise the worker's error
-            if it failed. Runs synchronously where there is nothing to defer: host
-            sources (on the host no stream order protects the snapshot, so a
-            deferred copy would race with the caller's next writes), a handle made
-            with an `out` list, sources that need a new tensor first (slices with
-            gaps, conj/neg views), and the pure-PyTorch path. A later copy into the
-            same buffers, deferred or not, lands after it. Until the worker has
-            queued the copies, a device-wide synchronize does not cover them (use
-            the handle's `wait()` / `wait_stream()`), and the worker's calls to the
-            driver may break a CUDA graph another thread captures in global mode.
+            the current stream; the call queues the first group itself and a native
+            worker thread, which never takes the interpreter lock, queues each later
+            group as soon as the call has checked its sources. The handle's methods
+            that read its events wait for that (briefly, on the host) and raise the
+            worker's error if it failed. Runs synchronously where there is nothing to
+            defer: one group of copies, host sources (on the host no stream order
+            protects the snapshot, so a deferred copy would race with the caller's
+            next writes), a handle made with an `out` list, sources that need a new
+            tensor first (slices with gaps, conj/neg views), and the pure-PyTorch
+            path. A later copy into the same buffers, deferred or not, lands after
+            it. Until the worker has queued the copies, a device-wide synchronize
+            does not cover them (use the handle's `wait()` / `wait_stream()`), and
+            the worker's calls to the driver may break a CUDA graph another thread
+            captures in global mode.
         timing: time the copies on the copy stream; read with `handle.copy_seconds()`.
         same_sources: with `out=<CopyHandle>` (made without `out`): every tensor must
             be at the address (`data_ptr()`) of the tensor it replaces when those

@@ -590,10 +590,11 @@ def _assert_gapped_then_dense_refills(sources, base, first, at: int) -> None:
 
 
 def test_copy_defer_late_groups_are_checked_while_the_first_copy(backend, device):
-    """A deferred refill's first groups are queued by the calling thread, which checks
-    the rest meanwhile: a stale source in a late group still raises before the call
-    returns, a late source that needs a new tensor is copied at once, and every copy
-    (and the next refill of the same buffers) is bitwise."""
+    """A deferred refill's later groups are queued by the worker as the calling thread
+    checks them: a stale source in the last group still raises before the call returns
+    (the worker stopped after the groups before it), a last-group source that needs a
+    new tensor is copied at once by the calling thread, and every copy (and the next
+    refill of the same buffers) is bitwise."""
     sources, base, first = _copied_with_a_gapped_source(device, at=40)  # in the last group
     stale = sources[:40] + [torch.ones(5, device=device)]
     with pytest.raises(ValueError, match=r"tensors\[40\]"):
@@ -601,11 +602,11 @@ def test_copy_defer_late_groups_are_checked_while_the_first_copy(backend, device
     _assert_gapped_then_dense_refills(sources, base, first, at=40)
 
 
-def test_copy_defer_head_group_source_that_needs_a_new_tensor(backend, device):
-    """The calling thread queues each head group as soon as it is checked: a source that
-    needs a new tensor in a head group after the first leaves the first group queued and
-    has the rest copied at once, all bitwise, and the next refill of the buffers too."""
-    sources, base, first = _copied_with_a_gapped_source(device, at=5)  # in the second group, of the head
+def test_copy_defer_second_group_source_that_needs_a_new_tensor(backend, device):
+    """A source that needs a new tensor in the second group: the first group (queued
+    by the calling thread) stays queued, the worker stops before the second, and the
+    calling thread copies the rest at once, all bitwise, and the next refill too."""
+    sources, base, first = _copied_with_a_gapped_source(device, at=5)  # in the second group
     _assert_gapped_then_dense_refills(sources, base, first, at=5)
 
 

@@ -15,18 +15,19 @@
 //   users of that memory) and record_stream()s them, and the consumer waits for
 //   the transfer's events before reading them.
 // - A deferred device-to-host copy (copy_to_host_deferred) splits the work in
-//   two. The calling thread converts and checks every source, queues the first
-//   groups itself as a synchronous copy does (after the worker has queued every
-//   earlier deferred copy, so refills land in call order; the copy engine then
-//   runs while the rest are converted and checked: enough groups that their
-//   DMA outlasts that work), fixes the transfer's outputs, groups and
-//   host buffers (those of the handle it reuses), allocates the device staging
-//   slots (on the pack stream, recorded on the copy stream, as a synchronous
-//   copy does: the worker allocates nothing), and records the snapshot event on
-//   the caller's current stream. The copy worker (one native thread per
-//   process, FIFO, never takes the GIL) later queues the other groups, making
-//   the copy stream and the pack stream wait on that event, not on the caller's
-//   stream as it is then, so the copy holds the values as of the call.
+//   two. The calling thread fixes the transfer's outputs, groups and host
+//   buffers (those of the handle it reuses), waits until the worker has queued
+//   every earlier deferred copy (so refills land in call order), records the
+//   snapshot event on the caller's current stream, queues the first group
+//   itself, allocates the device staging slots (on the pack stream, recorded on
+//   the copy stream, as a synchronous copy does: the worker allocates nothing),
+//   then converts and checks every other source, group by group. The copy
+//   worker (one native thread per process, FIFO, never takes the GIL) queues
+//   each group as soon as the calling thread has checked it, making the copy
+//   and pack streams wait on the snapshot event, not on the caller's stream as
+//   it is then, so the copy holds the values as of the call. Where a source
+//   fails its check or needs a new tensor, the calling thread stops the worker,
+//   waits until it has, and raises or copies the rest itself.
 //   Until the worker has queued the copies, the job owns the sources and a
 //   reference to the transfer (so neither dies under it); then the sources go
 //   to the in-flight registry, as for a synchronous copy. Every method that
