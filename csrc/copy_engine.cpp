@@ -504,12 +504,17 @@ class CopyEngine {
     size_t checked = 1;
     bool handed_off = false;
     try {
-      plan.enqueue_here(0, 1, *reuse, /*check_from=*/1);
       if (groups > 1) {
-        plan.reserve_slots();  // the worker allocates nothing
+        // Submitted first, so the worker is awake (and spinning) by the time the
+        // second group is checked: a wake-up takes tens of microseconds, more
+        // than the first group's DMA (1 MiB: ~20 us).
         result->deferred_ = std::make_shared<Transfer::Deferred>();
         CopyWorker::instance().submit(job);
         handed_off = true;
+      }
+      plan.enqueue_here(0, 1, *reuse, /*check_from=*/1);
+      if (handed_off) {
+        plan.reserve_slots();  // the worker allocates nothing
         // Each group is published once checked, while its tensors are still in
         // the caches (see lazy_conversion's prefetching).
         while (checked < groups && plan.check_group(checked, *reuse, /*deferred=*/true)) {
@@ -825,10 +830,11 @@ class CopyEngine {
       queued_groups_ = to;
     }
 
-    // A deferred copy, on the copy worker: queues the groups after those queued
-    // so far, each once `checked` (the calling thread's count of checked groups)
-    // passes it, until `handoff` leaves kChecking; returns that state, and every
-    // group below the final count is queued. The calling thread queued the first
+    // A deferred copy, on the copy worker: queues the groups from the second on,
+    // each once `checked` (the calling thread's count of checked groups, which it
+    // raises past 1 only after queueing the first group and reserving the slots)
+    // passes it, until `handoff` leaves kChecking; returns that state, with every
+    // group below the final count queued. The calling thread queued the first
     // group, so the copy stream already waits on the snapshot, the pack stream
     // where a packed group came first (else enqueue_packed makes it wait).
     // Spins while the caller checks (well under a millisecond a refill): a
@@ -836,14 +842,18 @@ class CopyEngine {
     int follow_checks(const std::atomic<size_t>& checked, const std::atomic<int>& handoff, int checking) {
       c10::DeviceGuard on_device(device_);
       c10::StreamGuard on_copy(*stream_);
+      size_t next = 1;  // queued_groups_ is the caller's until it hands off
       for (;;) {
         const int state = handoff.load(std::memory_order_acquire);
         const size_t limit = checked.load(std::memory_order_acquire);  // final once state is not `checking`
-        while (queued_groups_ < limit) {
-          enqueue(r_.groups_[queued_groups_]);
-          queued_groups_ += 1;
+        while (next < limit) {
+          enqueue(r_.groups_[next]);
+          next += 1;
         }
-        if (state != checking) return state;
+        if (state != checking) {
+          queued_groups_ = next;
+          return state;
+        }
         std::this_thread::yield();
       }
     }
