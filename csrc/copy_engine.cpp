@@ -478,7 +478,7 @@ class CopyEngine {
     // Every check the synchronous path makes, here, so a stale handle raises now.
     // This thread checks the sources group by group and queues the first group
     // itself; the copy worker queues each later group as soon as this thread has
-    // checked it (DeferredToHost::follow), so the copies run while the rest are
+    // checked it (ToHost::follow_checks), so the copies run while the rest are
     // converted and checked, and this thread queues nothing else. (It used to
     // queue the first groups up to 32 KiB a source itself, then hand the rest
     // over: ~0.5 ms of a 4,000-tensor refill's ~1.9 ms in the caller on the H100.)
