@@ -277,12 +277,12 @@ class _Plan:
             if any(u.kind == "span" for u in batch.units):
                 batch.units.sort(key=lambda u: u.kind == "span")
             batch.src_slots = [u.slots[0] for u in batch.units if u.kind == "tensor"]
-            # The sources list is changed in place where spans or expanded sources go in.
-            changed = any(u.kind == "span" or u.expanded for u in batch.units) or not batch.asynchronous
-            batch.pick_sources = _picker(batch.src_slots, len(locals_), fresh=changed)
             batch.spans = [u for u in batch.units if u.kind == "span"]
             batch.keys = tuple(u.key for u in batch.units)
             batch.expanded = [i for i, u in enumerate(batch.units) if u.expanded]
+            # The sources list is changed in place where spans or expanded sources go in.
+            changed = bool(batch.spans or batch.expanded) or not batch.asynchronous
+            batch.pick_sources = _picker(batch.src_slots, len(locals_), fresh=changed)
         # Tensors a refill through the core checks the address of itself (copy_to_host's
         # same_sources; see AsyncStager._resolve): the one source of each tensor unit
         # of a batch the core copies, when not empty. The rest are compared here.
