@@ -308,12 +308,12 @@ c10::optional<double> Transfer::copy_seconds() const {
   return timing_start_->elapsedTime(*timing_end_) / 1000.0;  // c10 reports milliseconds
 }
 
-bool Transfer::query() const {
+bool Transfer::query(bool drain) const {
   wait_enqueued();
   // The timing end event is recorded after the last completion event: done means
   // both, so copy_seconds() has its answer once a handle is seen done.
   const bool done = (events_.empty() || events_.back().query()) && (!timing_end_ || timing_end_->query());
-  if (done) InFlight::instance().drain();
+  if (done && drain) InFlight::instance().drain();
   return done;
 }
 
@@ -343,7 +343,7 @@ void Transfer::mark_complete(const c10::Stream& stream, const std::vector<int64_
   for (int64_t i : members) event_of_[i] = static_cast<int32_t>(events_.size() - 1);
 }
 
-void Transfer::synchronize() const {
+void Transfer::synchronize(bool drain) const {
   try {
     wait_enqueued();
   } catch (...) {  // a failed deferred transfer: let what it queued finish, then say why
@@ -352,7 +352,7 @@ void Transfer::synchronize() const {
   }
   if (!events_.empty()) events_.back().synchronize();
   if (timing_end_) timing_end_->synchronize();  // recorded after the last event (see query)
-  InFlight::instance().drain();
+  if (drain) InFlight::instance().drain();
 }
 
 c10::optional<c10::Stream> Transfer::consumer(const c10::optional<c10::Stream>& stream) const {
@@ -847,7 +847,15 @@ class CopyEngine {
         const int state = handoff.load(std::memory_order_acquire);
         const size_t limit = checked.load(std::memory_order_acquire);  // final once state is not `checking`
         while (next < limit) {
-          enqueue(r_.groups_[next]);
+          try {
+            enqueue(r_.groups_[next]);
+          } catch (...) {
+            // The caller may take the job back after this (a later source fails
+            // its check) and goes on from queued_groups_: the groups queued so far
+            // must not be queued twice. Written before `stopped`, which it reads.
+            queued_groups_ = next;
+            throw;
+          }
           next += 1;
         }
         if (state != checking) {
@@ -1550,7 +1558,8 @@ TensorSource::Fill lazy_conversion(const py::list& list) {
 // Drops what the copy worker finished and the in-flight registry no longer
 // needs, here, with the GIL held: a dropped tensor that has a Python object takes
 // the GIL, which costs little when held and, released, may wait for another
-// thread's switch interval, per tensor.
+// thread's switch interval, per tensor. Bindings call it before they let the GIL
+// go, so the engine's own drains (without it) find little left.
 void collect_with_gil() {
   CopyWorker::instance().collect();
   InFlight::instance().drain();
@@ -1580,18 +1589,27 @@ void bind_copy_engine(py::module_& m) {
       .def("nbytes", &Transfer::nbytes)
       .def("device", &Transfer::device)
       .def("restore_specs", &Transfer::restore_specs)
+      // Each waits without the GIL and drains the registry with it (Transfer::query says why).
       .def("query",
            [](const Transfer& t) {
              if (t.enqueue_pending()) return false;  // never waits: not even queued yet
              settle_deferred(t);
-             py::gil_scoped_release no_gil;
-             return t.query();  // drains the registry
+             bool done = false;
+             {
+               py::gil_scoped_release no_gil;
+               done = t.query(/*drain=*/false);
+             }
+             if (done) InFlight::instance().drain();
+             return done;
            })
       .def("synchronize",
            [](const Transfer& t) {
              settle_deferred(t);
-             py::gil_scoped_release no_gil;
-             t.synchronize();
+             {
+               py::gil_scoped_release no_gil;
+               t.synchronize(/*drain=*/false);
+             }
+             InFlight::instance().drain();
            })
       // stream None: the current stream of the transfer's device.
       .def("wait_stream",
@@ -1642,6 +1660,7 @@ void bind_copy_engine(py::module_& m) {
             return copy_to_host_deferred(std::move(source), pool, stream, reuse, options,
                                          [&no_gil] { no_gil.emplace(); });
           }
+          collect_with_gil();  // what earlier copies left, before the GIL is let go
           TensorSource source(tensors.size(), lazy_conversion(tensors));
           py::gil_scoped_release no_gil;
           return copy_to_host(source, pool, stream, out, reuse, options);
@@ -1656,6 +1675,7 @@ void bind_copy_engine(py::module_& m) {
         [make_options](const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& starts,
                        const std::vector<int64_t>& sizes, const at::Tensor& out, const std::vector<int64_t>& offsets,
                        HostPool& pool, c10::optional<c10::Stream> stream, int64_t chunk_bytes) {
+          collect_with_gil();
           py::gil_scoped_release no_gil;
           const auto options = make_options(true, 0, chunk_bytes);
           return copy_spans_to_host(tensors, starts, sizes, out, offsets, pool, stream, options);
@@ -1670,6 +1690,7 @@ void bind_copy_engine(py::module_& m) {
             const auto list = tensors.cast<py::list>();
             given.emplace(list.size(), lazy_conversion(list));
           }
+          collect_with_gil();
           py::gil_scoped_release no_gil;
           const auto options = make_options(require_pinned, small_bytes, chunk_bytes);
           if (given) return copy_to_device(*given, from, device, pool, stream, out, options);

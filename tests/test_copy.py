@@ -692,6 +692,27 @@ def test_copy_defer_many_in_a_row_complete_in_call_order(backend, device):
 
 
 @pytest.mark.cuda
+@pytest.mark.native
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("seen_by", ["synchronize", "ready"])
+def test_copy_seen_complete_holds_no_source(device, defer, seen_by):
+    """Once a copy is seen complete (synchronize(), or ready() true), the core holds none of
+    its sources: their memory goes back as soon as the caller drops them. (The bindings wait
+    without the GIL and drop the sources once they have it back.) The pure-PyTorch path holds
+    none at any time (record_stream), so this is the core's."""
+    sources, first = _refill_handle(device, count=32, numel=1 << 16)
+    handle = offload.copy_to_host(sources, out=first, defer=defer)
+    if seen_by == "synchronize":
+        handle.synchronize()
+    else:
+        while not handle.ready():
+            pass
+    held = _device.memory_allocated(device)
+    del sources
+    assert _device.memory_allocated(device) <= held - 32 * (1 << 16) * 2
+
+
+@pytest.mark.cuda
 def test_copy_defer_release_sources_and_wait_stream(backend, device):
     sources, first = _refill_handle(device, count=32, numel=1 << 16)
     expected = [t.cpu() for t in sources]

@@ -119,8 +119,13 @@ class Transfer {
   // tensor; empty for a device-to-host transfer that made none.
   const std::vector<c10::optional<Strides>>& restore_specs() const { return restore_; }
 
-  bool query() const;
-  void synchronize() const;
+  // Both end by dropping the tensors the engine held for copies that are complete
+  // (this transfer's and others'), unless `drain` is false. A source whose Python
+  // object is alive takes the GIL as its reference goes (c10's PyObject
+  // preservation), so a caller that waits without the GIL drains after taking it
+  // back: drained without it, 4,000 sources took ~0.6 ms on the H100's host.
+  bool query(bool drain = true) const;
+  void synchronize(bool drain = true) const;
   // The consumer `stream` (default: the current stream of the transfer's device;
   // nothing to wait for on the CPU) waits on the device for the whole transfer, or
   // only for the copy that carries output `index`.
