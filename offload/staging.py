@@ -727,9 +727,11 @@ class StagingFuture(Future):
     def result(self, timeout: Optional[float] = None):
         if not Future.done(self):
             self._staged_dict()  # made while the copies run: it reads none of their bytes
-        self._finish(block=True, timeout=timeout)
+        # Earlier saves' handles (their copies are complete) go while this one's copies
+        # run: after the wait, freeing them delayed the return by up to 0.2 ms a save.
         if self._spent:
             self._spent.clear()
+        self._finish(block=True, timeout=timeout)
         super().result(timeout=None if super().done() else 0)  # raises a failed copy's error, or TimeoutError
         return self._staged_dict()
 
