@@ -225,12 +225,11 @@ def _alternated_checkpoint(ctx, model, loss_fn, rounds):
         loss_fn().backward()
 
     model.set_checkpointing(True)
-    quiet = {"verbose": False}
     ours, theirs = [], []
     try:
         for _ in range(rounds):
             handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0 if ctx.quick else (1 << 20),
-                                                       **quiet)
+                                                       verbose=False)
             try:
                 ours.append(time_ms(step, ctx.device, warmup=1, iters=1)["median_ms"])
             finally:

@@ -728,7 +728,7 @@ class StagingFuture(Future):
         if not Future.done(self):
             self._staged_dict()  # made while the copies run: it reads none of their bytes
         # Earlier saves' handles (their copies are complete) go while this one's copies
-        # run: after the wait, freeing them delayed the return by up to 0.2 ms a save.
+        # run, not after the wait, where freeing them would delay the return.
         if self._spent:
             self._spent.clear()
         self._finish(block=True, timeout=timeout)
