@@ -484,6 +484,30 @@ def test_activation_parameters_never_offloaded(pool, monkeypatch):
     assert sources and not params & {s.untyped_storage().data_ptr() for s in sources}
 
 
+def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypatch):
+    """Saved outputs of recorded ops (and views of them) own their memory: a step whose only
+    candidate tensors are such outputs never reads the parameters' storages. A frozen weight
+    (a leaf that needs no grad, saved as a view) makes the step read them, and stays."""
+    walks = []
+    real = act._storage_ptrs
+
+    def counted(params):
+        walks.append(1)
+        return real(params)
+
+    monkeypatch.setattr(act, "_storage_ptrs", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
+    handle = offload.enable_activation_offload(model, layers=["0", "1", "2"], min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16, requires_grad=True)  # a leaf that needs grad: kept before any walk
+    model(x).square().mean().backward()
+    assert handle.stats()["tensors_offloaded"] > 0 and not walks
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    model(x).square().mean().backward()
+    assert walks
+
+
 def test_activation_min_tensor_bytes_keeps_small(pool):
     model = _model()
     handle = offload.enable_activation_offload(model, min_tensor_bytes=16 * 64 * 4 + 1, pool=pool)
