@@ -522,11 +522,12 @@ class ActivationEngine:
             return self._keep(t)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        # An op's output (`base` has a grad_fn) was allocated by that op. Only what no recorded
-        # op made can share a parameter's memory: a frozen weight or a buffer (leaves that need
-        # no grad), a DTensor's local shard, views of them. Those alone read the parameters'
-        # storages: a walk of every layer's parameters each step, which took about a third of
-        # the hooks' host time in a profiled step of an 8-layer Llama with checkpointing.
+        # An op's recorded output (`base` has a grad_fn) was allocated by that op. Only a tensor
+        # without one can share a parameter's memory (frozen weights, buffers, DTensor local
+        # shards, their views; also, conservatively, anything computed without grad, such as
+        # int or bool outputs), and only those read the parameters' storages: a walk of every
+        # layer's parameters each step, which took about a third of the hooks' host time in a
+        # profiled step of an 8-layer Llama with checkpointing.
         if grad_fn is None:
             if self._param_pending:
                 for params in self._param_pending:
