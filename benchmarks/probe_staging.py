@@ -24,38 +24,36 @@ time after the last, so a change can be aimed at the part that is long.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
-import offload
-from offload import _device
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_staging import _state  # noqa: E402  (the bench's own state dict)
 
-
-def _state(count: int, numel: int, device) -> dict:
-    return {"model": {f"layer{i}.weight": torch.randn(numel, device=device).to(torch.bfloat16) for i in range(count)}}
+import offload  # noqa: E402
+from offload import _device  # noqa: E402
 
 
 def _save(stager, state, device, marks: bool = False):
     """One save as the bench times it; (blocked ms, staged ms, the save's metrics)."""
+    def mark(name):
+        return torch.profiler.record_function(name) if marks else contextlib.nullcontext()
+
     for t in state["model"].values():
         t.add_(1)
     _device.synchronize(device)
     t0 = time.perf_counter()
-    if marks:
-        with torch.profiler.record_function("probe.stage"):
-            future = stager.stage(state)
-    else:
+    with mark("probe.stage"):
         future = stager.stage(state)
     t1 = time.perf_counter()
-    if marks:
-        with torch.profiler.record_function("probe.result"):
-            future.result()
-    else:
+    with mark("probe.result"):
         future.result()
     t2 = time.perf_counter()
     del future
@@ -86,64 +84,63 @@ def _mark_phases() -> None:
         setattr(target, attr, marked(name, getattr(target, attr)))
 
 
-def _host_marks(events) -> list:
-    """(start, end, name) of the host-side ranges (not their copies on the GPU timeline)."""
-    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                  if e.get("ph") == "X" and e.get("cat") == "user_annotation")
+class _Trace:
+    """A Chrome trace of the traced saves, read once: its complete events, each save's host
+    marks ((enter, stage() returned, result() returned), in us) and the device-to-host DMAs
+    ((start, end, bytes), sorted)."""
+
+    def __init__(self, path: str):
+        with open(path) as f:
+            self.events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        # The host-side ranges, not their copies on the GPU timeline.
+        self.marks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in self.events
+                            if e.get("cat") == "user_annotation")
+        stages = [m for m in self.marks if m[2] == "probe.stage"]
+        results = [m for m in self.marks if m[2] == "probe.result"]
+        self.saves = [(enter, returned, result_end)
+                      for (enter, returned, _), (_, result_end, _) in zip(stages, results)]
+        self.dmas = sorted((e["ts"], e["ts"] + e["dur"], int((e.get("args") or {}).get("bytes", 0)))
+                           for e in self.events if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", ""))
+
+    def dmas_of(self, save) -> list:
+        enter, _, result_end = save
+        return [d for d in self.dmas if enter <= d[0] <= result_end]
 
 
-def _phase_rows(path: str) -> list:
+def _phase_rows(trace: _Trace) -> list:
     """Per phase, the median start and end (us after `stage()` is entered) over the traced saves."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    marks = _host_marks(events)
-    stages = [m for m in marks if m[2] == "probe.stage"]
-    results = [m for m in marks if m[2] == "probe.result"]
     seen: dict = {}
-    for (enter, _, _), (_, result_end, _) in zip(stages, results):
-        for start, end, name in marks:
+    for enter, _, result_end in trace.saves:
+        for start, end, name in trace.marks:
             if enter <= start <= result_end:
                 seen.setdefault(name, []).append((start - enter, end - enter))
     return sorted((statistics.median(s for s, _ in v), statistics.median(e for _, e in v), name, len(v))
                   for name, v in seen.items())
 
 
-def _edges(path: str) -> list:
+def _edges(trace: _Trace) -> list:
     """The last traced save's host events (ranges and driver calls) before its first DMA and
     after its last, as (us from that DMA, duration us, name): what delays the first and what
     the host does once the last is done."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    marks = _host_marks(events)
-    stages = [m for m in marks if m[2] == "probe.stage"]
-    results = [m for m in marks if m[2] == "probe.result"]
-    if not stages or not results:
+    if not trace.saves:
         return []
-    enter, end = stages[-1][0], results[-1][1]
-    dmas = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"
-                  and e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "") and enter <= e["ts"] <= end)
+    enter, _, end = trace.saves[-1]
+    dmas = trace.dmas_of(trace.saves[-1])
     if not dmas:
         return []
     first, last = dmas[0][0], dmas[-1][1]
-    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cuda_runtime",
-                                                                       "cuda_driver", "cpu_op")]
+    host = [e for e in trace.events if e.get("cat") in ("user_annotation", "cuda_runtime", "cuda_driver", "cpu_op")]
     before = [(e["ts"] - first, e["dur"], e["name"]) for e in host if enter <= e["ts"] < first]
     after = [(e["ts"] - last, e["dur"], e["name"]) for e in host if last - 50 <= e["ts"] + e["dur"] and e["ts"] <= end]
     return [("before the first DMA", sorted(before)), ("around and after the last DMA", sorted(after))]
 
 
-def _trace_rows(path: str) -> list:
+def _trace_rows(trace: _Trace) -> list:
     """Per profiled save: the DMA timeline against the host marks, in microseconds."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    marks = [m for m in _host_marks(events) if m[2] in ("probe.stage", "probe.result")]
-    dmas = sorted((e["ts"], e["ts"] + e["dur"], int((e.get("args") or {}).get("bytes", 0))) for e in events
-                  if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", ""))
     rows = []
-    stages = [m for m in marks if m[2] == "probe.stage"]
-    results = [m for m in marks if m[2] == "probe.result"]
-    for (enter, returned, _), (_, result_end, _) in zip(stages, results):
-        mine = [d for d in dmas if enter <= d[0] <= result_end]
+    for save in trace.saves:
+        enter, returned, result_end = save
+        mine = trace.dmas_of(save)
         if not mine:
             continue
         busy = sum(end - start for start, end, _ in mine)
@@ -199,7 +196,8 @@ def main() -> None:
         prof.export_chrome_trace(path)
     finally:
         stager.close()
-    rows = _trace_rows(path)
+    trace = _Trace(path)
+    rows = _trace_rows(trace)
     if not rows:
         print("no device-to-host copies in the trace (a profiler without CUPTI?)")
         return
@@ -208,13 +206,13 @@ def main() -> None:
     print(" ".join(f"{k:>24}" for k in keys))
     for r in rows:
         print(" ".join(f"{r[k]:>24.1f}" if isinstance(r[k], float) else f"{r[k]:>24}" for k in keys))
-    for title, edge in _edges(path):
+    for title, edge in _edges(trace):
         print(f"last traced save, host events {title} (us from that DMA, duration us):")
         for at, dur, name in edge[:60]:
             print(f"  {at:10.1f} {dur:8.1f}  {name}")
     if args.phases:
         print("host ranges, medians over the traced saves (us after stage() is entered):")
-        for start, end, name, count in _phase_rows(path):
+        for start, end, name, count in _phase_rows(trace):
             print(f"  {start:10.1f} {end:10.1f}  {name} (x{count})")
 
 
