@@ -27,15 +27,19 @@ Check against the step (no budget): the model misses what it does not see (the h
 stalls of the resident window, launch-bound steps where the hooks' own cost shows, copies
 slowing compute on a shared memory bus), so the plan is then run and timed. A plan is
 "offload the first k layers of the schedule's order" (a prefix keeps every planned point
-valid: dropping the last copies only ends the others sooner). The step with the model's
-k and a step with nothing offloaded (run without hooks) are timed; if the plan costs more
-than `STEP_TOLERANCE` of the no-offload step, k is bisected down to the largest prefix
-that does not. A count the search settles on above zero is confirmed: the no-offload step
-and the chosen one are timed once more, back to back, and the plan backs off further if
-the pair misses the tolerance (one good probe must not settle a plan whose steps run
-slower, as a bench or a training loop then sees). Each probe runs `PROBE_WARMUP_STEPS`
-unmeasured steps (new block sizes in the allocators) and `PROBE_STEPS` timed ones; the
-median counts, so a plan whose steps are sometimes slow is judged by its usual step.
+valid: dropping the last copies only ends the others sooner). A probe of a count k runs
+its steps alternately with steps with nothing offloaded (run without hooks, exactly as
+without offload), and compares the medians: on a shared machine the steps drift by a few
+percent within minutes (on the H100 here, Llama at seq 8192: 79.6 ms in auto's baseline
+probe, 81.1-81.3 ms a minute later), as much as the tolerance, so a baseline timed in a
+probe of its own misjudged the counts probed before or after it. The model's k is probed first; if it
+costs more than `STEP_TOLERANCE` of its baseline, k is bisected down to the largest prefix
+that does not. A count the search settles on above zero is confirmed: probed once more,
+and the plan backs off further if it misses the tolerance then (one good probe must not
+settle a plan whose steps run slower, as a bench or a training loop then sees). Each probe
+runs `PROBE_WARMUP_STEPS` unmeasured steps (new block sizes in the allocators) and
+`PROBE_STEPS` timed ones of each side; the medians count, so a plan whose steps are
+sometimes slow is judged by its usual step.
 A step is timed from one training forward to the next of the same input shape (events
 on the compute stream), so the optimizer and data loading are in both sides alike. With
 a memory budget, or when a step without offload might not fit on the device, the model's
@@ -61,7 +65,9 @@ from ._copy import copy_to_device, copy_to_host
 MEASURE_STEPS = 2  # the first step warms up kernels and the pool; the last one is used
 TOLERANCE = 0.01  # predicted exposed copy time allowed, as a fraction of the step (budget plans)
 STEP_TOLERANCE = 0.03  # measured step-time overhead allowed over the no-offload step (the issue's 3%)
-PROBE_WARMUP_STEPS = 1
+# A probe alternates steps of the probed count and steps without offload: the first of
+# each are not timed (new block sizes in the allocators), then PROBE_STEPS of each are.
+PROBE_WARMUP_STEPS = 2
 PROBE_STEPS = 3
 # Timed probe steps whose end the device has not passed yet, at most: a probe step is read
 # when the device is done with it (no host wait, so the host keeps running ahead as in any
@@ -297,67 +303,57 @@ def choose(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window, all
 class StepSearch:
     """How many layers of the schedule's order to offload, from measured step times.
 
-    Probes the model's choice first, then nothing offloaded (the baseline); keeps the model's
-    choice if it is within `tolerance` of the baseline, else bisects down to the largest
-    count that is. A count above zero is confirmed once before it is final: the baseline
-    and the count are probed again and must still be within tolerance (else the search goes
-    on below it). `probe` is the count to run now, None once settled (`final`).
+    Each probe of a count times it against the step without offload, their steps taken in
+    alternation (`record` gets both medians), so that a machine whose steps drift (clocks,
+    other tenants) by more than the tolerance between two probes judges each count against
+    a baseline of the same minutes. Probes the model's choice first; keeps it if it is within
+    `tolerance` of its baseline, else bisects down to the largest count that is. A count
+    above zero is confirmed once before it is final: it is probed again and must still be
+    within tolerance (else the search goes on below it). `probe` is the count to run now,
+    None once settled (`final`).
     """
 
     def __init__(self, model_k: int, tolerance: float = STEP_TOLERANCE):
         self.tolerance = tolerance
-        self.step_ms: dict = {}  # layers offloaded -> latest measured step (median of a probe, ms)
+        self.step_ms: dict = {}  # layers offloaded -> its latest probe's median step (ms)
+        self.baseline_ms: dict = {}  # layers offloaded -> the median step without offload in that probe
         self.lo, self.hi = 0, model_k  # largest count known within tolerance, smallest known over
         self.probe = model_k if model_k > 0 else None
         self.final = None if model_k > 0 else 0
-        self.confirming = None  # the count being confirmed: its probe and the baseline's, again
-        self.to_confirm: list = []  # the probes of the confirmation still to run
+        self.confirming = False  # the count probed now is being confirmed
         self.confirmed = False  # a confirmation ran (once per search: the steps are bounded)
 
     def within(self, k: int) -> bool:
-        return self.step_ms[k] <= (1.0 + self.tolerance) * self.step_ms[0]
+        return self.step_ms[k] <= (1.0 + self.tolerance) * self.baseline_ms[k]
 
-    def record(self, k: int, ms: float) -> None:
+    def record(self, k: int, ms: float, baseline_ms: float) -> None:
+        """The probe of `k` layers: its median step and the baseline's, timed in alternation."""
         if k != self.probe:
             raise RuntimeError(f"offload.activation auto: a step of {k} layers was recorded while probing "
                                f"{self.probe}")
         self.step_ms[k] = ms
-        if 0 not in self.step_ms:
-            self.probe = 0
-            return
-        if self.confirming is not None:
-            if self.to_confirm:
-                self.probe = self.to_confirm.pop(0)
-                return
-            k, self.confirming = self.confirming, None
+        self.baseline_ms[k] = baseline_ms
+        if self.confirming:
+            self.confirming = False
             if self.within(k):
                 self.probe, self.final = None, k
                 return
             self.hi, self.lo = k, 0  # it did not hold: what is below it is unknown again
-            self._next(k)
-            return
-        if k > 0:
-            if self.within(k):
-                self.lo = max(self.lo, k)
-            else:
-                self.hi = min(self.hi, k)
-        self._next(k)
-
-    def _next(self, last: int) -> None:
+        elif self.within(k):
+            self.lo = max(self.lo, k)
+        else:
+            self.hi = min(self.hi, k)
         if self.hi == self.lo or self.within(self.hi):  # the model's choice holds
-            self._settle(self.hi, last)
+            self._settle(self.hi)
         elif self.hi - self.lo <= 1:
-            self._settle(self.lo, last)
+            self._settle(self.lo)
         else:
             self.probe = (self.lo + self.hi) // 2
 
-    def _settle(self, k: int, last: int) -> None:
+    def _settle(self, k: int) -> None:
         if k > 0 and not self.confirmed:
-            # Back to back, starting with the one not just run: [k, 0] after the baseline.
-            self.confirmed = True
-            self.confirming = k
-            pair = [k, 0] if last == 0 else [0, k]
-            self.probe, self.to_confirm = pair[0], pair[1:]
+            self.confirmed = self.confirming = True
+            self.probe = k
             return
         self.probe, self.final = None, k
 
@@ -455,8 +451,8 @@ class _Probe:
         self.search = search
         self.serial = 0  # bumped when the probed count changes, so a step of the last one is not timed
         self.steps = 0  # steps run of the current probe (the first PROBE_WARMUP_STEPS are not timed)
-        self.samples: list = []  # timed steps (ms)
-        self.pending: list = []  # (start, end) marks of timed steps the device may not have finished
+        self.samples = {True: [], False: []}  # timed steps (ms): of the probed count, and without offload
+        self.pending: list = []  # (start, end, offloading) of timed steps the device may not have finished
 
 
 class AutoPlanner:
@@ -507,8 +503,10 @@ class AutoPlanner:
             handle._offload = list(self.plans[key]["mask"])
             self.engine.observer = None
             self.engine.schedule = self.plans[key].get("schedule")
-            idle = key not in self.tuning and not any(handle._offload)
-            self.idle_key = key if idle else None
+            # Nothing offloaded: a settled plan, or a probe's step without offload (the baseline
+            # the probed count is timed against is the step exactly as without offload).
+            idle = not any(handle._offload)
+            self.idle_key = key if idle and key not in self.tuning else None
             handle._set_layers_wrapped(not idle)
             return idle
         self.idle_key = None
@@ -527,7 +525,8 @@ class AutoPlanner:
 
     # ---- checking the plan against measured steps
     def _tune(self, key) -> None:
-        """Time the step that just ended if it ran this shape's current probe; move the search on."""
+        """Time the step that just ended if it ran this shape's current probe; move the search
+        on; set the count the next step runs: the probed one and none, in alternation."""
         probe = self.tuning.get(key)
         if probe is None:
             self.last_start = None
@@ -536,40 +535,47 @@ class AutoPlanner:
         last, self.last_start = self.last_start, None
         if last is not None and last[1] == key and last[2] == probe.serial:
             probe.steps += 1
-            if probe.steps > PROBE_WARMUP_STEPS and len(probe.samples) + len(probe.pending) < PROBE_STEPS:
-                probe.pending.append((last[0], mark))
+            ran = last[3]
+            if probe.steps > PROBE_WARMUP_STEPS and len(probe.samples[ran]) + sum(
+                    p[2] == ran for p in probe.pending) < PROBE_STEPS:
+                probe.pending.append((last[0], mark, ran))
         else:  # a new probe, or the shape changed in between: warm up again
             probe.steps = 0
             probe.pending = []
         # Read, oldest first, the timed steps the device has finished; wait only past PROBE_PENDING.
         clock = self.clock
         while probe.pending and (len(probe.pending) > PROBE_PENDING or clock.done(probe.pending[0][1])):
-            start, end = probe.pending.pop(0)
-            probe.samples.append(clock.seconds(start, end) * 1e3)
+            start, end, ran = probe.pending.pop(0)
+            probe.samples[ran].append(clock.seconds(start, end) * 1e3)
         search = probe.search
-        if len(probe.samples) >= PROBE_STEPS:
-            search.record(search.probe, statistics.median(probe.samples))
-            probe.samples = []
+        k = search.probe
+        if min(len(samples) for samples in probe.samples.values()) >= PROBE_STEPS:
+            search.record(k, statistics.median(probe.samples[True]), statistics.median(probe.samples[False]))
+            probe.samples = {True: [], False: []}
             probe.serial += 1
             probe.steps = 0
-        k = search.probe if search.probe is not None else search.final
-        self._apply(key, probe.order, k)
         plan = self.plans[key]
         plan["tuning"]["step_ms"] = {str(n): ms for n, ms in sorted(search.step_ms.items())}
+        plan["tuning"]["baseline_ms"] = {str(n): ms for n, ms in sorted(search.baseline_ms.items())}
         if search.probe is None:
+            k = search.final
+            self._apply(key, probe.order, k)
             del self.tuning[key]
             plan["tuning"]["settled"] = True
             if self.verbose:
-                base = search.step_ms.get(0)
+                base = search.baseline_ms.get(k)
                 mine = search.step_ms.get(k)
                 print(
                     f"offload.activation auto: inputs {plan['input_shapes']} settled on {k} of "
                     f"{len(probe.order)} eligible layers ({plan['offloaded_bytes'] / 2**20:.1f} MiB offloaded)"
-                    + (f", step {mine:.2f} ms vs {base:.2f} ms without offload" if base and mine else ""),
+                    + (f", step {mine:.2f} ms vs {base:.2f} ms without offload, alternated" if base and mine else ""),
                     flush=True,
                 )
             return
-        self.last_start = (mark, key, probe.serial)
+        # Even steps of a probe run the probed count, odd ones nothing (without hooks).
+        offloading = probe.steps % 2 == 0
+        self._apply(key, probe.order, search.probe if offloading else 0)
+        self.last_start = (mark, key, probe.serial, offloading)
 
     def _apply(self, key, order, k) -> None:
         plan = self.plans[key]

@@ -909,32 +909,41 @@ def test_activation_step_search_bisects_to_the_largest_within_tolerance():
         search, probes = StepSearch(model_k, tolerance=0.03), []
         while search.probe is not None:
             probes.append(search.probe)
-            search.record(search.probe, 100.0 * (1 + overhead_per_layer * search.probe))
+            search.record(search.probe, 100.0 * (1 + overhead_per_layer * search.probe), 100.0)
         return search.final, probes
 
-    assert run(6, 0.001) == (6, [6, 0, 6, 0])  # the model's choice holds: checked, confirmed, kept
-    assert run(6, 0.01) == (3, [6, 0, 3, 4, 0, 3])  # 3% allows 3 layers
-    assert run(6, 0.5) == (0, [6, 0, 3, 1])  # nothing hides: offload nothing
+    assert run(6, 0.001) == (6, [6, 6])  # the model's choice holds: checked, confirmed, kept
+    assert run(6, 0.01) == (3, [6, 3, 4, 3])  # 3% allows 3 layers
+    assert run(6, 0.5) == (0, [6, 3, 1])  # nothing hides: offload nothing
     assert run(0, 0.5) == (0, [])  # nothing to check
     with pytest.raises(RuntimeError, match="while probing"):
-        StepSearch(4).record(2, 1.0)
+        StepSearch(4).record(2, 1.0, 1.0)
 
     # A count that looked fine once but runs 10% slower when timed again is not kept.
     search, probes, seen = StepSearch(2, tolerance=0.03), [], set()
     while search.probe is not None:
         k = search.probe
         probes.append(k)
-        search.record(k, 100.0 if k == 0 or k not in seen else 110.0)
+        search.record(k, 100.0 if k not in seen else 110.0, 100.0)
         seen.add(k)
-    assert (search.final, probes) == (1, [2, 0, 2, 0, 1])
+    assert (search.final, probes) == (1, [2, 2, 1])
+
+    # Each count is judged against the baseline of its own probe, not an earlier one.
+    search = StepSearch(2, tolerance=0.03)
+    search.record(2, 108.0, 100.0)  # 8% over
+    search.record(1, 110.0, 108.0)  # the machine slowed down: 1.9% over its own baseline
+    search.record(1, 101.0, 100.0)  # confirmed
+    assert search.final == 1 and search.baseline_ms == {2: 100.0, 1: 100.0}
 
 
 class _StepClock:
     """Stands in for the planner's clock once the plan exists: a step takes 1 s plus
-    `overhead` s per offloaded layer (what the probes read), whatever the host does."""
+    `overhead` s per offloaded layer (what the probes read), whatever the host does; times
+    `slow` during the planner's odd-numbered probes (a machine another tenant slows down
+    now and then)."""
 
-    def __init__(self, handle, overhead):
-        self.handle, self.overhead = handle, overhead
+    def __init__(self, handle, overhead, slow=1.0):
+        self.handle, self.overhead, self.slow = handle, overhead, slow
 
     def mark(self):
         return None
@@ -943,11 +952,13 @@ class _StepClock:
         return True
 
     def seconds(self, a, b):
-        return 1.0 + self.overhead * sum(self.handle._offload)
+        probe = next(iter(self.handle._auto.tuning.values()), None)  # the probe reading this step
+        factor = self.slow if probe is not None and probe.serial % 2 else 1.0
+        return factor * (1.0 + self.overhead * sum(self.handle._offload))
 
 
-@pytest.mark.parametrize("overhead", [0.02, 1.0])
-def test_activation_auto_backs_off_on_measured_steps(overhead, pool, capsys):
+@pytest.mark.parametrize("overhead, slow", [(0.02, 1.0), (1.0, 1.0), (0.02, 1.25)])
+def test_activation_auto_backs_off_on_measured_steps(overhead, slow, pool, capsys):
     ref = _model()
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
@@ -958,7 +969,7 @@ def test_activation_auto_backs_off_on_measured_steps(overhead, pool, capsys):
             plan = handle.plan
             assert plan["tuning"]["checked"] and not plan["tuning"]["settled"]
             model_k = plan["tuning"]["model_layers"]
-            handle._auto.clock = _StepClock(handle, overhead)
+            handle._auto.clock = _StepClock(handle, overhead, slow)
         loss, grads = _step(model, x)
         assert torch.equal(loss, loss_ref)
         _assert_equal(grads, grads_ref)
@@ -966,7 +977,8 @@ def test_activation_auto_backs_off_on_measured_steps(overhead, pool, capsys):
     # 3% tolerance: 2% per layer allows one layer, 100% none.
     expected = min(model_k, 1) if overhead < 0.03 else 0
     assert plan["tuning"]["settled"] and sum(plan["mask"]) == expected, plan
-    assert plan["tuning"]["step_ms"]["0"] == 1000.0
+    # Each probe's baseline ran without offload, in that probe's own minutes (`slow` or not).
+    assert plan["tuning"]["baseline_ms"] and set(plan["tuning"]["baseline_ms"].values()) <= {1000.0, 1000.0 * slow}
     assert plan["offload"] == [n for n, m in zip(handle.layers, plan["mask"]) if m]
     assert "settled on" in capsys.readouterr().out
     stats = handle.stats()
