@@ -173,6 +173,14 @@ def max_memory_allocated(device=None) -> int:
     return _module(device.type).max_memory_allocated(device)
 
 
+def memory_reserved(device=None) -> int:
+    """Device memory the caching allocator holds (allocated or cached); 0 on the CPU."""
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return 0
+    return _module(device.type).memory_reserved(device)
+
+
 def reset_peak_memory_stats(device=None) -> None:
     device = normalize_device(device)
     if is_accelerator(device):

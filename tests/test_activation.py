@@ -555,6 +555,38 @@ def test_activation_auto_plans_and_replans(pool, capsys):
     assert plan["eligible_bytes"] > 0
 
 
+@pytest.mark.parametrize("case", ["fits", "grows", "budget", "no_room"])
+def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool, monkeypatch):
+    """The first measuring step offloads every eligible layer; if a step without offload fits
+    (and no budget is set) the measured ones offload nothing, one more while the allocator
+    grows; else one more offloads everything. Layer bytes are measured either way."""
+    reserved = [0]
+    if case == "grows":  # the allocator takes new device memory in every step
+        monkeypatch.setattr(_device, "memory_reserved", lambda device=None: reserved[0])
+    if case == "no_room":  # 1 KiB of device memory: a step without offload might not fit
+        monkeypatch.setattr(_device, "mem_get_info", lambda device=None: (1 << 10, 1 << 10))
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
+                                               memory_budget_bytes="1GiB" if case == "budget" else None)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    offloaded = []
+    while handle.plan is None:
+        reserved[0] += 1 << 20
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+        offloaded.append(handle.stats()["layers_offloaded"])
+        assert len(offloaded) < 5
+    dry = case in ("fits", "grows")
+    # The plan is made at the next forward: the last entry is the first step with it.
+    expected = {"fits": [3, 0], "grows": [3, 0, 0], "budget": [3, 3], "no_room": [3, 3]}[case]
+    assert offloaded[:-1] == expected and handle._auto.dry is dry
+    plan = handle.plan
+    assert all(b > 0 for b in plan["layer_bytes"][:3]) and all(f > 0 for f in plan["forward_ms"][:3])
+
+
 @dataclasses.dataclass
 class _Batch:
     x: torch.Tensor
