@@ -99,6 +99,11 @@ MIN_PART = 0.125
 # to end left the bus idle through the first offloaded layer's forward (an eighth of the
 # block stack's forward, ~12% of what the bus can hide in it).
 SPLIT_PARTS = 4
+# Where the point of the last tensor saved before the step's peak, after the last layer (n),
+# sits among the points: between the last layer's end (n) and backward's start (n + 1).
+TAIL_POINT = 0.5
+# Tensors saved after the last layer (head, loss) that the measuring step marks, at most.
+MAX_TAIL_SAVES = 64
 
 
 @dataclasses.dataclass
@@ -106,7 +111,9 @@ class Schedule:
     """How the engine runs auto mode's plan for one input shape (without a memory budget).
 
     Points of a step, in order: `j` < n when layer j opens, `n` when the last layer ends,
-    `n + 1` when backward starts (its first unpack).
+    `n + 0.5` (TAIL_POINT after n) when the `tail_save`-th tensor after the last layer is
+    saved (the last one saved before the step's peak, in the head or the loss; None: no such
+    point), `n + 1` when backward starts (its first unpack).
     - caps: per layer, the bytes of new storage spans its group may offload (the first ones
       saved; later tensors stay on the device), or None for all of them.
     - release_at: layer -> the point at which the compute stream waits, on the device, for
@@ -130,10 +137,11 @@ class Schedule:
     fetch_at: dict
     fetch_at_start: List[int]
     split_at: dict = dataclasses.field(default_factory=dict)
+    tail_save: Optional[int] = None
 
 
 def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: float, d2h_bps: float,
-             h2d_bps: float):
+             h2d_bps: float, before_peak=None):
     """Offload, in forward order, what the device-to-host stream can copy out before the last
     layer ends, and plan when each group's memory is let go and when it comes back.
 
@@ -146,6 +154,11 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
     starts, comes after the peak of a training step (the head's logits and the loss sit on
     top of every activation), so it would not lower it; a layer whose copy passes the last
     layer's open is split there too, the part copied by then let go as the last layer opens.
+    `before_peak` (m, seconds): the m-th tensor saved after the last layer is the last one
+    saved before the step's peak, that long after the last layer's end (a Llama's final norm
+    and head run 1.6 ms of the 3.8 ms before its loss upcasts the logits, the peak): copies
+    may then run until it, the part copied by the last layer's end let go there (point n),
+    the rest at that save (TAIL_POINT).
     The last layer that fits is offloaded in part. Earliest layers first: their memory is
     freed for longest and backward needs them last, with the most time to bring them back.
 
@@ -159,7 +172,11 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
         opens.append(t)
         t += fwd[i]
         closes.append(t)
-    deadline = t
+    layers_end = deadline = t
+    tail_save = None
+    if before_peak is not None and before_peak[1] > 0:
+        tail_save, seconds = before_peak
+        deadline = t + seconds
     caps: List[Optional[int]] = [None] * n
     release_at, order, split_at = {}, [], {}
     free = 0.0
@@ -178,6 +195,8 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
         # that, and only a part as small as what it and the loss add can wait for point n.
         ends = [nbytes[i] * k // SPLIT_PARTS for k in range(1, SPLIT_PARTS)] if split else []
         ends.append(int((opens[-1] - start) / per_byte))
+        if tail_save is not None:
+            ends.append(int((layers_end - start) / per_byte))
         ends = sorted({b for b in ends if 0 < b < take}) + [take]
         points, done, begun = [], free, 0
         for b in ends:
@@ -187,7 +206,7 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
             done = max(saved, done) + (b - begun) * per_byte
             begun = b
             later = [j for j in range(i + 1, n) if opens[j] >= done]
-            points.append(later[0] if later else n)
+            points.append(later[0] if later else n if done <= layers_end else n + TAIL_POINT)
         if done > deadline:
             continue
         free = done
@@ -227,7 +246,8 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
         end = max(at, h2d_free) + durations[i]
         h2d_free = end
         exposed += max(0.0, end - begins[i])
-    return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at), order, exposed
+    used = any(p > n for i in order for p in (release_at[i] if isinstance(release_at[i], list) else [release_at[i]]))
+    return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at, tail_save if used else None), order, exposed
 
 
 def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: float, window: int):
@@ -482,6 +502,7 @@ class AutoPlanner:
         self.reserved = 0  # the allocator's device memory as the current measured step started
         self.records = {}
         self.backward_mark = None  # when the measured step's backward started
+        self.tail_marks: list = []  # (m, mark, peak bytes so far) of the tensors saved after the last layer
         self.bandwidth = None
         self.tuning = {}  # key -> _Probe while its plan is being checked against measured steps
         self.last_start = None  # (mark, key, probe serial) of the last training forward of a planned shape
@@ -535,6 +556,7 @@ class AutoPlanner:
         self.engine.schedule = None
         self.records = {}
         self.backward_mark = None
+        self.tail_marks = []
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
@@ -641,7 +663,24 @@ class AutoPlanner:
     def backward_started(self) -> None:
         self.backward_mark = self.clock.mark()
 
+    def saved_after_layers(self, m: int) -> None:
+        """The m-th tensor saved after the last layer: when, and the step's peak memory so far."""
+        if m <= MAX_TAIL_SAVES:
+            self.tail_marks.append((m, self.clock.mark(), _device.max_memory_allocated(self.engine.device)))
+
     # ---- planning
+    def _before_peak(self, last_close, peak: int):
+        """(m, seconds after the last layer's end) of the last tensor saved after the last layer
+        before the measured step reached its peak (memory let go there lowers the peak); None
+        if the peak came before any (inside the layers)."""
+        if last_close is None:
+            return None
+        before = [(m, mark) for m, mark, so_far in self.tail_marks if so_far < peak]
+        if not before:
+            return None
+        m, mark = before[-1]
+        return m, max(0.0, self.clock.seconds(last_close, mark))
+
     def _plan(self, key) -> dict:
         handle = self.handle
         n = len(handle.layers)
@@ -687,10 +726,12 @@ class AutoPlanner:
         if self.budget is not None:
             allowance = max(0, self.budget - peak)
         window = self.engine.resident_groups
-        plan_schedule = caps = None
+        plan_schedule = caps = before_peak = None
         if self.budget is None:
             # Hide the copies: what the bus moves before backward starts, freed at planned points.
-            plan_schedule, order, exposed = schedule(eligible, nbytes, fwd, bwd, tail, head_bwd, d2h, h2d)
+            before_peak = self._before_peak(last_close, peak)
+            plan_schedule, order, exposed = schedule(eligible, nbytes, fwd, bwd, tail, head_bwd, d2h, h2d,
+                                                     before_peak)
             caps = plan_schedule.caps
             mask = [i in order for i in range(n)]
             step = sum(fwd) + tail + head_bwd + sum(bwd) + exposed
@@ -711,6 +752,9 @@ class AutoPlanner:
             "forward_ms": [f * 1e3 for f in fwd],
             "backward_ms": [b * 1e3 for b in bwd],
             "tail_ms": tail * 1e3,
+            # The last tensor saved after the layers before the step's peak: (its count, ms after
+            # the last layer's end); copies run until it and the memory goes there.
+            "before_peak": None if before_peak is None else [before_peak[0], before_peak[1] * 1e3],
             "head_backward_ms": head_bwd * 1e3,
             "d2h_gbps": d2h / 1e9,
             "h2d_gbps": h2d / 1e9,

@@ -78,6 +78,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _device
 from . import wrap as _wrap
+from ._activation_plan import TAIL_POINT
 from ._copy import copy_spans_to_host, copy_to_device
 from ._pool import HostPool, default_host_pool
 
@@ -223,6 +224,9 @@ class ActivationEngine:
         # resident window orders releases and each group prefetches the one before it.
         self.schedule = None
         self._due: list = []  # (release point, weakref to group) of this forward's groups, by the schedule
+        # Tensors saved since the last layer ended (head, loss), counted while auto mode measures
+        # or its schedule has a point there; None otherwise.
+        self._tail: Optional[int] = None
         self._layer_groups: dict = {}  # layer index -> weakrefs to its offloaded groups in this forward
 
     # ------------------------------------------------------------ statistics
@@ -314,6 +318,7 @@ class ActivationEngine:
             self._last_offloaded = None
             self._due = []
             self._layer_groups = {}
+            self._tail = None
         self._capturing += 1
         self._hooks.__enter__()
 
@@ -351,6 +356,9 @@ class ActivationEngine:
         schedule = self.schedule
         if schedule is not None and layer is not None:
             self._release_due(layer)  # the point: layer `layer` opens (n: the last layer ended)
+        if name is None and layer is not None and (
+                self.observer is not None or (schedule is not None and schedule.tail_save is not None)):
+            self._tail = 0  # the last layer ended: count the tensors saved after it
         if name is None or not self._capturing:
             return
         observer = self.observer
@@ -464,7 +472,7 @@ class ActivationEngine:
         if all(at > point for at, _ in self._due):  # most points release nothing: no stream read
             return
         stream = _device.current_stream(self.device) if self.on_accel else None
-        kind = "forward_wait_seconds" if point <= self.schedule.n else "backward_wait_seconds"
+        kind = "forward_wait_seconds" if point < self.schedule.n + 1 else "backward_wait_seconds"
         pending = []
         for at, ref in self._due:
             group = ref()
@@ -492,6 +500,8 @@ class ActivationEngine:
         # below the size threshold, and leave after two attribute reads.
         group = self._group
         if group is None or type(t) is not torch.Tensor:  # parameters, DTensors, other subclasses
+            if group is None and self._tail is not None:
+                self._saved_after_layers()
             return self._keep(t)
         numel = t.numel()
         itemsize = t.element_size()
@@ -593,6 +603,15 @@ class ActivationEngine:
         self._layer_groups[group.layer].append(self._last_offloaded)
         self._close(group)
 
+    def _saved_after_layers(self) -> None:
+        """A tensor is saved after the last layer: a point auto mode measures, and may release at."""
+        self._tail += 1
+        if self.observer is not None:
+            self.observer.saved_after_layers(self._tail)
+        schedule = self.schedule
+        if schedule is not None and self._tail == schedule.tail_save:
+            self._release_due(schedule.n + TAIL_POINT)
+
     def _keep(self, t):
         self._counters["tensors_kept"] += 1
         return (t, t._version)
@@ -602,6 +621,7 @@ class ActivationEngine:
     def _unpack(self, packed):
         if not self._backward_seen:  # the step's first unpack: its backward starts
             self._backward_seen = True  # the next capture starts a new step
+            self._tail = None
             if self.observer is not None:
                 self.observer.backward_started()
             if self.schedule is not None:

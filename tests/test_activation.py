@@ -587,6 +587,43 @@ def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool
     assert all(b > 0 for b in plan["layer_bytes"][:3]) and all(f > 0 for f in plan["forward_ms"][:3])
 
 
+class _PeakInLossModel(Model):
+    """Tells a stand-in for the device's peak memory that the step peaks between the head and
+    the loss (a Llama's loss upcasts its logits there)."""
+
+    def __init__(self, peak):
+        super().__init__()
+        self.peak = peak
+
+    def forward(self, x):
+        self.peak[0] = 0  # the peak memory statistic is reset as each step starts
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        h = self.head(x)  # saves its input and weight: the 1st and 2nd tensors after the layers
+        self.peak[0] = 100
+        return h.square().mean()  # the 3rd
+
+
+def test_activation_auto_finds_the_last_save_before_the_peak(pool, monkeypatch):
+    peak = [0]
+    monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: peak[0])
+    torch.manual_seed(0)
+    model = _PeakInLossModel(peak)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    for _ in range(3):
+        _step(model, torch.randn(8, 16))
+    m, ms = handle.plan["before_peak"]
+    assert m == 2 and ms >= 0
+    # The peak reached before any tensor is saved after the layers (inside them): no such point.
+    monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: 100)
+    handle.disable()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    for _ in range(3):
+        _step(model, torch.randn(8, 16))
+    assert handle.plan["before_peak"] is None
+
+
 @dataclasses.dataclass
 class _Batch:
     x: torch.Tensor
@@ -656,7 +693,7 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     copied in parts while it runs; each copy planned complete (with its margin) before its
     release point and before the last layer ends; each group fetched back at the latest layer
     start that leaves time for its copy."""
-    from offload._activation_plan import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, schedule
+    from offload._activation_plan import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
 
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
@@ -695,6 +732,16 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     slow, slow_order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 5.0, 50.0)
     assert slow_order == [0] and slow.caps[0] == 36
     assert slow.split_at == {0: [25, 32]} and slow.release_at == {0: [6, 7, 8]}
+    # The last tensor saved before the step's peak comes 1 s after the last layer ends (the
+    # 3rd saved after it, in the head): copies may run until 9 s. Layer 3 is copied whole,
+    # its bytes copied after the last layer's end (69-100) let go at that save (point 8.5),
+    # and 16 bytes of layer 4 from 8.65 s (0.35 s / 0.021).
+    tail, tail_order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, (3, 1.0))
+    assert tail_order == [0, 1, 2, 3, 4] and tail.caps[3] is None and tail.caps[4] == 16 and exposed == 0
+    assert tail.split_at[3] == [21, 69] and tail.release_at[3] == [7, 8, 8 + TAIL_POINT]
+    assert tail.release_at[4] == 8 + TAIL_POINT and tail.tail_save == 3
+    # At the last layer's end: no copy is let go there, no point is kept.
+    assert schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, (3, 0.0))[0] == plan
     # A copy stream still busy when a layer ends: that layer is not split.
     assert 1 not in plan.split_at and 2 not in plan.split_at
     # Nothing eligible, or a bus too slow for an eighth of a layer: nothing offloaded.
@@ -787,12 +834,16 @@ def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, 
     handle.disable()
 
 
-@pytest.mark.parametrize("parts", [False, True])
-def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, parts):
+@pytest.mark.parametrize("case", ["whole", "parts", "tail"])
+def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, case):
     """The host never sees a copy done (it runs ahead of the device): each group's memory is
     still let go, at its planned point, by a wait on the device; no host wait; each group is
     fetched when backward reaches the layer the schedule names, before it is needed.
-    `parts`: layer 0 is copied in two parts, each let go at its own point."""
+    `parts`: layer 0 is copied in two parts, each let go at its own point. `tail`: layer 1 is
+    let go at the second tensor saved after the last layer (the head's), not at its end."""
+    from offload._activation_plan import TAIL_POINT
+
+    parts = case == "parts"
     from offload import _backend
 
     clock = [0]
@@ -814,15 +865,19 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, p
             _scheduled(engine, 4, release_at={0: [1, 2], 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]},
                        split_at={0: [512]})
         else:
-            _scheduled(engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]})
+            _scheduled(engine, 4, release_at={0: 2, 1: 4 + TAIL_POINT if case == "tail" else 4, 2: 5},
+                       fetch_at={3: [2], 2: [1], 1: [0]})
+            if case == "tail":
+                engine.schedule.tail_save = 2
         log = []
-        settle = engine._settle
+        settle, saved_after = engine._settle, engine._saved_after_layers
 
         def settled(group):
             log.append(("settle", group.layer, engine._backward_seen, max(engine._layer_groups)))
             settle(group)
 
         monkeypatch.setattr(engine, "_settle", settled)
+        monkeypatch.setattr(engine, "_saved_after_layers", lambda: (log.append(("tail", engine._tail + 1)), saved_after()))
         _log_fetch_and_restore(monkeypatch, engine, log, lambda group: group.layer)
         x = torch.randn(8, 16)
         _, grads_ref = _step(ref, x)
@@ -835,7 +890,13 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, p
             first = [("settle", 0, False, 0)] if parts else []
             assert [e for e in log if e[0] == "settle"] == first + [("settle", 0, False, 1), ("settle", 1, False, 2),
                                                                      ("settle", 2, True, 2)]
-            order = [e for e in log if e[0] != "settle"]
+            tail = [e for e in log if e[0] == "tail"]
+            if case == "tail":  # the head's Linear saves its input and weight, square() its input
+                assert tail == [("tail", 1), ("tail", 2), ("tail", 3)]
+                assert log.index(("tail", 2)) < log.index(("settle", 1, False, 2)) < log.index(("tail", 3))
+            else:  # counted only where the schedule has a point there
+                assert tail == []
+            order = [e for e in log if e[0] not in ("settle", "tail")]
             assert [e[1] for e in order if e[0] == "fetch"] == [2, 1, 0] + [0] * parts
             for layer in (0, 1, 2):
                 assert order.index(("fetch", layer)) < order.index(("restore", layer))
