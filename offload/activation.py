@@ -67,6 +67,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import sys
 import time
 import warnings
@@ -78,7 +79,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _device
 from . import wrap as _wrap
-from ._activation_plan import TAIL_POINT
+from ._activation_plan import TAIL_POINT, _tensor_leaves
 from ._copy import copy_spans_to_host, copy_to_device
 from ._pool import HostPool, default_host_pool
 
@@ -535,7 +536,8 @@ class ActivationEngine:
         # An op's recorded output (`base` has a grad_fn) was allocated by that op. Only a tensor
         # without one can share a parameter's memory (frozen weights, buffers, DTensor local
         # shards, their views; also, conservatively, anything computed without grad, such as
-        # int or bool outputs), and only those read the parameters' storages: a walk of every
+        # int or bool outputs) or be a forward's input, and only those read the storages of
+        # the parameters and inputs (`_param_ptrs`): a walk of every
         # layer's parameters each step, which took about a third of the hooks' host time in a
         # profiled step of an 8-layer Llama with checkpointing.
         if grad_fn is None:
@@ -922,6 +924,13 @@ def _module_tensors(root: torch.nn.Module):
         stack.extend(m for m in module._modules.values() if m is not None)
 
 
+def _input_tensors(args, kwargs):
+    """The tensors among a forward's arguments, also inside containers (walked when iterated)."""
+    leaves: list = []
+    _tensor_leaves([args, kwargs], leaves)
+    yield from leaves
+
+
 def _storage_ptrs(tensors) -> set:
     ptrs = set()
     for p in tensors:
@@ -1037,8 +1046,10 @@ class ActivationOffload:
                 # per-tensor cost would otherwise be the only overhead left).
                 engine.pass_through_step()
                 return original(*args, **kwargs)
-            # Lazy: walked only if a saved tensor needs it (see ActivationEngine.add_params).
-            with engine.capture(_module_tensors(model)):
+            # Lazy: walked only if a saved tensor needs it (see ActivationEngine.add_params). The
+            # forward's own inputs stay too: the caller holds them through the forward, so a copy
+            # would free nothing (the block stack's input batch, 64 MiB of its first layer).
+            with engine.capture(itertools.chain(_module_tensors(model), _input_tensors(args, kwargs))):
                 return original(*args, **kwargs)
 
         return forward

@@ -624,6 +624,37 @@ def test_activation_auto_finds_the_last_save_before_the_peak(pool, monkeypatch):
     assert handle.plan["before_peak"] is None
 
 
+class _LinearStack(nn.Module):
+    """Its first layer saves the model's input itself (a Linear saves its input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, batch):
+        x = batch["x"]
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_activation_model_inputs_stay(pool):
+    """A forward's input (here inside a dict) is held by the caller through the forward: the
+    first layer's save of it is kept, not copied; the second layer's input is offloaded."""
+    torch.manual_seed(0)
+    ref = _LinearStack()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    batch = {"x": torch.randn(8, 16)}
+    loss_ref, grads_ref = _step(ref, batch)
+    loss, grads = _step(model, batch)
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["offloaded_layers"] == ["blocks.0", "blocks.1"] and stats["tensors_offloaded"] == 1
+    handle.disable()
+
+
 @dataclasses.dataclass
 class _Batch:
     x: torch.Tensor
