@@ -41,7 +41,9 @@ and the plan backs off further if it misses the tolerance then (one good probe m
 settle a plan whose steps run slower, as a bench or a training loop then sees). Each probe
 runs `PROBE_WARMUP_STEPS` unmeasured steps (new block sizes in the allocators) and
 `PROBE_STEPS` timed ones of each side; the medians count, so a plan whose steps are
-sometimes slow is judged by its usual step.
+sometimes slow is judged by its usual step. After the first probe the rate its copies
+achieved under its own compute is read; if it is below the rate the schedule assumed (less
+`COPY_MARGIN`), the schedule is made again at it and the search starts over (once).
 A step is timed from one training forward to the next of the same input shape (events
 on the compute stream), so the optimizer and data loading are in both sides alike. With
 a memory budget, or when a step without offload might not fit on the device, the model's
@@ -472,11 +474,15 @@ def probe_bandwidth(device, nbytes: int = 64 << 20):
 class _Probe:
     """A shape's plan being timed: the schedule's order, the search, and the steps seen of this probe."""
 
-    __slots__ = ("order", "search", "serial", "steps", "samples", "pending")
+    __slots__ = ("order", "search", "serial", "steps", "samples", "pending", "replan", "d2h", "copies")
 
-    def __init__(self, order, search):
+    def __init__(self, order, search, replan=None, d2h=None):
         self.order = order
         self.search = search
+        # The schedule again at another device-to-host rate (bytes/s -> schedule()'s result),
+        # the rate it assumed, and the copy counters of the first probe's offloading steps:
+        # once that probe ends the schedule is made again if its copies ran slower.
+        self.replan, self.d2h, self.copies = replan, d2h, []
         self.serial = 0  # bumped when the probed count changes, so a step of the last one is not timed
         self.steps = 0  # steps run of the current probe (the first PROBE_WARMUP_STEPS are not timed)
         self.samples = {True: [], False: []}  # timed steps (ms): of the probed count, and without offload
@@ -598,6 +604,9 @@ class AutoPlanner:
         if last is not None and last[1] == key and last[2] == probe.serial:
             probe.steps += 1
             ran = last[3]
+            if ran and probe.replan is not None:
+                # The step that just ended: its counters are the engine's until the next capture.
+                probe.copies.append(self.engine._counters)
             if probe.steps > PROBE_WARMUP_STEPS and len(probe.samples[ran]) + sum(
                     p[2] == ran for p in probe.pending) < PROBE_STEPS:
                 probe.pending.append((last[0], mark, ran))
@@ -612,7 +621,9 @@ class AutoPlanner:
         search = probe.search
         k = search.probe
         if min(len(samples) for samples in probe.samples.values()) >= PROBE_STEPS:
-            search.record(k, statistics.median(probe.samples[True]), statistics.median(probe.samples[False]))
+            if not self._rescheduled(key, probe):
+                search.record(k, statistics.median(probe.samples[True]), statistics.median(probe.samples[False]))
+            search = probe.search
             probe.samples = {True: [], False: []}
             probe.serial += 1
             probe.steps = 0
@@ -638,6 +649,43 @@ class AutoPlanner:
         offloading = probe.steps % 2 == 0
         self._apply(key, probe.order, search.probe if offloading else 0)
         self.last_start = (mark, key, probe.serial, offloading)
+
+    def _rescheduled(self, key, probe) -> bool:
+        """After the first probe: make the schedule again if its copies ran slower than it
+        assumed (with its margin), and start the search over on the new one.
+
+        The rate measured while measuring came from copies that ran partly while compute
+        stalled on the window; under a plan's full compute they ran slower (the block stack
+        on an H200: 5 ms of waits at the release points in a 150 ms step). Once per shape.
+        """
+        replan, probe.replan = probe.replan, None
+        copies, probe.copies = probe.copies, []
+        if replan is None:
+            return False
+        rate = self._copy_rate(copies)
+        if rate is None or rate >= probe.d2h / (1 + COPY_MARGIN):
+            return False
+        plan_schedule, order, exposed = replan(rate)
+        plan = self.plans[key]
+        plan.update(schedule=plan_schedule, caps=plan_schedule.caps, predicted_exposed_ms=exposed * 1e3,
+                    d2h_gbps_under_compute=rate / 1e9)
+        plan["model_mask"] = [i in order for i in range(len(plan["mask"]))]
+        plan["tuning"]["model_layers"] = len(order)
+        probe.order = order
+        probe.search = StepSearch(len(order), probe.search.tolerance)
+        if self.verbose:
+            print(f"offload.activation auto: inputs {plan['input_shapes']}: the copies ran at {rate / 1e9:.1f} GB/s "
+                  f"under the plan's compute (planned {probe.d2h / 1e9:.1f}); planned again: "
+                  f"{_planned_bytes(plan['layer_bytes'], plan['model_mask'], plan['caps']) / 2**20:.1f} MiB",
+                  flush=True)
+        return True
+
+    def _copy_rate(self, copies):
+        """Bytes/s the device-to-host copies of these steps' counters achieved (None: not timed)."""
+        self.engine._resolve_timing(block=True)  # the probe's samples are taken: waiting costs none
+        moved = sum(c["d2h_bytes"] for c in copies)
+        seconds = sum(c["d2h_seconds"] for c in copies)
+        return moved / seconds if moved > 0 and seconds > 0 else None
 
     def _apply(self, key, order, k) -> None:
         plan = self.plans[key]
@@ -770,7 +818,10 @@ class AutoPlanner:
         if self.budget is None and fits and any(mask):
             # Timed against the step without offload (see the module docstring); the plan in
             # use meanwhile is the probe's, and `mask` becomes the settled one.
-            self.tuning[key] = _Probe(order, StepSearch(sum(mask)))
+            def replan(d2h_bps):
+                return schedule(eligible, nbytes, fwd, bwd, tail, head_bwd, d2h_bps, h2d, before_peak)
+
+            self.tuning[key] = _Probe(order, StepSearch(sum(mask)), replan, d2h)
             plan["tuning"].update(settled=False, checked=True)
             plan["model_mask"] = list(mask)
         if self.budget is not None and peak + (eligible_bytes - offloaded) > self.budget and any(

@@ -1112,6 +1112,44 @@ def test_activation_auto_backs_off_on_measured_steps(overhead, slow, pool, capsy
     handle.disable()
 
 
+def test_activation_auto_plans_again_when_copies_run_slower(pool, monkeypatch, capsys):
+    """After the first probe, the copies' rate under the plan's compute (here 1/10,000 of the
+    rate measured while measuring: these small layers copy faster than they run) makes the
+    schedule again, and the search starts over."""
+    from offload._activation_plan import AutoPlanner, _planned_bytes
+
+    seen = []
+
+    def slow(planner, copies):
+        seen.append(len(copies))
+        return planner.tuning[planner.key].d2h / 1e4
+
+    monkeypatch.setattr(AutoPlanner, "_copy_rate", slow)
+    model = _model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(_model(), x)
+    planned = None
+    for step in range(60):
+        plan = handle.plan
+        if plan is not None and planned is None:
+            planned = _planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"])
+            d2h = plan["d2h_gbps"]
+            handle._auto.clock = _StepClock(handle, 0.0)
+        loss, grads = _step(model, x)
+        assert torch.equal(loss, loss_ref)
+        _assert_equal(grads, grads_ref)
+        if plan is not None and plan["tuning"]["settled"]:
+            break
+    # Once: the offloading steps of the first probe (a warm-up and three timed).
+    assert seen == [4]
+    assert plan["d2h_gbps_under_compute"] == pytest.approx(d2h / 1e4)
+    assert _planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"]) < planned
+    assert plan["tuning"]["settled"] and sum(plan["mask"]) == plan["tuning"]["model_layers"]
+    assert "under the plan's compute" in capsys.readouterr().out
+    handle.disable()
+
+
 def test_activation_bad_arguments(pool):
     with pytest.raises(ValueError, match="no submodules and no parameters"):
         offload.enable_activation_offload(nn.Module())
