@@ -19,7 +19,9 @@ Besides step time (ratio to no offload) and peak device memory it reports the ex
 copy time and the bus bound the issue's targets are stated against: forward time of the
 no-offload step vs offloaded bytes over the measured device-to-host bandwidth (the larger
 of the two), plus the same for backward with host-to-device. Offload with checkpointing is
-also timed against checkpointing alone with their steps alternated (`_alternated_checkpoint`).
+also timed against checkpointing alone with their steps alternated (`_alternated_checkpoint`),
+and the settled auto plan against steps without offload (`handle.paused()`) likewise
+(`_alternated_paused`).
 """
 
 from __future__ import annotations
@@ -198,6 +200,8 @@ def _columns(ctx, name, model, loss_fn, bandwidth):
                                                        **quiet)
         try:
             results[column] = _measure(ctx, model, loss_fn, column, iters, handle)
+            if column == "auto":
+                auto_alternated = _alternated_paused(ctx, model, loss_fn, handle, iters)
         finally:
             if handle is not None:
                 handle.disable()
@@ -206,7 +210,29 @@ def _columns(ctx, name, model, loss_fn, bandwidth):
             _device.empty_cache()
     forward = _forward_ms(ctx, model, loss_fn, iters)
     results["alternated"] = _alternated_checkpoint(ctx, model, loss_fn, iters)
+    results["auto_alternated"] = auto_alternated
     return results, forward
+
+
+def _alternated_paused(ctx, model, loss_fn, handle, rounds):
+    """(offloaded, paused) median step ms of a settled handle, the two taken in alternation:
+    each round times a step of the plan and a step inside `handle.paused()` (exactly as
+    without offload), each after an untimed one of its kind, so that drift between the
+    columns (3-5% within a run on these hosts) lands on both alike."""
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        loss_fn().backward()
+
+    def paused_step():
+        with handle.paused():
+            step()
+
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(time_ms(step, ctx.device, warmup=1, iters=1)["median_ms"])
+        theirs.append(time_ms(paused_step, ctx.device, warmup=1, iters=1)["median_ms"])
+    return statistics.median(ours), statistics.median(theirs)
 
 
 def _alternated_checkpoint(ctx, model, loss_fn, rounds):
@@ -252,6 +278,7 @@ def _report(ctx, name, results, forward_ms, bandwidth):
     lines.append(f"  {'column':18} {'step ms':>9} {'x none':>7} {'peak GiB':>9} {'exposed ms':>11} "
                  f"{'offloaded GiB':>14} {'bus bound ms':>13}")
     alternated = results.pop("alternated")
+    auto_alternated = results.pop("auto_alternated")
     for column, (ms, peak, stats) in results.items():
         exposed = offloaded = bound = None
         if stats is not None:
@@ -292,6 +319,11 @@ def _report(ctx, name, results, forward_ms, bandwidth):
                     higher_is_better=False))
     lines.append(f"  async+checkpoint vs checkpoint, steps alternated: {alternated[0]:.1f} vs {alternated[1]:.1f} ms "
                  f"= {alternated[0] / alternated[1]:.3f}x")
+    rows.append(row(SECTION, f"{name} auto vs none, alternated", offload=auto_alternated[0],
+                    baseline=auto_alternated[1], unit="ms", baseline_name="no offload (paused), steps alternated",
+                    higher_is_better=False))
+    lines.append(f"  auto vs no offload, steps alternated: {auto_alternated[0]:.1f} vs {auto_alternated[1]:.1f} ms "
+                 f"= {auto_alternated[0] / auto_alternated[1]:.3f}x")
     auto_stats = results["auto"][2]
     if auto_stats and auto_stats.get("plan"):
         plan = auto_stats["plan"]

@@ -995,6 +995,7 @@ class ActivationOffload:
         self._keep = keep  # per layer: kept on the device whatever the mode
         self._offload = [not k for k in keep]  # per layer: offloaded in the current plan
         self._enabled = True
+        self._paused = False  # inside paused(): forwards run as without offload
         self._auto = None
         if engine.mode == "auto":
             from ._activation_plan import AutoPlanner
@@ -1034,6 +1035,7 @@ class ActivationOffload:
             model = self._model()
             if (
                 not self._enabled
+                or self._paused
                 or not torch.is_grad_enabled()
                 or torch.is_inference_mode_enabled()
                 or not model.training
@@ -1109,6 +1111,26 @@ class ActivationOffload:
         out["offloaded_layers"] = self.offloaded_layers()
         out["plan"] = self.plan
         return out
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Training forwards inside run exactly as without offload (no hooks); the handle, its
+        statistics and auto mode's plans stay as they were for the steps after it (a probe of
+        auto mode's that was running warms up again). For passes that should not be offloaded,
+        and to time a step without offload next to one with it.
+
+            with handle.paused():
+                model(batch).loss.backward()
+        """
+        if self._paused:
+            raise RuntimeError("offload.ActivationOffload.paused: already paused (not reentrant)")
+        if self._auto is not None:
+            self._auto.last_start = None  # a probe times from one hooked forward to the next
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
 
     def disable(self) -> None:
         """Restore every wrapped forward; saved tensors already offloaded still come back."""

@@ -1150,6 +1150,34 @@ def test_activation_auto_plans_again_when_copies_run_slower(pool, monkeypatch, c
     handle.disable()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_activation_paused_step_runs_without_offload(mode, pool):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    for _ in range(4):
+        _step(model, x)
+    before = handle.stats()
+    plan = handle.plan
+    with handle.paused():
+        with pytest.raises(RuntimeError, match="already paused"):
+            with handle.paused():
+                pass
+        loss, grads = _step(model, x)
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(grads, grads_ref)
+    assert handle.stats() == before  # the paused step saw no hook: nothing counted
+    loss, grads = _step(model, x)
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(grads, grads_ref)
+    assert handle.plan is plan and not handle._paused
+    if mode != "auto":
+        assert handle.stats()["groups_offloaded"] == before["groups_offloaded"] > 0
+    handle.disable()
+
+
 def test_activation_bad_arguments(pool):
     with pytest.raises(ValueError, match="no submodules and no parameters"):
         offload.enable_activation_offload(nn.Module())
