@@ -636,6 +636,21 @@ def test_copy_defer_of_many_small_tensors_is_bitwise(backend, device):
 
 
 @pytest.mark.cuda
+def test_device_current_stream_follows_stream_contexts(device):
+    """The device layer's current stream (read through a cache of stream objects) is the one
+    a stream context makes current, and the default one again after it; on every device."""
+    default = _device.current_stream(device)
+    sides = [_device.new_stream(device) for _ in range(70)]  # more than the cache holds
+    for side in sides:
+        assert side != default
+        with _device.stream_context(side):
+            assert _device.current_stream(device) == side
+            assert _device.current_stream(device.index) == side  # the slow path agrees
+            assert _device.current_stream(None) == side
+        assert _device.current_stream(device) == default
+
+
+@pytest.mark.cuda
 def test_copy_defer_sees_work_queued_before_the_call(backend, device):
     """On a side stream: the worker thread's own current stream is the default one, so a
     worker that ordered the copy after its thread's stream instead of the caller's would
