@@ -333,7 +333,10 @@ def _report(ctx, name, results, forward_ms, bandwidth):
                         baseline=hideable / GiB, unit="GiB", baseline_name="what the bus can hide (forward x D2H)",
                         offloaded_bytes=plan["offloaded_bytes"]))
         lines.append(f"  auto offloads {len(plan['offload'])} layers (model: {plan['tuning']['model_layers']}; "
-                     f"probed steps ms by layers offloaded: {plan['tuning']['step_ms']}), "
+                     f"probed steps ms by layers offloaded: {plan['tuning']['step_ms']}, against steps "
+                     f"without offload alternated with them: {plan['tuning'].get('baseline_ms')}"
+                     + (f"; planned again at {plan['d2h_gbps_under_compute']:.1f} GB/s, the copies' rate under "
+                        f"its compute" if plan.get("d2h_gbps_under_compute") else "") + "), "
                      f"{plan['offloaded_bytes'] / GiB:.2f} GiB "
                      f"= {100 * plan['offloaded_bytes'] / max(hideable, 1):.0f}% of what the bus can hide "
                      f"({hideable / GiB:.2f} GiB); peak lowered by {removed / GiB:.2f} GiB "
