@@ -764,9 +764,15 @@ class AutoPlanner:
         d2h_gbps, h2d_gbps = self.bus if self.dry else (stats["d2h_gbps"], stats["h2d_gbps"])
         d2h = d2h_gbps * 1e9 if d2h_gbps else None
         h2d = h2d_gbps * 1e9 if h2d_gbps else None
-        if d2h is None or h2d is None:
+        if d2h is None or h2d is None or self.budget is None:
             if self.bandwidth is None:
                 self.bandwidth = probe_bandwidth(self.engine.device)
+            if self.budget is None:
+                # The schedule starts from the faster of the two: the first measuring step's
+                # copies may be slowed by what else the step does first (an H100 read 49.8
+                # GB/s there in one run, 54.5 in the next), and a rate too high is corrected
+                # once the plan's own copies are timed (_rescheduled).
+                d2h, h2d = max(d2h or 0, self.bandwidth[0]), max(h2d or 0, self.bandwidth[1])
             d2h, h2d = d2h or self.bandwidth[0], h2d or self.bandwidth[1]
         eligible = [not k for k in handle._keep]
         allowance = None

@@ -1178,6 +1178,23 @@ def test_activation_paused_step_runs_without_offload(mode, pool):
     handle.disable()
 
 
+@pytest.mark.parametrize("idle_gbps, expected", [(1e6, (1e6, 1e6)), (1.0, (5.0, 6.0))])
+def test_activation_auto_schedule_starts_from_the_faster_bus_reading(idle_gbps, expected, pool, monkeypatch):
+    """Without a budget the schedule takes the faster of the first measuring step's copies
+    (here 5 and 6 GB/s) and an idle copy each way."""
+    from offload import _activation_plan
+
+    monkeypatch.setattr(_activation_plan, "probe_bandwidth", lambda device: (idle_gbps * 1e9, idle_gbps * 1e9))
+    model = _model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    stats = handle.engine.stats
+    monkeypatch.setattr(handle.engine, "stats", lambda: {**stats(), "d2h_gbps": 5.0, "h2d_gbps": 6.0})
+    for _ in range(3):
+        _step(model, torch.randn(8, 16))
+    assert (handle.plan["d2h_gbps"], handle.plan["h2d_gbps"]) == pytest.approx(expected)
+    handle.disable()
+
+
 def test_activation_bad_arguments(pool):
     with pytest.raises(ValueError, match="no submodules and no parameters"):
         offload.enable_activation_offload(nn.Module())
