@@ -34,9 +34,9 @@ its steps alternately with steps with nothing offloaded (run without hooks, exac
 without offload), and compares the medians: on a shared machine the steps drift by a few
 percent within minutes (on the H100 here, Llama at seq 8192: 79.6 ms in auto's baseline
 probe, 81.1-81.3 ms a minute later), as much as the tolerance, so a baseline timed in a
-probe of its own misjudged the counts probed before or after it. The model's k is probed first; if it
-costs more than `STEP_TOLERANCE` of its baseline, k is bisected down to the largest prefix
-that does not. A count the search settles on above zero is confirmed: probed once more,
+probe of its own misjudged the counts probed before or after it. The model's k is probed
+first; if it costs more than `STEP_TOLERANCE` of its baseline, k is bisected down to the
+largest prefix that does not. A count the search settles on above zero is confirmed: probed once more,
 and the plan backs off further if it misses the tolerance then (one good probe must not
 settle a plan whose steps run slower, as a bench or a training loop then sees). Each probe
 runs `PROBE_WARMUP_STEPS` unmeasured steps (new block sizes in the allocators) and
@@ -157,10 +157,10 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
     top of every activation), so it would not lower it; a layer whose copy passes the last
     layer's open is split there too, the part copied by then let go as the last layer opens.
     `before_peak` (m, seconds): the m-th tensor saved after the last layer is the last one
-    saved before the step's peak, that long after the last layer's end (a Llama's final norm
-    and head run 1.6 ms of the 3.8 ms before its loss upcasts the logits, the peak): copies
-    may then run until it, the part copied by the last layer's end let go there (point n),
-    the rest at that save (TAIL_POINT).
+    saved before the step's peak, that long after the last layer's end (a Llama at seq 8192
+    peaks in its loss, on the fp32 logits: on an H200 the 12th tensor saved after the last
+    layer, 3.2 ms after its end): copies may then run until it, the part copied by the last
+    layer's end let go there (point n), the rest at that save (TAIL_POINT).
     The last layer that fits is offloaded in part. Earliest layers first: their memory is
     freed for longest and backward needs them last, with the most time to bring them back.
 
@@ -511,7 +511,8 @@ class AutoPlanner:
         self.tail_marks: list = []  # (m, mark, peak bytes so far) of the tensors saved after the last layer
         self.bandwidth = None
         self.tuning = {}  # key -> _Probe while its plan is being checked against measured steps
-        self.last_start = None  # (mark, key, probe serial) of the last training forward of a planned shape
+        # (mark, key, probe serial, whether it offloaded) of the last training forward of a planned shape
+        self.last_start = None
         self.idle_key = None  # the shape of the last forward if its settled plan offloads nothing
         self.warned_budget = False  # a budget the plan cannot meet is warned about once per handle
 
@@ -764,16 +765,18 @@ class AutoPlanner:
         d2h_gbps, h2d_gbps = self.bus if self.dry else (stats["d2h_gbps"], stats["h2d_gbps"])
         d2h = d2h_gbps * 1e9 if d2h_gbps else None
         h2d = h2d_gbps * 1e9 if h2d_gbps else None
-        if d2h is None or h2d is None or self.budget is None:
+        if self.budget is None or d2h is None or h2d is None:
             if self.bandwidth is None:
                 self.bandwidth = probe_bandwidth(self.engine.device)
+            idle_d2h, idle_h2d = self.bandwidth
             if self.budget is None:
                 # The schedule starts from the faster of the two: the first measuring step's
                 # copies may be slowed by what else the step does first (an H100 read 49.8
                 # GB/s there in one run, 54.5 in the next), and a rate too high is corrected
                 # once the plan's own copies are timed (_rescheduled).
-                d2h, h2d = max(d2h or 0, self.bandwidth[0]), max(h2d or 0, self.bandwidth[1])
-            d2h, h2d = d2h or self.bandwidth[0], h2d or self.bandwidth[1]
+                d2h, h2d = max(d2h or 0, idle_d2h), max(h2d or 0, idle_h2d)
+            else:  # the window's plans keep the rate measured under it where there is one
+                d2h, h2d = d2h or idle_d2h, h2d or idle_h2d
         eligible = [not k for k in handle._keep]
         allowance = None
         peak = stats["peak_device_bytes"]

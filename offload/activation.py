@@ -547,9 +547,9 @@ class ActivationEngine:
         # without one can share a parameter's memory (frozen weights, buffers, DTensor local
         # shards, their views; also, conservatively, anything computed without grad, such as
         # int or bool outputs) or be a forward's input, and only those read the storages of
-        # the parameters and inputs (`_param_ptrs`): a walk of every
-        # layer's parameters each step, which took about a third of the hooks' host time in a
-        # profiled step of an 8-layer Llama with checkpointing.
+        # the parameters and inputs (`_param_ptrs`): a walk of every layer's parameters each
+        # step, which took about a third of the hooks' host time in a profiled step of an
+        # 8-layer Llama with checkpointing.
         if grad_fn is None:
             if self._param_pending:
                 for params in self._param_pending:
