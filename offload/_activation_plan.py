@@ -248,8 +248,10 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
         end = max(at, h2d_free) + durations[i]
         h2d_free = end
         exposed += max(0.0, end - begins[i])
-    used = any(p > n for i in order for p in (release_at[i] if isinstance(release_at[i], list) else [release_at[i]]))
-    return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at, tail_save if used else None), order, exposed
+    # The point after the last layer is kept only if some part is let go there.
+    points = [p for i in order for p in (release_at[i] if isinstance(release_at[i], list) else [release_at[i]])]
+    tail_save = tail_save if any(p > n for p in points) else None
+    return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at, tail_save), order, exposed
 
 
 def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: float, window: int):

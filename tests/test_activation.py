@@ -908,7 +908,8 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, c
             settle(group)
 
         monkeypatch.setattr(engine, "_settle", settled)
-        monkeypatch.setattr(engine, "_saved_after_layers", lambda: (log.append(("tail", engine._tail + 1)), saved_after()))
+        monkeypatch.setattr(engine, "_saved_after_layers",
+                            lambda: (log.append(("tail", engine._tail + 1)), saved_after()))
         _log_fetch_and_restore(monkeypatch, engine, log, lambda group: group.layer)
         x = torch.randn(8, 16)
         _, grads_ref = _step(ref, x)
