@@ -214,25 +214,28 @@ def _columns(ctx, name, model, loss_fn, bandwidth):
     return results, forward
 
 
-def _alternated_paused(ctx, model, loss_fn, handle, rounds):
-    """(offloaded, paused) median step ms of a settled handle, the two taken in alternation:
-    each round times a step of the plan and a step inside `handle.paused()` (exactly as
-    without offload), each after an untimed one of its kind, so that drift between the
-    columns (3-5% within a run on these hosts) lands on both alike."""
+def _alternated(ctx, model, loss_fn, rounds, ours, theirs):
+    """(ours, theirs) median step ms, the two taken in alternation: each round times a step
+    inside the context `ours()` and one inside `theirs()`, each after an untimed one of its
+    kind, so that drift between the columns (3-5% within a run on these hosts) lands on both
+    alike."""
 
     def step():
         model.zero_grad(set_to_none=False)
         loss_fn().backward()
 
-    def paused_step():
-        with handle.paused():
-            step()
-
-    ours, theirs = [], []
+    times = ([], [])
     for _ in range(rounds):
-        ours.append(time_ms(step, ctx.device, warmup=1, iters=1)["median_ms"])
-        theirs.append(time_ms(paused_step, ctx.device, warmup=1, iters=1)["median_ms"])
-    return statistics.median(ours), statistics.median(theirs)
+        for context, out in zip((ours, theirs), times):
+            with context():
+                out.append(time_ms(step, ctx.device, warmup=1, iters=1)["median_ms"])
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _alternated_paused(ctx, model, loss_fn, handle, rounds):
+    """(offloaded, paused) median step ms of a settled handle, steps alternated: steps inside
+    `handle.paused()` run exactly as without offload, and the plan stays."""
+    return _alternated(ctx, model, loss_fn, rounds, contextlib.nullcontext, handle.paused)
 
 
 def _alternated_checkpoint(ctx, model, loss_fn, rounds):
@@ -246,26 +249,22 @@ def _alternated_checkpoint(ctx, model, loss_fn, rounds):
     first step after enabling allocates).
     """
 
-    def step():
-        model.zero_grad(set_to_none=False)
-        loss_fn().backward()
+    @contextlib.contextmanager
+    def offloaded():
+        handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0 if ctx.quick else (1 << 20),
+                                                   verbose=False)
+        try:
+            yield
+        finally:
+            handle.disable()
 
     model.set_checkpointing(True)
-    ours, theirs = [], []
     try:
-        for _ in range(rounds):
-            handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0 if ctx.quick else (1 << 20),
-                                                       verbose=False)
-            try:
-                ours.append(time_ms(step, ctx.device, warmup=1, iters=1)["median_ms"])
-            finally:
-                handle.disable()
-            theirs.append(time_ms(step, ctx.device, warmup=1, iters=1)["median_ms"])
+        return _alternated(ctx, model, loss_fn, rounds, offloaded, contextlib.nullcontext)
     finally:
         model.set_checkpointing(False)
         gc.collect()
         _device.empty_cache()
-    return statistics.median(ours), statistics.median(theirs)
 
 
 def _report(ctx, name, results, forward_ms, bandwidth):
@@ -314,16 +313,13 @@ def _report(ctx, name, results, forward_ms, bandwidth):
     rows.append(row(SECTION, f"{name} async+ckpt vs ckpt", offload=results["async+checkpoint"][0],
                     baseline=results["checkpoint"][0], unit="ms", baseline_name="checkpointing",
                     higher_is_better=False))
-    rows.append(row(SECTION, f"{name} async+ckpt vs ckpt, alternated", offload=alternated[0],
-                    baseline=alternated[1], unit="ms", baseline_name="checkpointing, steps alternated",
-                    higher_is_better=False))
-    lines.append(f"  async+checkpoint vs checkpoint, steps alternated: {alternated[0]:.1f} vs {alternated[1]:.1f} ms "
-                 f"= {alternated[0] / alternated[1]:.3f}x")
-    rows.append(row(SECTION, f"{name} auto vs none, alternated", offload=auto_alternated[0],
-                    baseline=auto_alternated[1], unit="ms", baseline_name="no offload (paused), steps alternated",
-                    higher_is_better=False))
-    lines.append(f"  auto vs no offload, steps alternated: {auto_alternated[0]:.1f} vs {auto_alternated[1]:.1f} ms "
-                 f"= {auto_alternated[0] / auto_alternated[1]:.3f}x")
+    for case, said, pair, baseline_name in (
+        ("async+ckpt vs ckpt", "async+checkpoint vs checkpoint", alternated, "checkpointing"),
+        ("auto vs none", "auto vs no offload", auto_alternated, "no offload (paused)"),
+    ):
+        rows.append(row(SECTION, f"{name} {case}, alternated", offload=pair[0], baseline=pair[1], unit="ms",
+                        baseline_name=f"{baseline_name}, steps alternated", higher_is_better=False))
+        lines.append(f"  {said}, steps alternated: {pair[0]:.1f} vs {pair[1]:.1f} ms = {pair[0] / pair[1]:.3f}x")
     auto_stats = results["auto"][2]
     if auto_stats and auto_stats.get("plan"):
         plan = auto_stats["plan"]
