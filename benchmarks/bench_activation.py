@@ -137,7 +137,8 @@ def _bandwidth(device, rounds: int = 3):
     return gbps(src.numel(), min(d2h_ms)), gbps(src.numel(), min(h2d_ms))
 
 
-# Auto mode settles after 2 measured steps and at most a few probes of 4 steps each (a confirmation included).
+# Auto mode settles after 2-3 measured steps and a few probes of 8 steps each (a confirmation
+# included): 19 steps when the model's plan holds, 40-50 in the bench's runs that backed off.
 AUTO_MAX_WARMUP = 60
 
 
