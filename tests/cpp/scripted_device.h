@@ -19,6 +19,7 @@ namespace scripted {
 struct ScriptedEvent {
   bool done = false;
   c10::StreamId recorded_on = 0;
+  c10::EventFlag flag = c10::EventFlag::PYTORCH_DEFAULT;  // what it was created with
 };
 
 // What the scripted device did, for the tests to read.
@@ -26,6 +27,7 @@ struct Log {
   int created = 0;
   int destroyed = 0;
   int synchronized = 0;  // host waits on events
+  int queries = 0;       // queries of events (driver calls)
   std::set<ScriptedEvent*> live;
   std::vector<std::pair<ScriptedEvent*, c10::StreamId>> blocks;  // (event, waiting stream)
   void complete_all() {
@@ -61,9 +63,11 @@ struct ScriptedGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getStream(c10::Device d) const noexcept override { return c10::Stream(c10::Stream::UNSAFE, d, 0); }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
   c10::DeviceIndex deviceCount() const noexcept override { return 4; }
-  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex, const c10::EventFlag) const override {
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex,
+              const c10::EventFlag flag) const override {
     if (*event == nullptr) {
       auto* e = new ScriptedEvent();
+      e->flag = flag;
       log().created += 1;
       log().live.insert(e);
       *event = e;
@@ -75,7 +79,10 @@ struct ScriptedGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void block(void* event, const c10::Stream& stream) const override {
     log().blocks.emplace_back(static_cast<ScriptedEvent*>(event), stream.id());
   }
-  bool queryEvent(void* event) const override { return event == nullptr || static_cast<ScriptedEvent*>(event)->done; }
+  bool queryEvent(void* event) const override {
+    log().queries += 1;
+    return event == nullptr || static_cast<ScriptedEvent*>(event)->done;
+  }
   void synchronizeEvent(void* event) const override {  // the host waits: the event completes
     log().synchronized += 1;
     if (event != nullptr) static_cast<ScriptedEvent*>(event)->done = true;

@@ -52,6 +52,47 @@ OFFLOAD_TEST(event_cache_keeps_devices_apart) {
   REQUIRE(driver_event(back_on_one, 1) == id);
 }
 
+OFFLOAD_TEST(event_cache_keeps_timing_events_apart) {
+  // A completed plain event is at hand, but a timing event (elapsed times need one made
+  // with timing) is another: made anew, and handed out again only as a timing event.
+  c10::Event plain = offload::take_event(device(2));
+  ScriptedEvent* plain_id = driver_event(plain, 2);
+  offload::give_back_event(std::move(plain));
+  log().complete_all();
+  c10::Event timing = offload::take_event(device(2), c10::EventFlag::BACKEND_DEFAULT);
+  REQUIRE(!timing.was_marked_for_recording());
+  ScriptedEvent* timing_id = driver_event(timing, 2);
+  REQUIRE(timing_id != plain_id && timing_id->flag == c10::EventFlag::BACKEND_DEFAULT);
+  offload::give_back_event(std::move(timing));
+  log().complete_all();
+  c10::Event plain_again = offload::take_event(device(2));
+  REQUIRE(driver_event(plain_again, 2) == plain_id);
+  c10::Event timing_again = offload::take_event(device(2), c10::EventFlag::BACKEND_DEFAULT);
+  REQUIRE(driver_event(timing_again, 2) == timing_id);
+}
+
+OFFLOAD_TEST(event_cache_queries_only_when_no_completed_event_is_at_hand) {
+  // A query is a driver call: a take that finds a completed event of its kind at hand makes
+  // none; one that finds none queries the given-back events, oldest first, until one is pending.
+  for (int i = 0; i < 3; ++i) {
+    c10::Event e = offload::take_event(device(1));
+    e.record(stream(1, 1));
+    offload::give_back_event(std::move(e));
+  }
+  log().complete_all();
+  c10::Event first = offload::take_event(device(1));  // none at hand: the completed ones are moved
+  const int queries = log().queries;
+  c10::Event second = offload::take_event(device(1));
+  c10::Event third = offload::take_event(device(1));
+  REQUIRE(second.was_marked_for_recording() && third.was_marked_for_recording());  // recycled
+  REQUIRE_EQ(log().queries, queries);
+  second.record(stream(1, 1));  // pending now
+  offload::give_back_event(std::move(second));
+  c10::Event fourth = offload::take_event(device(1));  // none at hand: one query finds the oldest pending
+  REQUIRE(!fourth.was_marked_for_recording());
+  REQUIRE_EQ(log().queries, queries + 1);
+}
+
 OFFLOAD_TEST(event_cache_never_given_back_twice_and_drops_unrecorded) {
   c10::Event unused = offload::take_event(device(3));
   const int destroyed = log().destroyed;

@@ -16,9 +16,11 @@
 
 namespace offload {
 
-// An event for `device`: a completed one from the cache, or a new one (created by
-// the backend at its first record). Thread-safe.
-c10::Event take_event(const c10::Device& device);
+// An event for `device` made with `flag`: a completed one from the cache, or a new
+// one (created by the backend at its first record). Thread-safe. Timing events
+// (BACKEND_DEFAULT) are cached apart from the others: a copy timed once per layer
+// per step made two and destroyed two, each a driver call, in a launch-bound step.
+c10::Event take_event(const c10::Device& device, c10::EventFlag flag = c10::EventFlag::PYTORCH_DEFAULT);
 
 // Returns an event its owner no longer uses (it may still be pending: it is
 // reused once a query finds it complete). Calls the driver only to destroy the
