@@ -298,21 +298,42 @@ void Transfer::Deferred::publish(std::exception_ptr failure) {
   queued.notify_all();
 }
 
+CopyTimer::~CopyTimer() {
+  if (start) give_back_event(std::move(*start));
+  if (end) give_back_event(std::move(*end));
+}
+
+c10::optional<double> CopyTimer::seconds() const {
+  if (host_seconds) return host_seconds;
+  if (!start || !end || !end->query()) return c10::nullopt;
+  return start->elapsedTime(*end) / 1000.0;  // c10 reports milliseconds
+}
+
+namespace {
+void check_timed(const char* fn, const std::shared_ptr<CopyTimer>& timer) {
+  TORCH_CHECK_VALUE(timer != nullptr, fn, ": this copy was not timed; pass timing=True to offload.copy_to_host or "
+                    "offload.copy_to_device");
+}
+}  // namespace
+
 c10::optional<double> Transfer::copy_seconds() const {
-  TORCH_CHECK_VALUE(timed_, "offload.CopyHandle.copy_seconds: this copy was not timed; pass timing=True to "
-                    "offload.copy_to_host");
+  check_timed("offload.CopyHandle.copy_seconds", timer_);
   if (enqueue_pending()) return c10::nullopt;  // never waits
   wait_enqueued();                             // raises a deferred copy's failure
-  if (host_seconds_) return host_seconds_;
-  if (!timing_end_ || !timing_end_->query()) return c10::nullopt;
-  return timing_start_->elapsedTime(*timing_end_) / 1000.0;  // c10 reports milliseconds
+  return timer_->seconds();
+}
+
+std::shared_ptr<CopyTimer> Transfer::timer() const {
+  check_timed("offload.CopyHandle.copy_timer", timer_);
+  wait_enqueued();  // the events are recorded once the copies are queued
+  return timer_;
 }
 
 bool Transfer::query(bool drain) const {
   wait_enqueued();
   // The timing end event is recorded after the last completion event: done means
   // both, so copy_seconds() has its answer once a handle is seen done.
-  const bool done = (events_.empty() || events_.back().query()) && (!timing_end_ || timing_end_->query());
+  const bool done = (events_.empty() || events_.back().query()) && (!timer_ || timer_->done());
   if (done && drain) InFlight::instance().drain();
   return done;
 }
@@ -351,7 +372,7 @@ void Transfer::synchronize(bool drain) const {
     throw;
   }
   if (!events_.empty()) events_.back().synchronize();
-  if (timing_end_) timing_end_->synchronize();  // recorded after the last event (see query)
+  if (timer_) timer_->synchronize();  // its end is recorded after the last event (see query)
   if (drain) InFlight::instance().drain();
 }
 
@@ -558,20 +579,25 @@ class CopyEngine {
   // ------------------------------------------- byte spans of storages -> one host block
   static std::shared_ptr<Transfer> spans_to_host(const std::vector<at::Tensor>& sources,
                                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
-                                                 const at::Tensor& out, const std::vector<int64_t>& offsets,
-                                                 HostPool& pool, const c10::optional<c10::Stream>& stream,
-                                                 int64_t chunk_bytes) {
+                                                 const at::Tensor& given_out, int64_t out_bytes,
+                                                 const std::vector<int64_t>& offsets, HostPool& pool,
+                                                 const c10::optional<c10::Stream>& stream,
+                                                 const CopyOptions& options) {
     const char* fn = "offload.copy_spans_to_host";
     const size_t n = sources.size();
     TORCH_CHECK_VALUE(starts.size() == n && sizes.size() == n && offsets.size() == n, fn,
                       ": tensors, starts, sizes and offsets need one entry per span, got ", n, ", ", starts.size(),
                       ", ", sizes.size(), " and ", offsets.size());
-    TORCH_CHECK_VALUE(out.defined() && out.is_cpu() && out.scalar_type() == at::kByte && out.dim() == 1 &&
-                          out.is_contiguous(),
-                      fn, ": out must be a 1-d uint8 host tensor (a HostPool block), got ",
-                      out.defined() ? describe(out) : std::string("an undefined tensor"));
-    TORCH_CHECK_VALUE(pool.owns(out), fn, ": out must be a block of the pool the copy records on "
-                      "(HostPool.acquire), so it is not reused before the copy completes");
+    if (given_out.defined()) {
+      TORCH_CHECK_VALUE(given_out.is_cpu() && given_out.scalar_type() == at::kByte && given_out.dim() == 1 &&
+                            given_out.is_contiguous(),
+                        fn, ": out must be a 1-d uint8 host tensor (a HostPool block), got ", describe(given_out));
+      TORCH_CHECK_VALUE(pool.owns(given_out), fn, ": out must be a block of the pool the copy records on "
+                        "(HostPool.acquire), so it is not reused before the copy completes");
+    } else {
+      TORCH_CHECK_VALUE(out_bytes >= 0, fn, ": out must be a HostPool block or its size in bytes (>= 0), got ",
+                        out_bytes);
+    }
     const c10::DeviceType expected = pool.device_type();
     int64_t total = 0;
     for (size_t i = 0; i < n; ++i) {
@@ -580,15 +606,18 @@ class CopyEngine {
       TORCH_CHECK_VALUE(starts[i] >= 0 && sizes[i] >= 0 && starts[i] + sizes[i] <= storage_bytes, fn, ": span ", i,
                         " is bytes [", starts[i], ", ", starts[i] + sizes[i], ") of a storage of ", storage_bytes,
                         " bytes");
-      TORCH_CHECK_VALUE(offsets[i] >= 0 && offsets[i] + sizes[i] <= out.numel(), fn, ": span ", i, " goes to bytes [",
-                        offsets[i], ", ", offsets[i] + sizes[i], ") of out, which has ", out.numel());
+      const int64_t out_numel = given_out.defined() ? given_out.numel() : out_bytes;
+      TORCH_CHECK_VALUE(offsets[i] >= 0 && offsets[i] + sizes[i] <= out_numel, fn, ": span ", i, " goes to bytes [",
+                        offsets[i], ", ", offsets[i] + sizes[i], ") of out, which has ", out_numel);
       total += sizes[i];
     }
     const c10::Device device = n ? sources[0].device() : c10::Device(at::kCPU);
     const bool on_device = !device.is_cpu();
     TORCH_CHECK_VALUE(!on_device || stream.has_value(), fn, ": a copy stream is required for ", device);
+    const at::Tensor out = given_out.defined() ? given_out : pool.allocate(static_cast<size_t>(out_bytes));
     auto result = std::make_shared<Transfer>(device);
     result->nbytes_ = total;
+    if (options.timing) result->timer_ = std::make_shared<CopyTimer>();
     result->outputs_->push_back(out);
     result->host_bases_->push_back(out);
     result->event_of_.assign(1, -1);
@@ -596,11 +625,15 @@ class CopyEngine {
     auto copy_all = [&] {
       for (size_t i = 0; i < n; ++i) {
         const char* src = static_cast<const char*>(sources[i].storage().data()) + starts[i];
-        copy_chunked(dst + offsets[i], true, src, !on_device, sizes[i], chunk_bytes, device);
+        copy_chunked(dst + offsets[i], true, src, !on_device, sizes[i], options.chunk_bytes, device);
       }
     };
     if (!on_device) {  // host to host: done on return
+      const auto start = std::chrono::steady_clock::now();
       copy_all();
+      if (options.timing) {
+        result->timer_->host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
       return result;
     }
     {
@@ -610,9 +643,11 @@ class CopyEngine {
       c10::DeviceGuard on_device_guard(device);
       order_after(*stream, current_stream(device));
       c10::StreamGuard on_copy(*stream);
+      if (options.timing) record_timing(result->timer_->start, *stream);  // after the wait: the copies only
       copy_all();
       if (!pool.record_stream(out, *stream)) result->keepalive_.push_back(out);
       result->mark_complete(*stream, {0});
+      if (options.timing) record_timing(result->timer_->end, *stream);
     }
     hold_sources(*result, sources, stream);
     return result;
@@ -651,6 +686,12 @@ class CopyEngine {
   }
 
  private:
+  // A timing event from the cache, recorded on `stream`.
+  static void record_timing(c10::optional<c10::Event>& event, const c10::Stream& stream) {
+    event.emplace(take_event(stream.device(), c10::EventFlag::BACKEND_DEFAULT));
+    event->record(stream);
+  }
+
   // A device-to-host transfer holds its sources until its copies complete. They
   // are handed over once queued (or on failure, those converted so far), not
   // before, so the first copy does not wait for thousands of reference counts.
@@ -730,7 +771,7 @@ class CopyEngine {
         : tensors_(tensors), pool_(pool), stream_(stream), options_(options), r_(r), on_device_(on_device),
           device_(r.device_), n_(tensors.size()), prepared_(n_) {
       r_.event_of_.assign(n_, -1);
-      r_.timed_ = options.timing;
+      if (options.timing) r_.timer_ = std::make_shared<CopyTimer>();
     }
     ~ToHost() {
       if (packed_) give_back_event(std::move(*packed_));
@@ -893,11 +934,10 @@ class CopyEngine {
     void end_timing() {
       if (!options_.timing) return;
       if (!on_device_) {
-        r_.host_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start_).count();
+        r_.timer_->host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start_).count();
         return;
       }
-      r_.timing_end_.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
-      r_.timing_end_->record(*stream_);
+      record_timing(r_.timer_->end, *stream_);
     }
 
     void finish_views(bool into_out, const std::shared_ptr<Transfer>& reuse) {
@@ -982,8 +1022,7 @@ class CopyEngine {
         host_start_ = std::chrono::steady_clock::now();
         return;
       }
-      r_.timing_start_.emplace(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
-      r_.timing_start_->record(*stream_);
+      record_timing(r_.timer_->start, *stream_);
     }
 
     // Prepares the members of `group` and checks them against the handle `reuse`.
@@ -1273,12 +1312,27 @@ class CopyEngine {
     }
 
     void run() {
+      if (options_.timing) r_.timer_ = std::make_shared<CopyTimer>();
       if (from_ && !on_device_) from_->synchronize();
       if (on_device_) {
         device_guard_.reset_device(device_);
         order_after(*stream_, current_stream(device_));
         if (from_) from_->wait_stream(*stream_);
+        if (options_.timing) record_timing(r_.timer_->start, *stream_);  // after the waits: the copies only
       }
+      const auto host_start = std::chrono::steady_clock::now();
+      enqueue_all();
+      if (options_.timing) {
+        if (on_device_) {
+          record_timing(r_.timer_->end, *stream_);
+        } else {
+          r_.timer_->host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count();
+        }
+      }
+    }
+
+   private:
+    void enqueue_all() {
       GroupSizes sizes(options_);
       Span span;
       for (size_t i = 0; i < n_; ++i) {
@@ -1329,7 +1383,6 @@ class CopyEngine {
       if (!span.members.empty()) enqueue(span);
     }
 
-   private:
     struct Span {
       const void* storage = nullptr;
       std::vector<int64_t> members;
@@ -1477,10 +1530,10 @@ std::shared_ptr<Transfer> copy_to_host_deferred(std::vector<at::Tensor> tensors,
 
 std::shared_ptr<Transfer> copy_spans_to_host(const std::vector<at::Tensor>& tensors,
                                              const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
-                                             const at::Tensor& out, const std::vector<int64_t>& offsets,
-                                             HostPool& pool, const c10::optional<c10::Stream>& stream,
-                                             const CopyOptions& options) {
-  return CopyEngine::spans_to_host(tensors, starts, sizes, out, offsets, pool, stream, options.chunk_bytes);
+                                             const at::Tensor& out, int64_t out_bytes,
+                                             const std::vector<int64_t>& offsets, HostPool& pool,
+                                             const c10::optional<c10::Stream>& stream, const CopyOptions& options) {
+  return CopyEngine::spans_to_host(tensors, starts, sizes, out, out_bytes, offsets, pool, stream, options);
 }
 
 std::shared_ptr<Transfer> copy_to_device(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
@@ -1627,7 +1680,14 @@ void bind_copy_engine(py::module_& m) {
              settle_deferred(t);
              t.release_sources(s);
            })
-      .def("copy_seconds", &Transfer::copy_seconds);  // never waits
+      .def("copy_seconds", &Transfer::copy_seconds)  // never waits
+      .def("timer", [](const Transfer& t) {
+        settle_deferred(t);
+        return t.timer();
+      });
+  py::class_<CopyTimer, std::shared_ptr<CopyTimer>>(m, "CopyTimer")
+      .def("seconds", &CopyTimer::seconds)  // never waits
+      .def("synchronize", &CopyTimer::synchronize, py::call_guard<py::gil_scoped_release>());
   auto make_options = [](bool require_pinned, int64_t small_bytes, int64_t chunk_bytes) {
     CopyOptions o;
     o.require_pinned = require_pinned;
@@ -1671,19 +1731,23 @@ void bind_copy_engine(py::module_& m) {
     py::gil_scoped_release no_gil;
     CopyWorker::instance().wait_idle();
   });
+  // out None: the core acquires a block of out_bytes from the pool.
   m.def("copy_spans_to_host",
         [make_options](const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& starts,
-                       const std::vector<int64_t>& sizes, const at::Tensor& out, const std::vector<int64_t>& offsets,
-                       HostPool& pool, c10::optional<c10::Stream> stream, int64_t chunk_bytes) {
+                       const std::vector<int64_t>& sizes, c10::optional<at::Tensor> out, int64_t out_bytes,
+                       const std::vector<int64_t>& offsets, HostPool& pool, c10::optional<c10::Stream> stream,
+                       int64_t chunk_bytes, bool timing) {
           collect_with_gil();
           py::gil_scoped_release no_gil;
-          const auto options = make_options(true, 0, chunk_bytes);
-          return copy_spans_to_host(tensors, starts, sizes, out, offsets, pool, stream, options);
+          auto options = make_options(true, 0, chunk_bytes);
+          options.timing = timing;
+          return copy_spans_to_host(tensors, starts, sizes, out.value_or(at::Tensor()), out_bytes, offsets, pool,
+                                    stream, options);
         });
   m.def("copy_to_device",
         [make_options](const py::object& tensors, std::shared_ptr<Transfer> from, c10::Device device,
                        HostPool& pool, c10::optional<c10::Stream> stream, c10::optional<std::vector<at::Tensor>> out,
-                       bool require_pinned, int64_t small_bytes, int64_t chunk_bytes) {
+                       bool require_pinned, int64_t small_bytes, int64_t chunk_bytes, bool timing) {
           TORCH_CHECK_VALUE(!tensors.is_none() || from, "offload.copy_to_device: tensors is None and no transfer given");
           c10::optional<TensorSource> given;
           if (!tensors.is_none()) {
@@ -1692,7 +1756,8 @@ void bind_copy_engine(py::module_& m) {
           }
           collect_with_gil();
           py::gil_scoped_release no_gil;
-          const auto options = make_options(require_pinned, small_bytes, chunk_bytes);
+          auto options = make_options(require_pinned, small_bytes, chunk_bytes);
+          options.timing = timing;
           if (given) return copy_to_device(*given, from, device, pool, stream, out, options);
           return copy_to_device(from->tensors(), from, device, pool, stream, out, options);
         });

@@ -105,6 +105,13 @@ class CopyHandle:
         seconds = self._impl.copy_seconds()
         return None if seconds is None else float(seconds)
 
+    def copy_timer(self):
+        """The copy's timing apart from the handle: an object whose `seconds()` is
+        `copy_seconds()` and whose `synchronize()` waits for the copies, holding none of the
+        handle's tensors (read the seconds later without keeping the buffers alive).
+        Needs `timing=True`."""
+        return self._impl.timer()
+
     def wait_tensor(self, index: int, stream=None) -> torch.Tensor:
         """Make `stream` wait only for the copy that carries tensors[index]; returns it."""
         count = self._impl.size()
@@ -241,19 +248,20 @@ def copy_to_host(
                                same_sources))
 
 
-def copy_spans_to_host(tensors, starts, sizes, out: torch.Tensor, offsets, *, pool: Optional[HostPool] = None,
-                       stream=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> CopyHandle:
+def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[HostPool] = None,
+                       stream=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timing: bool = False) -> CopyHandle:
     """Copy byte spans of tensors' storages into one pooled host block, asynchronously.
 
     Span i is bytes [starts[i], starts[i] + sizes[i]) of ``tensors[i].untyped_storage()``;
-    it lands at ``out[offsets[i]:offsets[i] + sizes[i]]``. `out` is a uint8 block of
-    `pool` (``pool.acquire``). The handle's one tensor is `out`. The copy starts after
-    the work queued on the current stream, as `copy_to_host`; the sources are held
-    until it completes.
+    it lands at ``block[offsets[i]:offsets[i] + sizes[i]]``. `out` is the block: a uint8
+    block of `pool` (``pool.acquire``), or its size in bytes (an int), for a block the
+    call acquires from `pool` itself. The handle's one tensor is the block. The copy
+    starts after the work queued on the current stream, as `copy_to_host`; the sources
+    are held until it completes. `timing`: as `copy_to_host`'s (`handle.copy_seconds()`).
 
     The native core copies the spans in one call, with no tensor per span (the
     activation engine's group of a layer); the pure-PyTorch path makes uint8 views of
-    the spans and of their places in `out` and copies those.
+    the spans and of their places in the block and copies those.
     """
     fn = "offload.copy_spans_to_host"
     tensors = _as_list(fn, tensors)
@@ -262,22 +270,29 @@ def copy_spans_to_host(tensors, starts, sizes, out: torch.Tensor, offsets, *, po
                          f"{len(tensors)}, {len(starts)}, {len(sizes)} and {len(offsets)}")
     _check_sizes(fn, 0, chunk_bytes)
     pool = _pool_or_default(fn, pool)
+    given = isinstance(out, torch.Tensor)
+    if not given and (isinstance(out, bool) or not isinstance(out, int) or out < 0):
+        raise TypeError(f"{fn}: out must be a HostPool block (a uint8 tensor) or its size in bytes (an int >= 0), "
+                        f"got {out!r}")
     core = _backend.core()
     if core is not None and pool.native:
         device = tensors[0].device if tensors else _device.current_device()
         copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
         return _call_native(fn, tensors, None, lambda: core.copy_spans_to_host(
-            tensors, list(starts), list(sizes), out, list(offsets), pool._impl, copy_stream, chunk_bytes))
+            tensors, list(starts), list(sizes), out if given else None, 0 if given else out, list(offsets), pool._impl,
+            copy_stream, chunk_bytes, bool(timing)))
+    size = out.numel() if given else out
     for i, (t, lo, n, at) in enumerate(zip(tensors, starts, sizes, offsets)):  # the checks the core makes
         storage_bytes = t.untyped_storage().nbytes()
         if lo < 0 or n < 0 or lo + n > storage_bytes:
             raise ValueError(f"{fn}: span {i} is bytes [{lo}, {lo + n}) of a storage of {storage_bytes} bytes")
-        if at < 0 or at + n > out.numel():
-            raise ValueError(f"{fn}: span {i} goes to bytes [{at}, {at + n}) of out, which has {out.numel()}")
-    spans = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (n,))
-             for t, lo, n in zip(tensors, starts, sizes)]
-    places = [out[at : at + n] for at, n in zip(offsets, sizes)]
-    return copy_to_host(spans, out=places, pool=pool, stream=stream, chunk_bytes=chunk_bytes)
+        if at < 0 or at + n > size:
+            raise ValueError(f"{fn}: span {i} goes to bytes [{at}, {at + n}) of out, which has {size}")
+    from ._copy_fallback import copy_spans_to_host as fallback
+
+    _check_list(fn, tensors)
+    block = out if given else pool.acquire(out)
+    return CopyHandle(fallback(tensors, starts, sizes, block, offsets, pool, stream, chunk_bytes, timing))
 
 
 def copy_to_device(
@@ -290,6 +305,7 @@ def copy_to_device(
     require_pinned: bool = True,
     small_bytes: int = DEFAULT_SMALL_BYTES,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timing: bool = False,
 ) -> CopyHandle:
     """Copy host tensors (or the result of `copy_to_host`) to the device, asynchronously.
 
@@ -301,6 +317,7 @@ def copy_to_device(
         out: existing device tensors to copy into (shapes and dtypes must match).
         stream: the copy stream (default: the device's dedicated host-to-device stream).
         require_pinned: refuse pageable host sources, whose copies would block the host.
+        timing: time the copies on the copy stream; read with `handle.copy_seconds()`.
 
     Outputs are allocated on the current stream, so the consumer that called this
     owns them; they are ready for it after `handle.wait_stream()`.
@@ -317,12 +334,13 @@ def copy_to_device(
         # A handle's tensors stay in the core (None): no round trip through a Python list.
         copy_stream = stream if stream is not None else _device.copy_streams(device)[1]
         return _call_native(fn, sources or [], out_list, lambda: core.copy_to_device(
-            sources, handle, device, pool._impl, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes))
+            sources, handle, device, pool._impl, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes,
+            bool(timing)))
     from ._copy_fallback import copy_to_device as fallback
 
     sources = _check_list(fn, handle.tensors() if handle is not None else sources)
     out_list = None if out_list is None else _check_list(fn, out_list, "out")
-    return CopyHandle(fallback(sources, handle, device, pool, stream, out_list, require_pinned, chunk_bytes))
+    return CopyHandle(fallback(sources, handle, device, pool, stream, out_list, require_pinned, chunk_bytes, timing))
 
 
 def _pool_or_default(fn: str, pool) -> HostPool:

@@ -75,18 +75,35 @@ class PyTransfer:
 
     def copy_seconds(self) -> Optional[float]:
         """Seconds the copies took, or None while they run (never blocks)."""
+        return self.timer("offload.CopyHandle.copy_seconds").seconds()
+
+    def timer(self, fn: str = "offload.CopyHandle.copy_timer") -> "PyTimer":
         if self._timing is None:
-            raise ValueError("offload.CopyHandle.copy_seconds: this copy was not timed; pass timing=True to "
-                             "offload.copy_to_host")
-        if not isinstance(self._timing, tuple):
-            return self._timing
-        start, end = self._timing
-        return start.elapsed_time(end) / 1000.0 if end.query() else None  # torch reports milliseconds
+            raise ValueError(f"{fn}: this copy was not timed; pass timing=True to offload.copy_to_host or "
+                             "offload.copy_to_device")
+        return PyTimer(self._timing)
 
     def release_sources(self, stream) -> None:
         # The sources are protected by record_stream here, so there is nothing to drop:
         # the allocator reuses them once the copy stream has passed them.
         self.wait_stream(stream)
+
+
+class PyTimer:
+    """A timed copy's timing, apart from its transfer (the core's CopyTimer)."""
+
+    def __init__(self, timing):
+        self._timing = timing  # (start, end) timing events on the copy stream, or the host's seconds
+
+    def seconds(self) -> Optional[float]:
+        if not isinstance(self._timing, tuple):
+            return self._timing
+        start, end = self._timing
+        return start.elapsed_time(end) / 1000.0 if end.query() else None  # torch reports milliseconds
+
+    def synchronize(self) -> None:
+        if isinstance(self._timing, tuple):
+            self._timing[1].synchronize()
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -208,6 +225,16 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
     return PyTransfer(device, outputs, end, nbytes, restore, timed, refilled if refilled is not None else now)
 
 
+def copy_spans_to_host(tensors, starts, sizes, block, offsets, pool, stream, chunk_bytes, timing) -> PyTransfer:
+    """Byte spans of the tensors' storages into `block`: uint8 views of each span and of its
+    place, copied as `copy_to_host(out=...)` copies; the transfer's one tensor is `block`."""
+    spans = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (n,))
+             for t, lo, n in zip(tensors, starts, sizes)]
+    places = [block[at : at + n] for at, n in zip(offsets, sizes)]
+    copied = copy_to_host(spans, pool, stream, places, None, True, chunk_bytes, timing)
+    return PyTransfer(copied.device(), [block], copied._event, copied.nbytes(), [None], copied._timing)
+
+
 def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
     """dst.copy_(src) in pieces of about chunk_bytes along the first dimension."""
     nbytes = src.numel() * src.element_size()
@@ -220,7 +247,7 @@ def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> Non
 
 
 @torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
-def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, chunk_bytes) -> PyTransfer:
+def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, chunk_bytes, timing=False) -> PyTransfer:
     fn = "offload.copy_to_device"
     for i, h in enumerate(sources):
         _check_source(fn, i, h, "cpu", sources[0])
@@ -274,6 +301,10 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
             handle.wait_stream(copy_stream)
     elif handle is not None:
         handle.synchronize()
+    timed_from = _device.new_event(device, timing=True) if timing and on_accel else None
+    if timed_from is not None:
+        timed_from.record(copy_stream)  # after the waits: the copies only
+    host_start = time.perf_counter()
 
     outputs = []
     with _device.stream_context(copy_stream):
@@ -295,6 +326,9 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
             outputs.append(result)
     end = None
     if on_accel:
-        end = _device.new_event(device)
+        end = _device.new_event(device, timing=timed_from is not None)
         end.record(copy_stream)
-    return PyTransfer(device, outputs, end, nbytes, [None] * len(outputs))
+    timed = None
+    if timing:
+        timed = (timed_from, end) if on_accel else time.perf_counter() - host_start
+    return PyTransfer(device, outputs, end, nbytes, [None] * len(outputs), timed)

@@ -157,6 +157,26 @@ def test_copy_spans_to_host_lands_each_span_at_its_offset(backend, device):
     assert torch.equal(out[12800 : 12800 + 512], torch.full((512,), 7, dtype=torch.uint8))  # gaps untouched
 
 
+def test_copy_spans_to_host_into_a_block_it_acquires(backend, device):
+    """out given as a byte count: the call takes the block from the pool itself; the
+    handle's one tensor is that block, it returns to the pool with the handle, and a timed
+    copy reports its seconds."""
+    from offload._copy import copy_spans_to_host
+
+    pool = offload.HostPool()
+    t = random_tensor((3000,), torch.float32, device)
+    handle = copy_spans_to_host([t, t], [0, 4000], [4000, 8000], 12800, [0, 4096], pool=pool, timing=True)
+    (block,) = handle.wait()
+    assert block.dtype == torch.uint8 and block.numel() == 12800 and pool.owns(block)
+    assert torch.equal(block[:4000], _storage_bytes(t, 0, 4000))
+    assert torch.equal(block[4096 : 4096 + 8000], _storage_bytes(t, 4000, 8000))
+    seconds = handle.copy_seconds()
+    assert isinstance(seconds, float) and seconds >= 0.0
+    assert pool.stats()["in_use_bytes"] == pool.block_bytes(12800)
+    del handle, block
+    assert pool.stats()["in_use_bytes"] == 0
+
+
 def test_copy_spans_to_host_rejects_bad_spans(backend, device):
     from offload._copy import copy_spans_to_host
 
@@ -169,6 +189,11 @@ def test_copy_spans_to_host_rejects_bad_spans(backend, device):
         copy_spans_to_host([t], [300], [200], out, [0], pool=pool)
     with pytest.raises(ValueError, match=r"span 0 goes to bytes \[1000, 1100\) of out, which has 1024"):
         copy_spans_to_host([t], [0], [100], out, [1000], pool=pool)
+    with pytest.raises(ValueError, match=r"span 0 goes to bytes \[0, 100\) of out, which has 64"):
+        copy_spans_to_host([t], [0], [100], 64, [0], pool=pool)
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(TypeError, match=r"out must be a HostPool block \(a uint8 tensor\) or its size in bytes"):
+            copy_spans_to_host([t], [0], [100], bad, [0], pool=pool)
     if backend == "native" and pool.native:
         with pytest.raises(ValueError, match="out must be a block of the pool"):
             copy_spans_to_host([t], [0], [100], torch.empty(1024, dtype=torch.uint8), [0], pool=pool)
@@ -621,6 +646,20 @@ def test_copy_seconds_of_a_timed_copy(backend, device):
     plain = offload.copy_to_host(sources, timing=True)  # without defer as well
     plain.wait()
     assert isinstance(plain.copy_seconds(), float)
+    back = offload.copy_to_device(plain, device, timing=True)  # and the copy back
+    back.wait()
+    seconds_back = back.copy_seconds()
+    assert isinstance(seconds_back, float) and seconds_back >= 0.0
+    timer = back.copy_timer()  # the timing apart from the handle and its buffers
+    del back
+    assert timer.seconds() == seconds_back
+    untimed = offload.copy_to_device(plain, device)
+    untimed.wait()
+    with pytest.raises(ValueError, match=r"offload.CopyHandle.copy_timer: this copy was not timed"):
+        untimed.copy_timer()
+    with pytest.raises(ValueError, match=r"not timed; pass timing=True to offload.copy_to_host or "
+                       r"offload.copy_to_device"):
+        untimed.copy_seconds()
 
 
 @pytest.mark.cuda

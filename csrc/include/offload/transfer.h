@@ -62,6 +62,28 @@
 
 namespace offload {
 
+// The timing of a timed copy (options.timing): timing-enabled events around the
+// copies on the copy stream, or on the host (synchronous copies) the seconds they
+// took. Apart from the transfer: it holds none of its tensors, so a caller that
+// reads the seconds later (the activation engine, at the next step) need not keep
+// the copy's buffers alive until then.
+struct CopyTimer {
+  CopyTimer() = default;
+  ~CopyTimer();  // gives its events back to the cache (event_cache.h)
+  CopyTimer(const CopyTimer&) = delete;
+  CopyTimer& operator=(const CopyTimer&) = delete;
+  c10::optional<c10::Event> start;
+  c10::optional<c10::Event> end;
+  c10::optional<double> host_seconds;
+  // Seconds from the start event to the end event, or nullopt while the copies run;
+  // never waits.
+  c10::optional<double> seconds() const;
+  bool done() const { return host_seconds.has_value() || !end || end->query(); }
+  void synchronize() const {
+    if (end) end->synchronize();
+  }
+};
+
 class Transfer {
  public:
   // Host layout of a device-to-host transfer, kept so a later transfer of
@@ -144,6 +166,9 @@ class Transfer {
   // or nullopt while they run or are not queued yet; never waits. On the host:
   // the time of the synchronous copies. Raises unless copied with options.timing.
   c10::optional<double> copy_seconds() const;
+  // The copy's timing apart from the transfer (see CopyTimer); waits until a
+  // deferred transfer's copies are queued. Raises unless copied with options.timing.
+  std::shared_ptr<CopyTimer> timer() const;
   // True while a deferred transfer's copies are not queued yet.
   bool enqueue_pending() const {
     return deferred_ != nullptr && !deferred_->ready.load(std::memory_order_acquire);
@@ -183,12 +208,7 @@ class Transfer {
   std::vector<at::Tensor> keepalive_;
   std::vector<uint64_t> inflight_tickets_;  // what the in-flight registry holds for this transfer
   std::shared_ptr<Deferred> deferred_;      // set by copy_to_host_deferred only
-  // options.timing: timing-enabled events around the copies on the copy stream,
-  // or on the host (synchronous copies) the seconds they took.
-  bool timed_ = false;
-  c10::optional<c10::Event> timing_start_;
-  c10::optional<c10::Event> timing_end_;
-  c10::optional<double> host_seconds_;
+  std::shared_ptr<CopyTimer> timer_;        // options.timing only
 };
 
 struct CopyOptions {
@@ -202,7 +222,8 @@ struct CopyOptions {
   // thousands of small tensors cost fewer launches and events per save. The
   // device holds three staging buffers of this size while a copy runs.
   int64_t group_bytes = int64_t(8) << 20;
-  // copy_to_host: time the copies on the copy stream (Transfer::copy_seconds).
+  // copy_to_host, copy_spans_to_host, copy_to_device: time the copies on the
+  // copy stream (Transfer::copy_seconds).
   bool timing = false;
   // copy_to_host(out=<handle>): every source must be where the source it
   // replaces was when the handle's buffers were last filled, else ValueError. A
@@ -224,15 +245,16 @@ std::shared_ptr<Transfer> copy_to_host(const std::vector<at::Tensor>& tensors, H
 
 // Copies byte spans of device storages into one host block: span i, bytes
 // [starts[i], starts[i] + sizes[i]) of tensors[i]'s storage, lands at out[offsets[i]:].
-// `out` is a uint8 block of `pool` (recorded on the copy stream). One call for a
-// group of spans (the activation engine's saved tensors of a layer), no
-// per-span tensors; the handle's one output is `out`. After the caller's work
-// on its current stream, as copy_to_host.
+// `out` is a uint8 block of `pool` (recorded on the copy stream); undefined, the
+// call acquires a block of `out_bytes` from `pool` itself (one call less per
+// group from Python). One call for a group of spans (the activation engine's
+// saved tensors of a layer), no per-span tensors; the handle's one output is the
+// block. After the caller's work on its current stream, as copy_to_host.
 std::shared_ptr<Transfer> copy_spans_to_host(const std::vector<at::Tensor>& tensors,
                                              const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
-                                             const at::Tensor& out, const std::vector<int64_t>& offsets,
-                                             HostPool& pool, const c10::optional<c10::Stream>& stream,
-                                             const CopyOptions& options);
+                                             const at::Tensor& out, int64_t out_bytes,
+                                             const std::vector<int64_t>& offsets, HostPool& pool,
+                                             const c10::optional<c10::Stream>& stream, const CopyOptions& options);
 
 // Checks the sources against `out_transfer` (a transfer of tensors of the same
 // layout, whose host buffers are refilled) and records the snapshot event here,
