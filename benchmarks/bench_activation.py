@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload import _device
+from offload._activation_plan import max_tuning_steps
 
 SECTION = "activation"
 GiB = float(1 << 30)
@@ -137,11 +138,6 @@ def _bandwidth(device, rounds: int = 3):
     return gbps(src.numel(), min(d2h_ms)), gbps(src.numel(), min(h2d_ms))
 
 
-# Auto mode settles after 2-3 measured steps and a few probes of 8 steps each (a confirmation
-# included): 19 steps when the model's plan holds, 40-50 in the bench's runs that backed off.
-AUTO_MAX_WARMUP = 60
-
-
 def _measure(ctx, model, loss_fn, column, iters, handle=None):
     """Median step time, peak activation bytes (above the idle model and its gradients), counters."""
     wrapper = contextlib.nullcontext
@@ -159,7 +155,10 @@ def _measure(ctx, model, loss_fn, column, iters, handle=None):
     for _ in range(warmup):
         step()
     if column.startswith("auto"):
-        for _ in range(AUTO_MAX_WARMUP):
+        # Auto mode settles after 2-3 measured steps and a few probes of 8 steps each: 19 steps
+        # when the model's plan holds, 40-50 in the bench's runs that backed off, at most
+        # max_tuning_steps (75 for 7 eligible layers): no probe step is timed as the plan's.
+        for _ in range(max_tuning_steps(len(handle.layers))):
             plan = handle.plan
             if plan is not None and plan["tuning"]["settled"]:
                 break

@@ -108,6 +108,19 @@ TAIL_POINT = 0.5
 MAX_TAIL_SAVES = 64
 
 
+def max_tuning_steps(layers: int) -> int:
+    """Steps auto mode takes at most to settle one input shape with `layers` eligible layers.
+
+    The first measuring step and at most DRY_STEPS more; then probes of PROBE_WARMUP_STEPS
+    + 2 x PROBE_STEPS steps each: the plan's, a bisection over the layers, the same again
+    when the plan is made anew at the copies' rate, and the confirmation of the count it
+    settles on (3 + 8 x (3 + 2 x log2 layers) with the defaults).
+    """
+    probe = PROBE_WARMUP_STEPS + 2 * PROBE_STEPS
+    bisection = math.ceil(math.log2(max(layers, 1)))
+    return 1 + DRY_STEPS + probe * (3 + 2 * bisection)
+
+
 @dataclasses.dataclass
 class Schedule:
     """How the engine runs auto mode's plan for one input shape (without a memory budget).

@@ -118,7 +118,7 @@ class _Group:
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
-        "cap", "capped", "split", "part", "continued", "fetch_stream", "host_block", "sizes", "__weakref__",
+        "cap", "capped", "split", "part", "continued", "fetch_stream", "sizes", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -129,7 +129,7 @@ class _Group:
         self.modified = None  # slot -> (tensor, saved version, version): modified before the copy was confirmed
         self.watch = None  # per slot, once held is dropped: (tensor sharing its version counter, version) or None
         self.spans: list = []  # per entry: [tensor, lo, hi] (bytes of its storage to copy)
-        self.d2h = None  # CopyHandle of the group's spans to host
+        self.d2h = None  # CopyHandle of the group's spans to host; its one tensor is their pooled host block
         self.h2d = None  # CopyHandle of the spans back to the device (backward)
         self.device_bytes = None  # restored uint8 spans on the device
         self.views: dict = {}  # (entry, dtype, size, stride, offset) -> restored tensor
@@ -147,7 +147,6 @@ class _Group:
         self.part = 0  # the index of its layer's part it ends (its release point; see _split)
         self.continued = False  # a later part of a layer copied in parts
         self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
-        self.host_block = None  # the pooled host block its spans were copied into, at aligned offsets
         self.sizes: list = []  # per entry: bytes of its copied span
 
 
@@ -218,7 +217,10 @@ class ActivationEngine:
         self._backward_seen = False
         self._step = 0
         self._counters = self._new_counters()
-        self._timing_events: list = []  # (counters, kind, start, end) not yet added to counters
+        # Timings not yet added to the counters: (counters, kind, start, end) for waits timed
+        # with events, (counters, kind, timer, None) for copies the copy layer timed (a copy's
+        # timer holds none of its buffers: a fetched group's device block is not kept for it).
+        self._timing_events: list = []
         # Timing events read and done with, recorded again by later timings: making one cost
         # 6 us of host time, and a step of an 8-layer Llama with checkpointing makes 38.
         self._spare_events: list = []
@@ -254,15 +256,24 @@ class ActivationEngine:
         """
         pending = []
         spare = self._spare_events
-        for counters, kind, start, end in self._timing_events:
-            if block or end.query():
+        for timed in self._timing_events:
+            counters, kind, start, end = timed
+            if end is None:  # a copy's timer
+                if block:
+                    start.synchronize()
+                seconds = start.seconds()
+                if seconds is None:
+                    pending.append(timed)
+                else:
+                    counters[kind] += seconds
+            elif block or end.query():
                 if block:
                     end.synchronize()
                 counters[kind] += start.elapsed_time(end) / 1e3
                 if len(spare) < _SPARE_EVENTS:
                     spare += (start, end)  # both passed: free to record again
             else:
-                pending.append((counters, kind, start, end))
+                pending.append(timed)
         self._timing_events = pending
 
     def _timing_event(self):
@@ -405,18 +416,14 @@ class ActivationEngine:
         # layer instead of one per tensor, and the same block size every step (cache hits).
         group.sizes = sizes = [hi - lo for _, lo, hi, _ in group.spans]
         offsets, group.nbytes_aligned = _aligned_layout(sizes)
-        group.host_block = self.pool.acquire(group.nbytes_aligned)
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
-            start = d2h_stream = None
-            if self.timing:
-                # Waiting here as the copy would lets the start event time the copy alone.
-                d2h_stream = _device.copy_streams(self.device)[0]
-                d2h_stream.wait_stream(_device.current_stream(self.device))
-                start = self._timed_start(d2h_stream)
-            # One call for the group's spans: the core makes no tensor per span.
-            group.d2h = copy_spans_to_host([entry[0] for entry in group.spans], los, sizes, group.host_block, offsets,
-                                           pool=self.pool)
-            self._timed_end("d2h_seconds", start, d2h_stream)
+            # One call for the group's spans, into a block the core acquires from the pool and
+            # times itself: the core makes no tensor per span, and no Python event or stream
+            # object is made per group (a launch-bound step pays for each on the host).
+            group.d2h = copy_spans_to_host([entry[0] for entry in group.spans], los, sizes, group.nbytes_aligned,
+                                           offsets, pool=self.pool, timing=self.timing)
+        if self.timing:
+            self._timing_events.append((self._counters, "d2h_seconds", group.d2h.copy_timer(), None))
         group.state = _COPYING
         c = self._counters
         c["d2h_bytes"] += group.d2h.nbytes
@@ -729,26 +736,18 @@ class ActivationEngine:
 
     def _fetch(self, group: _Group) -> None:
         with _device.nvtx_range(f"offload.h2d {group.name}") if self.nvtx else contextlib.nullcontext():
-            start = h2d_stream = None
-            consumer = _device.current_stream(self.device) if self.on_accel else None
-            if self.on_accel:
-                h2d_stream = _device.copy_streams(self.device)[1]
-                if self.timing:
-                    # The wait copy_to_device makes, made first, so the start event times the
-                    # copy alone (not the compute queued before this point).
-                    h2d_stream.wait_stream(consumer)
-                # The host block is complete before the copy stream reads it (a group let go
-                # at a release point was seen complete on the device only).
-                group.d2h.wait_stream(h2d_stream)
-                start = self._timed_start(h2d_stream)
             # One device block per group (allocated on the consumer stream, its owner) laid out
             # as the host block: one DMA of the whole block (the core would stage a group's
             # adjacent spans and scatter them with a kernel competing with backward for the
-            # SMs), and each restored view keeps the original's 512-byte alignment.
+            # SMs), and each restored view keeps the original's 512-byte alignment. Copied from
+            # the D2H handle, the core makes the copy stream wait for that copy too (a group let
+            # go at a release point was seen complete on the device only), and times the copy
+            # after both waits.
             block = torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device)
-            group.fetch_stream = consumer
-            group.h2d = copy_to_device([group.host_block], self.device, out=[block], pool=self.pool)
-            self._timed_end("h2d_seconds", start, h2d_stream)
+            group.fetch_stream = _device.current_stream(self.device) if self.on_accel else None
+            group.h2d = copy_to_device(group.d2h, self.device, out=[block], pool=self.pool, timing=self.timing)
+        if self.timing:
+            self._timing_events.append((self._counters, "h2d_seconds", group.h2d.copy_timer(), None))
         group.device_bytes = _carve(block, group.sizes)
         group.waited = set()
         self._counters["h2d_bytes"] += group.nbytes

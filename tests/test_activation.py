@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload import _device
 from offload import activation as act
+from offload._activation_plan import max_tuning_steps
 
 # These tests run models on the CPU, whose activations are host memory already:
 # where an accelerator exists the engine rightly leaves them alone, and
@@ -1444,7 +1445,7 @@ class _FakeStream:
 
 
 def test_activation_stream_paths_with_fake_streams(monkeypatch):
-    """The accelerator-only branches (timing events, stream waits) run against fakes on a CPU.
+    """The accelerator-only branches (timed waits, copy timings) run against fakes on a CPU.
 
     On the pure-PyTorch copy path: the compiled core takes only real streams.
     """
@@ -1472,8 +1473,10 @@ def _fake_stream_step(pool, monkeypatch, _device):
     stats = handle.stats()
     assert stats["d2h_seconds"] > 0 and stats["h2d_seconds"] > 0 and stats["backward_wait_seconds"] > 0
     assert stats["d2h_gbps"] > 0 and stats["groups_prefetched"] >= 1
-    assert d2h.log.count("wait_stream compute") == 2 * 3  # each group's copy after its compute
-    assert "wait_stream compute" in h2d.log and compute.log.count("record") >= 2
+    # The copies order themselves after compute and time themselves (the copy layer's
+    # handles); the engine's own events time the compute stream's waits for them.
+    assert not d2h.log and not h2d.log
+    assert compute.log.count("record") >= 2
 
 
 def test_activation_backward_prefetches_before_the_first_offloaded_group(pool, monkeypatch):
@@ -1602,7 +1605,7 @@ def test_activation_steady_step_never_blocks_the_host(kind, monkeypatch):
         handle.engine.on_accel = handle.engine.timing = True
         x = torch.randn(8, 16)
         _, grads_ref = _step(ref, x)
-        for _ in range(40 if mode == "auto" else 2):
+        for _ in range(max_tuning_steps(len(handle.layers)) if mode == "auto" else 2):
             if mode == "auto" and handle.plan is not None and not isinstance(handle._auto.clock, _StepClock):
                 handle._auto.clock = _StepClock(handle, 1.0 if kind == "auto_none" else 0.02)
             _step(model, x)
