@@ -116,9 +116,9 @@ class _Group:
     """The saved tensors of one forward span (one layer)."""
 
     __slots__ = (
-        "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_bytes",
+        "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_block", "typed",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
-        "cap", "capped", "split", "part", "continued", "fetch_stream", "sizes", "__weakref__",
+        "cap", "capped", "split", "part", "continued", "fetch_stream", "offsets", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -131,7 +131,8 @@ class _Group:
         self.spans: list = []  # per entry: [tensor, lo, hi] (bytes of its storage to copy)
         self.d2h = None  # CopyHandle of the group's spans to host; its one tensor is their pooled host block
         self.h2d = None  # CopyHandle of the spans back to the device (backward)
-        self.device_bytes = None  # restored uint8 spans on the device
+        self.device_block = None  # the restored uint8 block on the device, laid out as the host block
+        self.typed: dict = {}  # dtype -> device_block viewed as that dtype (views are made from it)
         self.views: dict = {}  # (entry, dtype, size, stride, offset) -> restored tensor
         self.waited = set()  # streams that already wait for h2d
         self.n_handles = 0
@@ -147,7 +148,7 @@ class _Group:
         self.part = 0  # the index of its layer's part it ends (its release point; see _split)
         self.continued = False  # a later part of a layer copied in parts
         self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
-        self.sizes: list = []  # per entry: bytes of its copied span
+        self.offsets: list = []  # per entry: where its copied span starts in the group's blocks (bytes)
 
 
 class _Packed:
@@ -414,8 +415,9 @@ class ActivationEngine:
             return
         # One pooled host block per group, spans at aligned offsets: one pool request per
         # layer instead of one per tensor, and the same block size every step (cache hits).
-        group.sizes = sizes = [hi - lo for _, lo, hi, _ in group.spans]
+        sizes = [hi - lo for _, lo, hi, _ in group.spans]
         offsets, group.nbytes_aligned = _aligned_layout(sizes)
+        group.offsets = offsets
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
             # One call for the group's spans, into a block the core acquires from the pool and
             # times itself: the core makes no tensor per span, and no Python event or stream
@@ -748,13 +750,14 @@ class ActivationEngine:
             group.h2d = copy_to_device(group.d2h, self.device, out=[block], pool=self.pool, timing=self.timing)
         if self.timing:
             self._timing_events.append((self._counters, "h2d_seconds", group.h2d.copy_timer(), None))
-        group.device_bytes = _carve(block, group.sizes)
+        group.device_block = block
+        group.typed = {}
         group.waited = set()
         self._counters["h2d_bytes"] += group.nbytes
         self._counters["groups_fetched"] += 1
 
     def _restore(self, group: _Group, packed: _Packed) -> torch.Tensor:
-        if group.device_bytes is None:
+        if group.device_block is None:
             self._fetch(group)
         stream = _device.current_stream(self.device) if self.on_accel else None
         if stream not in group.waited:
@@ -776,14 +779,17 @@ class ActivationEngine:
         key = (packed.entry, packed.dtype, packed.size, packed.stride, packed.offset)
         view = group.views.get(key)
         if view is None:
-            flat = group.device_bytes[packed.entry]
-            itemsize = packed.dtype.itemsize
-            usable = flat.numel() - flat.numel() % itemsize
-            typed = flat[:usable].view(packed.dtype)
-            # as_strided's offset counts from the start of the storage, and `flat` may be a view
-            # into a larger block: add where it starts.
-            offset = typed.storage_offset() + (packed.offset - group.los[packed.entry]) // itemsize
-            view = typed.as_strided(packed.size, packed.stride, offset)
+            # One op per view: as_strided on the block viewed as the dtype (made once per dtype
+            # per group), at the view's place in the block, its span's place plus its bytes past
+            # the span's start. Whole elements: spans start on _SPAN_ALIGN boundaries, which
+            # every itemsize divides. (A slice of the span, a dtype view of it and as_strided
+            # were three ops per tensor, each a few us of host time in a launch-bound step.)
+            dtype = packed.dtype
+            typed = group.typed.get(dtype)
+            if typed is None:
+                typed = group.typed[dtype] = group.device_block.view(dtype)
+            at = group.offsets[packed.entry] + packed.offset - group.los[packed.entry]
+            view = typed.as_strided(packed.size, packed.stride, at // dtype.itemsize)
             group.views[key] = view
         return view
 
@@ -799,7 +805,8 @@ class ActivationEngine:
             group.d2h.ready()
         if group.held is not None:
             self._settle(group)
-        group.device_bytes = None
+        group.device_block = None
+        group.typed = {}
         group.h2d = None
         group.views = {}
         group.waited = set()
@@ -811,7 +818,7 @@ _SPARE_EVENTS = 128  # timing events kept for reuse, at most
 
 def _on_host_only(group: _Group) -> bool:
     """Its copy is complete and nothing brought it back to the device yet."""
-    return group.state == _HOST and group.device_bytes is None and group.d2h is not None
+    return group.state == _HOST and group.device_block is None and group.d2h is not None
 
 
 def _first_grad_tensor(value, depth: int = 0):
@@ -910,11 +917,6 @@ def _aligned_layout(sizes) -> Tuple[List[int], int]:
         offsets.append(at)
         at += -(-n // _SPAN_ALIGN) * _SPAN_ALIGN
     return offsets, at
-
-
-def _carve(block: torch.Tensor, sizes) -> List[torch.Tensor]:
-    """Views of uint8 `block` of the given sizes, each starting on a _SPAN_ALIGN boundary."""
-    return [block[at : at + n] for at, n in zip(_aligned_layout(sizes)[0], sizes)]
 
 
 def _module_tensors(root: torch.nn.Module):

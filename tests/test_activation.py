@@ -186,6 +186,40 @@ def test_activation_views_restored_exactly(pool, monkeypatch):
     assert storage != inner.untyped_storage().data_ptr()  # restored from the host copy
 
 
+def test_activation_views_in_other_dtypes_restored_exactly(pool):
+    """Views of one storage in several dtypes (a float tensor read as int32, int16 and bytes,
+    at offsets that are not whole float elements) share one copied span and come back with
+    their values, sizes, strides and offsets, next to another group's span in the block."""
+    seen = {}
+
+    class Saver(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, other, base):
+            views = [base, base.view(torch.int32)[1:, 3:], base.view(torch.int16)[:, 5:].t(),
+                     base.view(torch.uint8)[2:, 3:17], other]
+            ctx.save_for_backward(*views)
+            return base.clone() + other.sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen["saved"] = ctx.saved_tensors
+            return grad.sum().expand(5), grad
+
+    base = torch.randn(4, 6, requires_grad=True) * 1  # not leaves: offloadable
+    other = torch.randn(5, requires_grad=True) * 1
+    with offload.activation_offload(min_tensor_bytes=0, pool=pool) as ao:
+        out = Saver.apply(other, base)
+        ao.boundary()
+    originals = [base, base.view(torch.int32)[1:, 3:], base.view(torch.int16)[:, 5:].t(),
+                 base.view(torch.uint8)[2:, 3:17], other]
+    assert ao.stats()["d2h_bytes"] == base.numel() * 4 + other.numel() * 4  # one span per storage
+    out.sum().backward()
+    for got, want in zip(seen["saved"], originals):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got, want)
+    assert seen["saved"][1].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+
+
 def test_activation_views_wrong_restore_would_differ(pool):
     """A transposed view of a deduplicated storage: `.view(shape)` would give other values."""
     ref = _model(n=3)
