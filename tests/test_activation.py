@@ -350,14 +350,55 @@ def test_activation_retain_graph_twice(pool):
     assert handle.stats()["groups_fetched"] == 6  # each backward brings every group back
 
 
-def test_activation_exception_in_forward_leaves_nothing(pool):
+def test_activation_hooks_only_where_a_group_is_open(pool, monkeypatch):
+    """With enable_activation_offload, tensors saved by the kept last layer and the head never
+    reach the hooks (a Python call per tensor where nothing is offloaded); only the embedding's,
+    saved before the first layer starts, are seen outside a group. The hooks stack is empty
+    after forward and after backward, and gradients are bitwise those without offload."""
+    outside = []
+    real = act.ActivationEngine._pack
+
+    def spy(self, t):
+        outside.append(self._group is None)
+        return real(self, t)
+
+    monkeypatch.setattr(act.ActivationEngine, "_pack", spy)
+    ref = _model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    seen = {}
+    for only_groups in (False, True):
+        handle.engine.hooks_in_groups_only = only_groups
+        outside.clear()
+        loss = model(x)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        _assert_equal(_grads(model), grads_ref)
+        seen[only_groups] = (len(outside), sum(outside))
+    embed_saves = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: embed_saves.append(t) or t, lambda t: t):
+        model.embed(x)
+    assert seen[True][1] == len(embed_saves)  # outside a group: the embedding's only
+    assert seen[False][1] > seen[True][1] and seen[False][0] - seen[True][0] == seen[False][1] - seen[True][1]
+
+
+# Raised as an offloaded layer starts (hooks on), or after the kept last layer ran (hooks off).
+@pytest.mark.parametrize("where", ["before layer 2", "after layer 3"])
+def test_activation_exception_in_forward_leaves_nothing(pool, where):
     model = _model()
     handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
 
-    def boom(module, args):
+    def boom(module, *args):
         raise RuntimeError("boom")
 
-    hook = model.blocks[2].register_forward_pre_hook(boom)
+    if where == "before layer 2":
+        hook = model.blocks[2].register_forward_pre_hook(boom)
+    else:
+        hook = model.blocks[3].register_forward_hook(boom)
     with pytest.raises(RuntimeError, match="boom"):
         model(torch.randn(8, 16))
     hook.remove()
