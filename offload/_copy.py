@@ -281,6 +281,9 @@ def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[H
         return _call_native(fn, tensors, None, lambda: core.copy_spans_to_host(
             tensors, list(starts), list(sizes), out if given else None, 0 if given else out, list(offsets), pool._impl,
             copy_stream, chunk_bytes, bool(timing)))
+    from ._copy_fallback import copy_spans_to_host as fallback
+
+    _check_list(fn, tensors)
     size = out.numel() if given else out
     for i, (t, lo, n, at) in enumerate(zip(tensors, starts, sizes, offsets)):  # the checks the core makes
         storage_bytes = t.untyped_storage().nbytes()
@@ -288,9 +291,6 @@ def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[H
             raise ValueError(f"{fn}: span {i} is bytes [{lo}, {lo + n}) of a storage of {storage_bytes} bytes")
         if at < 0 or at + n > size:
             raise ValueError(f"{fn}: span {i} goes to bytes [{at}, {at + n}) of out, which has {size}")
-    from ._copy_fallback import copy_spans_to_host as fallback
-
-    _check_list(fn, tensors)
     block = out if given else pool.acquire(out)
     return CopyHandle(fallback(tensors, starts, sizes, block, offsets, pool, stream, chunk_bytes, timing))
 
