@@ -599,6 +599,7 @@ class CopyEngine {
                         out_bytes);
     }
     const c10::DeviceType expected = pool.device_type();
+    const int64_t out_numel = given_out.defined() ? given_out.numel() : out_bytes;
     int64_t total = 0;
     for (size_t i = 0; i < n; ++i) {
       check_source(fn, i, sources[i], expected, sources[0]);
@@ -606,7 +607,6 @@ class CopyEngine {
       TORCH_CHECK_VALUE(starts[i] >= 0 && sizes[i] >= 0 && starts[i] + sizes[i] <= storage_bytes, fn, ": span ", i,
                         " is bytes [", starts[i], ", ", starts[i] + sizes[i], ") of a storage of ", storage_bytes,
                         " bytes");
-      const int64_t out_numel = given_out.defined() ? given_out.numel() : out_bytes;
       TORCH_CHECK_VALUE(offsets[i] >= 0 && offsets[i] + sizes[i] <= out_numel, fn, ": span ", i, " goes to bytes [",
                         offsets[i], ", ", offsets[i] + sizes[i], ") of out, which has ", out_numel);
       total += sizes[i];
@@ -631,9 +631,7 @@ class CopyEngine {
     if (!on_device) {  // host to host: done on return
       const auto start = std::chrono::steady_clock::now();
       copy_all();
-      if (options.timing) {
-        result->timer_->host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      }
+      if (options.timing) result->timer_->stop_host_clock(start);
       return result;
     }
     {
@@ -934,7 +932,7 @@ class CopyEngine {
     void end_timing() {
       if (!options_.timing) return;
       if (!on_device_) {
-        r_.timer_->host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start_).count();
+        r_.timer_->stop_host_clock(host_start_);
         return;
       }
       record_timing(r_.timer_->end, *stream_);
@@ -1326,7 +1324,7 @@ class CopyEngine {
         if (on_device_) {
           record_timing(r_.timer_->end, *stream_);
         } else {
-          r_.timer_->host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count();
+          r_.timer_->stop_host_clock(host_start);
         }
       }
     }

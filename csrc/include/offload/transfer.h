@@ -43,6 +43,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -79,6 +80,10 @@ struct CopyTimer {
   // never waits.
   c10::optional<double> seconds() const;
   bool done() const { return host_seconds.has_value() || !end || end->query(); }
+  // On the host (synchronous copies): the seconds since `start`.
+  void stop_host_clock(std::chrono::steady_clock::time_point start) {
+    host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   void synchronize() const {
     if (end) end->synchronize();
   }
