@@ -12,6 +12,10 @@ Groups. A group is the span of forward from one layer's start to the next layer'
 it. Opening groups at layer starts (instead of scoping them to a layer's call) is what
 puts the inputs a reentrant checkpoint saves after its layer returns into that layer's
 group, and what keeps the hooks outside Hugging Face's and FSDP2's checkpoint wrappers.
+Two exceptions without auto mode's plan: a layer that saves less than `min_group_bytes` (a
+checkpoint's input at a short sequence) shares its group with the layers after it, and in
+mode async the first offloaded layer of a forward is copied in parts while it runs (see
+`_first_layer_parts`).
 
 Why one batched copy per group, issued when the group closes, instead of one copy per
 tensor at save time: the copy engine then makes one wait on the compute stream, records
@@ -79,7 +83,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _device
 from . import wrap as _wrap
-from ._activation_plan import TAIL_POINT, _tensor_leaves
+from ._activation_plan import SPLIT_PARTS, TAIL_POINT, _tensor_leaves
 from ._copy import copy_spans_to_host, copy_to_device
 from ._pool import HostPool, default_host_pool
 
@@ -87,6 +91,11 @@ MODES = ("async", "sync", "auto")
 # Tensors smaller than this stay on the device by default: below ~1 MiB a copy's fixed
 # cost (launch, event, bookkeeping) outweighs the memory it frees.
 DEFAULT_MIN_TENSOR_BYTES = 1 << 20
+# A layer's group smaller than this many times min_tensor_bytes goes on through the next layer
+# (min_group_bytes' default): a group costs ~0.3 ms of host time in a launch-bound step (its
+# copy out, its copy back, their waits; Llama seq 2048 on the H100), what the bus moves 16 MiB
+# in, so a checkpoint's 8 MiB input per layer cost more host time than its copy took.
+GROUP_BYTES_PER_TENSOR_BYTE = 32
 # The copied span of a storage starts on this boundary, the caching allocator's block
 # alignment: a restored view then has the same address modulo 512 as the original, so
 # kernels that pick vectorised paths by alignment take the same path (bitwise results).
@@ -118,7 +127,8 @@ class _Group:
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_block", "typed",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
-        "cap", "capped", "split", "part", "continued", "fetch_stream", "offsets", "__weakref__",
+        "cap", "capped", "split", "part", "continued", "fetch_stream", "offsets", "new_spans", "n_layers",
+        "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -147,6 +157,8 @@ class _Group:
         self.split = None  # the schedule's part ends of its layer (Schedule.split_at), or None
         self.part = 0  # the index of its layer's part it ends (its release point; see _split)
         self.continued = False  # a later part of a layer copied in parts
+        self.new_spans = 0  # new storage spans of its layer so far (with capped: its layer's size)
+        self.n_layers = 1  # layers it holds: more when small layers share it (min_group_bytes), 0 for a later part
         self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
         self.offsets: list = []  # per entry: where its copied span starts in the group's blocks (bytes)
 
@@ -184,6 +196,7 @@ class ActivationEngine:
         timing: bool = True,
         nvtx: bool = False,
         fn: str = "offload.activation_offload",
+        min_group_bytes: Optional[int] = None,
     ):
         if mode not in MODES:
             raise ValueError(f"{fn}: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
@@ -194,10 +207,16 @@ class ActivationEngine:
                 f"{fn}: resident_groups must be an int >= 1 (groups whose activations may be on the "
                 f"device at once), got {resident_groups!r}"
             )
+        if min_group_bytes is None:
+            min_group_bytes = GROUP_BYTES_PER_TENSOR_BYTE * min_tensor_bytes
+        elif isinstance(min_group_bytes, bool) or not isinstance(min_group_bytes, int) or min_group_bytes < 0:
+            raise ValueError(f"{fn}: min_group_bytes must be an int >= 0 or None (default: "
+                             f"{GROUP_BYTES_PER_TENSOR_BYTE} x min_tensor_bytes), got {min_group_bytes!r}")
         if pool is not None and not isinstance(pool, HostPool):
             raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
         self.mode = mode
         self.min_tensor_bytes = min_tensor_bytes
+        self.min_group_bytes = min_group_bytes
         self.resident_groups = resident_groups
         self.pool = pool if pool is not None else default_host_pool()
         self.device = _device.current_device()
@@ -243,6 +262,9 @@ class ActivationEngine:
         # or its schedule has a point there; None otherwise.
         self._tail: Optional[int] = None
         self._layer_groups: dict = {}  # layer index -> weakrefs to its offloaded groups in this forward
+        # layer index -> (bytes, count) of the new storage spans it offloaded in its last forward:
+        # async mode copies the first offloaded layer of a forward in parts of those bytes.
+        self._layer_sizes: dict = {}
 
     # ------------------------------------------------------------ statistics
 
@@ -386,10 +408,18 @@ class ActivationEngine:
         are counted); otherwise tensors saved outside an offloaded group pass straight through.
         """
         group = self._group
+        schedule = self.schedule
+        if (name is not None and offload and layer is not None and group is not None and group.layer is not None
+                and group.state == _OPEN and group.capped < self.min_group_bytes and schedule is None
+                and self.observer is None and self._capturing):
+            # A small layer's group goes on through this layer (fewer, larger copies); auto mode
+            # plans and measures layer by layer, so its groups stay one a layer.
+            group.n_layers += 1
+            self._layer_groups[layer] = [self._last_offloaded]
+            return
         self._group = None
         if group is not None:
             self._close(group)
-        schedule = self.schedule
         if schedule is not None and layer is not None:
             self._release_due(layer)  # the point: layer `layer` opens (n: the last layer ended)
         if name is None and layer is not None and (
@@ -400,18 +430,38 @@ class ActivationEngine:
             return
         observer = self.observer
         if offload or observer is not None:
+            first = self._last_offloaded is None
             group = _Group(name, layer, offload, self._last_offloaded)
             self._group = group
             if offload:
                 self._last_offloaded = weakref.ref(group)
                 if layer is not None:
                     self._layer_groups[layer] = [self._last_offloaded]
-                    if schedule is not None and layer < len(schedule.caps):
-                        group.cap = schedule.caps[layer]
-                        group.split = schedule.split_at.get(layer)
+                    if schedule is not None:
+                        if layer < len(schedule.caps):
+                            group.cap = schedule.caps[layer]
+                            group.split = schedule.split_at.get(layer)
+                    elif first and self.mode == "async":
+                        group.split = self._first_layer_parts(layer)
             if observer is not None:
                 observer.opened(group)
         self._hooks_follow_groups()
+
+    def _first_layer_parts(self, layer: int):
+        """Async mode: the part ends (bytes of new spans) of the forward's first offloaded layer.
+
+        Its copy would start only when it ends, with the device-to-host stream idle through
+        its forward, and in backward it comes back last, the whole layer's copy before its
+        backward can start while the stream then idles. In parts (a quarter of the bytes it
+        saved in its last forward each), the first copy starts a quarter into the layer, and
+        backward starts on the layer's last part while the others are still coming back.
+        A layer that saved fewer spans than parts (a checkpoint's input), or whose parts would
+        be smaller than `min_group_bytes`, is not split.
+        """
+        size = self._layer_sizes.get(layer)
+        if size is None or size[1] < SPLIT_PARTS or size[0] < SPLIT_PARTS * self.min_group_bytes:
+            return None
+        return [size[0] * k // SPLIT_PARTS for k in range(1, SPLIT_PARTS)]
 
     def _hooks_follow_groups(self) -> None:
         """With `hooks_in_groups_only`: hooks on while a group is open or tensors saved after
@@ -434,6 +484,8 @@ class ActivationEngine:
             self._hooks_on = False
 
     def _close(self, group: _Group) -> None:
+        if group.layer is not None and group.state == _OPEN:
+            self._layer_sizes[group.layer] = (group.capped, group.new_spans)  # its last part's: the layer's
         los = []
         for entry in group.spans:
             los.append(entry[1])
@@ -465,7 +517,7 @@ class ActivationEngine:
         c = self._counters
         c["d2h_bytes"] += group.d2h.nbytes
         c["groups_offloaded"] += 1
-        c["layers_offloaded"] += not group.continued
+        c["layers_offloaded"] += group.n_layers
         c["tensors_offloaded"] += len(group.held)
         if self.mode == "sync":
             t0 = time.perf_counter()
@@ -625,6 +677,7 @@ class ActivationEngine:
             if group.cap is not None and group.capped + span_bytes > group.cap:
                 return self._keep(t)  # auto mode offloads this layer in part: its first spans
             group.capped += span_bytes
+            group.new_spans += 1
             ends = group.split
             split = ends is not None and group.part < len(ends) and group.capped >= ends[group.part]
             entry = len(group.spans)
@@ -647,6 +700,7 @@ class ActivationEngine:
         """
         part = _Group(group.name, group.layer, True, self._last_offloaded)
         part.cap, part.capped, part.split, part.continued = group.cap, group.capped, group.split, True
+        part.new_spans, part.n_layers = group.new_spans, 0
         # One span may pass several part ends: this group ends the last of them (its copy is
         # planned complete by that part's point, not an earlier one).
         ends = group.split
@@ -726,7 +780,15 @@ class ActivationEngine:
         return result
 
     def _prefetch(self, group: _Group) -> None:
-        if self.schedule is None:  # else fetched at the backward points the schedule chose
+        if self.schedule is not None:  # fetched at the backward points the schedule chose
+            return
+        # The group before it; if that is the last part of another layer copied in parts, every
+        # part of it, the last first: fetched one by one at each part's first unpack, a part's
+        # copy would start only once backward is in the layer.
+        before = group.prev() if group.prev is not None else None
+        if before is not None and before.layer != group.layer:
+            self._fetch_groups(_with_earlier_parts(group.prev))
+        else:
             self._fetch_groups([group.prev])
 
     def _prefetch_at_backward_start(self) -> None:
@@ -745,8 +807,7 @@ class ActivationEngine:
             on_device += 1
             group = group.prev() if group.prev is not None else None
         if group is not None and on_device < self.resident_groups and _on_host_only(group):
-            self._fetch(group)
-            self._counters["groups_prefetched"] += 1
+            self._fetch_groups(_with_earlier_parts(weakref.ref(group)))
 
     def _backward_start_scheduled(self) -> None:
         """Backward starts (auto mode): release what the schedule lets go here, fetch what it fetches."""
@@ -859,6 +920,17 @@ def _top_pack_hook():
     """The pack hook on top of autograd's default saved-tensor hooks stack (None if empty)."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return None if top is None else top[0]
+
+
+def _with_earlier_parts(ref) -> list:
+    """`ref` (a weak reference to a group, or None) and, if its group is a later part of a
+    layer copied in parts, the layer's earlier parts: the order backward needs them in."""
+    refs = [ref]
+    group = ref() if ref is not None else None
+    while group is not None and group.continued:
+        refs.append(group.prev)
+        group = group.prev() if group.prev is not None else None
+    return refs
 
 
 def _on_host_only(group: _Group) -> bool:
@@ -1271,6 +1343,7 @@ def enable_activation_offload(
     *,
     layers=None,
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+    min_group_bytes: Optional[int] = None,
     resident_groups: int = 2,
     memory_budget_bytes=None,
     keep_first: int = 0,
@@ -1293,7 +1366,12 @@ def enable_activation_offload(
         layers: names (or modules) of the layers to group by; default: FSDP units, else the
             elements of the model's repeated `nn.ModuleList`.
         min_tensor_bytes: saved tensors smaller than this stay on the device.
-        resident_groups: how many layers' activations may be on the device at once (>= 1).
+        min_group_bytes: modes 'async' and 'sync' copy a layer whose offloaded bytes are below
+            this together with the layers after it, until the group holds this much (default
+            32 x min_tensor_bytes: a group's copies and waits cost host time of their own, more
+            than a checkpoint's small input takes on the bus); 0: one group per layer.
+        resident_groups: how many groups (layers, or runs of small layers: min_group_bytes)
+            may have their activations on the device at once (>= 1).
         memory_budget_bytes: device-memory budget for mode='auto' (int or '20GiB').
         keep_first, keep_last: how many of the first and last layers stay on the device (the
             last layer's activations are needed at once when backward starts).
@@ -1307,7 +1385,7 @@ def enable_activation_offload(
     """
     fn = "offload.enable_activation_offload"
     engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
-                              pool=pool, timing=timing, nvtx=nvtx, fn=fn)
+                              pool=pool, timing=timing, nvtx=nvtx, fn=fn, min_group_bytes=min_group_bytes)
     memory_budget_bytes = _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes)
     found = _wrap.find_layers(model, layers, fn)
     for what, value in (("keep_first", keep_first), ("keep_last", keep_last)):

@@ -128,10 +128,11 @@ def test_activation_blocks_bitwise(mode, backend, pool):
         assert torch.equal(loss, loss_ref)
         _assert_equal(grads, grads_ref)
     stats = handle.stats()
-    # The last of 4 layers stays by default; auto mode's schedule copies the first in parts.
+    # The last of 4 layers stays by default; auto mode's schedule copies the first in parts,
+    # and so does async mode once a forward has shown the first layer's size.
     assert stats["offloaded_layers"] == ["blocks.0", "blocks.1", "blocks.2"]
     assert stats["layers_offloaded"] == 3
-    assert stats["groups_offloaded"] == 3 if mode != "auto" else stats["groups_offloaded"] > 3
+    assert stats["groups_offloaded"] == 3 if mode == "sync" else stats["groups_offloaded"] > 3
     assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] == stats["d2h_bytes"]
     assert stats["tensors_offloaded"] > 20
     handle.disable()
@@ -1399,7 +1400,7 @@ def test_activation_fsdp_single_process(kind, pool, monkeypatch, tmp_path):
                 m(x).backward()
             _assert_equal(_full_grads(kind, ref), _full_grads(kind, model))
         assert offloaded and not clashes
-        assert handle.stats()["groups_offloaded"] == 3
+        assert handle.stats()["layers_offloaded"] == 3
     finally:
         dist.destroy_process_group()
 
@@ -1571,8 +1572,105 @@ def test_activation_backward_prefetches_before_the_first_offloaded_group(pool, m
         _assert_equal(grads, grads_ref)
         assert log[0][0] == "fetch" and log[1] == ("restore", log[0][1])  # fetched before backward reached it
         fetched = [group for what, group in log if what == "fetch"]
-        assert len(fetched) == len(set(map(id, fetched))) == 3  # blocks 0-2, each once; block 3 is kept
-    assert handle.stats()["groups_prefetched"] == 3
+        # blocks 0-2, each group once (block 0 in parts from the second step); block 3 is kept
+        assert len(fetched) == len(set(map(id, fetched))) == handle.stats()["groups_offloaded"]
+        assert [group.layer for group in fetched if not group.continued] == [2, 1, 0]
+    assert handle.stats()["groups_prefetched"] == handle.stats()["groups_fetched"] > 3
+
+
+@pytest.mark.parametrize("ckpt", [None, "non_reentrant"])
+def test_activation_async_copies_the_first_layer_in_parts(pool, monkeypatch, ckpt):
+    """Async mode: from the second forward the first offloaded layer is copied in SPLIT_PARTS
+    parts of the bytes it saved before, and in backward all its parts are fetched together at
+    the next layer's first unpack, its last part first; a layer that saves fewer spans than
+    parts (a checkpoint's input) is not split. Gradients stay bitwise equal."""
+    from offload._activation_plan import SPLIT_PARTS
+
+    ref = _model(ckpt=ckpt)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    engine = handle.engine
+    log = []
+    _log_fetch_and_restore(monkeypatch, engine, log)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    for step in range(3):
+        log.clear()
+        _, grads = _step(model, x)
+        _assert_equal(grads, grads_ref)
+        stats = handle.stats()
+        assert stats["layers_offloaded"] == 3
+        split = ckpt is None and step > 0
+        assert stats["groups_offloaded"] == 3 + (SPLIT_PARTS - 1) * split
+        fetched = [group for what, group in log if what == "fetch"]
+        assert len(fetched) == len(set(map(id, fetched))) == stats["groups_offloaded"]
+        first = [group for group in fetched if group.layer == 0]
+        assert len(first) == (SPLIT_PARTS if split else 1)
+        # The parts: each its own bytes, the last one saved fetched first, all before any is restored.
+        assert [group.part for group in first] == list(reversed(range(len(first))))
+        assert [group.continued for group in first] == [True] * (len(first) - 1) + [False]
+        at = log.index(("fetch", first[-1]))
+        assert all(what == "fetch" or group.layer != 0 for what, group in log[:at])
+    if ckpt is None:  # split where the parts' bytes say (a quarter each of the layer's spans, in order)
+        assert engine._layer_sizes[0][1] >= SPLIT_PARTS
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("ckpt", [None, "non_reentrant"])
+def test_activation_small_layers_share_a_group(pool, monkeypatch, mode, ckpt):
+    """A layer that offloads less than min_group_bytes goes on in one group with the next
+    ones, until the group holds that much: blocks 0 and 1 share one, block 2 has its own.
+    Every layer is still offloaded, each group copied out and back once, gradients bitwise."""
+    ref = _model(ckpt=ckpt)
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    probe = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool, verbose=False)
+    _step(model, x)
+    layer_bytes = probe.engine._layer_sizes[0][0]
+    assert probe.engine.min_group_bytes == 0 and probe.stats()["groups_offloaded"] == 3
+    probe.disable()
+    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, min_group_bytes=layer_bytes + 1,
+                                               pool=pool, verbose=False)
+    log = []
+    _log_fetch_and_restore(monkeypatch, handle.engine, log)
+    for _ in range(2):
+        log.clear()
+        _, grads = _step(model, x)
+        _assert_equal(grads, grads_ref)
+        stats = handle.stats()
+        assert stats["layers_offloaded"] == 3 and stats["groups_offloaded"] == 2
+        fetched = [group for what, group in log if what == "fetch"]
+        assert [(group.layer, group.n_layers) for group in fetched] == [(2, 1), (0, 2)]
+        assert stats["h2d_bytes"] == stats["d2h_bytes"] >= 3 * layer_bytes - 3 * 512
+    del fetched
+    log.clear()  # the groups it holds hold their host blocks
+    handle.disable()
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_activation_min_group_bytes_default_and_errors(pool):
+    model = _model()
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=1000, pool=pool, verbose=False)
+    assert handle.engine.min_group_bytes == act.GROUP_BYTES_PER_TENSOR_BYTE * 1000
+    handle.disable()
+    for bad in (-1, True, 1.5, "32MiB"):
+        with pytest.raises(ValueError, match=r"enable_activation_offload: min_group_bytes must be an int >= 0"):
+            offload.enable_activation_offload(model, min_group_bytes=bad, pool=pool, verbose=False)
+
+
+def test_activation_auto_keeps_one_group_a_layer(pool):
+    """Auto mode measures and plans layer by layer: min_group_bytes does not merge its groups."""
+    model = _model(n=4)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, min_group_bytes=1 << 40,
+                                               pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        _step(model, x)
+    plan = handle.plan
+    assert plan is not None and all(b > 0 for b in plan["layer_bytes"][:3])
+    handle.disable()
 
 
 def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
