@@ -987,16 +987,16 @@ def _loop_refs() -> int:
 _LOOP_REFS = _loop_refs()
 
 
-def _versions_preserved(tensors: tuple):
-    """torch.autograd._unsafe_preserve_version_counter for several tensors: one context for
-    the tuple where torch takes one (2.7 on), one per tensor before (offload supports 2.6)."""
-    try:
-        return torch.autograd._unsafe_preserve_version_counter(tensors)
-    except AttributeError:  # torch 2.6 reads tensors._version at once
-        stack = contextlib.ExitStack()
-        for t in tensors:
-            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
-        return stack
+def _empty_like_storage(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of t's dtype and device (cached): what an alias's data is set to."""
+    key = (t.dtype, t.device)
+    empty = _EMPTIES.get(key)
+    if empty is None:
+        empty = _EMPTIES[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+    return empty
+
+
+_EMPTIES: dict = {}
 
 
 def _drop_held(group: _Group) -> None:
@@ -1006,7 +1006,9 @@ def _drop_held(group: _Group) -> None:
     autograd's own check would; but the tensor is usually freed before backward (the repro:
     a later layer modifies a tensor the previous layer saved, then drops it). So per slot
     the engine keeps a tensor that shares the saved tensor's version counter and no storage
-    (a detached alias, `set_()` to an empty storage), and the version it was saved at.
+    (a detached alias whose `.data` is then an empty tensor: setting `.data` keeps the
+    alias's version counter and does not bump it, where `set_()` bumped the shared one and
+    had to be undone in a context, four times the host time), and the version it was saved at.
 
     Only for tensors something else may still change: ones the caller still references,
     and views (their base or sibling views may be alive). A tensor referenced only by the
@@ -1036,14 +1038,11 @@ def _drop_held(group: _Group) -> None:
                     slots_of = collections.Counter(id(other) for other, _ in held)
                 if refs > _LOOP_REFS + slots_of[id(t)]:
                     alias_slots.append(slot)
-    if alias_slots:
-        tensors = tuple(held[slot][0] for slot in alias_slots)
-        # set_() bumps the shared counter; the versions are put back as they were.
-        with _versions_preserved(tensors):
-            for slot, t in zip(alias_slots, tensors):
-                alias = t.detach()
-                alias.set_()
-                watch[slot] = (alias, held[slot][1])
+    for slot in alias_slots:
+        t, version = held[slot]
+        alias = t.detach()
+        alias.data = _empty_like_storage(t)
+        watch[slot] = (alias, version)
     group.watch = watch
     group.modified = modified
 

@@ -1799,27 +1799,3 @@ def test_activation_steady_step_never_blocks_the_host(kind, monkeypatch):
         assert handle.stats()["groups_offloaded"] >= 1
     handle.disable()
     assert all("forward" not in block.__dict__ for block in model.blocks) and "forward" not in model.__dict__
-
-
-def test_activation_version_preserving_context_works_one_tensor_at_a_time(monkeypatch):
-    # torch 2.6's _unsafe_preserve_version_counter takes one tensor (2.7 added tuples); offload supports 2.6.
-    real = torch.autograd._unsafe_preserve_version_counter
-
-    class OneTensor:
-        def __init__(self, tensor):
-            self.inner = real(tensor) if isinstance(tensor, torch.Tensor) else None
-            self.version = tensor._version  # raises AttributeError for a tuple, as 2.6 did
-
-        def __enter__(self):
-            return self.inner.__enter__()
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(torch.autograd, "_unsafe_preserve_version_counter", OneTensor)
-    a, b = torch.ones(3), torch.ones(4)
-    before = (a._version, b._version)
-    with act._versions_preserved((a, b)):
-        a.add_(1)
-        b.mul_(2)
-    assert (a._version, b._version) == before and a[0] == 2 and b[0] == 2
