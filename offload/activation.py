@@ -798,15 +798,21 @@ class ActivationEngine:
         layer, the head, the loss) and then that group and those before it still copying,
         served from their held device tensors. Prefetching only from a group's first unpack
         left the host-to-device stream idle through all of that (8 ms of a 60 ms Llama step
-        on the H100). The fetch stays inside the window: it happens only while fewer than
-        `resident_groups` groups are on the device.
+        on the H100). The fetch stays inside the window, counted in layers: it happens only
+        while the layers held on the device and the layers it brings back are at most
+        `resident_groups`. Groups of several small layers (`min_group_bytes`) are otherwise
+        each one group of the window; counted so, the start of backward (a step's peak, under
+        the head's gradients) held every checkpoint input of Llama seq 2048 (two groups of
+        3 and 4 layers), as much as checkpointing alone; the group then comes back at the
+        held group's first unpack, one group ahead as any other.
         """
         group = self._last_offloaded() if self._last_offloaded is not None else None
-        on_device = 0
+        on_device = 0  # layers held on the device (a part of a layer counts as one)
         while group is not None and group.state == _COPYING:  # held on the device
-            on_device += 1
+            on_device += max(group.n_layers, 1)
             group = group.prev() if group.prev is not None else None
-        if group is not None and on_device < self.resident_groups and _on_host_only(group):
+        if (group is not None and on_device + max(group.n_layers, 1) <= self.resident_groups
+                and _on_host_only(group)):
             self._fetch_groups(_with_earlier_parts(weakref.ref(group)))
 
     def _backward_start_scheduled(self) -> None:

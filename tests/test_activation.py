@@ -1650,6 +1650,29 @@ def test_activation_small_layers_share_a_group(pool, monkeypatch, mode, ckpt):
     assert pool.stats()["in_use_bytes"] == 0
 
 
+@pytest.mark.parametrize("resident", [1, 2])
+def test_activation_backward_start_prefetch_counts_layers(pool, resident):
+    """The fetch as backward starts stays within the window counted in layers: a group of two
+    small layers is brought back then only if two layers fit, else at the first unpack."""
+    ref = _model(n=5)
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    probe = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+    _step(model, x)
+    layer_bytes = max(size for size, _ in probe.engine._layer_sizes.values())
+    probe.disable()
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, min_group_bytes=layer_bytes + 1,
+                                               resident_groups=resident, pool=pool, verbose=False)
+    _, grads = _step(model, x)
+    _assert_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["layers_offloaded"] == 4 and stats["groups_offloaded"] == 2 and stats["groups_fetched"] == 2
+    # (2, 3) as backward starts only if its two layers fit; (0, 1) always at (2, 3)'s first unpack
+    assert stats["groups_prefetched"] == (2 if resident == 2 else 1)
+    handle.disable()
+
+
 def test_activation_min_group_bytes_default_and_errors(pool):
     model = _model()
     handle = offload.enable_activation_offload(model, min_tensor_bytes=1000, pool=pool, verbose=False)
