@@ -249,24 +249,18 @@ def _alternated_checkpoint(ctx, model, loss_fn, rounds):
     The columns above run one after the other, and on these shared hosts a launch-bound
     model's steps drift between columns by more than the difference sought (Llama at seq
     2048: checkpointing alone 37-63 ms in different columns of one process). Here each round
-    times a step of each, the handle enabled for one and disabled for the other, so drift
-    lands on both alike; each step follows an untimed one of the same kind (the handle's
-    first step after enabling allocates).
+    times a step of each, one handle active for one and paused for the other (a paused step
+    runs as without offload), so drift lands on both alike; each step follows an untimed one
+    of the same kind. (A handle enabled and disabled every round put the wrapping's garbage,
+    and the collector runs it brings, into the offloaded side only.)
     """
-
-    @contextlib.contextmanager
-    def offloaded():
-        handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0 if ctx.quick else (1 << 20),
-                                                   verbose=False)
-        try:
-            yield
-        finally:
-            handle.disable()
-
     model.set_checkpointing(True)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0 if ctx.quick else (1 << 20),
+                                               verbose=False)
     try:
-        return _alternated(ctx, model, loss_fn, rounds, offloaded, contextlib.nullcontext)
+        return _alternated(ctx, model, loss_fn, rounds, contextlib.nullcontext, handle.paused)
     finally:
+        handle.disable()
         model.set_checkpointing(False)
         gc.collect()
         _device.empty_cache()
