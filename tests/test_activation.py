@@ -1555,17 +1555,23 @@ def _fake_stream_step(pool, monkeypatch, _device):
     assert compute.log.count("record") >= 2
 
 
+def _async_logging_fetches(monkeypatch, pool, **model_kw):
+    """(model with an async handle whose fetches and restores go to `log`, handle, log, x,
+    the reference gradients of a copy without offload)."""
+    ref = _model(**model_kw)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    log = []
+    _log_fetch_and_restore(monkeypatch, handle.engine, log)
+    x = torch.randn(8, 16)
+    _, grads_ref = _step(ref, x)
+    return model, handle, log, x, grads_ref
+
+
 def test_activation_backward_prefetches_before_the_first_offloaded_group(pool, monkeypatch):
     """Backward first runs the kept last layer and the head: the last offloaded group's copy
     back is issued at the step's first unpack, not when backward reaches that group."""
-    ref = _model()
-    model = copy.deepcopy(ref)
-    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
-    engine = handle.engine
-    log = []
-    _log_fetch_and_restore(monkeypatch, engine, log)
-    x = torch.randn(8, 16)
-    _, grads_ref = _step(ref, x)
+    model, handle, log, x, grads_ref = _async_logging_fetches(monkeypatch, pool)
     for _ in range(2):
         log.clear()
         _, grads = _step(model, x)
@@ -1586,14 +1592,8 @@ def test_activation_async_copies_the_first_layer_in_parts(pool, monkeypatch, ckp
     parts (a checkpoint's input) is not split. Gradients stay bitwise equal."""
     from offload._activation_plan import SPLIT_PARTS
 
-    ref = _model(ckpt=ckpt)
-    model = copy.deepcopy(ref)
-    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    model, handle, log, x, grads_ref = _async_logging_fetches(monkeypatch, pool, ckpt=ckpt)
     engine = handle.engine
-    log = []
-    _log_fetch_and_restore(monkeypatch, engine, log)
-    x = torch.randn(8, 16)
-    _, grads_ref = _step(ref, x)
     for step in range(3):
         log.clear()
         _, grads = _step(model, x)
