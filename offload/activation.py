@@ -780,16 +780,12 @@ class ActivationEngine:
         return result
 
     def _prefetch(self, group: _Group) -> None:
-        if self.schedule is not None:  # fetched at the backward points the schedule chose
-            return
-        # The group before it; if that is the last part of another layer copied in parts, every
-        # part of it, the last first: fetched one by one at each part's first unpack, a part's
-        # copy would start only once backward is in the layer.
-        before = group.prev() if group.prev is not None else None
-        if before is not None and before.layer != group.layer:
+        if self.schedule is None:  # else fetched at the backward points the schedule chose
+            # The group before it, and if that is the last part of a layer copied in parts, its
+            # earlier parts too, the last first: fetched one by one at each part's first unpack,
+            # a part's copy would start only once backward is in the layer. (At a part's own
+            # first unpack they were fetched already: nothing to do.)
             self._fetch_groups(_with_earlier_parts(group.prev))
-        else:
-            self._fetch_groups([group.prev])
 
     def _prefetch_at_backward_start(self) -> None:
         """Fetch the first group backward will need from the host, as backward starts.
