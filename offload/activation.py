@@ -24,6 +24,12 @@ itself does only bookkeeping (a few attribute reads, a dict lookup, an append). 
 starts as soon as the layer's kernels are queued and runs on the device-to-host stream
 under the next layer's compute.
 
+Hooks. Where the compiled core is loaded, autograd calls its hooks
+(csrc/saved_tensor_hooks.cpp): they test each saved tensor in C (`_offload_extent` is the
+same test in Python, for the path without the core) and keep what stays without entering
+the interpreter; what may be offloaded goes on to `_pack_extent`, and every unpack other
+than a kept tensor's to `_unpack`.
+
 Lifetimes and streams (stream ownership):
 - A group's device tensors are held (`_Group.held`) from save until its D2H copy is seen
   complete (non-blocking poll at every group boundary, or a host wait when more than
@@ -81,13 +87,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _device
+from . import _backend, _device
 from . import wrap as _wrap
 from ._activation_plan import SPLIT_PARTS, TAIL_POINT, _tensor_leaves
 from ._copy import copy_spans_to_host, copy_to_device
 from ._pool import HostPool, default_host_pool
 
 MODES = ("async", "sync", "auto")
+# Whether engines made from now on use the core's hooks where it is loaded (tests that spy on
+# the Python hooks' decisions turn this off; the core's tests are held equal to them).
+_NATIVE_HOOKS = True
 # Tensors smaller than this stay on the device by default: below ~1 MiB a copy's fixed
 # cost (launch, event, bookkeeping) outweighs the memory it frees.
 DEFAULT_MIN_TENSOR_BYTES = 1 << 20
@@ -223,7 +232,16 @@ class ActivationEngine:
         self.on_accel = _device.is_accelerator(self.device)
         self.timing = timing and self.on_accel
         self.nvtx = nvtx
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # The hooks: the core's where it is loaded (the per-tensor tests in C; a tensor that
+        # stays never enters the interpreter), else the Python methods. Bound with partial,
+        # which the garbage collector traverses (the engine and its hooks form a cycle).
+        core = _backend.loaded_core() if _NATIVE_HOOKS else None
+        if core is not None:
+            pack, unpack = (functools.partial(core.pack_saved_tensor, self),
+                            functools.partial(core.unpack_saved_tensor, self))
+        else:
+            pack, unpack = self._pack, self._unpack
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         # Whether the hooks are on only from an offloaded group's start to the next boundary (set
         # by enable_activation_offload, which marks backward's start on the model's output): a
         # tensor saved outside those spans (kept layers, the head) then costs no Python call to
@@ -603,6 +621,8 @@ class ActivationEngine:
         group.state = _HOST
 
     def _pack(self, t: torch.Tensor):
+        """The pack hook without the core (the core's `pack_saved_tensor` makes the same tests in C
+        and passes what may be offloaded to `_pack_extent`)."""
         # Cheapest tests first: most saved tensors of a step are parameters (a subclass) or
         # below the size threshold, and leave after two attribute reads.
         group = self._group
@@ -610,53 +630,31 @@ class ActivationEngine:
             if group is None and self._tail is not None:
                 self._saved_after_layers()
             return self._keep(t)
-        numel = t.numel()
-        itemsize = t.element_size()
-        if numel * itemsize < self.min_tensor_bytes or numel == 0:
+        extent = _offload_extent(t, self.min_tensor_bytes, self.device)
+        if extent is None:
             return self._keep(t)
-        if (
-            t.device != self.device
-            or t.layout != torch.strided
-            or torch._C._current_graph_task_id() != -1  # saved while backward runs (a recompute)
-        ):
-            return self._keep(t)
-        # A leaf that requires grad (a parameter's data, a user's input) or a view of one is
-        # alive anyway: copying it frees nothing.
-        base = t._base
-        if base is None:
-            if t.requires_grad and t.is_leaf:
-                return self._keep(t)
-            base = t
-        elif base.requires_grad and base.is_leaf:
-            return self._keep(t)
-        # Autocast's cached cast of a parameter (alive until the autocast region exits).
-        grad_fn = base.grad_fn
-        if grad_fn is not None and type(grad_fn).__name__ == "ToCopyBackward0":
-            source = grad_fn.next_functions[0][0]
-            if source is not None and hasattr(source, "variable"):  # AccumulateGrad: a leaf's cast
-                return self._keep(t)
-        if t.is_complex() and (t.is_conj() or t.is_neg()):
-            return self._keep(t)
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        # An op's recorded output (`base` has a grad_fn) was allocated by that op. Only a tensor
-        # without one can share a parameter's memory (frozen weights, buffers, DTensor local
-        # shards, their views; also, conservatively, anything computed without grad, such as
-        # int or bool outputs) or be a forward's input, and only those read the storages of
-        # the parameters and inputs (`_param_ptrs`): a walk of every layer's parameters each
-        # step, which took about a third of the hooks' host time in a profiled step of an
-        # 8-layer Llama with checkpointing.
-        if grad_fn is None:
+        return self._pack_extent(t, *extent)
+
+    def _pack_extent(self, t: torch.Tensor, ptr: int, first: int, last: int, check_params: bool):
+        """Pack `t`, which `_offload_extent` found may be offloaded: it reads bytes [first, last)
+        of the storage at `ptr`. `check_params`: it may share a parameter's or input's storage.
+
+        An op's recorded output (its base has a grad_fn) was allocated by that op. Only a tensor
+        without one can share a parameter's memory (frozen weights, buffers, DTensor local
+        shards, their views; also, conservatively, anything computed without grad, such as int
+        or bool outputs) or be a forward's input, and only those read the storages of the
+        parameters and inputs (`_param_ptrs`): a walk of every layer's parameters each step,
+        which took about a third of the hooks' host time in a profiled step of an 8-layer Llama
+        with checkpointing.
+        """
+        group = self._group
+        if check_params:
             if self._param_pending:
                 for params in self._param_pending:
                     self._param_ptrs |= _storage_ptrs(params)
                 self._param_pending = []
             if ptr in self._param_ptrs:
                 return self._keep(t)
-        first = t.storage_offset() * itemsize
-        last = first + itemsize
-        for size, stride in zip(t.shape, t.stride()):
-            last += (size - 1) * stride * itemsize
         hit = self._storages.get(ptr)
         entry = None
         if hit is not None and not hit[2].expired():
@@ -682,11 +680,11 @@ class ActivationEngine:
             split = ends is not None and group.part < len(ends) and group.capped >= ends[group.part]
             entry = len(group.spans)
             group.spans.append([t, first - first % _SPAN_ALIGN, last])
-            self._storages[ptr] = (group, entry, StorageWeakRef(storage))
+            self._storages[ptr] = (group, entry, StorageWeakRef(t.untyped_storage()))
         slot = len(group.held)
         group.held.append((t, t._version))
         group.n_handles += 1
-        packed = _Packed(group, entry, slot, t.dtype, t.shape, t.stride(), t.storage_offset() * itemsize)
+        packed = _Packed(group, entry, slot, t.dtype, t.shape, t.stride(), first)  # first: its offset in bytes
         if split:
             self._split(group)
         return packed
@@ -913,6 +911,48 @@ class ActivationEngine:
         group.views = {}
         group.waited = set()
         group.n_unpacked = 0
+
+
+def _offload_extent(t: torch.Tensor, min_bytes: int, device: torch.device):
+    """Whether the engine may offload `t` (a plain tensor saved in a group), and what it reads.
+
+    None where it stays on the device: below `min_bytes` or empty, on another device, not
+    strided, saved while backward runs (a checkpoint's recompute), a leaf that requires grad
+    (a parameter's data, a user's input) or a view of one (alive anyway: copying it frees
+    nothing), autocast's cached cast of a parameter (alive until the autocast region exits),
+    a lazily conjugated or negated complex view. Else (storage data_ptr, first byte, end byte
+    it reads, whether its base has no grad_fn: only then can it share a parameter's storage).
+    The core's `offload_extent` is this function in C; a test holds the two equal.
+    """
+    numel = t.numel()
+    itemsize = t.element_size()
+    if numel * itemsize < min_bytes or numel == 0:
+        return None
+    if (
+        t.device != device
+        or t.layout != torch.strided
+        or torch._C._current_graph_task_id() != -1  # saved while backward runs (a recompute)
+    ):
+        return None
+    base = t._base
+    if base is None:
+        if t.requires_grad and t.is_leaf:
+            return None
+        base = t
+    elif base.requires_grad and base.is_leaf:
+        return None
+    grad_fn = base.grad_fn
+    if grad_fn is not None and type(grad_fn).__name__ == "ToCopyBackward0":
+        source = grad_fn.next_functions[0][0]
+        if source is not None and hasattr(source, "variable"):  # AccumulateGrad: a leaf's cast
+            return None
+    if t.is_complex() and (t.is_conj() or t.is_neg()):
+        return None
+    first = t.storage_offset() * itemsize
+    last = first + itemsize
+    for size, stride in zip(t.shape, t.stride()):
+        last += (size - 1) * stride * itemsize
+    return t.untyped_storage().data_ptr(), first, last, grad_fn is None
 
 
 _SPARE_EVENTS = 128  # timing events kept for reuse, at most

@@ -1,0 +1,138 @@
+"""The activation engine's hooks in the core against the Python ones.
+
+The core decides in C which saved tensors may be offloaded and what bytes they read
+(`offload_extent`); the Python path without the core decides with `_offload_extent`. They
+must agree on every kind of tensor autograd saves, on the CPU and on the accelerator.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from offload import _backend, _device
+from offload import activation as act
+
+pytestmark = pytest.mark.native
+
+DEVICES = ["cpu"] + ([str(_device.current_device())] if _device.accelerator_type() is not None else [])
+
+
+def _cases(device):
+    """Tensors as autograd saves them, by what they are."""
+    leaf = torch.randn(6, 8, device=device, requires_grad=True)
+    a = leaf * 2
+    c_leaf = torch.randn(4, 4, dtype=torch.complex64, device=device, requires_grad=True)
+    c = c_leaf * 2
+    return {
+        "activation": a,
+        "transpose": a.t(),
+        "slice": a[1:, 2:],
+        "offset rows": a[2:],
+        "expand": a[:1].expand(4, -1),
+        "as_strided": a.as_strided((3, 3), (1, 2), 2),
+        "dtype view": a.view(torch.int32)[1:, 3:],
+        "empty": a[:0],
+        "leaf requiring grad": leaf,
+        "view of such a leaf": leaf[1:],
+        "parameter": nn.Parameter(torch.randn(8, 8, device=device)),
+        "leaf without grad": torch.randn(6, 8, device=device),
+        "bool (no grad_fn)": a > 0,
+        "int (no grad_fn)": (a > 0).long(),
+        "cast of an activation": a.to(torch.float64),
+        "cast of a leaf (autocast's)": leaf.to(torch.float64),
+        "complex": c,
+        "conjugated view": c.conj(),
+        "negated view": torch._neg_view(c),
+        "sparse": a.detach().to_sparse(),
+        "on another device": torch.empty(6, 8, device="meta"),
+    }
+
+
+STAYS = {"empty", "leaf requiring grad", "view of such a leaf", "parameter", "cast of a leaf (autocast's)",
+         "conjugated view", "negated view", "sparse", "on another device"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("min_bytes", [0, 100, 1 << 30])
+def test_offload_extent_core_equals_python(device, min_bytes):
+    core = _backend.core()
+    device = torch.device(device)
+    for name, t in _cases(device).items():
+        native = core.offload_extent(t, min_bytes, device)
+        python = act._offload_extent(t, min_bytes, device)
+        assert native == python, name
+        big_enough = t.numel() * t.element_size() >= min_bytes
+        assert (native is None) == (name in STAYS or not big_enough), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_extent_reads_the_views_bytes(device):
+    """The extent is the bytes the view reads in its storage, and whether it may be a parameter's."""
+    device = torch.device(device)
+    a = torch.randn(6, 8, device=device, requires_grad=True) * 2
+    ptr = a.untyped_storage().data_ptr()
+    core = _backend.core()
+    assert core.offload_extent(a[2:, 1:5], 0, device) == (ptr, (2 * 8 + 1) * 4, (5 * 8 + 4 + 1) * 4, False)
+    assert core.offload_extent(a.t(), 0, device) == (ptr, 0, 48 * 4, False)
+    free = torch.randn(6, 8, device=device)
+    assert core.offload_extent(free[1:], 0, device)[3] is True  # no grad_fn: checked against parameters
+
+
+def test_offload_extent_in_backward_stays():
+    """A tensor saved while backward runs (a checkpoint's recompute) stays."""
+    core = _backend.core()
+    a = torch.randn(6, 8, requires_grad=True) * 2
+    seen = []
+    y = a * 3
+    y.register_hook(lambda grad: seen.append((core.offload_extent(a, 0, a.device),
+                                              act._offload_extent(a, 0, a.device))))
+    assert core.offload_extent(a, 0, a.device) is not None
+    y.sum().backward()
+    assert seen == [(None, None)]
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_engine_uses_the_core_hooks_and_counts_as_python(monkeypatch):
+    """An engine hooks through the core where it is loaded; the same step through the Python
+    hooks gives bitwise the same gradients and counts the same kept and offloaded tensors."""
+    device = _device.current_device()
+    x = torch.randn(8, 16, device=device)
+    results = {}
+    for native in (True, False):
+        monkeypatch.setattr(act, "_NATIVE_HOOKS", native)
+        model = _Net().to(device)
+        handle = act.enable_activation_offload(model, "async", min_tensor_bytes=0, verbose=False)
+        pack = handle.engine._hooks.pack_hook
+        assert (getattr(pack, "func", None) is _backend.core().pack_saved_tensor) == native
+        model(x).sum().backward()
+        stats = handle.stats()
+        results[native] = ([p.grad for p in model.parameters()], stats["tensors_kept"], stats["tensors_offloaded"])
+        handle.disable()
+    (grads_n, kept_n, off_n), (grads_p, kept_p, off_p) = results[True], results[False]
+    assert kept_n == kept_p and kept_n > 0
+    assert off_n == off_p and off_n > 0
+    assert all(torch.equal(g, h) for g, h in zip(grads_n, grads_p))
+
+
+def test_core_unpack_raises_for_a_kept_tensor_modified():
+    """A kept tensor modified in place after it was saved raises autograd's error through the core's unpack."""
+    device = _device.current_device()
+    net = _Net().to(device)
+    handle = act.enable_activation_offload(net, "async", verbose=False)  # 1 MiB: every tensor stays
+    loss = net(torch.randn(8, 16, device=device)).sum()
+    with torch.no_grad():
+        net.blocks[1][0].weight.add_(1.0)  # saved by its matmul; kept (a parameter)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    handle.disable()
