@@ -1190,19 +1190,24 @@ def test_activation_auto_backs_off_on_measured_steps(overhead, slow, pool, capsy
     handle.disable()
 
 
-def test_activation_auto_plans_again_when_copies_run_slower(pool, monkeypatch, capsys):
+@pytest.mark.parametrize("why", ["slower", "late"])
+def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypatch, capsys):
     """After the first probe, the copies' rate under the plan's compute (here 1/10,000 of the
-    rate measured while measuring: these small layers copy faster than they run) makes the
-    schedule again, and the search starts over."""
+    rate measured while measuring: these small layers copy faster than they run), or copies
+    at the planned rate that the compute stream waited for at the release points (here 10,000
+    times their own time), make the schedule again at a lower rate, and the search starts over."""
+    from offload import _activation_plan
     from offload._activation_plan import AutoPlanner, _planned_bytes
 
     seen = []
 
-    def slow(planner, copies):
+    def rate(planner, copies):
         seen.append(len(copies))
-        return planner.tuning[planner.key].d2h / 1e4
+        d2h = planner.tuning[planner.key].d2h
+        return d2h / 1e4 if why == "slower" else d2h
 
-    monkeypatch.setattr(AutoPlanner, "_copy_rate", slow)
+    monkeypatch.setattr(AutoPlanner, "_copy_rate", rate)
+    monkeypatch.setattr(_activation_plan, "_copies_late", lambda copies: 0.0 if why == "slower" else 1e4)
     model = _model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
     x = torch.randn(8, 16)
@@ -1221,10 +1226,39 @@ def test_activation_auto_plans_again_when_copies_run_slower(pool, monkeypatch, c
             break
     # Once: the offloading steps of the first probe (a warm-up and three timed).
     assert seen == [4]
-    assert plan["d2h_gbps_under_compute"] == pytest.approx(d2h / 1e4)
+    if why == "slower":
+        assert plan["d2h_gbps_under_compute"] == pytest.approx(d2h / 1e4)
+        assert plan["d2h_gbps_replanned"] == pytest.approx(d2h / 1e4)
+    else:
+        assert plan["d2h_gbps_under_compute"] == pytest.approx(d2h)
+        assert plan["d2h_gbps_replanned"] == pytest.approx(d2h / (1 + 1e4))
     assert _planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"]) < planned
     assert plan["tuning"]["settled"] and sum(plan["mask"]) == plan["tuning"]["model_layers"]
     assert "under the plan's compute" in capsys.readouterr().out
+    handle.disable()
+
+
+def test_activation_auto_small_waits_keep_the_plan(pool, monkeypatch):
+    """Copies at the planned rate whose release waits stay within LATE_TOLERANCE of their
+    time keep the schedule: the first probe's count is the one settled on."""
+    from offload import _activation_plan
+    from offload._activation_plan import AutoPlanner
+
+    monkeypatch.setattr(AutoPlanner, "_copy_rate", lambda planner, copies: planner.tuning[planner.key].d2h)
+    monkeypatch.setattr(_activation_plan, "_copies_late", lambda copies: _activation_plan.LATE_TOLERANCE)
+    model = _model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    for step in range(60):
+        plan = handle.plan
+        if plan is not None and plan["tuning"]["settled"]:
+            break
+        if plan is not None:
+            handle._auto.clock = _StepClock(handle, 0.0)
+        _step(model, x)
+    assert plan["tuning"]["settled"]
+    assert "d2h_gbps_replanned" not in plan
+    assert sum(plan["mask"]) == plan["tuning"]["model_layers"] > 0
     handle.disable()
 
 
