@@ -183,8 +183,12 @@ PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
   }
   try {
     return Hook(args[0], args[1]).release().ptr();
-  } catch (py::error_already_set& e) {
+  } catch (py::error_already_set& e) {  // raised in Python (the engine's methods): as it was
     e.restore();
+  } catch (const py::builtin_exception& e) {  // py::type_error and its kin: their Python type
+    e.set_error();
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   }

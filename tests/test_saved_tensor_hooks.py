@@ -136,3 +136,18 @@ def test_core_unpack_raises_for_a_kept_tensor_modified():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     handle.disable()
+
+
+def test_core_hooks_check_their_arguments():
+    """Called other than as autograd calls them (engine bound, one tensor), the hooks raise
+    a TypeError that names them; an engine whose device is not a torch.device too."""
+    core = _backend.core()
+    with pytest.raises(TypeError, match="offload._C hook: expected 2 arguments"):
+        core.pack_saved_tensor(torch.ones(2))
+    with pytest.raises(TypeError, match="offload._C hook: expected 2 arguments"):
+        core.unpack_saved_tensor()
+    engine = act.ActivationEngine("async", min_tensor_bytes=0)
+    engine._group = object()  # an open group: the tensor's tests run in C
+    engine.device = "cpu"
+    with pytest.raises(TypeError, match="the engine's device is not a torch.device"):
+        core.pack_saved_tensor(engine, torch.ones(2, requires_grad=True) * 2)
