@@ -89,7 +89,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _backend, _device
 from . import wrap as _wrap
-from ._activation_plan import SPLIT_PARTS, TAIL_POINT, _tensor_leaves
+from ._activation_plan import PROFILE_POINTS, SPLIT_PARTS, TAIL_POINT, _tensor_leaves
 from ._copy import copy_spans_to_host, copy_to_device
 from ._pool import HostPool, default_host_pool
 
@@ -137,7 +137,7 @@ class _Group:
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_block", "typed",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
         "cap", "capped", "split", "part", "continued", "fetch_stream", "offsets", "new_spans", "n_layers",
-        "__weakref__",
+        "profile", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -170,6 +170,9 @@ class _Group:
         self.n_layers = 1  # layers it holds: more when small layers share it (min_group_bytes), 0 for a later part
         self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
         self.offsets: list = []  # per entry: where its copied span starts in the group's blocks (bytes)
+        # Auto mode measuring: its layer's bytes of new spans (ascending) at which the observer
+        # marks the time (when the layer saves its bytes), or None.
+        self.profile: Optional[list] = None
 
 
 class _Packed:
@@ -463,6 +466,9 @@ class ActivationEngine:
                         group.split = self._first_layer_parts(layer)
             if observer is not None:
                 observer.opened(group)
+                size = self._layer_sizes.get(layer)
+                if size is not None and size[0] > 0:
+                    group.profile = [size[0] * k // PROFILE_POINTS for k in range(1, PROFILE_POINTS)]
         self._hooks_follow_groups()
 
     def _first_layer_parts(self, layer: int):
@@ -676,6 +682,8 @@ class ActivationEngine:
                 return self._keep(t)  # auto mode offloads this layer in part: its first spans
             group.capped += span_bytes
             group.new_spans += 1
+            if group.profile and group.capped >= group.profile[0]:
+                self._profiled(group)
             ends = group.split
             split = ends is not None and group.part < len(ends) and group.capped >= ends[group.part]
             entry = len(group.spans)
@@ -688,6 +696,13 @@ class ActivationEngine:
         if split:
             self._split(group)
         return packed
+
+    def _profiled(self, group: _Group) -> None:
+        """Auto mode measuring: the layer has saved the next share of its bytes (see `_Group.profile`)."""
+        profile = group.profile
+        while profile and group.capped >= profile[0]:
+            profile.pop(0)
+        self.observer.saved_bytes(group)
 
     def _split(self, group: _Group) -> None:
         """Auto mode: copy out what the layer saved so far and go on in a new group of it.

@@ -857,6 +857,55 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     assert schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 0.5, 50.0)[1] == []
 
 
+def test_activation_schedule_closes_parts_when_the_layer_saved_their_bytes():
+    """A layer's parts close when it has saved their bytes, by the measured marks: a layer that
+    saves half its bytes 0.6 s into its second and the rest at 0.9 s starts its copy later
+    than an even spread says, and its parts are let go later."""
+    from offload._activation_plan import COPY_MARGIN, schedule, saved_by
+
+    assert saved_by(None, 2.0, 0.25) == 0.5  # no marks: evenly over the layer's time
+    marks = [(0.5, 0.6), (1.0, 0.9)]
+    # The first mark with the share saved (the bytes between marks may all come at the later).
+    assert saved_by(marks, 1.0, 0.25) == 0.6 and saved_by(marks, 1.0, 0.75) == 0.9
+    assert saved_by([(0.5, 0.6)], 1.0, 0.75) == 1.0  # past the last mark: at the layer's end
+    assert saved_by([(1.0, 1.5)], 1.0, 1.0) == 1.0  # never after the layer's end
+    n = 8
+    nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
+    eligible = [True] * (n - 1) + [False]
+    even, _, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0)
+    late, _, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, None, [marks] + [None] * (n - 1))
+    assert COPY_MARGIN == 0.05 and even.release_at[0] == [1, 2, 2, 3]
+    # 0.525 s a part: from 0.6 s (the first two quarters), 1.125 and 1.65; the third quarter
+    # from 1.65 (saved at 0.9), 2.175; the last from 2.175, 2.7.
+    assert late.split_at[0] == [25, 50, 75] and late.release_at[0] == [2, 2, 3, 3]
+    # The stream is free 0.35 s later for the layers after it: what fits by the end shrinks.
+    assert late.caps[3] == int((8 - 2.7 - 2 * 2.1) / ((1 + COPY_MARGIN) / 50.0)) < even.caps[3]
+
+
+def test_activation_auto_marks_when_layers_save_their_bytes(pool):
+    """The measured steps mark when each layer has saved every eighth of its bytes: the plan
+    holds, per eligible layer, marks of a rising share saved at rising times within its
+    forward, past the last eighth."""
+    from offload._activation_plan import PROFILE_POINTS
+
+    model = _model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    while handle.plan is None:
+        _step(model, torch.randn(64, 16))
+    plan = handle.plan
+    eligible = [not k for k in handle._keep]
+    assert any(eligible)
+    for i, marks in enumerate(plan["saved_ms"]):
+        if not eligible[i]:
+            continue
+        shares = [share for share, _ in marks]
+        times = [t for _, t in marks]
+        assert 0 < len(marks) <= PROFILE_POINTS and shares == sorted(shares)
+        assert (PROFILE_POINTS - 1) / PROFILE_POINTS <= shares[-1] <= 1
+        assert shares[0] >= 1 / PROFILE_POINTS and times == sorted(times)
+        assert 0 <= times[0] and times[-1] <= plan["forward_ms"][i]
+
+
 def _log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
     """Append ("fetch", key(group)) and ("restore", key(group)) to `log` as the engine does them."""
     fetch, restore = engine._fetch, engine._restore
