@@ -1297,6 +1297,27 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
     handle.disable()
 
 
+def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
+    """The copies' rate and lateness of a probe are those of its usual step (the median over
+    its offloading steps): one step whose copies ran slow and waited does not make the plan
+    again; steps without timed copies are left out."""
+    from offload._activation_plan import AutoPlanner, _copies_late
+
+    def step(moved, seconds, waited):
+        return {"d2h_bytes": moved, "d2h_seconds": seconds, "forward_wait_seconds": waited}
+
+    usual = [step(100, 1.0, 0.01), step(100, 1.0, 0.0), step(100, 1.25, 0.02)]
+    slow = step(100, 2.0, 1.0)  # half the rate, waiting half its copies' time
+    untimed = step(0, 0.0, 0.0)
+    assert _copies_late(usual + [slow, untimed]) == pytest.approx((0.01 + 0.016) / 2)
+    assert _copies_late([untimed]) == 0.0
+    handle = offload.enable_activation_offload(_model(), "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    rate = AutoPlanner._copy_rate(handle._auto, usual + [slow, untimed])
+    assert rate == pytest.approx(100.0 / 1.125)  # between the 1.0 s and 1.25 s steps
+    assert AutoPlanner._copy_rate(handle._auto, [untimed]) is None
+    handle.disable()
+
+
 @pytest.mark.parametrize("late, overhead", [(1e4, 0.0), (None, 1.0)])
 def test_activation_auto_late_copies_keep_the_plan(late, overhead, pool, monkeypatch):
     """No new schedule for copies at the planned rate where the first probe is within the
