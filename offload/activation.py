@@ -110,6 +110,9 @@ GROUP_BYTES_PER_TENSOR_BYTE = 32
 # kernels that pick vectorised paths by alignment take the same path (bitwise results).
 _SPAN_ALIGN = 512
 
+# A new span that reads at least this share of its storage copies the whole storage.
+_WHOLE_STORAGE = 7 / 8
+
 _OPEN, _COPYING, _HOST, _KEPT = "open", "copying", "host", "kept"
 
 
@@ -677,7 +680,17 @@ class ActivationEngine:
                     group, entry = owner, index
         split = False
         if entry is None:
-            span_bytes = last - (first - first % _SPAN_ALIGN)
+            storage = t.untyped_storage()
+            lo = first - first % _SPAN_ALIGN
+            size = storage.nbytes()
+            if _WHOLE_STORAGE * size <= last - lo:
+                # Nearly all of its storage: copy all of it, so that the storage's other views
+                # lie in this copy. q, k and v of one fused projection each read all but a
+                # sliver of its output, a different sliver each: split into parts after q
+                # (a layer copied in parts), k and v copied the whole 201 MB again (the block
+                # stack's first layer copied 1209 MB for its 1008, and its copies ended late).
+                lo, last = 0, size
+            span_bytes = last - lo
             if group.cap is not None and group.capped + span_bytes > group.cap:
                 return self._keep(t)  # auto mode offloads this layer in part: its first spans
             group.capped += span_bytes
@@ -687,8 +700,8 @@ class ActivationEngine:
             ends = group.split
             split = ends is not None and group.part < len(ends) and group.capped >= ends[group.part]
             entry = len(group.spans)
-            group.spans.append([t, first - first % _SPAN_ALIGN, last])
-            self._storages[ptr] = (group, entry, StorageWeakRef(t.untyped_storage()))
+            group.spans.append([t, lo, last])
+            self._storages[ptr] = (group, entry, StorageWeakRef(storage))
         slot = len(group.held)
         group.held.append((t, t._version))
         group.n_handles += 1

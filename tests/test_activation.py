@@ -991,6 +991,74 @@ def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, 
     handle.disable()
 
 
+class _FusedQKV(nn.Module):
+    """q, k and v: views of one projection's output, each reading all of it but a sliver."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:-1], 3, -1).unbind(-2)
+        return (q * k) * v  # saves q and k, then q * k and v
+
+
+class _QKVModel(nn.Module):
+    def __init__(self, d=16, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(_FusedQKV(d) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("mode", ["async", "auto"])
+def test_activation_views_of_one_storage_copied_once_across_parts(mode, monkeypatch, pool):
+    """A layer copied in parts, split right after q's save: k and v lie in the copy of the
+    whole projection output made for q and share it, so the storage is copied once (its
+    views reading nearly all of it copy all of it); gradients stay bitwise."""
+    from offload import activation as _activation
+
+    torch.manual_seed(0)
+    ref = _QKVModel()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, keep_last=0, pool=pool,
+                                               verbose=False)
+    engine = handle.engine
+    if mode == "auto":  # the schedule's parts
+        _scheduled(engine, 3, release_at={0: [2, 3]}, split_at={0: [1]})
+    else:  # async mode's first layer in parts, as many as its saves allow
+        monkeypatch.setattr(engine, "_first_layer_parts", lambda layer: [1])
+    outputs = {}
+    model.blocks[0].qkv.register_forward_hook(lambda m, i, out: outputs.update(qkv=out))
+    copied, forward_done = [], [False]
+    copy_spans = _activation.copy_spans_to_host
+
+    def in_flight_through_forward(tensors, los, sizes, *args, **kwargs):
+        """The copy, seen in flight until forward ends (a copy on the host is done at once;
+        on a device the first part's was still running when k and v were saved)."""
+        copied.append([(t.untyped_storage().data_ptr(), size) for t, size in zip(tensors, sizes)])
+        handle = copy_spans(tensors, los, sizes, *args, **kwargs)
+        ready = handle.ready
+        handle.ready = lambda: forward_done[0] and ready()
+        return handle
+
+    monkeypatch.setattr(_activation, "copy_spans_to_host", in_flight_through_forward)
+    model.register_forward_hook(lambda *_: forward_done.__setitem__(0, True))
+    x = torch.randn(64, 16)
+    loss_ref, grads_ref = _step(ref, x)
+    loss, grads = _step(model, x)
+    assert torch.equal(loss, loss_ref)
+    _assert_equal(grads, grads_ref)
+    qkv = outputs["qkv"].untyped_storage()
+    of_qkv = [size for group in copied for ptr, size in group if ptr == qkv.data_ptr()]
+    assert of_qkv == [qkv.nbytes()]
+    assert len([group for group in copied if group]) >= 2  # the first layer went in parts
+    handle.disable()
+
+
 @pytest.mark.parametrize("case", ["whole", "parts", "tail"])
 def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, case):
     """The host never sees a copy done (it runs ahead of the device): each group's memory is
