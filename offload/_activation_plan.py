@@ -191,8 +191,24 @@ def saved_by(marks, fwd: float, share: float) -> float:
     return fwd
 
 
+def span_end_at_or_below(bounds, nbytes: int) -> int:
+    """The largest of a layer's span ends (`bounds`, ascending) not above `nbytes` (0 if none):
+    what a cap of `nbytes` offloads. Without span ends, `nbytes`."""
+    if not bounds:
+        return nbytes
+    return max((b for b in bounds if b <= nbytes), default=0)
+
+
+def span_end_at_or_above(bounds, nbytes: int) -> int:
+    """The first of a layer's span ends (`bounds`, ascending) at or above `nbytes` (the last if
+    none): where a part ending at `nbytes` closes. Without span ends, `nbytes`."""
+    if not bounds:
+        return nbytes
+    return next((b for b in bounds if b >= nbytes), bounds[-1])
+
+
 def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: float, d2h_bps: float,
-             h2d_bps: float, before_peak=None, saved=None):
+             h2d_bps: float, before_peak=None, saved=None, spans=None):
     """Offload, in forward order, what the device-to-host stream can copy out before the last
     layer ends, and plan when each group's memory is let go and when it comes back.
 
@@ -210,7 +226,8 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
     peaks in its loss, on the fp32 logits: on an H200 the 12th tensor saved after the last
     layer, 3.2 ms after its end): copies may then run until it, the part copied by the last
     layer's end let go there (point n), the rest at that save (TAIL_POINT).
-    `saved`: per layer, the marks of `saved_by` (None: its bytes spread evenly over its time).
+    `saved`: per layer, the marks of `saved_by` (None: its bytes spread evenly over its time);
+    `spans`: per layer, its bytes of new spans after each one, ascending (None: any count).
     The last layer that fits is offloaded in part. Earliest layers first: their memory is
     freed for longest and backward needs them last, with the most time to bring them back.
 
@@ -234,28 +251,36 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
     free = 0.0
     per_byte = (1 + COPY_MARGIN) / d2h_bps
     saved = saved or [None] * n
+    spans = spans or [None] * n
     for i in range(n):
         if not eligible[i] or nbytes[i] <= 0:
             continue
+        # A layer's group closes a part, or stops at its cap, only between two spans: byte
+        # counts are taken at the measured span ends (the block stack's layers end on a 268 MB
+        # span, which a cap inside it leaves on the device whole).
+        bounds = spans[i]
+        size = bounds[-1] if bounds else nbytes[i]
         split = free < closes[i]  # else the copies before it keep the stream busy past its end
-        start = max(opens[i] + saved_by(saved[i], fwd[i], 1 / SPLIT_PARTS) if split else closes[i], free)
-        take = min(nbytes[i], int((deadline - start) / per_byte))
-        if take < MIN_PART * nbytes[i]:
+        first = span_end_at_or_above(bounds, size // SPLIT_PARTS)
+        start = max(opens[i] + saved_by(saved[i], fwd[i], first / size) if split else closes[i], free)
+        take = span_end_at_or_below(bounds, min(size, int((deadline - start) / per_byte)))
+        if take < MIN_PART * size:
             continue
         # Parts, by the bytes of new spans where each ends: the layer's quarters while it
         # runs (split), and where the copy passes the last layer's open, so that what is
         # copied by then goes as the last layer starts: it adds its own activations after
         # that, and only a part as small as what it and the loss add can wait for point n.
-        ends = [nbytes[i] * k // SPLIT_PARTS for k in range(1, SPLIT_PARTS)] if split else []
+        ends = [size * k // SPLIT_PARTS for k in range(1, SPLIT_PARTS)] if split else []
         ends.append(int((opens[-1] - start) / per_byte))
         if tail_save is not None:
             ends.append(int((layers_end - start) / per_byte))
-        ends = sorted({b for b in ends if 0 < b < take}) + [take]
+        ends = sorted({span_end_at_or_above(bounds, b) for b in ends if b > 0})
+        ends = [b for b in ends if b < take] + [take]
         points, done, begun = [], free, 0
         for b in ends:
             # A part closes when the layer has saved its bytes, the last one when the layer
             # ends; its copy follows the one before it.
-            closed = closes[i] if b == take else opens[i] + saved_by(saved[i], fwd[i], b / nbytes[i])
+            closed = closes[i] if b == take else opens[i] + saved_by(saved[i], fwd[i], b / size)
             done = max(closed, done) + (b - begun) * per_byte
             begun = b
             later = [j for j in range(i + 1, n) if opens[j] >= done]
@@ -263,7 +288,7 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
         if done > deadline:
             continue
         free = done
-        caps[i] = None if take >= nbytes[i] else take
+        caps[i] = None if take >= size else take
         order.append(i)
         if len(ends) > 1:
             split_at[i] = ends[:-1]
@@ -787,6 +812,7 @@ class AutoPlanner:
         record["close"] = self.clock.mark()
         record["bytes"] = group.nbytes
         record["capped"] = group.capped
+        record["span_ends"] = group.span_ends
 
     def saved_bytes(self, group) -> None:
         """The group's layer has saved the next PROFILE_POINTS-th share of its bytes."""
@@ -837,6 +863,7 @@ class AutoPlanner:
             if "unpack" in record:
                 first_unpack[i] = record["unpack"]
         saved = [self._saved_marks(self.records.get(i, {})) for i in range(n)]
+        spans = [self.records.get(i, {}).get("span_ends") or None for i in range(n)]
         for i in range(1, n):
             if i in first_unpack and i - 1 in first_unpack:
                 bwd[i] = max(0.0, self.clock.seconds(first_unpack[i], first_unpack[i - 1]))
@@ -883,7 +910,7 @@ class AutoPlanner:
             # Hide the copies: what the bus moves before backward starts, freed at planned points.
             before_peak = self._before_peak(last_close, peak)
             plan_schedule, order, exposed = schedule(eligible, nbytes, fwd, bwd, tail, head_bwd, d2h, h2d,
-                                                     before_peak, saved)
+                                                     before_peak, saved, spans)
             caps = plan_schedule.caps
             mask = [i in order for i in range(n)]
             step = sum(fwd) + tail + head_bwd + sum(bwd) + exposed
@@ -925,7 +952,7 @@ class AutoPlanner:
             # Timed against the step without offload (see the module docstring); the plan in
             # use meanwhile is the probe's, and `mask` becomes the settled one.
             def replan(d2h_bps):
-                return schedule(eligible, nbytes, fwd, bwd, tail, head_bwd, d2h_bps, h2d, before_peak, saved)
+                return schedule(eligible, nbytes, fwd, bwd, tail, head_bwd, d2h_bps, h2d, before_peak, saved, spans)
 
             self.tuning[key] = _Probe(order, StepSearch(sum(mask)), replan, d2h)
             plan["tuning"].update(settled=False, checked=True)

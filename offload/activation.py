@@ -140,7 +140,7 @@ class _Group:
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_block", "typed",
         "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "los", "nbytes_aligned", "stream",
         "cap", "capped", "split", "part", "continued", "fetch_stream", "offsets", "new_spans", "n_layers",
-        "profile", "__weakref__",
+        "profile", "span_ends", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -176,6 +176,8 @@ class _Group:
         # Auto mode measuring: its layer's bytes of new spans (ascending) at which the observer
         # marks the time (when the layer saves its bytes), or None.
         self.profile: Optional[list] = None
+        # Auto mode measuring: its layer's bytes of new spans after each new span, or None.
+        self.span_ends: Optional[list] = None
 
 
 class _Packed:
@@ -469,6 +471,7 @@ class ActivationEngine:
                         group.split = self._first_layer_parts(layer)
             if observer is not None:
                 observer.opened(group)
+                group.span_ends = []
                 size = self._layer_sizes.get(layer)
                 if size is not None and size[0] > 0:
                     group.profile = [size[0] * k // PROFILE_POINTS for k in range(1, PROFILE_POINTS)]
@@ -695,8 +698,10 @@ class ActivationEngine:
                 return self._keep(t)  # auto mode offloads this layer in part: its first spans
             group.capped += span_bytes
             group.new_spans += 1
-            if group.profile and group.capped >= group.profile[0]:
-                self._profiled(group)
+            if group.span_ends is not None:  # auto mode measuring
+                group.span_ends.append(group.capped)
+                if group.profile and group.capped >= group.profile[0]:
+                    self._profiled(group)
             ends = group.split
             split = ends is not None and group.part < len(ends) and group.capped >= ends[group.part]
             entry = len(group.spans)

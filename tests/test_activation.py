@@ -882,10 +882,32 @@ def test_activation_schedule_closes_parts_when_the_layer_saved_their_bytes():
     assert late.caps[3] == int((8 - 2.7 - 2 * 2.1) / ((1 + COPY_MARGIN) / 50.0)) < even.caps[3]
 
 
+def test_activation_schedule_counts_bytes_at_span_ends():
+    """A group closes a part, or stops at its cap, only between two of its spans: with layers
+    whose spans end at 30, 60 and 100 bytes, the first layer's parts close at span ends (its
+    quarters' ends rounded up: 30, 60, and the rest), and the layer that fits in part is capped
+    at the last span end that fits (60 of the 69 bytes the bus could take), so the plan's
+    bytes are what the engine will copy."""
+    from offload._activation_plan import schedule, span_end_at_or_above, span_end_at_or_below
+
+    assert span_end_at_or_below([30, 60, 100], 69) == 60 and span_end_at_or_below([30, 60, 100], 29) == 0
+    assert span_end_at_or_above([30, 60, 100], 31) == 60 and span_end_at_or_above([30, 60, 100], 101) == 100
+    assert span_end_at_or_below(None, 69) == 69 and span_end_at_or_above(None, 31) == 31
+    n = 8
+    nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
+    eligible = [True] * (n - 1) + [False]
+    plan, order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, None, None, [[30, 60, 100]] * n)
+    # 0.63 s a span of 30: layer 0's first part from 0.3 s (its 30 bytes saved), 0.93; then
+    # 1.56 and 2.4 s; layers 1 and 2 to 6.6 s; layer 3 from 6.6 s: 66 bytes fit by 8 s, 60 go.
+    assert order == [0, 1, 2, 3] and plan.caps == [None] * 3 + [60] + [None] * 4
+    assert plan.split_at == {0: [30, 60], 3: [30]} and plan.release_at[0] == [1, 2, 3]
+    assert plan.release_at[3] == [8, 8]
+
+
 def test_activation_auto_marks_when_layers_save_their_bytes(pool):
     """The measured steps mark when each layer has saved every eighth of its bytes: the plan
     holds, per eligible layer, marks of a rising share saved at rising times within its
-    forward, past the last eighth."""
+    forward, past the last eighth; and the layer's bytes after each of its new spans."""
     from offload._activation_plan import PROFILE_POINTS
 
     model = _model()
@@ -904,6 +926,9 @@ def test_activation_auto_marks_when_layers_save_their_bytes(pool):
         assert (PROFILE_POINTS - 1) / PROFILE_POINTS <= shares[-1] <= 1
         assert shares[0] >= 1 / PROFILE_POINTS and times == sorted(times)
         assert 0 <= times[0] and times[-1] <= plan["forward_ms"][i]
+        record = handle._auto.records[i]  # and its bytes after each new span
+        ends = record["span_ends"]
+        assert ends == sorted(set(ends)) and ends[-1] == record["capped"] > 0
 
 
 def _log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
