@@ -270,12 +270,15 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
         # runs (split), and where the copy passes the last layer's open, so that what is
         # copied by then goes as the last layer starts: it adds its own activations after
         # that, and only a part as small as what it and the loss add can wait for point n.
-        ends = [size * k // SPLIT_PARTS for k in range(1, SPLIT_PARTS)] if split else []
-        ends.append(int((opens[-1] - start) / per_byte))
+        # A quarter closes at the first span end past it; a part that must be copied by a
+        # point, at the last span end before what the bus copies by then (rounded up, the
+        # block stack's part for the last layer's open took its layer's last 268 MB span too,
+        # and that part's memory was held through the last layer: the step's peak).
+        ends = {span_end_at_or_above(bounds, size * k // SPLIT_PARTS) for k in range(1, SPLIT_PARTS)} if split else set()
+        ends.add(span_end_at_or_below(bounds, int((opens[-1] - start) / per_byte)))
         if tail_save is not None:
-            ends.append(int((layers_end - start) / per_byte))
-        ends = sorted({span_end_at_or_above(bounds, b) for b in ends if b > 0})
-        ends = [b for b in ends if b < take] + [take]
+            ends.add(span_end_at_or_below(bounds, int((layers_end - start) / per_byte)))
+        ends = sorted(b for b in ends if 0 < b < take) + [take]
         points, done, begun = [], free, 0
         for b in ends:
             # A part closes when the layer has saved its bytes, the last one when the layer

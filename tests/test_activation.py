@@ -885,9 +885,10 @@ def test_activation_schedule_closes_parts_when_the_layer_saved_their_bytes():
 def test_activation_schedule_counts_bytes_at_span_ends():
     """A group closes a part, or stops at its cap, only between two of its spans: with layers
     whose spans end at 30, 60 and 100 bytes, the first layer's parts close at span ends (its
-    quarters' ends rounded up: 30, 60, and the rest), and the layer that fits in part is capped
-    at the last span end that fits (60 of the 69 bytes the bus could take), so the plan's
-    bytes are what the engine will copy."""
+    quarters' ends rounded up: 30, 60, and the rest), the layer that fits in part is capped at
+    the last span end that fits (60 of the 69 bytes the bus could take), so the plan's bytes
+    are what the engine will copy, and a part to be let go as the last layer opens ends at the
+    last span end its copy passes by then."""
     from offload._activation_plan import schedule, span_end_at_or_above, span_end_at_or_below
 
     assert span_end_at_or_below([30, 60, 100], 69) == 60 and span_end_at_or_below([30, 60, 100], 29) == 0
@@ -900,8 +901,15 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     # 0.63 s a span of 30: layer 0's first part from 0.3 s (its 30 bytes saved), 0.93; then
     # 1.56 and 2.4 s; layers 1 and 2 to 6.6 s; layer 3 from 6.6 s: 66 bytes fit by 8 s, 60 go.
     assert order == [0, 1, 2, 3] and plan.caps == [None] * 3 + [60] + [None] * 4
-    assert plan.split_at == {0: [30, 60], 3: [30]} and plan.release_at[0] == [1, 2, 3]
-    assert plan.release_at[3] == [8, 8]
+    assert plan.split_at == {0: [30, 60]} and plan.release_at[0] == [1, 2, 3]
+    # By the last layer's open (7 s) its copy has taken 19 bytes, less than its first span: no
+    # part goes there (rounded up, a part's copy would end after the point it is let go at).
+    assert plan.release_at[3] == 8
+    # At 55 bytes/s layer 3 fits whole, its copy from 6.03 s: by 7 s it has taken 51 bytes,
+    # so its first span (30) goes as the last layer opens, the rest at the end (7.94 s).
+    faster, order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 55.0, 100.0, None, None, [[30, 60, 100]] * n)
+    assert order == [0, 1, 2, 3] and faster.caps[3] is None
+    assert faster.split_at[3] == [30] and faster.release_at[3] == [7, 8]
 
 
 def test_activation_auto_marks_when_layers_save_their_bytes(pool):
