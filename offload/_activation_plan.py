@@ -94,12 +94,12 @@ COPY_MARGIN = 0.05
 # A first probe over the step-time tolerance whose copies ended late at the plan's release
 # points (the compute stream waited there longer than this share of the copies' own time)
 # makes the schedule again at a rate lowered by that share. The block stack on the H100
-# waited 1.7-4.5 ms a step at its release points under a two-layer plan (its copies ran at
-# the measured 55 GB/s, but the first layer's parts close later than the even spread the
-# schedule assumes): 2-3% of its step, most of what that plan cost, and the 3% check then
-# settled on one layer (39% of what the bus can hide) in some runs. Planned with ~15% of
-# margin in all, the waits were gone (with 10%, not), and two layers held at ~1%, with
-# ~10% fewer bytes: so only a plan that misses its check is made again.
+# waited 1.7-4.5 ms a step at its release points under a two-layer plan, its copies at the
+# measured 55 GB/s: 2-3% of its step, and the 3% check then settled on one layer in some
+# runs. The causes were bytes the plan did not count (its first layer, in parts, copied
+# q's storage twice; a part's end fell inside a 268 MB span, which the engine copies whole
+# in that part); with those counted the waits were gone. A plan made again keeps ~10%
+# fewer bytes, so only a plan that misses its check is.
 LATE_TOLERANCE = 0.02
 # Copies back are planned this much longer: under backward's compute the host-to-device copy
 # of a Llama layer ran at ~41 GB/s on the H100 against 53 GB/s measured (1.4 ms exposed per

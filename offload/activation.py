@@ -51,7 +51,9 @@ Lifetimes and streams (stream ownership):
   from the host, so that stream does not idle while backward works through what stayed.
 
 Storages and views. Each storage is offloaded once per group: all saved views of it
-share one copied byte span [lo, hi) of the storage, and each view is rebuilt with
+share one copied byte span [lo, hi) of the storage (all of it where the first view reads
+nearly all: the storage's other views then share that copy from a later group too, the
+later parts of a layer copied in parts), and each view is rebuilt with
 `as_strided` on the restored span with its exact size, stride and storage offset, so a
 transpose, slice, expand or overlapping view is restored exactly (rebuilding with
 `.view(shape)` from a deduplicated storage is the bug ms-swift shipped). The same view
