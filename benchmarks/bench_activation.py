@@ -37,8 +37,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from offload import _device
-from offload._activation_plan import max_tuning_steps
+from offload.core import _device
+from offload.activation.planner import max_tuning_steps
 
 SECTION = "activation"
 ALTERNATED_ROUNDS = 15

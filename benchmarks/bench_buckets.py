@@ -18,8 +18,8 @@ import torch
 
 from common import gbps, row, time_ms
 from model_shapes import llama3_8b, materialize, qwen2_5_1_5b
-from offload import _device
-from offload.buckets import default_bucket_bytes, pack_into, plan_buckets
+from offload.core import _device
+from offload.weights.buckets import default_bucket_bytes, pack_into, plan_buckets
 
 SECTION = "buckets"
 

@@ -15,7 +15,7 @@ import torch
 
 import offload
 from common import compare_ms, gbps, row, summarize
-from offload import _device
+from offload.core import _device
 
 SECTION = "copy"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -19,7 +19,7 @@ import torch
 
 import offload
 from common import gbps, row, summarize
-from offload import _device
+from offload.core import _device
 
 SECTION = "param_offload"
 

@@ -34,7 +34,7 @@ import torch
 from common import gbps, row, summarize, time_host_ms
 
 import offload
-from offload import _device
+from offload.core import _device
 
 SECTION = "staging"
 SAVES = 10

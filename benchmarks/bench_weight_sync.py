@@ -43,13 +43,13 @@ def applies(device_type: str) -> bool:
 
 
 def _gpus() -> int:
-    from offload import _device
+    from offload.core import _device
 
     return _device._module("cuda").device_count() if _device.accelerator_type() == "cuda" else 0
 
 
 def _timed(fn, device, iters):
-    from offload import _device
+    from offload.core import _device
 
     samples = []
     for i in range(iters + 1):  # the first is warm-up
@@ -70,7 +70,7 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
     from model_shapes import llama3_8b, materialize, qwen2_5_1_5b
 
     import offload
-    from offload import _device
+    from offload.core import _device
 
     if device_type == "cuda":
         _device._module("cuda").set_device(rank)
@@ -204,7 +204,7 @@ def _cache_worker(rank, init_method, quick, device_type, bench_dir, results):
     from model_shapes import materialize, qwen2_5_1_5b
 
     import offload
-    from offload import _device
+    from offload.core import _device
 
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method,
                             rank=rank, world_size=1)

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from offload import _device
+from offload.core import _device
 
 
 @dataclass

@@ -33,9 +33,9 @@ import bench_activation  # noqa: E402
 from common import Context  # noqa: E402
 
 import offload  # noqa: E402
-from offload import _device  # noqa: E402
-from offload import activation as _activation  # noqa: E402
-from offload._activation_plan import Schedule  # noqa: E402
+from offload.core import _device  # noqa: E402
+from offload.activation import engine as _activation  # noqa: E402
+from offload.activation.planner import Schedule  # noqa: E402
 
 GiB = float(1 << 30)
 

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_staging import _state  # noqa: E402  (the bench's own state dict)
 
 import offload  # noqa: E402
-from offload import _device  # noqa: E402
+from offload.core import _device  # noqa: E402
 
 
 def _save(stager, state, device, marks: bool = False):
@@ -70,7 +70,8 @@ _PHASES = [
 
 def _mark_phases() -> None:
     """Wraps each of _PHASES in a profiler range named after it (this process only)."""
-    from offload import _copy, staging
+    from offload.core import copy as _copy
+    from offload.staging import stager as staging
 
     def marked(name, fn):
         def wrapper(*args, **kwargs):

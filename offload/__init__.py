@@ -1,24 +1,27 @@
 """offload: move tensors between accelerator memory and pinned host memory at bus speed.
 
-The public API, nothing else; see README.md.
+The public API, nothing else; see README.md. Capabilities live in sub-packages over a
+shared core: `offload.core` (device layer, pool, copy engine), `offload.activation`,
+`offload.staging` and `offload.weights`.
 """
 
-from ._backend import native_available
-from ._copy import CopyHandle, copy_to_device, copy_to_host
-from ._pool import HostPool, default_host_pool
 from .activation import ActivationOffload, activation_offload, enable_activation_offload
-from .buckets import (
+from .core import CopyHandle, HostPool, copy_to_device, copy_to_host, default_host_pool, native_available
+from .staging import AsyncStager
+from .weights import (
     BucketEntry,
     BucketPlan,
     PackedBucket,
+    WeightReceiver,
+    WeightSender,
     default_bucket_bytes,
+    offload_params,
     pack_buckets,
+    params_offloaded,
     plan_buckets,
+    reload_params,
     unpack_bucket,
 )
-from .param_offload import offload_params, params_offloaded, reload_params
-from .staging import AsyncStager
-from .weight_sync import WeightReceiver, WeightSender
 
 __version__ = "0.1.0"
 

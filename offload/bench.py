@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import _backend, _device
+from .core import _backend, _device
 
 
 def _benchmarks_dir() -> Path:

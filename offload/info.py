@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from . import __version__, _backend, _device
+from . import __version__
+from .core import _backend, _device
 
 
 def collect() -> dict:

@@ -7,7 +7,7 @@ Markers skip with a reason that names what is missing: `cuda`, `npu`, `multi_gpu
 import pytest
 import torch
 
-from offload import _backend, _device
+from offload.core import _backend, _device
 
 
 def _accelerator_count() -> int:

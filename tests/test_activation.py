@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from offload import _device
-from offload import activation as act
-from offload._activation_plan import max_tuning_steps
+from offload.core import _device
+from offload.activation import engine as act
+from offload.activation.planner import max_tuning_steps
 
 # These tests run models on the CPU, whose activations are host memory already:
 # where an accelerator exists the engine rightly leaves them alone, and
@@ -780,7 +780,7 @@ def test_activation_auto_budget_zero_offloads_everything(pool):
 
 def test_activation_planner_hides_copies():
     """The timeline model: with a slow bus only every other layer fits under compute."""
-    from offload._activation_plan import choose, simulate
+    from offload.activation.planner import choose, simulate
 
     n = 8
     nbytes, fwd, bwd = [100.0] * n, [1.0] * n, [2.0] * n
@@ -801,7 +801,7 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     copied in parts while it runs; each copy planned complete (with its margin) before its
     release point and before the last layer ends; each group fetched back at the latest layer
     start that leaves time for its copy."""
-    from offload._activation_plan import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
+    from offload.activation.planner import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
 
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
@@ -861,7 +861,7 @@ def test_activation_schedule_closes_parts_when_the_layer_saved_their_bytes():
     """A layer's parts close when it has saved their bytes, by the measured marks: a layer that
     saves half its bytes 0.6 s into its second and the rest at 0.9 s starts its copy later
     than an even spread says, and its parts are let go later."""
-    from offload._activation_plan import COPY_MARGIN, schedule, saved_by
+    from offload.activation.planner import COPY_MARGIN, schedule, saved_by
 
     assert saved_by(None, 2.0, 0.25) == 0.5  # no marks: evenly over the layer's time
     marks = [(0.5, 0.6), (1.0, 0.9)]
@@ -889,7 +889,7 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     the last span end that fits (60 of the 69 bytes the bus could take), so the plan's bytes
     are what the engine will copy, and a part to be let go as the last layer opens ends at the
     last span end its copy passes by then."""
-    from offload._activation_plan import schedule, span_end_at_or_above, span_end_at_or_below
+    from offload.activation.planner import schedule, span_end_at_or_above, span_end_at_or_below
 
     assert span_end_at_or_below([30, 60, 100], 69) == 60 and span_end_at_or_below([30, 60, 100], 29) == 0
     assert span_end_at_or_above([30, 60, 100], 31) == 60 and span_end_at_or_above([30, 60, 100], 101) == 100
@@ -916,7 +916,7 @@ def test_activation_auto_marks_when_layers_save_their_bytes(pool):
     """The measured steps mark when each layer has saved every eighth of its bytes: the plan
     holds, per eligible layer, marks of a rising share saved at rising times within its
     forward, past the last eighth; and the layer's bytes after each of its new spans."""
-    from offload._activation_plan import PROFILE_POINTS
+    from offload.activation.planner import PROFILE_POINTS
 
     model = _model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
@@ -948,7 +948,7 @@ def _log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
 
 
 def _scheduled(engine, n, **kw):
-    from offload._activation_plan import Schedule
+    from offload.activation.planner import Schedule
 
     engine.schedule = Schedule(n, kw.get("caps", [None] * n), kw.get("release_at", {}), kw.get("fetch_at", {}),
                                kw.get("fetch_at_start", []), kw.get("split_at", {}))
@@ -981,7 +981,7 @@ def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, 
     """A layer the schedule splits: its first part's copy is queued before the layer ends,
     views of one storage saved in several parts come back bitwise, and every part is fetched
     at its layer's backward point, a layer's last part first (backward needs it first)."""
-    from offload import activation as _activation
+    from offload.activation import engine as _activation
 
     ref = _model(n=4)
     model = copy.deepcopy(ref)
@@ -1052,7 +1052,7 @@ def test_activation_views_of_one_storage_copied_once_across_parts(mode, monkeypa
     """A layer copied in parts, split right after q's save: k and v lie in the copy of the
     whole projection output made for q and share it, so the storage is copied once (its
     views reading nearly all of it copy all of it); gradients stay bitwise."""
-    from offload import activation as _activation
+    from offload.activation import engine as _activation
 
     torch.manual_seed(0)
     ref = _QKVModel()
@@ -1099,10 +1099,10 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, c
     fetched when backward reaches the layer the schedule names, before it is needed.
     `parts`: layer 0 is copied in two parts, each let go at its own point. `tail`: layer 1 is
     let go at the second tensor saved after the last layer (the head's), not at its end."""
-    from offload._activation_plan import TAIL_POINT
+    from offload.activation.planner import TAIL_POINT
 
     parts = case == "parts"
-    from offload import _backend
+    from offload.core import _backend
 
     clock = [0]
     compute, d2h, h2d = _FakeStream("compute"), _FakeStream("d2h"), _FakeStream("h2d")
@@ -1223,7 +1223,7 @@ def test_activation_copied_model_is_an_ordinary_module(pool):
             for p in clone.parameters():
                 p.mul_(0.5)
         for m in [clone, *clone.blocks]:
-            assert not isinstance(m.__dict__.get("forward"), offload.wrap._WrappedForward)
+            assert not isinstance(m.__dict__.get("forward"), offload.activation.layers._WrappedForward)
         halved = copy.deepcopy(ref)
         with torch.no_grad():
             for p in halved.parameters():
@@ -1255,7 +1255,7 @@ def test_activation_copied_model_is_an_ordinary_module(pool):
 
 
 def test_activation_step_search_bisects_to_the_largest_within_tolerance():
-    from offload._activation_plan import StepSearch
+    from offload.activation.planner import StepSearch
 
     def run(model_k, overhead_per_layer):
         search, probes = StepSearch(model_k, tolerance=0.03), []
@@ -1356,8 +1356,8 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
     over the tolerance whose copies, at the planned rate, the compute stream waited for at the
     release points (here 10,000 times their own time), make the schedule again at a lower
     rate, and the search starts over."""
-    from offload import _activation_plan
-    from offload._activation_plan import AutoPlanner, _planned_bytes
+    from offload.activation import planner as _activation_plan
+    from offload.activation.planner import AutoPlanner, _planned_bytes
 
     seen = []
 
@@ -1402,7 +1402,7 @@ def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
     """The copies' rate and lateness of a probe are those of its usual step (the median over
     its offloading steps): one step whose copies ran slow and waited does not make the plan
     again; steps without timed copies are left out."""
-    from offload._activation_plan import AutoPlanner, _copies_late
+    from offload.activation.planner import AutoPlanner, _copies_late
 
     def step(moved, seconds, waited):
         return {"d2h_bytes": moved, "d2h_seconds": seconds, "forward_wait_seconds": waited}
@@ -1424,8 +1424,8 @@ def test_activation_auto_late_copies_keep_the_plan(late, overhead, pool, monkeyp
     """No new schedule for copies at the planned rate where the first probe is within the
     tolerance however late they ended (the waits fit in what the 3% is for), nor where it
     missed with waits within LATE_TOLERANCE of their time (then the search backs off)."""
-    from offload import _activation_plan
-    from offload._activation_plan import AutoPlanner
+    from offload.activation import planner as _activation_plan
+    from offload.activation.planner import AutoPlanner
 
     late = _activation_plan.LATE_TOLERANCE if late is None else late
     monkeypatch.setattr(AutoPlanner, "_copy_rate", lambda planner, copies: planner.tuning[planner.key].d2h)
@@ -1480,7 +1480,7 @@ def test_activation_paused_step_runs_without_offload(mode, pool):
 def test_activation_auto_schedule_starts_from_the_faster_bus_reading(idle_gbps, expected, pool, monkeypatch):
     """Without a budget the schedule takes the faster of the first measuring step's copies
     (here 5 and 6 GB/s) and an idle copy each way."""
-    from offload import _activation_plan
+    from offload.activation import planner as _activation_plan
 
     monkeypatch.setattr(_activation_plan, "probe_bandwidth", lambda device: (idle_gbps * 1e9, idle_gbps * 1e9))
     model = _model()
@@ -1745,7 +1745,7 @@ def test_activation_stream_paths_with_fake_streams(monkeypatch):
 
     On the pure-PyTorch copy path: the compiled core takes only real streams.
     """
-    from offload import _backend, _device
+    from offload.core import _backend, _device
 
     with _backend.force_fallback():
         _fake_stream_step(offload.HostPool(), monkeypatch, _device)
@@ -1810,7 +1810,7 @@ def test_activation_async_copies_the_first_layer_in_parts(pool, monkeypatch, ckp
     parts of the bytes it saved before, and in backward all its parts are fetched together at
     the next layer's first unpack, its last part first; a layer that saves fewer spans than
     parts (a checkpoint's input) is not split. Gradients stay bitwise equal."""
-    from offload._activation_plan import SPLIT_PARTS
+    from offload.activation.planner import SPLIT_PARTS
 
     model, handle, log, x, grads_ref = _async_logging_fetches(monkeypatch, pool, ckpt=ckpt)
     engine = handle.engine
@@ -2008,7 +2008,7 @@ def test_activation_steady_step_never_blocks_the_host(kind, monkeypatch):
     """Once auto mode has settled, and in every async step whose copies are done when looked
     at, no host synchronisation happens (accelerator branches run against fakes): on a
     launch-bound model each one would stop the host running ahead of the device."""
-    from offload import _backend
+    from offload.core import _backend
 
     clock = [0, 0]  # event clock, host waits
     compute, d2h, h2d = _FakeStream("compute"), _FakeStream("d2h"), _FakeStream("h2d")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
-from offload import _device
+from offload.core import _device
 
 pytestmark = pytest.mark.cuda
 
@@ -152,7 +152,7 @@ def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(dete
     device, so a sparse plan lowers the peak even when the host runs far ahead of the device
     (here a spin kernel holds the device back) and so never sees a copy done in forward.
     `split`: the layers are copied in parts while they run, with the same result."""
-    from offload._activation_plan import Schedule
+    from offload.activation.planner import Schedule
 
     ref = _stack(torch.bfloat16, d=512, heads=8, n=8)
     model = copy.deepcopy(ref)

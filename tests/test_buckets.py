@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import offload
-from offload.buckets import BucketEntry, BucketPlan
+from offload.weights.buckets import BucketEntry, BucketPlan
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.int8]
@@ -42,7 +42,7 @@ def _expected(t, name, dtype, keep):
     return t.to(dtype)
 
 
-def _round_trip(tensors, bucket_bytes, dtype=None, keep=(), alignment=offload.buckets.DEFAULT_ALIGNMENT):
+def _round_trip(tensors, bucket_bytes, dtype=None, keep=(), alignment=offload.weights.buckets.DEFAULT_ALIGNMENT):
     """Pack, then unpack both ways; check views and in-place loads against the expected values."""
     buckets = list(offload.pack_buckets(tensors, bucket_bytes, dtype=dtype, keep_dtype=keep, alignment=alignment))
     plan = offload.plan_buckets(tensors, bucket_bytes, dtype=dtype, keep_dtype=keep, alignment=alignment)
@@ -152,11 +152,11 @@ def test_buckets_metadata_is_plain_data(device):
 
 
 def test_buckets_default_size_is_documented_range(device):
-    size = offload.buckets.default_bucket_bytes(device)
+    size = offload.weights.buckets.default_bucket_bytes(device)
     if device.type == "cpu":
-        assert size == offload.buckets.CPU_DEFAULT_BUCKET_BYTES
+        assert size == offload.weights.buckets.CPU_DEFAULT_BUCKET_BYTES
     else:
-        assert offload.buckets.MIN_DEFAULT_BUCKET_BYTES <= size <= offload.buckets.MAX_DEFAULT_BUCKET_BYTES
+        assert offload.weights.buckets.MIN_DEFAULT_BUCKET_BYTES <= size <= offload.weights.buckets.MAX_DEFAULT_BUCKET_BYTES
 
 
 # ---------------------------------------------------------------- fuzz
@@ -291,7 +291,7 @@ def test_buckets_unpack_refuses_inconsistent_entries():
 
 @pytest.mark.native
 def test_buckets_native_checks_spans():
-    core = offload._backend.core()
+    core = offload.core._backend.core()
     bucket = torch.zeros(64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="do not fit a bucket of 64 bytes"):
         core.pack_bucket(bucket, [torch.zeros(32)], [0], [32], [0], [torch.float32])
@@ -317,25 +317,25 @@ def test_buckets_core_used_only_for_devices_it_was_built_for(monkeypatch):
     tensors = {"a": _random((33, 5), torch.float32, "cpu", gen), "b": _random((7,), torch.bfloat16, "cpu", gen),
                "i": _random((9,), torch.int32, "cpu", gen)}
     core = _CoreWithoutThisDevice()
-    monkeypatch.setattr(offload._backend, "_core", core)
-    monkeypatch.setattr(offload._backend, "built_for", lambda device_type: False)  # not built for this device
+    monkeypatch.setattr(offload.core._backend, "_core", core)
+    monkeypatch.setattr(offload.core._backend, "built_for", lambda device_type: False)  # not built for this device
     buckets = _round_trip(tensors, 256, dtype=torch.float16)  # the pure-PyTorch path, bit for bit
     assert core.calls == 0 and len(buckets) > 1
-    monkeypatch.setattr(offload._backend, "built_for", lambda device_type: True)  # built for it: the core is used
+    monkeypatch.setattr(offload.core._backend, "built_for", lambda device_type: True)  # built for it: the core is used
     with pytest.raises(RuntimeError, match="bucket copies on cpu are not built into this core"):
         list(offload.pack_buckets(tensors, 1024))
     assert core.calls == 1
 
 
 def test_buckets_built_for_reads_the_build_target(monkeypatch):
-    monkeypatch.setattr(offload._backend, "_core", object())
-    monkeypatch.setattr(offload._backend, "_build_info", {"target": "cpu"})
-    assert offload._backend.built_for("cpu") and not offload._backend.built_for("cuda")
-    assert not offload._backend.built_for("npu")
-    monkeypatch.setattr(offload._backend, "_build_info", {"target": "cuda"})
-    assert offload._backend.built_for("cuda") and offload._backend.built_for("cpu")
-    monkeypatch.setattr(offload._backend, "_core", None)
-    assert not offload._backend.built_for("cpu")
+    monkeypatch.setattr(offload.core._backend, "_core", object())
+    monkeypatch.setattr(offload.core._backend, "_build_info", {"target": "cpu"})
+    assert offload.core._backend.built_for("cpu") and not offload.core._backend.built_for("cuda")
+    assert not offload.core._backend.built_for("npu")
+    monkeypatch.setattr(offload.core._backend, "_build_info", {"target": "cuda"})
+    assert offload.core._backend.built_for("cuda") and offload.core._backend.built_for("cpu")
+    monkeypatch.setattr(offload.core._backend, "_core", None)
+    assert not offload.core._backend.built_for("cpu")
 
 
 @pytest.mark.cuda

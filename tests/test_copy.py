@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import offload
-from offload import _device
+from offload.core import _device
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
@@ -137,7 +137,7 @@ def _storage_bytes(t, lo, n):
 
 
 def test_copy_spans_to_host_lands_each_span_at_its_offset(backend, device):
-    from offload._copy import copy_spans_to_host
+    from offload.core.copy import copy_spans_to_host
 
     base = random_tensor((64, 100), torch.bfloat16, device)
     tensors = [base, base.t(), base[3:9, 10:], random_tensor((5000,), torch.int32, device)]
@@ -161,7 +161,7 @@ def test_copy_spans_to_host_into_a_block_it_acquires(backend, device):
     """out given as a byte count: the call takes the block from the pool itself; the
     handle's one tensor is that block, it returns to the pool with the handle, and a timed
     copy reports its seconds."""
-    from offload._copy import copy_spans_to_host
+    from offload.core.copy import copy_spans_to_host
 
     pool = offload.HostPool()
     t = random_tensor((3000,), torch.float32, device)
@@ -178,7 +178,7 @@ def test_copy_spans_to_host_into_a_block_it_acquires(backend, device):
 
 
 def test_copy_spans_to_host_rejects_bad_spans(backend, device):
-    from offload._copy import copy_spans_to_host
+    from offload.core.copy import copy_spans_to_host
 
     t = random_tensor((100,), torch.float32, device)
     pool = offload.default_host_pool()
@@ -552,9 +552,9 @@ def test_copy_defer_refills_a_handle_bitwise(backend, device):
     assert second.ready()
     if device.type == "cpu":  # host sources: nothing to defer, done on return
         assert second.nbytes == sum(t.numel() * 2 for t in sources)
-    core = offload._backend.core()
+    core = offload.core._backend.core()
     if backend == "native" and core is not None:
-        from offload import _copy
+        from offload.core import copy as _copy
 
         assert _copy._worker_waited_at_exit  # the worker is waited for at exit
         core.wait_copy_worker()  # nothing pending: returns at once

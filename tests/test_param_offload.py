@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import offload
-from offload import _device
+from offload.core import _device
 from _workers import leave_passed_worker, run_ranks, watch_for_aborts
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from offload import _backend, _device
+from offload.core import _backend, _device
 
 MiB = 1 << 20
 

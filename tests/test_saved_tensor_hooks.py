@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import _backend, _device
-from offload import activation as act
+from offload.core import _backend, _device
+from offload.activation import engine as act
 
 pytestmark = pytest.mark.native
 

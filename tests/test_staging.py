@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import offload
-from offload import _device
+from offload.core import _device
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -292,7 +292,7 @@ def test_staging_small_tensors_packed_and_refilled(backend, device):
 def test_staging_spent_handles_let_go_by_result_and_bounded(backend, device):
     """A read copy time's handles are let go by a later result(), not inside stage(), and a
     caller that never asks for results holds at most a few saves' worth of them."""
-    from offload import staging
+    from offload.staging import stager as staging
 
     if not _device.is_accelerator(device):
         pytest.skip("copies are timed on an accelerator only (the host copies are synchronous)")
@@ -375,7 +375,8 @@ def test_staging_ring_uses_next_set_then_raises_when_all_busy(backend, device):
 @pytest.mark.parametrize("impl", ["python", "native"])
 def test_staging_object_scans_match_the_python_loops(impl):
     # The busy check's reference sums and the cached tree's type check, in C and in Python.
-    from offload import _backend, _object_scan
+    from offload.core import _backend
+    from offload.staging import object_scan as _object_scan
     if impl == "native":
         core = _backend.core()
         if core is None:
@@ -447,7 +448,7 @@ def test_staging_kept_tensor_or_view_keeps_set_busy(backend, device):
     part = kept[4:8]  # a new view of the host buffer, not the object handed out
     del kept
     gc.collect()
-    if offload.staging._use_count is not None:
+    if offload.staging.stager._use_count is not None:
         with pytest.raises(RuntimeError, match="busy"):
             stager.stage({"w": w, "n": 3})
     assert torch.equal(part, torch.ones(4))
@@ -482,7 +483,7 @@ def test_staging_busy_ignores_copy_backend_references(backend, device, monkeypat
     # Transfer does. Neither its holding nor its letting go may change what the
     # stager calls busy: only readers of the staged dict count.
     held = []
-    real_copy = offload.staging.copy_to_host
+    real_copy = offload.staging.stager.copy_to_host
 
     def holding_copy(tensors, **kwargs):
         handle = real_copy(tensors, **kwargs)  # fresh, or refilling out=<list or earlier handle>
@@ -490,12 +491,12 @@ def test_staging_busy_ignores_copy_backend_references(backend, device, monkeypat
         held.extend(written + [t.view(-1)[:1] for t in written if t.numel()])
         return handle
 
-    monkeypatch.setattr(offload.staging, "copy_to_host", holding_copy)
+    monkeypatch.setattr(offload.staging.stager, "copy_to_host", holding_copy)
     stager = offload.AsyncStager(ring_size=1, when_busy="raise")
     w = torch.ones(32, device=device)
     part = stager.stage({"w": w}).result()["w"][4:8]  # a reader keeps a view
     held.clear()  # ... while the backend lets go of its references
-    if offload.staging._use_count is not None:
+    if offload.staging.stager._use_count is not None:
         with pytest.raises(RuntimeError, match="busy"):
             stager.stage({"w": w * 2})
     assert torch.equal(part, torch.ones(4))
@@ -620,7 +621,7 @@ def test_staging_close_returns_buffers(backend, device):
 
 def test_staging_first_save_copies_into_the_pool_grown_beside_it(device):
     if not offload.HostPool().native:
-        pytest.skip(f"the stager grows only offload's own pool ahead of a save: {offload._backend.why_not()}")
+        pytest.skip(f"the stager grows only offload's own pool ahead of a save: {offload.core._backend.why_not()}")
     MiB = 1 << 20
     pool = offload.HostPool()
     announced = []
@@ -711,15 +712,15 @@ def test_staging_host_tensors_of_accelerator_state_copied_in_one_call(backend, d
     by one torch._foreach_copy_ per save, and no per-tensor layout check runs for them;
     a host source that changes dtype, shape or layout is still staged bit for bit."""
     if device.type == "cpu":  # no accelerator: let the CPU tensors stand for the host side of one
-        monkeypatch.setattr(offload.staging._device, "compute_device_type", lambda: "cuda")
+        monkeypatch.setattr(offload.staging.stager._device, "compute_device_type", lambda: "cuda")
     calls = []
-    real = offload.staging._foreach_copy
+    real = offload.staging.stager._foreach_copy
 
     def counting(dsts, sources):
         calls.append(len(sources))
         return real(dsts, sources)
 
-    monkeypatch.setattr(offload.staging, "_foreach_copy", counting)
+    monkeypatch.setattr(offload.staging.stager, "_foreach_copy", counting)
     n = 40
     steps = {i: {"step": torch.tensor(float(i))} for i in range(n)}
     state = {"model": {"w": torch.randn(8, device=device)}, "optim": {"state": steps}}
@@ -745,7 +746,7 @@ def test_staging_host_tensors_of_accelerator_state_copied_in_one_call(backend, d
         _assert_same(stager.stage(state).result(), _snapshot(state))
     stager.close()
     with pytest.raises(ValueError, match=r"host source 1 changed to \(2,\) torch.float32"):
-        offload.staging._copy_on_host([torch.ones(()), torch.ones(2)], out=[torch.ones(()), torch.ones(3)])
+        offload.staging.stager._copy_on_host([torch.ones(()), torch.ones(2)], out=[torch.ones(()), torch.ones(3)])
 
 
 def test_staging_scalars_change_without_replanning(backend, device):
@@ -883,7 +884,7 @@ def test_staging_later_saves_are_deferred_and_exact(backend, device, monkeypatch
     """Refills of a buffer set are queued by the core's worker thread (defer):
     each save still holds the values queued before its stage(), not those written after its
     wait_stream(), and every save's copy time is read."""
-    from offload import staging
+    from offload.staging import stager as staging
 
     deferred = []  # (save, defer) per copy_to_host call
     real = staging.copy_to_host
@@ -1078,7 +1079,7 @@ def test_staging_pointer_check_sees_moved_and_newly_tied_tensors(backend, device
     tensors = [torch.randn(8, device=device) for _ in range(20)]
     ptrs = [t.data_ptr() for t in tensors]
     indices = list(range(len(tensors)))
-    same = offload.staging._same_data_ptrs
+    same = offload.staging.stager._same_data_ptrs
     assert same(tensors, ptrs, indices)
     assert not same(tensors[:-1], ptrs, indices[:-1])
     moved = tensors[:7] + [tensors[7].clone()] + tensors[8:]
@@ -1099,7 +1100,7 @@ def test_staging_steady_saves_leave_the_address_check_to_the_copies(backend, dev
     """Saves into a set bound to the plan compare no address in Python: the refills do
     (copy_to_host's same_sources). A moved tensor is caught by them and the save is redone
     with every tensor checked; the save after it is steady again."""
-    from offload import staging
+    from offload.staging import stager as staging
 
     checked_here, same_sources = [], []
     real_same, real_copy = staging._same_data_ptrs, staging.copy_to_host
@@ -1155,7 +1156,7 @@ def test_staging_timing_of_a_failed_copy_is_dropped():
     """A copy that failed on the core's worker raises from its handle's copy_seconds(); the
     save's future reports that error, and its metrics record drops the timing instead of
     raising it again from every later stage(), metrics() and close()."""
-    from offload import staging
+    from offload.staging import stager as staging
 
     class Failed:
         def copy_seconds(self):

@@ -64,11 +64,11 @@ def _run(rank, world, init_method, scenario, device_type, failures):
     watch_for_aborts()
     try:
         if device_type == "cuda":
-            offload._device._module("cuda").set_device(rank)
+            offload.core._device._module("cuda").set_device(rank)
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_INIT_TIMEOUT)
         torch.set_num_threads(1)
-        device = offload._device.current_device() if device_type == "cuda" else torch.device("cpu")
+        device = offload.core._device.current_device() if device_type == "cuda" else torch.device("cpu")
         scenario(rank, device)
         dist.barrier()
         dist.destroy_process_group()
@@ -320,7 +320,7 @@ def _scenario_fsdp2_host_cache(rank, device):
 
 
 class _GatherRecorder:
-    """Wraps offload.weight_sync._gather: the most bytes of gathered full tensors alive at once.
+    """Wraps offload.weights.sync._gather: the most bytes of gathered full tensors alive at once.
 
     Tensors are tracked by weak reference; a tensor the copy engine still holds
     keeps its Python object (PyTorch preserves it while C++ holds the tensor), so
@@ -328,7 +328,7 @@ class _GatherRecorder:
     """
 
     def __init__(self):
-        import offload.weight_sync as ws
+        import offload.weights.sync as ws
 
         self._gather = ws._gather
         self.alive = []  # (weakref, nbytes)
@@ -398,7 +398,7 @@ def test_weight_sync_gloo_device_mode_consecutive_syncs():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(offload._device.accelerator_type() is not None,
+@pytest.mark.skipif(offload.core._device.accelerator_type() is not None,
                     reason="host_cache snapshots copy from the accelerator; a CPU model on a GPU host is refused "
                            "by copy_to_host (the NCCL test covers host_cache there)")
 def test_weight_sync_gloo_host_cache_versions():
@@ -430,14 +430,14 @@ def test_weight_sync_needs_initialized_group():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(offload._device.accelerator_type() is not None,
+@pytest.mark.skipif(offload.core._device.accelerator_type() is not None,
                     reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
 def test_weight_sync_gloo_fsdp2_host_cache():
     _spawn(_scenario_fsdp2_host_cache)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(offload._device.accelerator_type() is not None,
+@pytest.mark.skipif(offload.core._device.accelerator_type() is not None,
                     reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
 def test_weight_sync_gloo_fsdp2_host_cache_gathers_per_group():
     _spawn(_scenario_fsdp2_host_cache_per_layer)

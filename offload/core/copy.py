@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _backend, _device
-from ._pool import HostPool, default_host_pool
+from .pool import HostPool, default_host_pool
 
 # The first deferred copy registers the core's copy worker to be waited for at exit
 # (copy_to_host's defer): copies still being queued then are queued before the driver goes.

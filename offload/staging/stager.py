@@ -61,12 +61,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _device
-from ._copy import DEFAULT_SMALL_BYTES, copy_to_host
-from ._layout import compact
-from ._object_scan import refcount_sum, storage_addresses, storage_bytes, views_over
-from ._pool import HostPool, default_host_pool, parse_bytes
-from ._state_tree import Mismatch, StateTree, dtensor_type
+from ..core import _device
+from ..core.copy import DEFAULT_SMALL_BYTES, copy_to_host
+from ..core.layout import compact
+from .object_scan import refcount_sum, storage_addresses, storage_bytes, views_over
+from ..core.checks import parse_bytes
+from ..core.pool import HostPool, default_host_pool
+from .state_tree import Mismatch, StateTree, dtensor_type
 
 try:  # the protocol DCP's async_save expects; absent where torch lacks distributed
     from torch.distributed.checkpoint.staging import AsyncStager as _StagerProtocol

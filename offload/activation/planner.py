@@ -65,8 +65,8 @@ from typing import List, Optional
 
 import torch
 
-from . import _device
-from ._copy import copy_to_device, copy_to_host
+from ..core import _device
+from ..core.copy import copy_to_device, copy_to_host
 
 # Measuring steps of a new input shape: the first offloads every eligible layer (kernels and
 # the pool warm up, the bus is measured under compute, and the peak shows whether a step

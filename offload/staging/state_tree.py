@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ._object_scan import dict_values, types_equal
+from .object_scan import dict_values, types_equal
 
 _is_meta = attrgetter("is_meta")
 _layout = attrgetter("layout")

@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from . import _device
-from ._layout import compact, dense_view, is_dense
+from .layout import compact, dense_view, is_dense
 
 
 class PyTransfer:

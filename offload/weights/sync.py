@@ -87,10 +87,10 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _device
-from ._copy import copy_to_host
-from ._phases import PhaseTimer
-from ._pool import HostPool, default_host_pool
+from ..core import _device
+from ..core.copy import copy_to_host
+from ..core.timing import PhaseTimer
+from ..core.pool import HostPool, default_host_pool
 from .buckets import (
     DEFAULT_ALIGNMENT,
     BucketPlan,

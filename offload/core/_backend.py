@@ -33,7 +33,7 @@ def _load() -> None:
         _why_not = "OFFLOAD_FORCE_FALLBACK is set"
         return
     try:
-        from . import _C  # type: ignore[attr-defined]
+        from .. import _C  # type: ignore[attr-defined]
     except ImportError as exc:
         _why_not = f"offload._C could not be imported ({exc})"
         return

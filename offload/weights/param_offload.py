@@ -44,9 +44,9 @@ from typing import List, Optional
 
 import torch
 
-from . import _device
-from ._copy import copy_to_device, copy_to_host
-from ._pool import HostPool, default_host_pool
+from ..core import _device
+from ..core.copy import copy_to_device, copy_to_host
+from ..core.pool import HostPool, default_host_pool
 
 _STATE_ATTR = "_offload_param_mirror"
 # Storages start at multiples of this in the mirror: DMA engines run best from

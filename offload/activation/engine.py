@@ -89,11 +89,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _backend, _device
-from . import wrap as _wrap
-from ._activation_plan import PROFILE_POINTS, SPLIT_PARTS, TAIL_POINT, _tensor_leaves
-from ._copy import copy_spans_to_host, copy_to_device
-from ._pool import HostPool, default_host_pool
+from ..core import _backend, _device
+from . import layers as _wrap
+from .planner import PROFILE_POINTS, SPLIT_PARTS, TAIL_POINT, _tensor_leaves
+from ..core.copy import copy_spans_to_host, copy_to_device
+from ..core.pool import HostPool, default_host_pool
 
 MODES = ("async", "sync", "auto")
 # Whether engines made from now on use the core's hooks where it is loaded (tests that spy on
@@ -1195,7 +1195,7 @@ class _Capture:
 
 def _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes):
     if memory_budget_bytes is not None:
-        from ._pool import parse_bytes
+        from ..core.checks import parse_bytes
 
         if isinstance(memory_budget_bytes, (int, float)) and not isinstance(memory_budget_bytes, bool) \
                 and memory_budget_bytes < 0:
@@ -1229,7 +1229,7 @@ class ActivationOffload:
         self._paused = False  # inside paused(): forwards run as without offload
         self._auto = None
         if engine.mode == "auto":
-            from ._activation_plan import AutoPlanner
+            from .planner import AutoPlanner
 
             self._auto = AutoPlanner(self, memory_budget_bytes, verbose)
         self._wrapped = []  # weak references to the modules whose forward is wrapped

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from . import _backend
+from ..core import _backend
 
 
 def _refcount_sum(objects: List[Any]) -> int:

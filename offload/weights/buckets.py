@@ -37,7 +37,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _backend, _device
+from ..core import _backend, _device
 
 # Offsets in a bucket are multiples of this: 256 bytes is the device allocator's
 # own alignment, so a view into a bucket is as aligned as a fresh tensor and the

@@ -13,7 +13,6 @@ Two implementations behind one class:
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from typing import Optional
@@ -22,28 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _backend, _device
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-          "tib": 1 << 40}
-
-
-def parse_bytes(value, what: str) -> int:
-    """'8GiB', '512M', '1.5e9' or an int -> bytes; ValueError naming `what` otherwise."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what}: expected a number of bytes, got {value!r}")
-    if isinstance(value, int):
-        number = value
-    else:
-        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
-        unit = match.group(2).lower() if match else None
-        if not match or unit not in _UNITS:
-            raise ValueError(f"{what}: expected bytes such as 8589934592, '8GiB' or '512MB', got {value!r}")
-        number = int(float(match.group(1)) * _UNITS[unit])
-    if number < 0:
-        raise ValueError(f"{what}: must be >= 0 bytes, got {number}")
-    return number
-
+from .checks import parse_bytes
 
 def _limit_from_env() -> int:
     raw = os.environ.get("OFFLOAD_HOST_POOL_LIMIT")

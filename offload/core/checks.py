@@ -1,0 +1,46 @@
+"""Argument checks shared by every public function.
+
+Each check names the public function (`fn`, e.g. "offload.AsyncStager") and the
+argument, says what was expected and what arrived, and raises at the call: a wrong
+type is a TypeError, a value out of range a ValueError.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+          "tib": 1 << 40}
+
+
+def is_int(value) -> bool:
+    """An int that is not a bool (True is an int to Python, never a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(fn: str, name: str, value, minimum: int = 0, meaning: str = "") -> int:
+    """`value` as an int >= `minimum`; `meaning` (optional) says what the argument counts."""
+    why = f" ({meaning})" if meaning else ""
+    if not is_int(value):
+        raise TypeError(f"{fn}: {name} must be an int >= {minimum}{why}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{fn}: {name} must be an int >= {minimum}{why}, got {value!r}")
+    return value
+
+
+def parse_bytes(value, what: str) -> int:
+    """'8GiB', '512M', '1.5e9' or an int -> bytes; `what` names the function and argument."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: expected a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ValueError(f"{what}: expected bytes such as 8589934592, '8GiB' or '512MB', got {value!r}")
+        number = int(float(match.group(1)) * _UNITS[unit])
+    if number < 0:
+        raise ValueError(f"{what}: must be >= 0 bytes, got {number}")
+    return number
