@@ -343,11 +343,11 @@ def test_copy_handle_with_larger_groups_refills(backend, device):
 
 
 def test_copy_rejects_bad_sizes(backend, device):
-    with pytest.raises(ValueError, match="group_bytes must be > 0"):
+    with pytest.raises(ValueError, match="group_bytes must be an int >= 1, got 0"):
         offload.copy_to_host([torch.zeros(2, device=device)], group_bytes=0)
-    with pytest.raises(ValueError, match="chunk_bytes must be > 0"):
+    with pytest.raises(ValueError, match="chunk_bytes must be an int >= 1, got 0"):
         offload.copy_to_host([torch.zeros(2, device=device)], chunk_bytes=0)
-    with pytest.raises(ValueError, match="small_bytes must be >= 0"):
+    with pytest.raises(ValueError, match="small_bytes must be an int >= 0, got -1"):
         offload.copy_to_device([torch.zeros(2)], small_bytes=-1)
 
 

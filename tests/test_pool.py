@@ -101,9 +101,9 @@ def test_pool_block_bytes_is_what_an_acquire_holds(backend, nbytes):
     block = pool.acquire(nbytes)
     assert pool.block_bytes(nbytes) == pool.stats()["in_use_bytes"] >= nbytes
     del block
-    with pytest.raises(ValueError, match="HostPool.block_bytes: nbytes must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="HostPool.block_bytes: nbytes must be an int >= 0, got -1"):
         pool.block_bytes(-1)
-    with pytest.raises(TypeError, match="HostPool.block_bytes: nbytes must be an int, got float"):
+    with pytest.raises(TypeError, match="HostPool.block_bytes: nbytes must be an int >= 0, got float"):
         pool.block_bytes(1.5)
 
 
@@ -113,7 +113,7 @@ def test_pool_rejects_bad_arguments(backend):
     with pytest.raises(ValueError, match="limit_bytes"):
         offload.HostPool(limit_bytes=-1)
     pool = small_pool()
-    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+    with pytest.raises(ValueError, match="nbytes must be an int >= 0, got -5"):
         pool.acquire(-5)
     with pytest.raises(TypeError, match="nbytes must be an int"):
         pool.acquire(1.5)
@@ -122,6 +122,29 @@ def test_pool_rejects_bad_arguments(backend):
 
 
 @pytest.mark.native
+def test_pool_reservation_api_checks_its_arguments_and_announces_nothing_on_the_fallback(backend):
+    pool = small_pool()
+    with pytest.raises(ValueError, match="HostPool.begin_reserve: nbytes must be an int >= 0, got -1"):
+        pool.begin_reserve(-1)
+    with pytest.raises(TypeError, match="HostPool.begin_reserve: largest_block must be an int >= 0, got float"):
+        pool.begin_reserve(MiB, 1.5)
+    with pytest.raises(TypeError, match="HostPool.grow_reserved: nbytes must be an int >= 0, got str"):
+        pool.grow_reserved("1")
+    with pytest.raises(ValueError, match="HostPool.cancel_reserve: nbytes must be an int >= 0, got -1"):
+        pool.cancel_reserve(-1)
+    with pytest.raises(ValueError, match="HostPool: touch_threads must be an int >= 1, got 0"):
+        offload.HostPool(touch_threads=0)
+    assert (pool.native_pool is None) == (not pool.native)
+    announced = pool.begin_reserve(6 * MiB)
+    if not pool.native:
+        assert announced == 0  # torch's pinned cache keeps blocks by size: a reserve would not serve them
+    pool.grow_reserved(announced)
+    assert pool.stats()["reserved_bytes"] == (announced if pool.native else 0)
+    block = pool.acquire(MiB)  # served by the grown slab, or by torch's allocator
+    assert pool.stats()["reserved_bytes"] == (announced if pool.native else MiB)
+    del block
+
+
 def test_pool_limit_reclaims_free_slabs_before_failing():
     pool = small_pool(limit_bytes=8 * MiB)
     a = pool.acquire(6 * MiB)  # a slab of its own
@@ -152,13 +175,13 @@ def _acquire_on_thread(pool, count, nbytes):
 @pytest.mark.native
 def test_pool_acquires_wait_for_a_reservation_another_thread_grows():
     pool = small_pool()  # reservation slabs of 8 MiB; a last one of at most half of that joins the one before
-    announced = pool._begin_reserve(18 * MiB)
+    announced = pool.begin_reserve(18 * MiB)
     assert announced == 18 * MiB
     waiter, got = _acquire_on_thread(pool, 12, MiB)
     waiter.join(0.3)
     assert waiter.is_alive(), "an acquire with a reservation announced must wait for its slabs, not grow"
     assert pool.stats()["slabs"] == 0
-    pool._grow_reserved(announced)
+    pool.grow_reserved(announced)
     waiter.join(10)
     assert not waiter.is_alive() and len(got) == 12
     stats = pool.stats()
@@ -171,14 +194,14 @@ def test_pool_acquires_wait_for_a_reservation_another_thread_grows():
 @pytest.mark.native
 def test_pool_cancelled_reservation_lets_waiting_acquires_grow():
     pool = small_pool()
-    announced = pool._begin_reserve(16 * MiB)
+    announced = pool.begin_reserve(16 * MiB)
     big, got_big = _acquire_on_thread(pool, 1, 10 * MiB)  # larger than the reservation's slabs: never waits
     big.join(10)
     assert not big.is_alive() and got_big[0].numel() == 10 * MiB
     waiter, got = _acquire_on_thread(pool, 1, MiB)
     waiter.join(0.3)
     assert waiter.is_alive()
-    pool._cancel_reserve(announced)  # the grower failed, say: the acquire grows a slab of its own
+    pool.cancel_reserve(announced)  # the grower failed, say: the acquire grows a slab of its own
     waiter.join(10)
     assert not waiter.is_alive() and got[0].numel() == MiB
     assert pool.stats()["reserved_bytes"] == 10 * MiB + 4 * MiB

@@ -7,20 +7,19 @@ on the copy stream; host blocks are protected by torch's pinned allocator, which
 records an event on every non-blocking copy; device outputs are allocated on the
 caller's stream (their consumer) and recorded on the copy stream.
 `copy_to_host(..., defer=True)` runs synchronously here (the copies are queued
-before it returns, as without defer; there is no worker thread); with
-`timing=True` it times them with its own timing events on the copy stream, or on
-the host with the clock (host copies are synchronous).
+before it returns, as without defer; there is no worker thread); `timing=True`
+times the copies with a `Span` on the copy stream.
 """
 
 from __future__ import annotations
 
-import time
 from typing import List, Optional
 
 import torch
 
 from . import _device
 from .layout import compact, dense_view, is_dense
+from .timing import Span
 
 
 class PyTransfer:
@@ -32,9 +31,7 @@ class PyTransfer:
         self._event = event  # recorded on the copy stream after the last copy; None on CPU
         self._nbytes = nbytes
         self._restore = restore  # per output: original (sizes, strides) to restore, or None
-        # copy_to_host(timing=True): (start, end) timing events on the copy stream,
-        # or the seconds of the synchronous host copies; None when not timed.
-        self._timing = timing
+        self._timing = timing  # timing=True: a Span of the copies; None when not timed
         self._origins = origins  # copy_to_host without out: where the sources were at the last fill
 
     def tensors(self) -> List[torch.Tensor]:
@@ -92,18 +89,16 @@ class PyTransfer:
 class PyTimer:
     """A timed copy's timing, apart from its transfer (the core's CopyTimer)."""
 
-    def __init__(self, timing):
-        self._timing = timing  # (start, end) timing events on the copy stream, or the host's seconds
+    def __init__(self, span: Span):
+        self._span = span
 
     def seconds(self) -> Optional[float]:
-        if not isinstance(self._timing, tuple):
-            return self._timing
-        start, end = self._timing
-        return start.elapsed_time(end) / 1000.0 if end.query() else None  # torch reports milliseconds
+        ms = self._span.ms(wait=False)
+        return None if ms is None else ms / 1e3
 
     def synchronize(self) -> None:
-        if isinstance(self._timing, tuple):
-            self._timing[1].synchronize()
+        if self._span.end_event is not None:
+            self._span.end_event.synchronize()
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -195,10 +190,7 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
         start = _device.new_event(device)
         start.record(_device.current_stream(device))
         copy_stream.wait_event(start)
-    timed_from = _device.new_event(device, timing=True) if timing and on_accel else None
-    if timed_from is not None:
-        timed_from.record(copy_stream)  # after the wait for the caller: the copies only
-    host_start = time.perf_counter()
+    timed = Span(device, copy_stream) if timing else None  # after the wait for the caller: the copies only
     outputs, nbytes = [], 0
     with _device.stream_context(copy_stream):
         for i, (t, base) in enumerate(zip(tensors, bases)):
@@ -213,13 +205,7 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
             nbytes += base.numel() * base.element_size()
             _device.record_stream(base, copy_stream)
             _device.record_stream(t, copy_stream)
-    end = None
-    if on_accel:
-        end = _device.new_event(device, timing=timed_from is not None)
-        end.record(copy_stream)
-    timed = None
-    if timing:
-        timed = (timed_from, end) if on_accel else time.perf_counter() - host_start
+    end = _end_event(device, copy_stream, timed)
     if refilled is not None:
         refilled[:] = now  # copied: the buffers' new origin, for every handle sharing the list
     return PyTransfer(device, outputs, end, nbytes, restore, timed, refilled if refilled is not None else now)
@@ -301,10 +287,7 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
             handle.wait_stream(copy_stream)
     elif handle is not None:
         handle.synchronize()
-    timed_from = _device.new_event(device, timing=True) if timing and on_accel else None
-    if timed_from is not None:
-        timed_from.record(copy_stream)  # after the waits: the copies only
-    host_start = time.perf_counter()
+    timed = Span(device, copy_stream) if timing else None  # after the waits: the copies only
 
     outputs = []
     with _device.stream_context(copy_stream):
@@ -324,11 +307,17 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
             _device.record_stream(dst, copy_stream)
             pool.record_stream(sources[i], copy_stream)
             outputs.append(result)
-    end = None
-    if on_accel:
-        end = _device.new_event(device, timing=timed_from is not None)
-        end.record(copy_stream)
-    timed = None
-    if timing:
-        timed = (timed_from, end) if on_accel else time.perf_counter() - host_start
+    end = _end_event(device, copy_stream, timed)
     return PyTransfer(device, outputs, end, nbytes, [None] * len(outputs), timed)
+
+
+def _end_event(device, copy_stream, timed: Optional[Span]):
+    """The event a transfer's waits use, recorded on the copy stream after its last copy
+    (the end of `timed` where the copies are timed); None on the host."""
+    if timed is not None:
+        return timed.stop(copy_stream).end_event
+    if not _device.is_accelerator(device):
+        return None
+    end = _device.new_event(device)
+    end.record(copy_stream)
+    return end

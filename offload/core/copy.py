@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _backend, _device
+from .checks import check_int, is_int
 from .pool import HostPool, default_host_pool
 
 # The first deferred copy registers the core's copy worker to be waited for at exit
@@ -31,16 +32,16 @@ from .pool import HostPool, default_host_pool
 _worker_waited_at_exit: list = []
 
 # Tensors below this many bytes are packed together into one transfer by the
-# native core; at 1 MiB a single DMA already runs near the bus peak, below it the
-# per-copy latency (several microseconds) dominates.
+# native core: from about 1 MiB a single DMA runs near the bus peak, below it the
+# per-copy latency dominates.
 DEFAULT_SMALL_BYTES = 1 << 20
 # Large tensors move in chunks of this size so the two directions interleave and
 # a consumer can start on the first tensors of a batch before the last arrive.
 DEFAULT_CHUNK_BYTES = 64 << 20
 # Packed small tensors are staged through device buffers of this size.
 DEFAULT_STAGING_BYTES = 32 << 20
-# Most bytes of small tensors packed into one DMA by copy_to_host: 8 MiB already
-# runs the DMA at ~97% of its peak and starts the first DMA soon after the call.
+# Most bytes of small tensors packed into one DMA by copy_to_host: large enough to
+# run the DMA near its peak, small enough to start the first DMA soon after the call.
 DEFAULT_GROUP_BYTES = 8 << 20
 
 
@@ -66,8 +67,7 @@ class CopyHandle:
         """Block the host until the transfer is complete.
 
         `wait()` without the list it returns: that list is a Python object per
-        tensor (0.16 ms for 4,000 on the H100's host), work a caller that only
-        waits need not pay.
+        tensor, work a caller that only waits need not pay.
         """
         self._impl.synchronize()
 
@@ -216,12 +216,11 @@ def copy_to_host(
     fn = "offload.copy_to_host"
     # A deferred copy converts the whole list before it lets the interpreter lock
     # go (see the core's copy_to_host): a caller's list cannot change under it, so
-    # it is not copied (4,000 items: ~20 us a call).
+    # it is not copied.
     if not (defer and type(tensors) is list):
         tensors = _as_list(fn, tensors)
     _check_sizes(fn, small_bytes, chunk_bytes)
-    if group_bytes <= 0:
-        raise ValueError(f"{fn}: group_bytes must be > 0, got {group_bytes}")
+    check_int(fn, "group_bytes", group_bytes, 1)
     pool = _pool_or_default(fn, pool)
     out_handle = out._impl if isinstance(out, CopyHandle) else None
     if defer and out_handle is None:
@@ -237,7 +236,7 @@ def copy_to_host(
             _worker_waited_at_exit.append(True)
             atexit.register(core.wait_copy_worker)
         return _call_native(fn, tensors, out_list, lambda: core.copy_to_host(
-            tensors, pool._impl, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes,
+            tensors, pool.native_pool, copy_stream, out_list, out_handle, require_pinned, small_bytes, chunk_bytes,
             group_bytes, bool(defer), bool(timing), bool(same_sources)))
     from ._copy_fallback import copy_to_host as fallback
 
@@ -271,7 +270,7 @@ def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[H
     _check_sizes(fn, 0, chunk_bytes)
     pool = _pool_or_default(fn, pool)
     given = isinstance(out, torch.Tensor)
-    if not given and (isinstance(out, bool) or not isinstance(out, int) or out < 0):
+    if not given and not (is_int(out) and out >= 0):
         raise TypeError(f"{fn}: out must be a HostPool block (a uint8 tensor) or its size in bytes (an int >= 0), "
                         f"got {out!r}")
     core = _backend.core()
@@ -279,7 +278,7 @@ def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[H
         device = tensors[0].device if tensors else _device.current_device()
         copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
         return _call_native(fn, tensors, None, lambda: core.copy_spans_to_host(
-            tensors, list(starts), list(sizes), out if given else None, 0 if given else out, list(offsets), pool._impl,
+            tensors, list(starts), list(sizes), out if given else None, 0 if given else out, list(offsets), pool.native_pool,
             copy_stream, chunk_bytes, bool(timing)))
     from ._copy_fallback import copy_spans_to_host as fallback
 
@@ -334,7 +333,7 @@ def copy_to_device(
         # A handle's tensors stay in the core (None): no round trip through a Python list.
         copy_stream = stream if stream is not None else _device.copy_streams(device)[1]
         return _call_native(fn, sources or [], out_list, lambda: core.copy_to_device(
-            sources, handle, device, pool._impl, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes,
+            sources, handle, device, pool.native_pool, copy_stream, out_list, require_pinned, small_bytes, chunk_bytes,
             bool(timing)))
     from ._copy_fallback import copy_to_device as fallback
 
@@ -361,7 +360,5 @@ def _call_native(fn: str, tensors, out_list, call) -> CopyHandle:
 
 
 def _check_sizes(fn: str, small_bytes: int, chunk_bytes: int) -> None:
-    if small_bytes < 0:
-        raise ValueError(f"{fn}: small_bytes must be >= 0, got {small_bytes}")
-    if chunk_bytes <= 0:
-        raise ValueError(f"{fn}: chunk_bytes must be > 0, got {chunk_bytes}")
+    check_int(fn, "small_bytes", small_bytes, 0)
+    check_int(fn, "chunk_bytes", chunk_bytes, 1)

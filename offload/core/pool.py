@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _backend, _device
-from .checks import parse_bytes
+from .checks import check_int, parse_bytes
+from .timing import Span
+
 
 def _limit_from_env() -> int:
     raw = os.environ.get("OFFLOAD_HOST_POOL_LIMIT")
@@ -58,8 +59,7 @@ class HostPool:
             slab = parse_bytes(slab_bytes, "HostPool: slab_bytes")
         if slab == 0:
             raise ValueError("HostPool: slab_bytes must be > 0, got 0")
-        if touch_threads < 1:
-            raise ValueError(f"HostPool: touch_threads must be >= 1, got {touch_threads}")
+        check_int("HostPool", "touch_threads", touch_threads, 1)
         core = _backend.core()
         device_type = _device.compute_device_type()
         if core is not None:
@@ -69,7 +69,7 @@ class HostPool:
             self._impl = core.HostPool(device_type, limit, slab, touch_threads)
             if _device.pinned_memory_supported() and not self._impl.pinned():
                 # The core cannot pin host memory for this accelerator (no driver
-                # registration built for it, e.g. Ascend today): torch's own pinned
+                # registration built for it): torch's own pinned
                 # allocator keeps copies asynchronous there.
                 self._impl = _FallbackPool(limit)
         else:
@@ -78,10 +78,7 @@ class HostPool:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A uint8 host tensor of `nbytes` bytes (contents undefined)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"HostPool.acquire: nbytes must be an int, got {type(nbytes).__name__}")
-        if nbytes < 0:
-            raise ValueError(f"HostPool.acquire: nbytes must be >= 0, got {nbytes}")
+        check_int("HostPool.acquire", "nbytes", nbytes)
         return self._impl.allocate(nbytes)
 
     def empty(self, size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -95,10 +92,7 @@ class HostPool:
 
     def block_bytes(self, nbytes: int) -> int:
         """What an acquire of `nbytes` adds to this pool's in-use bytes: the block's size class."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"HostPool.block_bytes: nbytes must be an int, got {type(nbytes).__name__}")
-        if nbytes < 0:
-            raise ValueError(f"HostPool.block_bytes: nbytes must be >= 0, got {nbytes}")
+        check_int("HostPool.block_bytes", "nbytes", nbytes)
         return int(self._impl.size_class(nbytes))
 
     def record_stream(self, tensor: torch.Tensor, stream) -> bool:
@@ -114,17 +108,43 @@ class HostPool:
         """Grow ahead of the hot path so later acquires of up to `nbytes` hit the cache."""
         self._impl.reserve(parse_bytes(nbytes, "HostPool.reserve: nbytes"))
 
-    # reserve() split for a growth on another thread (native pools only; see the
-    # core's HostPool::begin_reserve): announced here, so allocations made from now
-    # on wait for its slabs instead of growing beside it; grown by _grow_reserved.
-    def _begin_reserve(self, nbytes: int, largest_block: int = 0) -> int:
-        return self._impl.begin_reserve(nbytes, largest_block)
+    # Note [reservation grown on another thread]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # reserve() in two steps, for a caller that grows the pool on a worker thread
+    # while its own thread acquires (the stager's first save): `begin_reserve`
+    # announces the growth, and from then on an acquire that finds no room waits
+    # for the next slab of it instead of growing the pool beside it; `grow_reserved`
+    # (on any thread) grows it slab by slab, so acquires take each slab as it is
+    # added. Each `begin_reserve` that returned bytes needs exactly one
+    # `grow_reserved` or `cancel_reserve` of those bytes, or waiting acquires wait on.
+    # A fallback pool announces nothing (torch's pinned cache keeps blocks by size,
+    # so a reserve would not serve other sizes): `begin_reserve` returns 0 there.
 
-    def _grow_reserved(self, nbytes: int) -> None:
-        self._impl.grow_reserved(nbytes)
+    def begin_reserve(self, nbytes: int, largest_block: int = 0) -> int:
+        """Announce a growth of about `nbytes` (see Note [reservation grown on another thread]);
+        returns the bytes to pass to `grow_reserved` or `cancel_reserve` (0: nothing to grow).
+        `largest_block`: the largest acquire expected, so no slab is smaller. Raises
+        torch.OutOfMemoryError where the growth would pass `limit_bytes`."""
+        check_int("HostPool.begin_reserve", "nbytes", nbytes)
+        check_int("HostPool.begin_reserve", "largest_block", largest_block)
+        return int(self._impl.begin_reserve(nbytes, largest_block)) if self.native else 0
 
-    def _cancel_reserve(self, nbytes: int) -> None:
-        self._impl.cancel_reserve(nbytes)
+    def grow_reserved(self, nbytes: int) -> None:
+        """Grow the bytes `begin_reserve` announced (blocks the calling thread, not the interpreter)."""
+        check_int("HostPool.grow_reserved", "nbytes", nbytes)
+        if nbytes:
+            self._impl.grow_reserved(nbytes)
+
+    def cancel_reserve(self, nbytes: int) -> None:
+        """Give up the bytes `begin_reserve` announced: waiting acquires grow the pool themselves."""
+        check_int("HostPool.cancel_reserve", "nbytes", nbytes)
+        if nbytes:
+            self._impl.cancel_reserve(nbytes)
+
+    @property
+    def native_pool(self):
+        """The compiled core's pool this one wraps (what the core's copies take); None for the fallback."""
+        return self._impl if self.native else None
 
     def trim(self) -> int:
         """Give every wholly free slab back to the system; returns the bytes released."""
@@ -188,9 +208,9 @@ class _FallbackPool:
                     "limit are in use; raise it with HostPool(limit_bytes=...), pool.limit_bytes = ... "
                     "or OFFLOAD_HOST_POOL_LIMIT"
                 )
-            start = time.perf_counter()
+            span = Span()
             block = _device.empty_pinned(nbytes)
-            self._alloc_seconds += time.perf_counter() - start
+            self._alloc_seconds += span.stop().ms() / 1e3
             self._live[block.data_ptr()] = (StorageWeakRef(block.untyped_storage()), nbytes)
             self._in_use += nbytes
             self._peak = max(self._peak, in_use + nbytes)
