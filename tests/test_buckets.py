@@ -194,6 +194,15 @@ def test_buckets_bucket_smaller_than_alignment_raises():
         offload.plan_buckets({"a": torch.zeros(2)}, 1024, alignment=24)
 
 
+def test_buckets_int_arguments_checked():
+    with pytest.raises(TypeError, match="offload.plan_buckets: bucket_bytes must be an int >= 0, got float"):
+        offload.plan_buckets({"a": torch.zeros(2)}, 1024.0)
+    with pytest.raises(ValueError, match="offload.plan_buckets: alignment must be an int >= 1, got 0"):
+        offload.plan_buckets({"a": torch.zeros(2)}, 1024, alignment=0)
+    with pytest.raises(TypeError, match="offload.pack_buckets: alignment must be an int >= 1, got str"):
+        list(offload.pack_buckets({"a": torch.zeros(2)}, 1024, alignment="256"))
+
+
 def test_buckets_unsupported_tensors_raise(backend):
     with pytest.raises(ValueError, match="tensor 'nc' is not contiguous"):
         list(offload.pack_buckets({"nc": torch.zeros(4, 6).t()}, 1024))

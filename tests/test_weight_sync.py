@@ -252,6 +252,10 @@ def _scenario_subgroup(rank, device):
         offload.WeightSender(src=1, group=group)
     if rank == SRC:
         assert sender.member
+        with pytest.raises(ValueError, match="WeightSender: reserve_sms must be an int >= 0, got -1"):
+            offload.WeightSender(src=SRC, group=group, reserve_sms=-1)
+        with pytest.raises(TypeError, match="WeightReceiver: reserve_sms must be an int >= 0, got float"):
+            offload.WeightReceiver(src=SRC, group=group, reserve_sms=1.5)
         for step in range(2):
             _train_step(model, step)
             assert sender.send(model)["bytes"] > 0
@@ -418,6 +422,13 @@ def test_weight_sync_gloo_bad_source_and_bad_plan_refused():
 @pytest.mark.slow
 def test_weight_sync_gloo_rank_outside_group_is_gather_only():
     _spawn(_scenario_subgroup, world=3)
+
+
+def test_weight_sync_rejects_bad_keep_versions():
+    with pytest.raises(ValueError, match="WeightSender: keep_versions must be an int >= 1, got 0"):
+        offload.WeightSender(mode="host_cache", keep_versions=0)
+    with pytest.raises(TypeError, match="WeightSender: keep_versions must be an int >= 1, got float"):
+        offload.WeightSender(mode="host_cache", keep_versions=1.5)
 
 
 def test_weight_sync_needs_initialized_group():

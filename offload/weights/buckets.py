@@ -1,30 +1,9 @@
 """`offload.plan_buckets` / `offload.pack_buckets` / `offload.unpack_bucket`: many tensors as few flat buffers.
 
-Moving a model's weights (to another process, to host memory) one tensor at a
-time costs a launch or a collective per tensor; moving them as a handful of large
-buffers runs at the bandwidth of the link. A *bucket* is one uint8 buffer of at
-most `bucket_bytes` holding many tensors at aligned offsets, each possibly cast
-to a target dtype on the way in (fp32 master weights sent as bf16).
-
-- The planner assigns each named tensor a place: `BucketEntry(name, dtype, shape,
-  bucket, offset, nbytes, chunk, num_chunks, start, numel, source_dtype)`. It is
-  plain data (`to_dict`/`from_dict`) that another process can receive and unpack
-  by. A tensor larger than what is left of a bucket is split into chunks across
-  buckets, so an 8 GB fused tensor does not need an 8 GB bucket.
-- The planner streams: it needs only names, shapes and dtypes, one tensor at a
-  time, so `pack_buckets` can consume an iterator (a sharded model gathered one
-  tensor at a time) and yield each bucket as soon as it is full.
-- Packing reads every source once, casts, and writes the bucket: one multi-tensor
-  kernel per (source dtype, bucket dtype) pair on CUDA (csrc/cuda/bucket_pack.cu),
-  a parallel C++ loop on the CPU (csrc/buckets.cpp), `torch._foreach_copy_`
-  when the core is not built. Work is queued on the current stream.
-- Unpacking gives zero-copy typed views into the bucket, or copies into existing
-  tensors (load in place) with the same one-launch machinery.
-
-dtype policy: `dtype` applies to floating-point tensors of fp64/fp32/fp16/bf16
-only; integer, bool and fp8 tensors always keep their dtype (they are copied as
-raw bytes), as do tensors whose name matches a `keep_dtype` pattern (fnmatch
-strings such as ``"*.mlp.gate.weight"`` or compiled regular expressions).
+A bucket is one uint8 buffer of at most `bucket_bytes` holding many tensors at
+aligned offsets, each possibly cast to a target dtype on the way in: moving a
+handful of large buffers runs at the bandwidth of the link, one tensor at a time
+does not. See Note [bucket plans] and Note [dtype policy].
 """
 
 from __future__ import annotations
@@ -38,6 +17,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..core import _backend, _device
+from ..core.checks import check_int, is_int
 
 # Offsets in a bucket are multiples of this: 256 bytes is the device allocator's
 # own alignment, so a view into a bucket is as aligned as a fresh tensor and the
@@ -58,9 +38,32 @@ _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # with a CPU-only core) packs with torch's copies.
 _NATIVE_BUCKET_DEVICES = ("cpu", "cuda")
 
+# Note [bucket plans]
+# ~~~~~~~~~~~~~~~~~~~
+# The planner assigns each named tensor a place, a `BucketEntry`: plain data
+# (`to_dict`/`from_dict`) that another process can receive and unpack by. A
+# tensor larger than what is left of a bucket is split into chunks across
+# buckets, so a large fused tensor does not need a bucket of its size. The
+# planner streams: it needs only names, shapes and dtypes, one tensor at a time,
+# so `pack_buckets` can consume an iterator (a sharded model gathered one tensor
+# at a time) and yield each bucket as soon as it is full. Packing reads every
+# source once, casts, and writes the bucket: one multi-tensor kernel per (source
+# dtype, bucket dtype) pair on CUDA, a parallel C++ loop on the CPU,
+# `torch._foreach_copy_` when the core is not built; work is queued on the
+# current stream. Unpacking gives zero-copy typed views into the bucket, or
+# copies into existing tensors (load in place) with the same one-launch machinery.
+#
+# Note [dtype policy]
+# ~~~~~~~~~~~~~~~~~~~
+# `dtype` applies to floating-point tensors of fp64/fp32/fp16/bf16 only; integer,
+# bool and fp8 tensors always keep their dtype (they are copied as raw bytes), as
+# do tensors whose name matches a `keep_dtype` pattern (fnmatch strings such as
+# ``"*.mlp.gate.weight"`` or compiled regular expressions).
+
 
 def default_bucket_bytes(device=None) -> int:
-    """The bucket size used when none is given (see the module docstring)."""
+    """The bucket size used when none is given: 1/32 of `device`'s free memory within
+    [MIN_DEFAULT_BUCKET_BYTES, MAX_DEFAULT_BUCKET_BYTES]; CPU_DEFAULT_BUCKET_BYTES on the host."""
     device = _device.normalize_device(device)
     if not _device.is_accelerator(device):
         return CPU_DEFAULT_BUCKET_BYTES
@@ -128,7 +131,7 @@ class BucketEntry:
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _entry_problem(e: BucketEntry) -> Optional[str]:
@@ -270,7 +273,8 @@ class PackedBucket:
 
 
 class DtypePolicy:
-    """Which dtype each tensor gets in a bucket: `dtype` unless the name matches `keep_dtype`."""
+    """Which dtype each tensor gets in a bucket: `dtype` unless the name matches `keep_dtype`
+    (Note [dtype policy])."""
 
     def __init__(self, dtype: Optional[torch.dtype] = None, keep_dtype=(), fn: str = "offload.pack_buckets"):
         if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -315,14 +319,12 @@ class Planner:
     """Places tensors one at a time; reports buckets as they close (streaming)."""
 
     def __init__(self, bucket_bytes, alignment: int, policy: DtypePolicy, fn: str, device=None):
-        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
-            raise ValueError(f"{fn}: alignment must be a positive int, got {alignment!r}")
+        check_int(fn, "alignment", alignment, 1)
         if alignment & (alignment - 1):
             raise ValueError(f"{fn}: alignment must be a power of two, got {alignment}")
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(device)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
-            raise TypeError(f"{fn}: bucket_bytes must be an int, got {type(bucket_bytes).__name__}")
+        check_int(fn, "bucket_bytes", bucket_bytes, 0)
         if bucket_bytes < alignment:
             raise ValueError(
                 f"{fn}: bucket_bytes ({bucket_bytes}) is smaller than one alignment unit ({alignment} bytes); "

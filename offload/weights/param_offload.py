@@ -1,45 +1,16 @@
 """`offload.offload_params(module)` / `offload.reload_params(module)`: park a model in pinned host memory.
 
-While rollouts run, an RL trainer's parameters (and gradients and optimizer state)
-have no business in device memory. This moves them to a persistent pinned host
-mirror and back, for plain modules, FSDP (flat parameters) and FSDP2 (DTensor
-parameters) alike.
-
-How: the unit moved is the *storage* under each tensor, not the tensor. Every
-parameter, FSDP flat parameter and DTensor local shard is a view into some
-storage; we copy each distinct storage's bytes (padding included) into the
-mirror and then `untyped_storage().resize_(0)`, which frees the device memory
-while every tensor, view, Parameter and DTensor keeps its identity, sizes,
-strides and offsets. Reload resizes the storages back (allocating on the current
-stream) and copies the bytes in, so the model is bitwise what it was and
-optimizers, hooks and FSDP's own references still point at the same tensors.
-Tied weights and views share a storage and move once.
-
-The tensors to move are collected again at every offload: with
-`zero_grad(set_to_none=True)` (PyTorch's default) each step makes new gradient
-tensors, and optimizers such as AdamW create their state at their first step, so
-a list taken once would leave the new ones on the device. The mirror is one host
-block (each storage at a 512-byte aligned offset), taken from the host pool at
-the first offload and kept on the module: the layout is a function of the
-storages' sizes, so while they stay the same every offload reuses it as it is;
-when they change the layout is planned again, in the same block if it fits, else
-in a new block of exactly the bytes needed. Between a reload and the next
-offload the mirror holds no reference to the device storages, so gradients the
-user drops are freed. Copies go through `offload.copy_to_host` /
-`offload.copy_to_device` on the dedicated streams, in large chunks. Offloading
-frees the device blocks at once; the caching allocator reuses them only after the
-copy that reads them (they are recorded on the copy stream). Reloading leaves the
-current stream waiting (on the device) for the copy, so the next forward is
-ordered after it without a host block.
-
-Both calls return timings: the copy's device time (`copy_ms`, events), the host
-time of the call (`total_ms`), bytes and GB/s. They wait for their copy to finish
-(an event, not a device-wide synchronize) so the numbers are final.
+Moves a module's parameters (and gradients and optimizer state) to a persistent
+pinned host mirror and back, for plain modules, FSDP (flat parameters) and FSDP2
+(DTensor parameters) alike: see Note [storages, not tensors] and
+Note [the host mirror]. Both calls return timings: the copy's device time
+(`copy_ms`), the host time of the call (`total_ms`), bytes and GB/s; they wait
+for their copy to finish (an event, not a device-wide synchronize), so the
+numbers are final.
 """
 
 from __future__ import annotations
 
-import time
 from typing import List, Optional
 
 import torch
@@ -47,11 +18,41 @@ import torch
 from ..core import _device
 from ..core.copy import copy_to_device, copy_to_host
 from ..core.pool import HostPool, default_host_pool
+from ..core.timing import Span
 
 _STATE_ATTR = "_offload_param_mirror"
 # Storages start at multiples of this in the mirror: DMA engines run best from
 # aligned host addresses, and 512 covers every dtype and vector width.
 _MIRROR_ALIGNMENT = 512
+
+# Note [storages, not tensors]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The unit moved is the storage under each tensor, not the tensor. Every
+# parameter, FSDP flat parameter and DTensor local shard is a view into some
+# storage; each distinct storage's bytes (padding included) are copied into the
+# mirror and then `untyped_storage().resize_(0)` frees the device memory while
+# every tensor, view, Parameter and DTensor keeps its identity, sizes, strides
+# and offsets. Reload resizes the storages back (allocating on the current
+# stream) and copies the bytes in, so the model is bitwise what it was and
+# optimizers, hooks and FSDP's own references still point at the same tensors.
+# Tied weights and views share a storage and move once.
+#
+# Note [the host mirror]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# The tensors to move are collected again at every offload: with
+# `zero_grad(set_to_none=True)` each step makes new gradient tensors, and
+# optimizers such as AdamW create their state at their first step, so a list
+# taken once would leave the new ones on the device. The mirror is one host block
+# (each storage at an aligned offset), taken from the host pool at the first
+# offload and kept on the module: the layout is a function of the storages'
+# sizes, so while they stay the same every offload reuses it as it is; when they
+# change the layout is planned again, in the same block if it fits, else in a new
+# block of exactly the bytes needed. Between a reload and the next offload the
+# mirror holds no reference to the device storages, so gradients the user drops
+# are freed. Offloading frees the device blocks at once; the caching allocator
+# reuses them only after the copy that reads them (they are recorded on the copy
+# stream). Reloading leaves the current stream waiting (on the device) for the
+# copy, so the next forward is ordered after it without a host block.
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -77,7 +78,7 @@ def _tensors(module: torch.nn.Module, grads: bool, optimizer) -> List[torch.Tens
 
 
 class _Mirror:
-    """The storages of one module and where their bytes live on the host."""
+    """The storages of one module and where their bytes live on the host (Note [the host mirror])."""
 
     def __init__(self, pool: HostPool):
         self.pool = pool
@@ -136,29 +137,20 @@ def _collect(fn: str, module: torch.nn.Module, grads: bool, optimizer):
     return storages, sizes, device or _device.current_device()
 
 
-def _finish(start_event, handle, device, t0: float, nbytes: int, count: int) -> dict:
-    """Wait for `handle`'s copy on a private stream, read the events, build the timings."""
-    if start_event is not None:
-        marker = _device.new_stream(device)
+def _finish(copy_span: Span, handle, call_span: Span, nbytes: int, count: int) -> dict:
+    """Wait for `handle`'s copy (on a private stream where it runs on a device), end the
+    spans, build the timings."""
+    if copy_span.on_accel:
+        marker = _device.new_stream(copy_span.device)
         handle.wait_stream(marker)
-        end = _device.new_event(device, timing=True)
-        end.record(marker)
-        end.synchronize()
-        copy_ms = start_event.elapsed_time(end)
+        copy_span.stop(marker)
     else:
         handle.synchronize()
-        copy_ms = (time.perf_counter() - t0) * 1e3
-    total_ms = (time.perf_counter() - t0) * 1e3
+        copy_span.stop()
+    copy_ms = copy_span.ms()
+    total_ms = call_span.stop().ms()
     return {"copy_ms": copy_ms, "total_ms": total_ms, "bytes": nbytes, "storages": count,
             "gbps": nbytes / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else 0.0}
-
-
-def _start(device):
-    if not _device.is_accelerator(device):
-        return None
-    event = _device.new_event(device, timing=True)
-    event.record(_device.current_stream(device))
-    return event
 
 
 def offload_params(
@@ -186,8 +178,8 @@ def offload_params(
         mirror = _Mirror(pool if pool is not None else default_host_pool())
         object.__setattr__(module, _STATE_ATTR, mirror)
     mirror.plan(fn, *_collect(fn, module, grads, optimizer))
-    t0 = time.perf_counter()
-    start = _start(mirror.device)
+    call_span = Span()
+    copy_span = Span(mirror.device)
     views = mirror.device_views()
     handle = copy_to_host(views, out=mirror.host_views(), chunk_bytes=chunk_bytes)
     if _device.is_accelerator(mirror.device):
@@ -201,7 +193,7 @@ def offload_params(
     for storage in mirror.storages:
         storage.resize_(0)
     mirror.offloaded = True
-    return _finish(start, handle, mirror.device, t0, sum(mirror.sizes), len(mirror.storages))
+    return _finish(copy_span, handle, call_span, sum(mirror.sizes), len(mirror.storages))
 
 
 def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> dict:
@@ -211,16 +203,16 @@ def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> di
     if mirror is None or not mirror.offloaded:
         raise RuntimeError(f"{fn}: the parameters of this {type(module).__name__} are not offloaded; "
                            "call offload.offload_params(module) first")
-    t0 = time.perf_counter()
+    call_span = Span()
     with _device.stream_context(_device.current_stream(mirror.device)):
         for storage, n in zip(mirror.storages, mirror.sizes):
             storage.resize_(n)  # allocated on the current stream, its consumer
-    start = _start(mirror.device)
+    copy_span = Span(mirror.device)
     handle = copy_to_device(mirror.host_views(), mirror.device, out=mirror.device_views(), chunk_bytes=chunk_bytes)
     handle.wait_stream()
     mirror.offloaded = False
     storages, mirror.storages = mirror.storages, []  # a gradient the user drops from now on is freed
-    return _finish(start, handle, mirror.device, t0, sum(mirror.sizes), len(storages))
+    return _finish(copy_span, handle, call_span, sum(mirror.sizes), len(storages))
 
 
 def params_offloaded(module: torch.nn.Module) -> bool:

@@ -1,74 +1,12 @@
 """`offload.WeightSender` / `offload.WeightReceiver`: trainer-to-rollout weight sync in buckets.
 
-RL post-training moves the whole model from the trainer to the inference engines
-after every update. Here the sender packs the weights into buckets (cast on the
-way, `offload.pack_buckets`) and broadcasts them over a torch.distributed group;
-each receiver either yields `(name, tensor)` pairs, the convention of vLLM's and
-SGLang's `model.load_weights(weights)`, or loads them into a module in place.
+The sender packs the weights into buckets (cast on the way, `offload.pack_buckets`)
+and broadcasts them over a torch.distributed group; each receiver yields
+`(name, tensor)` pairs (the convention of `model.load_weights(weights)` in
+inference engines) or loads them into a module in place. See docs/weight_sync.md.
 
-Protocol, per sync: one object broadcast with the plan (every tensor's name,
-dtype, shape, bucket and offset; the version), then one broadcast per bucket.
-
-Pipelining: two bucket buffers on each side. The sender packs bucket k+1 on the
-current stream while bucket k is on the wire (the collective runs on the process
-group's own stream, which waits for the pack it needs); before packing bucket k+2
-into the buffer of k, the current stream waits for k's broadcast (`work.wait()` on
-NCCL is a device-side wait). The receiver posts the broadcasts of buckets 0 and 1
-as soon as the plan is known (before it checks the destinations), and that of
-k+2 once bucket k has been handed out. No device-wide synchronize anywhere;
-`send()` and the end of `receive()` wait (host) only for their own last
-broadcast, to read the timings.
-
-Sharing the device with the collective: the pack (and unpack) kernels of bucket
-k+2 become ready at the instant bucket k's broadcast ends, which is when the
-broadcast of k+1 launches. Launched as usual they would hold every SM (their
-blocks are persistent) and the broadcast would wait for the whole pack: pack and
-wire serialized, about 25% lost on NVLink. So on CUDA they launch at most one
-block per SM on all but `reserve_sms` SMs, leaving whole SMs to the collective
-(NCCL's blocks need most of an SM's registers each). One block per SM still
-packs several times faster than NVLink moves the bucket.
-
-Buckets default to at most `DEFAULT_SYNC_BUCKET_BYTES` (less where free memory
-is short, `offload.default_bucket_bytes`): the first pack and the last unpack are
-not overlapped with the wire, so a smaller bucket fills and drains the pipeline
-sooner; above a few hundred MiB a broadcast gains nothing in bandwidth.
-
-Modes (sender):
-- ``"device"`` (default): pack straight from the training parameters.
-- ``"host_cache"``: `snapshot(model)` copies the weights to pinned host memory
-  (`offload.copy_to_host`, on the copy stream, behind the work already queued)
-  and tags them with a version; the trainer goes on while `send(version=v)` (from
-  this or another thread) packs from the snapshot on the host and broadcasts it.
-  Call `wait_snapshot()` (a device-side wait) before changing the parameters in
-  place, e.g. before `optimizer.step()`. The `keep_versions` latest snapshots are
-  kept; the oldest one's host buffers are reused for the next. A snapshot queues
-  work only on the copy stream; the trainer's stream is never made to wait except
-  by `wait_snapshot()`. Sends from a snapshot run on a stream of the sender's own,
-  so their uploads and packs never enter the trainer's stream either. With FSDP2
-  sources every rank calls `snapshot()` (the gathers are collective); only `src`
-  keeps a host copy.
-
-  A snapshot of FSDP2 / DTensor sources never gathers the whole model: it walks
-  the tensors in groups of at most `bucket_bytes` of full tensors (a larger tensor
-  alone), gathers one group, queues its copy to the host and drops the gathered
-  tensors, which the copy engine holds only until that copy completes. Before
-  gathering group k+2 the host waits for the copy of group k, so at most two
-  groups of gathered tensors exist at once (one being copied, one being
-  gathered): the copy of one group overlaps the gather of the next, and device
-  memory stays bounded even when the gathers outrun the host link. The price is
-  that `snapshot()` returns only once the copies of all but the last two groups
-  have completed (the host link's time for the model, less two groups), not at
-  once; the gathers are collectives in the trainer's order, so they cannot move
-  to another thread. `snapshot_ms()` then spans the gathers too. A snapshot is
-  then several copy handles (one per group, each reusing the host buffers of the
-  same group of an evicted version); without DTensors it stays one batched copy
-  of everything.
-
-FSDP2 / DTensor sources are gathered with `full_tensor()` one tensor at a time as
-their bucket is packed, never the whole model at once. Every rank of the FSDP mesh
-must call `send()` with the same source in the same order (ranks other than `src`
-only take part in the gathers), as in verl.
-
+Protocol, per sync: a small tensor with the version and the plan's id, the plan
+itself (an object broadcast) only when it changed, then one broadcast per bucket.
 Timings (`send()` / `load()` return them; `receiver.timings` after `receive()`):
 gather_ms, pack_ms, host_copy_ms, transfer_ms, unpack_ms, total_ms, plus bytes,
 buckets and version. Phases overlap by design, so they need not sum to the total;
@@ -80,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-import time
 from collections import OrderedDict
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -88,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from ..core import _device
+from ..core.checks import check_int, is_int
 from ..core.copy import copy_to_host
-from ..core.timing import PhaseTimer
 from ..core.pool import HostPool, default_host_pool
+from ..core.timing import PhaseTimer, Span
 from .buckets import (
     DEFAULT_ALIGNMENT,
     BucketPlan,
@@ -104,13 +42,70 @@ from .buckets import (
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 MODES = ("device", "host_cache")
 _DEVICE_BACKENDS = ("nccl", "hccl")
-# See the module docstring: the pipeline fills with one pack and drains with one
-# unpack, each a bucket's worth; 256 MiB costs about 0.3 ms of each on an H100.
+# Buckets default to at most this (less where free memory is short,
+# `offload.default_bucket_bytes`): the first pack and the last unpack are not
+# overlapped with the wire (Note [bucket pipeline]), so a smaller bucket fills and
+# drains the pipeline sooner; above a few hundred MiB a broadcast gains nothing.
 DEFAULT_SYNC_BUCKET_BYTES = 256 << 20
-# SMs left free for the collective while a bucket is packed or unpacked beside it.
-# NCCL runs one block per channel and uses at most 32 channels within a node by
-# default (NCCL_MAX_NCHANNELS); a block needs most of an SM's register file.
+# SMs left free for the collective while a bucket is packed or unpacked beside it
+# (Note [SMs left to the collective]). NCCL runs one block per channel and uses at
+# most 32 channels within a node by default (NCCL_MAX_NCHANNELS); a block needs
+# most of an SM's register file.
 DEFAULT_RESERVE_SMS = 32
+
+# Note [bucket pipeline]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Two bucket buffers on each side. The sender packs bucket k+1 on the current
+# stream while bucket k is on the wire (the collective runs on the process group's
+# own stream, which waits for the pack it needs); before packing bucket k+2 into
+# the buffer of k, the current stream waits for k's broadcast (`work.wait()` on
+# NCCL is a device-side wait). The receiver posts the broadcasts of buckets 0 and
+# 1 as soon as the plan is known (before it checks the destinations), and that of
+# k+2 once bucket k has been handed out. No device-wide synchronize anywhere;
+# `send()` and the end of `receive()` wait (host) only for their own last
+# broadcast, to read the timings.
+#
+# Note [SMs left to the collective]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The pack (and unpack) kernels of bucket k+2 become ready at the instant bucket
+# k's broadcast ends, which is when the broadcast of k+1 launches. Launched as
+# usual they would hold every SM (their blocks are persistent) and the broadcast
+# would wait for the whole pack: pack and wire serialized. So on CUDA they launch
+# at most one block per SM on all but `reserve_sms` SMs, leaving whole SMs to the
+# collective. One block per SM still packs faster than the link moves the bucket.
+#
+# Note [host_cache snapshots]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In "host_cache" mode `snapshot(model)` copies the weights to pinned host memory
+# (`offload.copy_to_host`, on the copy stream, behind the work already queued) and
+# tags them with a version; the trainer goes on while `send(version=v)` (from this
+# or another thread) packs from the snapshot on the host and broadcasts it. Call
+# `wait_snapshot()` (a device-side wait) before changing the parameters in place,
+# e.g. before `optimizer.step()`. The `keep_versions` latest snapshots are kept;
+# the oldest one's host buffers are reused for the next. A snapshot queues work
+# only on the copy stream; the trainer's stream is never made to wait except by
+# `wait_snapshot()`. Sends from a snapshot run on a stream of the sender's own,
+# so their uploads and packs never enter the trainer's stream either.
+#
+# Note [gathering DTensor sources]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# FSDP2 / DTensor sources are gathered with `full_tensor()` one tensor at a time
+# as their bucket is packed, never the whole model at once. Every rank of the FSDP
+# mesh calls `send()` (and `snapshot()`) with the same source in the same order;
+# ranks other than `src` only take part in the gathers and keep no copy.
+# A snapshot of such sources walks the tensors in groups of at most
+# `bucket_bytes` of full tensors (a larger tensor alone), gathers one group,
+# queues its copy to the host and drops the gathered tensors, which the copy
+# engine holds only until that copy completes. Before gathering group k+2 the
+# host waits for the copy of group k, so at most two groups of gathered tensors
+# exist at once: the copy of one group overlaps the gather of the next, and
+# device memory stays bounded even when the gathers outrun the host link. The
+# price is that `snapshot()` returns only once the copies of all but the last two
+# groups have completed; the gathers are collectives in the trainer's order, so
+# they cannot move to another thread. `snapshot_ms()` then spans the gathers too.
+# Such a snapshot is several copy handles (one per group, each reusing the host
+# buffers of the same group of an evicted version); without DTensors it is one
+# batched copy of everything.
 
 
 def _resolve_group(fn: str, group, ranks, backend):
@@ -178,7 +173,7 @@ def _gather_groups(items, max_bytes: int) -> List[list]:
 
     Without DTensors: one group, one batched copy (nothing is gathered). With
     them: groups of at most `max_bytes` of full tensors, a larger tensor alone, so
-    the gathered tensors alive at once stay bounded (see the module docstring).
+    the gathered tensors alive at once stay bounded (Note [gathering DTensor sources]).
     """
     if not any(_is_dtensor(t) for _, t in items):
         return [items]
@@ -203,9 +198,9 @@ def _layout(groups) -> List[list]:
 
 
 def _copy_blocks(fn: str, device: torch.device, reserve_sms) -> int:
-    """`max_blocks` for the pack/unpack kernels that run beside a collective (0: no cap)."""
-    if isinstance(reserve_sms, bool) or not isinstance(reserve_sms, int) or reserve_sms < 0:
-        raise ValueError(f"{fn}: reserve_sms must be an int >= 0, got {reserve_sms!r}")
+    """`max_blocks` for the pack/unpack kernels that run beside a collective (0: no cap;
+    Note [SMs left to the collective])."""
+    check_int(fn, "reserve_sms", reserve_sms, 0)
     sms = _device.multiprocessor_count(device) if device.type == "cuda" else 0
     if not sms or not reserve_sms:
         return 0
@@ -249,17 +244,18 @@ class _Buffers:
 
 
 class _Snapshot:
-    def __init__(self, version: int, names: List[str], layout: List[list], handles: List, done_event, start_event,
-                 host_seconds: float):
+    """One version's host copy of the weights (Note [host_cache snapshots])."""
+
+    def __init__(self, version: int, names: List[str], layout: List[list], handles: List,
+                 copy_span: Optional[Span]):
         self.version = version
         self.names = names
         self.layout = layout  # per gather group: shapes and dtypes (see _layout)
         # CopyHandles of the device-to-host copies, one per gather group, in the
         # order of `names`; empty on ranks other than src.
         self.handles = handles
-        self.done_event = done_event  # completes with the last copy (accelerators), None on the CPU
-        self.start_event = start_event
-        self.host_seconds = host_seconds
+        # From before the first gather to the end of the last copy; None on ranks other than src.
+        self.copy_span = copy_span
         self.readers = 0  # sends in progress from this snapshot (guarded by the sender's lock)
 
     def tensors(self) -> List[torch.Tensor]:
@@ -270,10 +266,7 @@ class _Snapshot:
             handle.wait_stream(stream)
 
     def copy_ms(self) -> float:
-        if self.done_event is None:
-            return self.host_seconds * 1e3
-        self.done_event.synchronize()
-        return self.start_event.elapsed_time(self.done_event)
+        return self.copy_span.ms() if self.copy_span is not None else 0.0
 
 
 class WeightSender:
@@ -292,11 +285,12 @@ class WeightSender:
             sources gathers at once (a larger tensor alone).
         dtype, keep_dtype: the cast policy of `offload.pack_buckets` (e.g. bf16, with
             router weights kept in fp32).
-        mode: "device" or "host_cache" (see the module docstring).
+        mode: "device" (pack straight from the training parameters) or "host_cache"
+            (Note [host_cache snapshots]).
         keep_versions: host snapshots kept in "host_cache" mode.
         pool: host pool for snapshots and host buckets.
-        reserve_sms: SMs the pack kernels leave to the collective (CUDA; see the
-            module docstring); 0 lets a pack take the whole device.
+        reserve_sms: SMs the pack kernels leave to the collective (CUDA; Note [SMs left
+            to the collective]); 0 lets a pack take the whole device.
     """
 
     def __init__(
@@ -318,8 +312,7 @@ class WeightSender:
         fn = "offload.WeightSender"
         if mode not in MODES:
             raise ValueError(f"{fn}: mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 1:
-            raise ValueError(f"{fn}: keep_versions must be an int >= 1, got {keep_versions!r}")
+        check_int(fn, "keep_versions", keep_versions, 1)
         self.group = _resolve_group(fn, group, ranks, backend)
         self.src = int(src)
         self.mode = mode
@@ -371,7 +364,7 @@ class WeightSender:
             with self._lock:
                 version = self._next_version if version is None else version
                 self._next_version = max(self._next_version, version + 1)
-                self._snapshots[version] = _Snapshot(version, names, [], [], None, None, 0.0)
+                self._snapshots[version] = _Snapshot(version, names, [], [], None)
                 while len(self._snapshots) > self.keep_versions:
                     self._snapshots.popitem(last=False)
             return version
@@ -394,34 +387,30 @@ class WeightSender:
         if duplicate:  # the FSDP peers are in the gathers already: take part, then refuse
             self._gather_only(items, version)
             raise ValueError(f"{fn}: version {version} is already cached; pass a new version")
-        start = done = None
-        t0 = time.perf_counter()
-        if _device.is_accelerator(device):
-            start = _device.new_event(device, timing=True)
-            start.record(_device.current_stream(device))
+        copy_span = Span(device)  # on the current stream, which the gathers and copies follow
         handles = []
         for k, group in enumerate(groups):
             if k >= 2:
                 # Host wait: group k-2's copy has read its gathered tensors, and the
                 # engine (drained by the wait) has let them go, so their memory is
-                # free before this group's gathers allocate (module docstring).
+                # free before this group's gathers allocate (Note [gathering DTensor sources]).
                 handles[k - 2].synchronize()
             gathered = [_gather(t) for _, t in group]
             # The copy stream waits for the current stream (which the gathers
             # joined), and the engine holds `gathered` until the copy completes.
             handles.append(copy_to_host(gathered, out=reuse[k], pool=self.pool))
             del gathered  # ours go now; the engine's when the copy is done
-        if start is not None:
+        if copy_span.on_accel:
             # A private stream waits for the copies, so the end event marks their
             # completion without the current (training) stream waiting for anything.
             if self._marker_stream is None or self._marker_stream.device != device:
                 self._marker_stream = _device.new_stream(device)
             for handle in handles:
                 handle.wait_stream(self._marker_stream)
-            done = _device.new_event(device, timing=True)
-            done.record(self._marker_stream)
-        host_seconds = time.perf_counter() - t0 if start is None else 0.0
-        snap = _Snapshot(version, names, layout, handles, done, start, host_seconds)
+            copy_span.stop(self._marker_stream)
+        else:
+            copy_span.stop()  # host copies are done when queued
+        snap = _Snapshot(version, names, layout, handles, copy_span)
         with self._lock:
             self._snapshots[version] = snap
         return version
@@ -650,7 +639,7 @@ class WeightReceiver:
 
     def _drain(self, sizes) -> None:
         """Receive and drop buckets of `sizes` bytes (a sync this receiver refuses), if the sizes are readable."""
-        if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
+        if not isinstance(sizes, list) or not all(is_int(n) and n >= 0 for n in sizes):
             return
         for n in sizes:
             dist.broadcast(self._buffers.get(0, n, self.device), src=self.src, group=self.group)
