@@ -773,7 +773,7 @@ def test_staging_forward_buffers_and_protect(backend, device):
     _train_step(model, optimizer, device)  # forward changes BatchNorm statistics, step changes the rest
     _assert_same(future.result(), expected)
     plan = stager._plan
-    early = [u for b in plan.batches if b.early for u in b.units]
+    early = [u for b in plan.batches if b.copied_first for u in b.units]
     assert len(early) == 3  # running_mean, running_var, num_batches_tracked
     hook.remove()
     stager.close()

@@ -278,8 +278,8 @@ def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[H
         device = tensors[0].device if tensors else _device.current_device()
         copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
         return _call_native(fn, tensors, None, lambda: core.copy_spans_to_host(
-            tensors, list(starts), list(sizes), out if given else None, 0 if given else out, list(offsets), pool.native_pool,
-            copy_stream, chunk_bytes, bool(timing)))
+            tensors, list(starts), list(sizes), out if given else None, 0 if given else out, list(offsets),
+            pool.native_pool, copy_stream, chunk_bytes, bool(timing)))
     from ._copy_fallback import copy_spans_to_host as fallback
 
     _check_list(fn, tensors)

@@ -26,7 +26,7 @@ class StagingFuture(Future):
 
     def __init__(self, build, scalars, host_leaves, handles, spent=None):
         super().__init__()
-        self._spent = spent  # the stager's handles of earlier saves, let go by result() (AsyncStager._spent)
+        self._spent = spent  # handles of earlier saves, let go by result() (SaveLog.spent)
         # What the staged dict is made of, until the first result() makes it
         # (StateTree.build): the non-tensor leaves as of stage() and a list of the
         # host tensors of its own, which keeps the buffer set busy meanwhile.

@@ -104,21 +104,22 @@ class CopyUnit:
     """One copy: a tensor, tied tensors (copied once, shared) or overlapping views (one byte span)."""
 
     __slots__ = (
-        "kind", "slots", "key", "nbytes", "device", "early", "shape", "dtype", "span_rel", "members", "expanded"
+        "kind", "slots", "key", "nbytes", "device", "copied_first", "shape", "dtype", "span_start", "members",
+        "expanded",
     )
 
     def __init__(
-        self, kind, slots, key, nbytes, device, shape=None, dtype=None, span_rel=0, members=(), expanded=False
+        self, kind, slots, key, nbytes, device, shape=None, dtype=None, span_start=0, members=(), expanded=False
     ):
         self.kind = kind  # "tensor" (one or tied slots) or "span"
         self.slots = slots  # tensor slots this unit fills
         self.key = key  # what a buffer must match to be reused
         self.nbytes = nbytes
         self.device = device
-        self.early = False
+        self.copied_first = False  # a forward buffer (AsyncStager forward_buffers): copied first
         self.shape = shape
         self.dtype = dtype
-        self.span_rel = span_rel  # span: its start relative to slots[0]'s first byte (<= 0)
+        self.span_start = span_start  # span: its start relative to slots[0]'s first byte (<= 0)
         self.members = members  # span: per slot (byte offset in span, shape, stride, dtype)
         self.expanded = expanded  # a broadcast (stride-0) tensor: its distinct elements are copied
 
@@ -126,11 +127,13 @@ class CopyUnit:
 class CopyBatch:
     """The units copied by one call: same device, same phase (forward buffers first)."""
 
-    __slots__ = ("device", "early", "asynchronous", "units", "src_slots", "pick_sources", "spans", "keys", "expanded")
+    __slots__ = (
+        "device", "copied_first", "asynchronous", "units", "src_slots", "pick_sources", "spans", "keys", "expanded"
+    )
 
-    def __init__(self, device, early, asynchronous):
+    def __init__(self, device, copied_first, asynchronous):
         self.device = device
-        self.early = early
+        self.copied_first = copied_first  # forward buffers: copied before the rest, waited for at once
         self.asynchronous = asynchronous  # through copy_to_host; else a host copy_ (CPU sources)
         self.units: List[CopyUnit] = []
         self.src_slots: List[int] = []  # tensor units: the slot whose tensor is the source
@@ -143,7 +146,7 @@ class CopyBatch:
 class CopyPlan:
     """How one state dict (shape, tensor layouts, aliasing) is copied."""
 
-    def __init__(self, fn, tree: StateTree, local_tensors, specs, early_ptrs, early_paths, tensor_paths):
+    def __init__(self, fn, tree: StateTree, local_tensors, specs, forward_ptrs, forward_paths, tensor_paths):
         self.tree = tree
         self.meta = list(map(META, local_tensors))
         self.ptrs = list(map(_data_ptr, local_tensors))
@@ -163,18 +166,19 @@ class CopyPlan:
                     f"staging copies tensors from {compute} or the host"
                 )
         self._group(local_tensors, tensor_paths)
-        for unit in self.units if early_paths or early_ptrs else ():
-            unit.early = any(
-                tensor_paths[s] in early_paths or (local_tensors[s].device, self.ptrs[s]) in early_ptrs for s in unit.slots
+        for unit in self.units if forward_paths or forward_ptrs else ():
+            unit.copied_first = any(
+                tensor_paths[s] in forward_paths or (local_tensors[s].device, self.ptrs[s]) in forward_ptrs
+                for s in unit.slots
             )
         batches: Dict[Tuple, CopyBatch] = {}
         names = {device: str(device) for device in devices}
         for unit in self.units:
-            key = (not unit.early, names[unit.device])
+            key = (not unit.copied_first, names[unit.device])
             batch = batches.get(key)
             if batch is None:
                 asynchronous = unit.device.type == compute
-                batch = batches[key] = CopyBatch(unit.device, unit.early, asynchronous)
+                batch = batches[key] = CopyBatch(unit.device, unit.copied_first, asynchronous)
             batch.units.append(unit)
         self.batches = [batches[k] for k in sorted(batches)]
         for batch in self.batches:
@@ -206,7 +210,7 @@ class CopyPlan:
         self.watched_slots = sorted(watched)
         self.watched_layouts = [layout_of(local_tensors[s])[1:] for s in self.watched_slots]
         self.copy_bytes = sum(u.nbytes for u in self.units)
-        self.signature = tuple((u.key, u.slots, u.early, u.expanded) for b in self.batches for u in b.units)
+        self.signature = tuple((u.key, u.slots, u.copied_first, u.expanded) for b in self.batches for u in b.units)
 
     def _group(self, local_tensors, paths) -> None:
         """Units from tensors: memory that overlaps within one storage is copied once."""
@@ -273,12 +277,13 @@ class CopyPlan:
         stop = max(local_tensors[s].data_ptr() + _extent_bytes(local_tensors[s]) for s in slots)
         start -= (start - base) % 16
         members = tuple(
-            (local_tensors[s].data_ptr() - start, tuple(local_tensors[s].shape), tuple(local_tensors[s].stride()), local_tensors[s].dtype)
-            for s in slots
+            (t.data_ptr() - start, tuple(t.shape), tuple(t.stride()), t.dtype)
+            for t in (local_tensors[s] for s in slots)
         )
         key = ("span", tuple(paths[s] for s in slots), stop - start, members)
         self.units.append(
-            CopyUnit("span", slots, key, stop - start, first.device, span_rel=start - first.data_ptr(), members=members)
+            CopyUnit("span", slots, key, stop - start, first.device, span_start=start - first.data_ptr(),
+                     members=members)
         )
 
 

@@ -179,7 +179,7 @@ class AsyncStager(_StagerProtocol):
             replanned |= plan is not self._plan  # a retry (_ReplanNeeded, over the limit) keeps what the first try saw
             self._plan = plan
             waiting = Span()
-            ring = len(self._ring.sets)
+            sets_before = len(self._ring.sets)
             buffer_set = self._acquire_set(fn, plan)
             waited_ms = waiting.stop().ms()
             reused, allocated = len(plan.units), 0
@@ -206,7 +206,7 @@ class AsyncStager(_StagerProtocol):
                 continue
             buffer_set.ptrs_version = plan.ptrs_version
             if self._limit and buffer_set.held_bytes > held_before and self.host_bytes() > self._limit:
-                self._ring.give_back_over_limit(fn, buffer_set, plan, new_set=len(self._ring.sets) > ring)
+                self._ring.give_back_over_limit(fn, buffer_set, plan, new_set=len(self._ring.sets) > sets_before)
                 continue  # another set of the ring takes the save (_acquire_set waits or raises)
             break
         allocated_bytes = max(0, buffer_set.held_bytes - held_before)
@@ -395,10 +395,10 @@ class AsyncStager(_StagerProtocol):
         # A cached tree compared only the leaves' types: a tensor may have turned
         # meta or sparse since the tree was built. The first save's check says so.
         tree.check_tensors(local_tensors)
-        early_ptrs = set()
+        forward_ptrs = set()
         if self._forward_module is not None:
-            early_ptrs = {(b.device, b.data_ptr()) for b in self._forward_module.buffers() if b.numel()}
-        early_paths = set()
+            forward_ptrs = {(b.device, b.data_ptr()) for b in self._forward_module.buffers() if b.numel()}
+        forward_paths = set()
         if self._forward_paths:
             dotted = {".".join(map(str, tree.paths[pos])): tree.paths[pos] for pos in tree.tensor_pos}
             missing = sorted(set(self._forward_paths) - set(dotted))
@@ -408,9 +408,9 @@ class AsyncStager(_StagerProtocol):
                     f"{fn}: forward_buffers names {missing} which are not tensors of the state dict; "
                     f"paths are keys joined by dots, e.g. {known}"
                 )
-            early_paths = {dotted[p] for p in self._forward_paths}
+            forward_paths = {dotted[p] for p in self._forward_paths}
         tensor_paths = [tree.paths[pos] for pos in tree.tensor_pos]
-        return CopyPlan(fn, tree, local_tensors, specs, early_ptrs, early_paths, tensor_paths)
+        return CopyPlan(fn, tree, local_tensors, specs, forward_ptrs, forward_paths, tensor_paths)
 
     # ------------------------------------------------------------ the ring
 
@@ -431,24 +431,24 @@ class AsyncStager(_StagerProtocol):
         """
         timing: Dict[Any, list] = {}
         host_time = Span()
-        early_handles = []
+        forward_handles = []
         handles: List[Any] = []
         rebind = buffer_set.plan is not plan
         buffer_set.handles = handles  # filled as copies are enqueued: the set is busy while any runs
         self._ring.forget_unwaited(buffer_set.index)  # this set's earlier copies: never hold a handle the set dropped
         with torch.no_grad():
             for number, batch in enumerate(plan.batches):
-                if not batch.early and early_handles:
+                if not batch.copied_first and forward_handles:
                     # The next forward may change these buffers: the compute stream
                     # waits (on the device) for their small copy, not for the rest.
-                    for handle in early_handles:
+                    for handle in forward_handles:
                         handle.wait_stream()
-                    early_handles = []
+                    forward_handles = []
                 sources = batch.pick_sources(local_tensors)
                 for unit in batch.spans:
                     first = local_tensors[unit.slots[0]]
                     storage = first.untyped_storage()
-                    offset = first.data_ptr() - storage.data_ptr() + unit.span_rel
+                    offset = first.data_ptr() - storage.data_ptr() + unit.span_start
                     span = torch.empty(0, dtype=torch.uint8, device=first.device)
                     sources.append(span.set_(storage, offset, (unit.nbytes,), (1,)))
                 for i in batch.expanded:  # the host keeps one copy of broadcast elements
@@ -464,8 +464,8 @@ class AsyncStager(_StagerProtocol):
                     timed = _device.is_accelerator(device)
                 else:
                     copy = copy_on_host
-                # Early batches are waited for at once: only the rest is worth deferring.
-                defer = timed and not batch.early
+                # Forward buffers are waited for at once: only the rest is worth deferring.
+                defer = timed and not batch.copied_first
                 for call in buffer_set.calls[number]:
                     try:
                         handle, fresh = self._run_call(copy, call, sources, buffer_set, checked, timed, defer,
@@ -480,11 +480,11 @@ class AsyncStager(_StagerProtocol):
                     handles.append(handle)
                     if timed:
                         timing.setdefault(device, []).append(handle)
-                    if batch.early:
-                        early_handles.append(handle)
+                    if batch.copied_first:
+                        forward_handles.append(handle)
                     if _device.is_accelerator(device) and batch.asynchronous:
                         self._ring.unwaited[(buffer_set.index, len(handles))] = handle
-            for handle in early_handles:
+            for handle in forward_handles:
                 handle.wait_stream()
         if rebind:
             buffer_set.bind(plan)

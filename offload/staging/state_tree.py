@@ -1,19 +1,9 @@
 """The shape of a nested state dict, and fast code to take it apart and rebuild it.
 
-A checkpoint's state dict is a tree of dicts, lists and tuples whose leaves are
-tensors and small immutable values (step counters, learning rates, strings). The
-staging engine needs, on every save, the list of leaves in a fixed order, and a
-new tree of the same shape whose tensor leaves are host copies.
-
-Walking the tree with a recursive Python function costs about a microsecond per
-node, which for an optimizer state of 4,000 parameters is milliseconds of host
-time on each save. A `StateTree` is built once per shape by that slow walk (which
-also checks every leaf); from the second save with the same shape on, it runs
-straight-line code generated for that shape (the idea torch.fx uses for its
-graph code): one subscript per node, with a type and length check per container
-so any change of shape is detected and sends the caller back to the slow walk.
-Keys and types enter the generated code as indices into constant tuples, never
-as source text.
+The stager needs, on every save, the leaves of a state dict (a tree of dicts,
+lists and tuples over tensors and small immutable values) in a fixed order, and a
+new tree of the same shape whose tensor leaves are host copies. See Note [generated
+tree code].
 """
 
 from __future__ import annotations
@@ -48,6 +38,17 @@ SCALAR_TYPES = (
 )
 _SCALAR_NAMES = "None, bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size"
 
+# Note [generated tree code]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Walking the tree with a recursive Python function costs a Python call per node,
+# host time on every save that grows with the optimizer state. A `StateTree` is
+# built once per shape by that slow walk (which also checks every leaf); from the
+# second save with the same shape on, it runs straight-line code generated for
+# that shape (the idea torch.fx uses for its graph code): one subscript per node,
+# with a type and length check per container so any change of shape is detected
+# and sends the caller back to the slow walk. Keys and types enter the generated
+# code as indices into constant tuples, never as source text.
+
 # A structure seen this many times in a row gets generated code; the first save
 # of a new shape (often the only one, e.g. before the optimizer state exists)
 # does not pay for compiling it.
@@ -56,7 +57,7 @@ COMPILE_AFTER = 2
 # model's flat state dict), is taken apart and rebuilt by C-speed calls over key
 # slices (`map(d.__getitem__, K[a:b])`, `dict(zip(K[a:b], T[s:e]))`) instead of
 # one subscript per child: for thousands of tensors that is both faster to run
-# and ~100x faster to compile. Below it a display of single subscripts is cheaper.
+# and far faster to compile. Below it a display of single subscripts is cheaper.
 WIDE = 8
 
 
