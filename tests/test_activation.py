@@ -145,13 +145,13 @@ def test_activation_views_restored_exactly(pool, monkeypatch):
     """Each view comes back with its size, stride and storage offset on one shared storage."""
     seen = {}
     unpacked = []
-    real_unpack = act.ActivationEngine._unpack
+    real_unpack = act.ActivationEngine.unpack
 
     def spy(self, packed):
         unpacked.append(real_unpack(self, packed))
         return unpacked[-1]
 
-    monkeypatch.setattr(act.ActivationEngine, "_unpack", spy)
+    monkeypatch.setattr(act.ActivationEngine, "unpack", spy)
 
     class Saver(torch.autograd.Function):
         @staticmethod
@@ -357,13 +357,13 @@ def test_activation_hooks_only_where_a_group_is_open(pool, monkeypatch):
     saved before the first layer starts, are seen outside a group. The hooks stack is empty
     after forward and after backward, and gradients are bitwise those without offload."""
     outside = []
-    real = act.ActivationEngine._pack
+    real = act.ActivationEngine.pack
 
     def spy(self, t):
-        outside.append(self._group is None)
+        outside.append(self.open_group is None)
         return real(self, t)
 
-    monkeypatch.setattr(act.ActivationEngine, "_pack", spy)
+    monkeypatch.setattr(act.ActivationEngine, "pack", spy)
     ref = _model(n=4)
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
@@ -405,7 +405,7 @@ def test_activation_exception_in_forward_leaves_nothing(pool, where):
     hook.remove()
     engine = handle.engine
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert engine._capturing == 0 and engine._group is None and not engine._storages
+    assert engine.capturing == 0 and engine.open_group is None and not engine._storages
     gc.collect()
     assert pool.stats()["in_use_bytes"] == 0
     x = torch.randn(8, 16)
@@ -566,13 +566,13 @@ def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypa
     candidate tensors are such outputs never reads the parameters' storages. A frozen weight
     (a leaf that needs no grad, saved as a view) makes the step read them, and stays."""
     walks = []
-    real = act._storage_ptrs
+    real = act.storage_ptrs
 
     def counted(params):
         walks.append(1)
         return real(params)
 
-    monkeypatch.setattr(act, "_storage_ptrs", counted)
+    monkeypatch.setattr(act, "storage_ptrs", counted)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
     handle = offload.enable_activation_offload(model, layers=["0", "1", "2"], min_tensor_bytes=0, pool=pool)
@@ -659,7 +659,7 @@ def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool
     dry = case in ("fits", "grows")
     # The plan is made at the next forward: the last entry is the first step with it.
     expected = {"fits": [3, 0], "grows": [3, 0, 0], "budget": [3, 3], "no_room": [3, 3]}[case]
-    assert offloaded[:-1] == expected and handle._auto.dry is dry
+    assert offloaded[:-1] == expected and handle.planner.measure_without_offload is dry
     plan = handle.plan
     assert all(b > 0 for b in plan["layer_bytes"][:3]) and all(f > 0 for f in plan["forward_ms"][:3])
 
@@ -780,7 +780,7 @@ def test_activation_auto_budget_zero_offloads_everything(pool):
 
 def test_activation_planner_hides_copies():
     """The timeline model: with a slow bus only every other layer fits under compute."""
-    from offload.activation.planner import choose, simulate
+    from offload.activation.schedule import choose, simulate
 
     n = 8
     nbytes, fwd, bwd = [100.0] * n, [1.0] * n, [2.0] * n
@@ -801,7 +801,7 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     copied in parts while it runs; each copy planned complete (with its margin) before its
     release point and before the last layer ends; each group fetched back at the latest layer
     start that leaves time for its copy."""
-    from offload.activation.planner import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
+    from offload.activation.schedule import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
 
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
@@ -861,7 +861,7 @@ def test_activation_schedule_closes_parts_when_the_layer_saved_their_bytes():
     """A layer's parts close when it has saved their bytes, by the measured marks: a layer that
     saves half its bytes 0.6 s into its second and the rest at 0.9 s starts its copy later
     than an even spread says, and its parts are let go later."""
-    from offload.activation.planner import COPY_MARGIN, schedule, saved_by
+    from offload.activation.schedule import COPY_MARGIN, schedule, saved_by
 
     assert saved_by(None, 2.0, 0.25) == 0.5  # no marks: evenly over the layer's time
     marks = [(0.5, 0.6), (1.0, 0.9)]
@@ -889,7 +889,7 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     the last span end that fits (60 of the 69 bytes the bus could take), so the plan's bytes
     are what the engine will copy, and a part to be let go as the last layer opens ends at the
     last span end its copy passes by then."""
-    from offload.activation.planner import schedule, span_end_at_or_above, span_end_at_or_below
+    from offload.activation.schedule import schedule, span_end_at_or_above, span_end_at_or_below
 
     assert span_end_at_or_below([30, 60, 100], 69) == 60 and span_end_at_or_below([30, 60, 100], 29) == 0
     assert span_end_at_or_above([30, 60, 100], 31) == 60 and span_end_at_or_above([30, 60, 100], 101) == 100
@@ -916,14 +916,14 @@ def test_activation_auto_marks_when_layers_save_their_bytes(pool):
     """The measured steps mark when each layer has saved every eighth of its bytes: the plan
     holds, per eligible layer, marks of a rising share saved at rising times within its
     forward, past the last eighth; and the layer's bytes after each of its new spans."""
-    from offload.activation.planner import PROFILE_POINTS
+    from offload.activation.schedule import PROFILE_POINTS
 
     model = _model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
     while handle.plan is None:
         _step(model, torch.randn(64, 16))
     plan = handle.plan
-    eligible = [not k for k in handle._keep]
+    eligible = [not k for k in handle.keep]
     assert any(eligible)
     for i, marks in enumerate(plan["saved_ms"]):
         if not eligible[i]:
@@ -934,7 +934,7 @@ def test_activation_auto_marks_when_layers_save_their_bytes(pool):
         assert (PROFILE_POINTS - 1) / PROFILE_POINTS <= shares[-1] <= 1
         assert shares[0] >= 1 / PROFILE_POINTS and times == sorted(times)
         assert 0 <= times[0] and times[-1] <= plan["forward_ms"][i]
-        record = handle._auto.records[i]  # and its bytes after each new span
+        record = handle.planner.records[i]  # and its bytes after each new span
         ends = record["span_ends"]
         assert ends == sorted(set(ends)) and ends[-1] == record["capped"] > 0
 
@@ -948,10 +948,10 @@ def _log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
 
 
 def _scheduled(engine, n, **kw):
-    from offload.activation.planner import Schedule
+    from offload.activation.schedule import Schedule
 
-    engine.schedule = Schedule(n, kw.get("caps", [None] * n), kw.get("release_at", {}), kw.get("fetch_at", {}),
-                               kw.get("fetch_at_start", []), kw.get("split_at", {}))
+    engine.use_plan(Schedule(n, kw.get("caps", [None] * n), kw.get("release_at", {}), kw.get("fetch_at", {}),
+                             kw.get("fetch_at_start", []), kw.get("split_at", {})))
 
 
 def test_activation_schedule_caps_and_fetch_points_bitwise(pool):
@@ -1099,7 +1099,7 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, c
     fetched when backward reaches the layer the schedule names, before it is needed.
     `parts`: layer 0 is copied in two parts, each let go at its own point. `tail`: layer 1 is
     let go at the second tensor saved after the last layer (the head's), not at its end."""
-    from offload.activation.planner import TAIL_POINT
+    from offload.activation.schedule import TAIL_POINT
 
     parts = case == "parts"
     from offload.core import _backend
@@ -1128,13 +1128,13 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, c
             if case == "tail":
                 engine.schedule.tail_save = 2
         log = []
-        settle, saved_after = engine._settle, engine._saved_after_layers
+        settle, saved_after = engine._mark_copied, engine._saved_after_layers
 
         def settled(group):
-            log.append(("settle", group.layer, engine._backward_seen, max(engine._layer_groups)))
+            log.append(("settle", group.layer, engine.backward_seen, max(engine._layer_groups)))
             settle(group)
 
-        monkeypatch.setattr(engine, "_settle", settled)
+        monkeypatch.setattr(engine, "_mark_copied", settled)
         monkeypatch.setattr(engine, "_saved_after_layers",
                             lambda: (log.append(("tail", engine._tail + 1)), saved_after()))
         _log_fetch_and_restore(monkeypatch, engine, log, lambda group: group.layer)
@@ -1255,7 +1255,7 @@ def test_activation_copied_model_is_an_ordinary_module(pool):
 
 
 def test_activation_step_search_bisects_to_the_largest_within_tolerance():
-    from offload.activation.planner import StepSearch
+    from offload.activation.schedule import StepSearch
 
     def run(model_k, overhead_per_layer):
         search, probes = StepSearch(model_k, tolerance=0.03), []
@@ -1304,9 +1304,9 @@ class _StepClock:
         return True
 
     def seconds(self, a, b):
-        probe = next(iter(self.handle._auto.tuning.values()), None)  # the probe reading this step
+        probe = next(iter(self.handle.planner.tuning.values()), None)  # the probe reading this step
         factor = self.slow if probe is not None and probe.serial % 2 else 1.0
-        return factor * (1.0 + self.overhead * sum(self.handle._offload))
+        return factor * (1.0 + self.overhead * len(self.handle.offloaded_layers()))
 
 
 @pytest.mark.parametrize("overhead, slow", [(0.02, 1.0), (1.0, 1.0), (0.02, 1.25)])
@@ -1321,7 +1321,7 @@ def test_activation_auto_backs_off_on_measured_steps(overhead, slow, pool, capsy
             plan = handle.plan
             assert plan["tuning"]["checked"] and not plan["tuning"]["settled"]
             model_k = plan["tuning"]["model_layers"]
-            handle._auto.clock = _StepClock(handle, overhead, slow)
+            handle.planner.clock = _StepClock(handle, overhead, slow)
         loss, grads = _step(model, x)
         assert torch.equal(loss, loss_ref)
         _assert_equal(grads, grads_ref)
@@ -1357,7 +1357,8 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
     release points (here 10,000 times their own time), make the schedule again at a lower
     rate, and the search starts over."""
     from offload.activation import planner as _activation_plan
-    from offload.activation.planner import AutoPlanner, _planned_bytes
+    from offload.activation.planner import AutoPlanner
+    from offload.activation.schedule import planned_bytes
 
     seen = []
 
@@ -1376,9 +1377,9 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
     for step in range(60):
         plan = handle.plan
         if plan is not None and planned is None:
-            planned = _planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"])
+            planned = planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"])
             d2h = plan["d2h_gbps"]
-            handle._auto.clock = _StepClock(handle, 0.0) if why == "slower" else _LateClock(handle, 1.0)
+            handle.planner.clock = _StepClock(handle, 0.0) if why == "slower" else _LateClock(handle, 1.0)
         loss, grads = _step(model, x)
         assert torch.equal(loss, loss_ref)
         _assert_equal(grads, grads_ref)
@@ -1392,7 +1393,7 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
     else:
         assert plan["d2h_gbps_under_compute"] == pytest.approx(d2h)
         assert plan["d2h_gbps_replanned"] == pytest.approx(d2h / (1 + 1e4))
-    assert _planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"]) < planned
+    assert planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"]) < planned
     assert plan["tuning"]["settled"] and sum(plan["mask"]) == plan["tuning"]["model_layers"]
     assert "under the plan's compute" in capsys.readouterr().out
     handle.disable()
@@ -1413,9 +1414,9 @@ def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
     assert _copies_late(usual + [slow, untimed]) == pytest.approx((0.01 + 0.016) / 2)
     assert _copies_late([untimed]) == 0.0
     handle = offload.enable_activation_offload(_model(), "auto", min_tensor_bytes=0, pool=pool, verbose=False)
-    rate = AutoPlanner._copy_rate(handle._auto, usual + [slow, untimed])
+    rate = AutoPlanner._copy_rate(handle.planner, usual + [slow, untimed])
     assert rate == pytest.approx((100.0 + 80.0) / 2)  # between the 1.0 s and 1.25 s steps
-    assert AutoPlanner._copy_rate(handle._auto, [untimed]) is None
+    assert AutoPlanner._copy_rate(handle.planner, [untimed]) is None
     handle.disable()
 
 
@@ -1423,11 +1424,11 @@ def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
 def test_activation_auto_late_copies_keep_the_plan(late, overhead, pool, monkeypatch):
     """No new schedule for copies at the planned rate where the first probe is within the
     tolerance however late they ended (the waits fit in what the 3% is for), nor where it
-    missed with waits within LATE_TOLERANCE of their time (then the search backs off)."""
+    missed with waits within RELEASE_WAIT_TOLERANCE of their time (then the search backs off)."""
     from offload.activation import planner as _activation_plan
     from offload.activation.planner import AutoPlanner
 
-    late = _activation_plan.LATE_TOLERANCE if late is None else late
+    late = _activation_plan.RELEASE_WAIT_TOLERANCE if late is None else late
     monkeypatch.setattr(AutoPlanner, "_copy_rate", lambda planner, copies: planner.tuning[planner.key].d2h)
     monkeypatch.setattr(_activation_plan, "_copies_late", lambda copies: late)
     model = _model()
@@ -1438,7 +1439,7 @@ def test_activation_auto_late_copies_keep_the_plan(late, overhead, pool, monkeyp
         if plan is not None and plan["tuning"]["settled"]:
             break
         if plan is not None:
-            handle._auto.clock = _StepClock(handle, overhead)
+            handle.planner.clock = _StepClock(handle, overhead)
         _step(model, x)
     assert plan["tuning"]["settled"]
     assert "d2h_gbps_replanned" not in plan
@@ -1550,7 +1551,7 @@ def test_activation_compiled_model_warns_and_passes_through(pool):
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
     compiled = torch.compile(model, backend="aot_eager")
-    act._warned_compiled.clear()
+    offload.activation.api._warned_compiled.clear()
     x = torch.randn(8, 16)
     with pytest.warns(UserWarning, match="traced by torch.compile"):
         loss = compiled(x)
@@ -1598,18 +1599,18 @@ def test_activation_fsdp_single_process(kind, pool, monkeypatch, tmp_path):
         ref = _shard(kind, _model())
         model = _shard(kind, _model())
         clashes, offloaded = [], []
-        real_pack = act.ActivationEngine._pack_extent  # what may be offloaded, on either hooks' path
+        real_pack = act.ActivationEngine.pack_extent  # what may be offloaded, on either hooks' path
 
         def spy(self, t, *extent):
             packed = real_pack(self, t, *extent)
             if type(packed) is not tuple:  # offloaded: compare with the parameters as they are now
-                live = act._storage_ptrs(model.parameters())
+                live = act.storage_ptrs(model.parameters())
                 offloaded.append(t)
                 if t.untyped_storage().data_ptr() in live:
                     clashes.append(tuple(t.shape))
             return packed
 
-        monkeypatch.setattr(act.ActivationEngine, "_pack_extent", spy)
+        monkeypatch.setattr(act.ActivationEngine, "pack_extent", spy)
         handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
         prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
         assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
@@ -1810,7 +1811,7 @@ def test_activation_async_copies_the_first_layer_in_parts(pool, monkeypatch, ckp
     parts of the bytes it saved before, and in backward all its parts are fetched together at
     the next layer's first unpack, its last part first; a layer that saves fewer spans than
     parts (a checkpoint's input) is not split. Gradients stay bitwise equal."""
-    from offload.activation.planner import SPLIT_PARTS
+    from offload.activation.schedule import SPLIT_PARTS
 
     model, handle, log, x, grads_ref = _async_logging_fetches(monkeypatch, pool, ckpt=ckpt)
     engine = handle.engine
@@ -1898,8 +1899,8 @@ def test_activation_min_group_bytes_default_and_errors(pool):
     handle = offload.enable_activation_offload(model, min_tensor_bytes=1000, pool=pool, verbose=False)
     assert handle.engine.min_group_bytes == act.GROUP_BYTES_PER_TENSOR_BYTE * 1000
     handle.disable()
-    for bad in (-1, True, 1.5, "32MiB"):
-        with pytest.raises(ValueError, match=r"enable_activation_offload: min_group_bytes must be an int >= 0"):
+    for bad, error in ((-1, ValueError), (True, TypeError), (1.5, TypeError), ("32MiB", TypeError)):
+        with pytest.raises(error, match=r"enable_activation_offload: min_group_bytes must be an int >= 0"):
             offload.enable_activation_offload(model, min_group_bytes=bad, pool=pool, verbose=False)
 
 
@@ -1920,7 +1921,7 @@ def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
     """Under autocast the cached bf16 copies of parameters are kept, activations offloaded."""
     model = _model()
     offloaded = []
-    real_pack = act.ActivationEngine._pack_extent  # what may be offloaded, on either hooks' path
+    real_pack = act.ActivationEngine.pack_extent  # what may be offloaded, on either hooks' path
 
     def spy(self, t, *extent):
         packed = real_pack(self, t, *extent)
@@ -1928,7 +1929,7 @@ def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
             offloaded.append(t)
         return packed
 
-    monkeypatch.setattr(act.ActivationEngine, "_pack_extent", spy)
+    monkeypatch.setattr(act.ActivationEngine, "pack_extent", spy)
     x = torch.randn(8, 16)
     saved_ref = []
     with torch.autocast("cpu", dtype=torch.bfloat16), \
@@ -2028,8 +2029,8 @@ def test_activation_steady_step_never_blocks_the_host(kind, monkeypatch):
         x = torch.randn(8, 16)
         _, grads_ref = _step(ref, x)
         for _ in range(max_tuning_steps(len(handle.layers)) if mode == "auto" else 2):
-            if mode == "auto" and handle.plan is not None and not isinstance(handle._auto.clock, _StepClock):
-                handle._auto.clock = _StepClock(handle, 1.0 if kind == "auto_none" else 0.02)
+            if mode == "auto" and handle.plan is not None and not isinstance(handle.planner.clock, _StepClock):
+                handle.planner.clock = _StepClock(handle, 1.0 if kind == "auto_none" else 0.02)
             _step(model, x)
         assert mode != "auto" or handle.plan["tuning"]["settled"]
         clock[1] = 0
