@@ -143,7 +143,7 @@ class BackwardSide:
             group.fetch_stream = _device.current_stream(self.device) if self.on_accel else None
             group.h2d = copy_to_device(group.d2h, self.device, out=[block], pool=self.pool, timing=self.timing)
         if self.timing:
-            self._timing_events.append((self.counters, "h2d_seconds", group.h2d.copy_timer(), None))
+            self._timings.copy(self.counters, "h2d_seconds", group.h2d.copy_timer())
         group.device_block = block
         group.typed_blocks = {}
         group.waited = set()

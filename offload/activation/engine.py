@@ -28,6 +28,7 @@ from .groups import (COPYING, HOST, KEPT, OPEN, SPAN_ALIGN, AutoState, Group, Pa
 from .backward import BackwardSide
 from .saved_tensors import drop_held, not_traced, offload_extent, storage_ptrs, top_pack_hook
 from .schedule import PROFILE_POINTS, SPLIT_PARTS, TAIL_POINT
+from .step_stats import StepTimings, new_counters
 
 # Note [groups]: a group is the span of forward from one layer's start to the next layer's
 # start (or the end of the model's forward). Opening groups at layer starts (instead of
@@ -100,7 +101,6 @@ GROUP_BYTES_PER_TENSOR_BYTE = 32
 # A new span that reads at least this share of its storage copies the whole storage (Note
 # [storages and views]).
 WHOLE_STORAGE = 7 / 8
-_SPARE_EVENTS = 128  # timing events kept for reuse, at most
 
 
 class ActivationEngine(BackwardSide):
@@ -187,14 +187,8 @@ class ActivationEngine(BackwardSide):
         self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
         self.backward_seen = False
         self._step = 0
-        self.counters = self._new_counters()
-        # Timings not yet added to the counters: (counters, kind, start, end) for waits timed
-        # with events, (counters, kind, timer, None) for copies the copy layer timed (a copy's
-        # timer holds none of its buffers: a fetched group's device block is not kept for it).
-        self._timing_events: list = []
-        # Timing events read and done with, recorded again by later timings: making an event
-        # costs host time, and a step makes several per layer.
-        self._spare_events: list = []
+        self.counters = new_counters()
+        self._timings = StepTimings(self.device)  # copy and wait timings not yet counted
         # Auto mode's observer and schedule (set by `use_plan`; Note [engine interface]).
         self.observer = None
         self.schedule = None
@@ -215,61 +209,20 @@ class ActivationEngine(BackwardSide):
 
     # ------------------------------------------------------------ statistics
 
-    @staticmethod
-    def _new_counters() -> dict:
-        return {
-            "d2h_bytes": 0, "h2d_bytes": 0, "d2h_seconds": 0.0, "h2d_seconds": 0.0,
-            "forward_wait_seconds": 0.0, "backward_wait_seconds": 0.0,
-            # A group is a layer's saved tensors, or a part of them (auto mode copies a layer in
-            # parts while it runs): layers_offloaded counts each layer once.
-            "layers_offloaded": 0, "groups_offloaded": 0, "groups_fetched": 0, "groups_prefetched": 0,
-            "tensors_offloaded": 0, "tensors_kept": 0,
-        }
-
     def resolve_timing(self, block: bool) -> None:
         """Add finished copy/wait timings to the counters of the step they belong to.
 
         Non-blocking at a step start (the host keeps running ahead of the device);
         `stats()` blocks until the current step's events are done.
         """
-        pending = []
-        spare = self._spare_events
-        for timed in self._timing_events:
-            counters, kind, start, end = timed
-            if end is None:  # a copy's timer
-                if block:
-                    start.synchronize()
-                seconds = start.seconds()
-                if seconds is None:
-                    pending.append(timed)
-                else:
-                    counters[kind] += seconds
-            elif block or end.query():
-                if block:
-                    end.synchronize()
-                counters[kind] += start.elapsed_time(end) / 1e3
-                if len(spare) < _SPARE_EVENTS:
-                    spare += (start, end)  # both passed: free to record again
-            else:
-                pending.append(timed)
-        self._timing_events = pending
-
-    def _timing_event(self):
-        spare = self._spare_events
-        return spare.pop() if spare else _device.new_event(self.device, timing=True)
+        self._timings.resolve(block)
 
     def _timed_start(self, stream):
-        if not self.timing:
-            return None
-        start = self._timing_event()
-        start.record(stream)
-        return start
+        return self._timings.start(stream) if self.timing else None
 
     def _timed_end(self, kind, start, stream) -> None:
         if start is not None:
-            end = self._timing_event()
-            end.record(stream)
-            self._timing_events.append((self.counters, kind, start, end))
+            self._timings.end(self.counters, kind, start, stream)
 
     def stats(self) -> dict:
         """Counters of the current (or just finished) step; waits for its timing events."""
@@ -297,7 +250,7 @@ class ActivationEngine(BackwardSide):
         if self.backward_seen:  # a new step
             self.resolve_timing(block=False)
             self._step += 1
-            self.counters = self._new_counters()
+            self.counters = new_counters()
             self.backward_seen = False
 
     def pass_through_step(self) -> None:
@@ -465,7 +418,7 @@ class ActivationEngine(BackwardSide):
             group.d2h = copy_spans_to_host([entry[0] for entry in group.spans], starts, sizes, group.nbytes_aligned,
                                            offsets, pool=self.pool, timing=self.timing)
         if self.timing:
-            self._timing_events.append((self.counters, "d2h_seconds", group.d2h.copy_timer(), None))
+            self._timings.copy(self.counters, "d2h_seconds", group.d2h.copy_timer())
         group.state = COPYING
         c = self.counters
         c["d2h_bytes"] += group.d2h.nbytes
