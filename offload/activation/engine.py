@@ -109,11 +109,11 @@ class ActivationEngine(BackwardSide):
     Note [engine interface]: what other modules use; nothing else of the engine's is read
     or set from outside.
     Driving it (api.py's handle and `activation_offload`):
-      `capture(params)` the scope where saved tensors are hooked; `boundary(name, offload,
-      layer)` a new group starts; `add_params(tensors)` storages that stay; `mark_backward_start
-      (output)`, `fetch_when_backward_reaches(output, layers)`; `pass_through_step()`;
-      `hooks_in_groups_only` (set by the handle); `stats()`; `capturing` (read: > 0 inside
-      a capture); `schedule` (read: the plan in use, or None).
+      `capture(params)` the scope where saved tensors are hooked;
+      `boundary(name, offload, layer)` a new group starts; `add_params(tensors)` storages
+      that stay; `mark_backward_start(output)`; `fetch_when_backward_reaches(output, layers)`;
+      `pass_through_step()`; `hooks_in_groups_only` (set by the handle); `stats()`;
+      `capturing` (read: > 0 inside a capture); `schedule` (read: the plan in use, or None).
     Auto mode (planner.py):
       `use_plan(schedule, observer)` sets the plan and the observer for the next forwards;
       `backward_seen` (read: the step's backward has started); `counters` (read: the
