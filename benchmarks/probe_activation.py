@@ -35,7 +35,8 @@ from common import Context  # noqa: E402
 import offload  # noqa: E402
 from offload.core import _device  # noqa: E402
 from offload.activation import engine as _activation  # noqa: E402
-from offload.activation.planner import Schedule  # noqa: E402
+from offload.activation import backward as _activation_backward  # noqa: E402
+from offload.activation.schedule import Schedule  # noqa: E402
 
 GiB = float(1 << 30)
 
@@ -104,12 +105,12 @@ def probe_host(ctx, model, loss_fn, handle, n):
         return wrapper
 
     engine_cls = _activation.ActivationEngine
-    for name in ("_pack", "_unpack", "boundary", "_close", "_fetch", "_restore", "_release_due", "_settle"):
+    for name in ("pack", "unpack", "boundary", "_close", "_fetch", "_restore", "_release_due", "_mark_copied"):
         setattr(engine_cls, name, timed(name, getattr(engine_cls, name)))
     _activation.copy_spans_to_host = timed("copy_spans_to_host", _activation.copy_spans_to_host)
-    _activation.copy_to_device = timed("copy_to_device", _activation.copy_to_device)
+    _activation_backward.copy_to_device = timed("copy_to_device", _activation_backward.copy_to_device)
     # The hooks were bound when the engine was made: make them again to see the timed methods.
-    handle.engine._hooks = torch.autograd.graph.saved_tensors_hooks(handle.engine._pack, handle.engine._unpack)
+    handle.engine._hooks = torch.autograd.graph.saved_tensors_hooks(handle.engine.pack, handle.engine.unpack)
 
     def run(label, steps=5):
         for _ in range(3):

@@ -1,25 +1,25 @@
 // The activation engine's saved-tensor hooks: their per-tensor tests in C.
 //
-// Why: in a launch-bound training step (Llama seq 2048 on the H100: ~19 ms of host work
-// in a ~23 ms step) every microsecond the hooks spend on a saved tensor is step time. In
-// Python, deciding whether a tensor may be offloaded and which bytes of its storage it
-// reads is about fifteen attribute calls (size, device, layout, base, grad_fn, storage,
-// strides), ~4 us in a loop and several times that inside a step, where the model's own
-// code holds the caches. Here it is one call, and a tensor that stays on the device
+// Why: in a launch-bound training step every microsecond the hooks spend on a saved tensor
+// is step time. In Python, deciding whether a tensor may be offloaded and which bytes of its
+// storage it reads is about fifteen attribute calls (size, device, layout, base, grad_fn,
+// storage, strides). Here it is one call, and a tensor that stays on the device
 // (parameters, small tensors) never enters the interpreter.
 //
-// What is decided where:
-// - offload_extent is offload/activation.py's `_offload_extent` in C (the Python path
-//   without the core uses that one; a test holds the two equal on a catalogue of tensors).
+// What is decided where (the engine's side is Note [engine interface] in
+// offload/activation/engine.py):
+// - offload_extent is offload/activation/saved_tensors.py's `offload_extent` in C (the
+//   Python path without the core uses that one; a test holds the two equal on a catalogue
+//   of tensors).
 // - pack_saved_tensor(engine, t) is the pack hook (bound to its engine with
 //   functools.partial, which the garbage collector sees through, so an engine and its
 //   hooks are freed together). With no group open it hands the tensor to the engine's
-//   Python `_pack`, which counts what is saved after the last layer; a tensor that stays
-//   it keeps here, as `_keep` does; one that may be offloaded goes to the engine's
-//   `_pack_extent` with its extent, for the group's bookkeeping.
+//   Python `pack`, which counts what is saved after the last layer; a tensor that stays
+//   it keeps here, as the engine does (counted); one that may be offloaded goes to the
+//   engine's `pack_extent` with its extent, for the group's bookkeeping.
 // - unpack_saved_tensor(engine, packed) returns a kept tensor whose version is unchanged
 //   and hands everything else (the step's first unpack, offloaded tensors, a modified
-//   tensor's error) to the engine's `_unpack`.
+//   tensor's error) to the engine's `unpack`.
 // All run with the interpreter lock held, on the thread autograd calls the hooks from.
 #include <cstdint>
 #include <exception>
@@ -63,7 +63,7 @@ struct Extent {
 };
 
 // Whether the engine may offload `t`, a plain tensor saved while a group is open; the
-// reasons it stays are listed at offload/activation.py's `_offload_extent`.
+// reasons it stays are listed at offload/activation/saved_tensors.py's `offload_extent`.
 bool offload_extent_of(const at::Tensor& t, int64_t min_bytes, const c10::Device& device, Extent* out) {
   const int64_t numel = t.numel();
   const int64_t itemsize = t.element_size();
@@ -99,18 +99,19 @@ py::object offload_extent(const at::Tensor& t, int64_t min_bytes, const c10::Dev
   return py::make_tuple(extent.ptr, extent.first, extent.last, extent.check_params);
 }
 
-// The engine's attributes the hooks read, as interned strings made once (a lookup by a
-// C string makes a new str object each time).
+// The engine's attributes the hooks read (its documented interface), as interned strings
+// made once (a lookup by a C string makes a new str object each time). `_version` is the
+// tensor's own attribute.
 struct Names {
-  PyObject* group = PyUnicode_InternFromString("_group");
-  PyObject* pack = PyUnicode_InternFromString("_pack");
-  PyObject* pack_extent = PyUnicode_InternFromString("_pack_extent");
-  PyObject* unpack = PyUnicode_InternFromString("_unpack");
-  PyObject* counters = PyUnicode_InternFromString("_counters");
+  PyObject* group = PyUnicode_InternFromString("open_group");
+  PyObject* pack = PyUnicode_InternFromString("pack");
+  PyObject* pack_extent = PyUnicode_InternFromString("pack_extent");
+  PyObject* unpack = PyUnicode_InternFromString("unpack");
+  PyObject* counters = PyUnicode_InternFromString("counters");
   PyObject* tensors_kept = PyUnicode_InternFromString("tensors_kept");
   PyObject* min_tensor_bytes = PyUnicode_InternFromString("min_tensor_bytes");
   PyObject* device = PyUnicode_InternFromString("device");
-  PyObject* backward_seen = PyUnicode_InternFromString("_backward_seen");
+  PyObject* backward_seen = PyUnicode_InternFromString("backward_seen");
   PyObject* version = PyUnicode_InternFromString("_version");
 };
 
@@ -125,9 +126,9 @@ py::object attr(py::handle obj, PyObject* name) {
   return py::reinterpret_steal<py::object>(value);
 }
 
-// What autograd holds for a tensor that stays: (tensor, version at save), as the engine's
-// `_keep`, which is also counted. The version is read as Python reads it (a subclass may
-// answer it itself), so the engine's `_unpack` compares like with like.
+// What autograd holds for a tensor that stays: (tensor, version at save), as the engine
+// keeps one, which is also counted. The version is read as Python reads it (a subclass may
+// answer it itself), so the engine's `unpack` compares like with like.
 py::object keep(py::handle engine, py::handle tensor) {
   const Names& n = names();
   py::object counters = attr(engine, n.counters);

@@ -152,7 +152,7 @@ def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(dete
     device, so a sparse plan lowers the peak even when the host runs far ahead of the device
     (here a spin kernel holds the device back) and so never sees a copy done in forward.
     `split`: the layers are copied in parts while they run, with the same result."""
-    from offload.activation.planner import Schedule
+    from offload.activation.schedule import Schedule
 
     ref = _stack(torch.bfloat16, d=512, heads=8, n=8)
     model = copy.deepcopy(ref)
@@ -166,10 +166,10 @@ def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(dete
     _activation_peak(model, x)
     stats = handle.stats()
     per_layer = stats["d2h_bytes"] / stats["groups_offloaded"]
-    handle._offload = [i in (0, 1) for i in range(8)]
+    handle.set_offloaded([i in (0, 1) for i in range(8)])
     ends = [int(per_layer) * k // 4 for k in (1, 2, 3)]
     parts = {0: ends, 1: ends} if split else {}
-    handle.engine.schedule = Schedule(8, [None] * 8, {0: 4, 1: 6}, {3: [1], 2: [0]}, [], parts)
+    handle.engine.use_plan(Schedule(8, [None] * 8, {0: 4, 1: 6}, {3: [1], 2: [0]}, [], parts))
 
     _activation_peak(model, x, hold_device_cycles=200_000_000)  # ~0.1 s: the host runs ahead of the device
     offloaded = _activation_peak(model, x, hold_device_cycles=200_000_000)

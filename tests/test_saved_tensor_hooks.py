@@ -1,7 +1,7 @@
 """The activation engine's hooks in the core against the Python ones.
 
 The core decides in C which saved tensors may be offloaded and what bytes they read
-(`offload_extent`); the Python path without the core decides with `_offload_extent`. They
+(`offload_extent`); the Python path without the core decides with `saved_tensors.offload_extent`. They
 must agree on every kind of tensor autograd saves, on the CPU and on the accelerator.
 """
 
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from offload.core import _backend, _device
+from offload.activation import api, saved_tensors
 from offload.activation import engine as act
 
 pytestmark = pytest.mark.native
@@ -59,7 +60,7 @@ def test_offload_extent_core_equals_python(device, min_bytes):
     device = torch.device(device)
     for name, t in _cases(device).items():
         native = core.offload_extent(t, min_bytes, device)
-        python = act._offload_extent(t, min_bytes, device)
+        python = saved_tensors.offload_extent(t, min_bytes, device)
         assert native == python, name
         big_enough = t.numel() * t.element_size() >= min_bytes
         assert (native is None) == (name in STAYS or not big_enough), name
@@ -85,7 +86,7 @@ def test_offload_extent_in_backward_stays():
     seen = []
     y = a * 3
     y.register_hook(lambda grad: seen.append((core.offload_extent(a, 0, a.device),
-                                              act._offload_extent(a, 0, a.device))))
+                                              saved_tensors.offload_extent(a, 0, a.device))))
     assert core.offload_extent(a, 0, a.device) is not None
     y.sum().backward()
     assert seen == [(None, None)]
@@ -112,7 +113,7 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(monkeypatch):
     for native in (True, False):
         monkeypatch.setattr(act, "_NATIVE_HOOKS", native)
         model = _Net().to(device)
-        handle = act.enable_activation_offload(model, "async", min_tensor_bytes=0, verbose=False)
+        handle = api.enable_activation_offload(model, "async", min_tensor_bytes=0, verbose=False)
         pack = handle.engine._hooks.pack_hook
         assert (getattr(pack, "func", None) is _backend.core().pack_saved_tensor) == native
         model(x).sum().backward()
@@ -129,7 +130,7 @@ def test_core_unpack_raises_for_a_kept_tensor_modified():
     """A kept tensor modified in place after it was saved raises autograd's error through the core's unpack."""
     device = _device.current_device()
     net = _Net().to(device)
-    handle = act.enable_activation_offload(net, "async", verbose=False)  # 1 MiB: every tensor stays
+    handle = api.enable_activation_offload(net, "async", verbose=False)  # 1 MiB: every tensor stays
     loss = net(torch.randn(8, 16, device=device)).sum()
     with torch.no_grad():
         net.blocks[1][0].weight.add_(1.0)  # saved by its matmul; kept (a parameter)
@@ -147,7 +148,7 @@ def test_core_hooks_check_their_arguments():
     with pytest.raises(TypeError, match="offload._C hook: expected 2 arguments"):
         core.unpack_saved_tensor()
     engine = act.ActivationEngine("async", min_tensor_bytes=0)
-    engine._group = object()  # an open group: the tensor's tests run in C
+    engine.open_group = object()  # an open group: the tensor's tests run in C
     engine.device = "cpu"
     with pytest.raises(TypeError, match="the engine's device is not a torch.device"):
         core.pack_saved_tensor(engine, torch.ones(2, requires_grad=True) * 2)

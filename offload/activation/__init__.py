@@ -1,6 +1,12 @@
 """Activation offload: saved activations go to pinned host memory during forward and come
-back ahead of backward. See docs/activation.md."""
+back ahead of backward. See docs/activation.md.
 
-from .engine import ActivationOffload, activation_offload, enable_activation_offload
+Modules: api (the user API and its handle), engine and backward (the saved-tensor hooks,
+groups' copies out and back), groups (the data model), saved_tensors (per-tensor helpers),
+layers (layer discovery and wrapping), planner (auto mode's measuring and probes), schedule
+(auto mode's plan as pure functions).
+"""
+
+from .api import ActivationOffload, activation_offload, enable_activation_offload
 
 __all__ = ["ActivationOffload", "activation_offload", "enable_activation_offload"]

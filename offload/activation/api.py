@@ -1,0 +1,381 @@
+"""The user API of activation offload: `enable_activation_offload(model)` and its handle
+`ActivationOffload`, the `activation_offload()` context for custom loops, and the checks
+that pass a forward through untouched (no grad, eval, torch.compile tracing the model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import warnings
+import weakref
+from typing import List, Optional
+
+import torch
+
+from ..core.checks import check_int, parse_bytes
+from ..core.pool import HostPool
+from . import layers as _layers
+from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine
+from .saved_tensors import input_tensors, module_tensors, not_traced, other_hooks_active
+
+# Note [torch.compile]: a compiled layer's activations are saved at run time by
+# AOTAutograd's autograd function, so they are offloaded like any other (the boundaries are
+# opaque to dynamo, `not_traced`); a model compiled whole bypasses the layer wrappers and is
+# passed through with a warning.
+
+
+def _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes):
+    if memory_budget_bytes is not None:
+        if isinstance(memory_budget_bytes, (int, float)) and not isinstance(memory_budget_bytes, bool) \
+                and memory_budget_bytes < 0:
+            raise ValueError(f"{fn}: memory_budget_bytes must be >= 0 bytes, got {memory_budget_bytes}")
+        memory_budget_bytes = parse_bytes(memory_budget_bytes, f"{fn}: memory_budget_bytes")
+        if mode != "auto":
+            raise ValueError(
+                f"{fn}: memory_budget_bytes is used by mode='auto' (which chooses the layers to offload "
+                f"to meet it), got mode={mode!r}"
+            )
+    return memory_budget_bytes
+
+
+class ActivationOffload:
+    """What `enable_activation_offload` returns: `.stats()`, `.disable()`, `.paused()`, `.layers`, `.plan`.
+
+    Note [handle interface]: what auto mode's planner (planner.py) uses of the handle:
+    `engine`, `layers` (names), `keep` (per layer: kept on the device whatever the plan),
+    `set_offloaded(mask)` (per layer: offloaded from the next forward on) and
+    `set_layers_wrapped(on)` (wrap the layers' forwards, or restore them while a plan offloads
+    nothing). `planner` gives auto mode's planner (None in the other modes).
+    """
+
+    def __init__(self, model, layers, engine, keep, memory_budget_bytes, verbose):
+        # The model and its layers are held weakly: their wrapped forwards hold this handle, so
+        # strong references back would make a cycle that keeps a dropped model's memory alive
+        # until the cyclic collector runs.
+        self._model = weakref.ref(model)
+        self.engine = engine
+        # Layers and the model's output mark every point the engine needs: hooks only where a
+        # group is open (Note [hooks in groups only] in engine.py).
+        engine.hooks_in_groups_only = True
+        self.layers = [name for name, _ in layers]
+        self._modules = [weakref.ref(module) for _, module in layers]
+        self._keep = keep  # per layer: kept on the device whatever the mode
+        self._offload = [not k for k in keep]  # per layer: offloaded in the current plan
+        self._enabled = True
+        self._paused = False  # inside paused(): forwards run as without offload
+        self._auto = None
+        if engine.mode == "auto":
+            from .planner import AutoPlanner
+
+            self._auto = AutoPlanner(self, memory_budget_bytes, verbose)
+        self._wrapped = []  # weak references to the modules whose forward is wrapped
+        self._layer_targets = [weakref.ref(_wrap_target(module)) for _, module in layers]
+        self._layers_wrapped = False
+        try:
+            self.set_layers_wrapped(True)
+            _layers.wrap_forward(model, self._model_forward)
+            self._wrapped.append(weakref.ref(model))
+        except Exception:
+            self.disable()
+            raise
+
+    @property
+    def model(self):
+        """The model (None once it was freed)."""
+        return self._model()
+
+    @property
+    def plan(self):
+        """Auto mode's current plan (dict), or None in the other modes."""
+        return None if self._auto is None else self._auto.current_plan()
+
+    @property
+    def planner(self):
+        """Auto mode's planner (`planner.AutoPlanner`), or None in the other modes."""
+        return self._auto
+
+    @property
+    def keep(self) -> List[bool]:
+        """Per layer: kept on the device whatever the mode (keep_first, keep_last)."""
+        return list(self._keep)
+
+    def set_offloaded(self, mask) -> None:
+        """Per layer: whether the next forwards offload it (auto mode's plan, a probe's choice)."""
+        if len(mask) != len(self._keep):
+            raise ValueError(f"offload.ActivationOffload.set_offloaded: one entry per layer ({len(self._keep)}), "
+                             f"got {len(mask)}")
+        self._offload = [bool(on) for on in mask]
+
+    def offloaded_layers(self) -> List[str]:
+        return [name for name, on in zip(self.layers, self._offload) if on]
+
+    def _model_forward(self, original):
+        engine = self.engine
+
+        def forward(*args, **kwargs):
+            if _compiling():
+                _warn_compiled()
+                return original(*args, **kwargs)
+            model = self._model()
+            if (
+                not self._enabled
+                or self._paused
+                or not torch.is_grad_enabled()
+                or torch.is_inference_mode_enabled()
+                or not model.training
+                or torch._C._current_graph_task_id() != -1
+                or (not engine.capturing and other_hooks_active())
+            ):
+                return original(*args, **kwargs)
+            if self._auto is not None and self._auto.before_forward(args, kwargs):
+                # The plan offloads nothing: run exactly as without offload (no hooks, whose
+                # per-tensor cost would otherwise be the only overhead left).
+                engine.pass_through_step()
+                return original(*args, **kwargs)
+            # Lazy: walked only if a saved tensor needs it (see ActivationEngine.add_params). The
+            # forward's own inputs stay too: the caller holds them through the forward, so a copy
+            # would free nothing.
+            with engine.capture(itertools.chain(module_tensors(model), input_tensors(args, kwargs))):
+                out = original(*args, **kwargs)
+            if engine.hooks_in_groups_only:
+                engine.mark_backward_start(out)
+            return out
+
+        return forward
+
+    def set_layers_wrapped(self, on: bool) -> None:
+        """Wrap the layers' forwards (group boundaries), or restore them while auto mode's plan
+        for the current shape offloads nothing (then a step runs the layers' own forwards)."""
+        if on == self._layers_wrapped or not self._enabled:
+            return
+        self._layers_wrapped = on
+        for index, ref in enumerate(self._layer_targets):
+            target = ref()
+            if target is None:
+                continue
+            if on:
+                _layers.wrap_forward(target, functools.partial(self._layer_forward, index))
+                self._wrapped.append(ref)
+            else:
+                _layers.unwrap_forward(target)
+        if not on:
+            self._wrapped = [ref for ref in self._wrapped if ref not in self._layer_targets]
+
+    def _layer_forward(self, index, original):
+        engine = self.engine
+        last = len(self._modules) - 1
+        name = self.layers[index]
+
+        def forward(*args, **kwargs):
+            # Not skipped while dynamo traces a compiled layer: the boundary below breaks the graph
+            # and runs eagerly, and the compiled region's saved tensors reach the hooks at run time.
+            if not engine.capturing or torch._C._current_graph_task_id() != -1:
+                return original(*args, **kwargs)
+            offload = self._offload[index]
+            engine.boundary(name, offload=offload, layer=index)
+            if offload:
+                self._add_layer_params(index)
+            out = original(*args, **kwargs)
+            schedule = engine.schedule
+            if schedule is not None and index in schedule.fetch_at:
+                engine.fetch_when_backward_reaches(out, schedule.fetch_at[index])
+            if index == last:
+                engine.boundary(None, layer=last + 1)  # the point after the last layer (auto mode's schedule)
+            return out
+
+        return forward
+
+    @not_traced
+    def _add_layer_params(self, index) -> None:
+        module = self._modules[index]()
+        if module is not None:
+            self.engine.add_params(module_tensors(module))
+
+    def stats(self) -> dict:
+        """Counters of the current or last step (see ActivationEngine.stats), plus the plan."""
+        out = self.engine.stats()
+        out["layers"] = list(self.layers)
+        out["offloaded_layers"] = self.offloaded_layers()
+        out["plan"] = self.plan
+        return out
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Training forwards inside run exactly as without offload (no hooks); the handle, its
+        statistics and auto mode's plans stay as they were for the steps after it (a probe of
+        auto mode's that was running warms up again). For passes that should not be offloaded,
+        and to time a step without offload next to one with it.
+
+            with handle.paused():
+                model(batch).loss.backward()
+        """
+        if self._paused:
+            raise RuntimeError("offload.ActivationOffload.paused: already paused (not reentrant)")
+        if self._auto is not None:
+            self._auto.forget_step_start()
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
+
+    def disable(self) -> None:
+        """Restore every wrapped forward; saved tensors already offloaded still come back."""
+        self._enabled = False
+        for ref in self._wrapped:
+            module = ref()
+            if module is not None:
+                _layers.unwrap_forward(module)
+        self._wrapped = []
+        self._layers_wrapped = False
+
+    def __repr__(self) -> str:
+        return (f"ActivationOffload(mode={self.engine.mode!r}, {len(self.offloaded_layers())} of "
+                f"{len(self.layers)} layers offloaded, enabled={self._enabled})")
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
+
+_warned_compiled = []
+
+
+def _warn_compiled() -> None:
+    if not _warned_compiled:
+        _warned_compiled.append(True)
+        warnings.warn(
+            "offload.enable_activation_offload: the model's forward is being traced by torch.compile, so its "
+            "activations are not offloaded; compile the layers instead (layer.compile()): what a compiled "
+            "layer saves for backward is offloaded",
+            stacklevel=3,
+        )
+
+
+def _wrap_target(module):
+    return _layers.forward_target(module)
+
+
+def enable_activation_offload(
+    model: torch.nn.Module,
+    mode: str = "async",
+    *,
+    layers=None,
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+    min_group_bytes: Optional[int] = None,
+    resident_groups: int = 2,
+    memory_budget_bytes=None,
+    keep_first: int = 0,
+    keep_last: int = 1,
+    pool: Optional[HostPool] = None,
+    timing: bool = True,
+    nvtx: bool = False,
+    verbose: bool = True,
+) -> ActivationOffload:
+    """Offload the activations autograd saves in `model`'s layers to pinned host memory.
+
+    Args:
+        model: the module whose forward runs a training step (its root is hooked).
+        mode: 'async' (copies overlapped with compute, `resident_groups` layers on the device),
+            'sync' (each layer's copies waited for; for debugging and comparison) or 'auto'
+            (measures the first steps, then offloads what the bus can copy out before backward
+            starts, earliest layers first, freed and fetched back at planned points; checked
+            against timed steps without offload and backed off while the plan costs over 3%;
+            or as few layers as meet `memory_budget_bytes`).
+        layers: names (or modules) of the layers to group by; default: FSDP units, else the
+            elements of the model's repeated `nn.ModuleList`.
+        min_tensor_bytes: saved tensors smaller than this stay on the device.
+        min_group_bytes: modes 'async' and 'sync' copy a layer whose offloaded bytes are below
+            this together with the layers after it, until the group holds this much (default
+            32 x min_tensor_bytes: a group's copies and waits cost host time of their own, more
+            than a checkpoint's small input takes on the bus); 0: one group per layer.
+        resident_groups: how many groups (layers, or runs of small layers: min_group_bytes)
+            may have their activations on the device at once (>= 1).
+        memory_budget_bytes: device-memory budget for mode='auto' (int or '20GiB').
+        keep_first, keep_last: how many of the first and last layers stay on the device (the
+            last layer's activations are needed at once when backward starts).
+
+    Forwards under no_grad, inference_mode or in eval mode pass through untouched.
+
+        handle = offload.enable_activation_offload(model)            # async, every layer but the last
+        handle = offload.enable_activation_offload(model, "auto")    # only what hides under compute
+        loss = model(batch).loss; loss.backward(); print(handle.stats())
+        handle.disable()
+    """
+    fn = "offload.enable_activation_offload"
+    engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
+                              pool=pool, timing=timing, nvtx=nvtx, fn=fn, min_group_bytes=min_group_bytes)
+    memory_budget_bytes = _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes)
+    found = _layers.find_layers(model, layers, fn)
+    check_int(fn, "keep_first", keep_first, 0)
+    check_int(fn, "keep_last", keep_last, 0)
+    count = len(found)
+    keep = [i < keep_first or i >= count - keep_last for i in range(count)]
+    if all(keep):
+        names = [name for name, _ in found]
+        warnings.warn(
+            f"{fn}: nothing will be offloaded: keep_first={keep_first} + keep_last={keep_last} keep all "
+            f"{count} layer(s) found ({', '.join(names[:4])}{', ...' if count > 4 else ''}) on the device; "
+            "lower keep_first/keep_last or name finer layers with layers=[...]",
+            stacklevel=2,
+        )
+    # Compiled layers are supported, a compiled model is passed through (Note [torch.compile]).
+    return ActivationOffload(model, found, engine, keep, memory_budget_bytes, verbose)
+
+
+class activation_offload:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
+    """`with offload.activation_offload() as ao:` offloads what autograd saves in the block.
+
+    Groups are explicit: the block starts one group; `ao.boundary()` closes it and starts
+    the next (call it between layers or pipeline micro-batches); `ao.boundary(offload=False)`
+    starts a span whose tensors stay on the device. Backward may run after the block.
+    `params`: tensors never to offload; pass the model's parameters and buffers when some
+    are frozen (parameters that require grad, and views of them, are recognised anyway).
+
+        with offload.activation_offload(params=model.parameters()) as ao:
+            for block in model.blocks:
+                ao.boundary()
+                x = block(x)
+        loss_fn(x).backward()
+    """
+
+    def __init__(self, mode: str = "async", *, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+                 resident_groups: int = 2, pool: Optional[HostPool] = None, params=(), timing: bool = True,
+                 nvtx: bool = False, engine: Optional[ActivationEngine] = None):
+        fn = "offload.activation_offload"
+        if mode == "auto":
+            raise ValueError(f"{fn}: mode='auto' needs layers to measure; use enable_activation_offload(model, "
+                             "mode='auto'), or mode='async' or 'sync' here")
+        if engine is None:
+            engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
+                                      pool=pool, timing=timing, nvtx=nvtx, fn=fn)
+        self.engine = engine
+        self._params = params
+        self._count = 0
+        self._capture = None
+
+    def __enter__(self):
+        if self._capture is not None:
+            raise RuntimeError("offload.activation_offload: this context is already active; create a new one")
+        self._capture = self.engine.capture(self._params)
+        self._capture.__enter__()
+        self.boundary()
+        return self
+
+    def boundary(self, name=None, offload: bool = True) -> None:
+        """Close the current group and start the next one."""
+        if self._capture is None:
+            raise RuntimeError("offload.activation_offload.boundary: call it inside the `with` block")
+        self.engine.boundary(f"group{self._count}" if name is None else name, offload=offload)
+        self._count += 1
+
+    def __exit__(self, *exc):
+        capture, self._capture = self._capture, None
+        capture.__exit__(*exc)
+        return False
+
+    def stats(self) -> dict:
+        return self.engine.stats()

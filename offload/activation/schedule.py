@@ -1,0 +1,384 @@
+"""Auto mode's plan as pure functions of measured layer times and bytes.
+
+`schedule` plans, without a memory budget, which layers' saved tensors the device-to-host
+stream copies out before backward starts and at which points each group is let go and
+fetched back (see Note [planned release points]); `simulate` and `choose` plan for a memory
+budget on a model of the resident window; `StepSearch` chooses how many layers of the
+schedule's order to keep from measured step times. Nothing here touches a device.
+
+Note [planned release points]: a group's device memory goes back to the allocator when the
+compute stream waits, on the device, for the group's copy at a planned point (a layer's
+start, the end of the last layer, or backward's start), the copy being planned complete by
+then. Host polling could not free memory before the step's peak: the host runs ahead of
+the device and sees copies done only later, and the resident window made adjacent layers
+stall.
+
+Note [span ends]: a layer's group closes a part, or stops at its byte cap, only between two
+new storage spans, and a span is copied whole in the part that saves it; the schedule
+therefore counts bytes at the measured span ends, so that what it plans is what the engine
+copies.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import List, Optional
+
+# Predicted exposed copy time allowed in a budget plan, as a fraction of the predicted step.
+EXPOSED_TOLERANCE = 0.01
+# Measured step-time overhead a plan may add over the step without offload.
+STEP_OVERHEAD_TOLERANCE = 0.03
+# A schedule plans each copy this much longer than the measured bandwidth says: a group's
+# memory is let go by making the compute stream wait for its copy at a planned point, and a
+# copy a little slower than measured must not turn that wait into a stall.
+COPY_MARGIN = 0.05
+# Copies back are planned this much longer: under backward's compute the host-to-device
+# copies run slower than measured alone, and fetching a layer earlier costs memory only
+# after backward's peak (its start).
+FETCH_MARGIN = 0.3
+# A layer offloaded in part offloads at least this share of its bytes (less frees too little
+# for the hooks' work and the extra copy).
+MIN_PART = 0.125
+# A layer whose copy would start on an idle device-to-host stream is copied in this many
+# parts, each as soon as the layer has saved its share of the bytes: waiting for the layer
+# to end would leave the bus idle through the first offloaded layer's forward.
+SPLIT_PARTS = 4
+# The measured steps mark when each layer has saved every PROFILE_POINTS-th share of its
+# bytes (of new spans): a layer's bytes do not come evenly over its time, so the schedule
+# places a part's close by these marks. A multiple of SPLIT_PARTS: the quarters' ends are
+# then marks of their own.
+PROFILE_POINTS = 8
+# Where the point of the last tensor saved before the step's peak, after the last layer (n),
+# sits among the points: between the last layer's end (n) and backward's start (n + 1).
+TAIL_POINT = 0.5
+
+
+@dataclasses.dataclass
+class Schedule:
+    """How the engine runs auto mode's plan for one input shape (without a memory budget).
+
+    Points of a step, in order: `j` < n when layer j opens, `n` when the last layer ends,
+    `n + 0.5` (TAIL_POINT after n) when the `tail_save`-th tensor after the last layer is
+    saved (the last one saved before the step's peak, in the head or the loss; None: no such
+    point), `n + 1` when backward starts (its first unpack).
+    - caps: per layer, the bytes of new storage spans its group may offload (the first ones
+      saved; later tensors stay on the device), or None for all of them.
+    - release_at: layer -> the point at which the compute stream waits, on the device, for
+      its group's copy and its device tensors go back to the allocator in stream order (the
+      copy is planned to be complete by then, so the wait costs nothing); a list for a layer
+      copied in parts: a point per part (Note [planned release points]).
+    - fetch_at: layer j -> layers whose groups are copied back when backward reaches layer
+      j (the gradient of its output is computed), so each arrives just before it is needed;
+      fetch_at_start: those fetched as backward starts.
+    - split_at: layer -> the layer's bytes of new spans, ascending, at which its group is
+      closed (its copy starts) and the layer goes on in a new group (part): the copy runs
+      while the layer still saves tensors, and each part is let go at its own point. The
+      parts of a layer are fetched together.
+    """
+
+    n: int
+    caps: List[Optional[int]]
+    release_at: dict
+    fetch_at: dict
+    fetch_at_start: List[int]
+    split_at: dict = dataclasses.field(default_factory=dict)
+    tail_save: Optional[int] = None
+
+
+def saved_by(marks, fwd: float, share: float) -> float:
+    """Seconds into a layer of `fwd` seconds by which it has saved `share` of its bytes.
+
+    `marks`: (share saved, seconds into the layer) ascending, each taken at the save that
+    passed a share (see PROFILE_POINTS), so the bytes between two marks may all come with the
+    later one: the first mark with at least `share` saved, else the layer's end. Without marks
+    the bytes are spread evenly over the layer's time.
+    """
+    if marks is None:
+        return fwd * share
+    for saved, seconds in marks:
+        if saved >= share:
+            return min(seconds, fwd)
+    return fwd
+
+
+def span_end_at_or_below(bounds, nbytes: int) -> int:
+    """The largest of a layer's span ends (`bounds`, ascending) not above `nbytes` (0 if none):
+    what a cap of `nbytes` offloads. Without span ends, `nbytes`."""
+    if not bounds:
+        return nbytes
+    return max((b for b in bounds if b <= nbytes), default=0)
+
+
+def span_end_at_or_above(bounds, nbytes: int) -> int:
+    """The first of a layer's span ends (`bounds`, ascending) at or above `nbytes` (the last if
+    none): where a part ending at `nbytes` closes. Without span ends, `nbytes`."""
+    if not bounds:
+        return nbytes
+    return next((b for b in bounds if b >= nbytes), bounds[-1])
+
+
+def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: float, d2h_bps: float,
+             h2d_bps: float, before_peak=None, saved=None, spans=None):
+    """Offload, in forward order, what the device-to-host stream can copy out before the last
+    layer ends, and plan when each group's memory is let go and when it comes back.
+
+    The timeline is the measured one: layer i runs fwd[i] after layer i-1, backward starts
+    `tail` after the last layer ends (head, loss) and reaches the last layer `head_bwd` later;
+    layer i's backward takes bwd[i]. A group's copy starts when it closes (or when the copy
+    before it ends); a layer that opens with the stream idle is copied in `SPLIT_PARTS`
+    parts, the first when the layer has run a part of its time. Every copy must end, with
+    `COPY_MARGIN`, when the last layer does (point n): memory let go later, as backward
+    starts, comes after the peak of a training step (the head's logits and the loss sit on
+    top of every activation), so it would not lower it; a layer whose copy passes the last
+    layer's open is split there too, the part copied by then let go as the last layer opens.
+    `before_peak` (m, seconds): the m-th tensor saved after the last layer is the last one
+    saved before the step's peak, that long after the last layer's end (a model whose peak is
+    in its loss): copies may then run until it, the part copied by the last layer's end let
+    go there (point n), the rest at that save (TAIL_POINT).
+    `saved`: per layer, the marks of `saved_by` (None: its bytes spread evenly over its time);
+    `spans`: per layer, its bytes of new spans after each one, ascending (None: any count).
+    The last layer that fits is offloaded in part. Earliest layers first: their memory is
+    freed for longest and backward needs them last, with the most time to bring them back.
+
+    Returns (Schedule, order, predicted exposed seconds in backward): `order` lists the layers
+    offloaded, in the order their copies run (a prefix of it is a smaller plan that keeps
+    every point valid).
+    """
+    n = len(nbytes)
+    opens, closes, t = [], [], 0.0
+    for i in range(n):
+        opens.append(t)
+        t += fwd[i]
+        closes.append(t)
+    layers_end = deadline = t
+    tail_save = None
+    if before_peak is not None and before_peak[1] > 0:
+        tail_save, seconds = before_peak
+        deadline = t + seconds
+    caps: List[Optional[int]] = [None] * n
+    release_at, order, split_at = {}, [], {}
+    free = 0.0
+    per_byte = (1 + COPY_MARGIN) / d2h_bps
+    saved = saved or [None] * n
+    spans = spans or [None] * n
+    for i in range(n):
+        if not eligible[i] or nbytes[i] <= 0:
+            continue
+        # Byte counts are taken at the measured span ends (Note [span ends]).
+        bounds = spans[i]
+        size = bounds[-1] if bounds else nbytes[i]
+        split = free < closes[i]  # else the copies before it keep the stream busy past its end
+        first = span_end_at_or_above(bounds, size // SPLIT_PARTS)
+        start = max(opens[i] + saved_by(saved[i], fwd[i], first / size) if split else closes[i], free)
+        take = span_end_at_or_below(bounds, min(size, int((deadline - start) / per_byte)))
+        if take < MIN_PART * size:
+            continue
+        # Parts, by the bytes of new spans where each ends: the layer's quarters while it
+        # runs (split), and where the copy passes the last layer's open, so that what is
+        # copied by then goes as the last layer starts: it adds its own activations after
+        # that, and only a part as small as what it and the loss add can wait for point n.
+        # A quarter closes at the first span end past it; a part that must be copied by a
+        # point, at the last span end before what the bus copies by then (rounded up, a part
+        # due at the last layer's open could hold a large span through the step's peak).
+        ends = {span_end_at_or_above(bounds, size * k // SPLIT_PARTS) for k in range(1, SPLIT_PARTS)} if split else set()
+        ends.add(span_end_at_or_below(bounds, int((opens[-1] - start) / per_byte)))
+        if tail_save is not None:
+            ends.add(span_end_at_or_below(bounds, int((layers_end - start) / per_byte)))
+        ends = sorted(b for b in ends if 0 < b < take) + [take]
+        points, done, begun = [], free, 0
+        for b in ends:
+            # A part closes when the layer has saved its bytes, the last one when the layer
+            # ends; its copy follows the one before it.
+            closed = closes[i] if b == take else opens[i] + saved_by(saved[i], fwd[i], b / size)
+            done = max(closed, done) + (b - begun) * per_byte
+            begun = b
+            later = [j for j in range(i + 1, n) if opens[j] >= done]
+            points.append(later[0] if later else n if done <= layers_end else n + TAIL_POINT)
+        if done > deadline:
+            continue
+        free = done
+        caps[i] = None if take >= size else take
+        order.append(i)
+        if len(ends) > 1:
+            split_at[i] = ends[:-1]
+            release_at[i] = points
+        else:
+            release_at[i] = points[0]
+    # Backward: layer j starts at begins[j]. The groups come back in the order backward needs
+    # them, through one host-to-device stream: a copy must end before its layer starts and
+    # before the next copy's latest start, so latest starts are found from the group needed
+    # last, and each group is fetched at the latest layer start before its own (the least
+    # memory held early); a group's own latest start alone would ignore the copies queued
+    # behind it and leave those too late.
+    begins, t = [0.0] * n, head_bwd
+    for j in reversed(range(n)):
+        begins[j] = t
+        t += bwd[j]
+    durations = {i: (nbytes[i] if caps[i] is None else caps[i]) / h2d_bps * (1 + FETCH_MARGIN) for i in order}
+    latest, bound = {}, math.inf
+    for i in order:  # forward order: the group needed last first
+        bound = latest[i] = min(begins[i], bound) - durations[i]
+    fetch_at: dict = {}
+    fetch_at_start: List[int] = []
+    exposed, h2d_free = 0.0, 0.0
+    for i in reversed(order):
+        triggers = [j for j in range(i + 1, n) if begins[j] <= latest[i]]
+        if triggers:
+            j = triggers[0]  # the latest such layer start
+            fetch_at.setdefault(j, []).append(i)
+            at = begins[j]
+        else:
+            fetch_at_start.append(i)
+            at = 0.0
+        end = max(at, h2d_free) + durations[i]
+        h2d_free = end
+        exposed += max(0.0, end - begins[i])
+    # The point after the last layer is kept only if some part is let go there.
+    points = [p for i in order for p in (release_at[i] if isinstance(release_at[i], list) else [release_at[i]])]
+    tail_save = tail_save if any(p > n for p in points) else None
+    return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at, tail_save), order, exposed
+
+
+def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: float, window: int):
+    """Predicted (exposed seconds, step seconds) of one step under a plan."""
+    t = 0.0
+    d2h_free = 0.0
+    inflight = collections.deque()  # (end time, layer)
+    exposed = 0.0
+    n = len(offload)
+    for i in range(n):
+        t += fwd[i]
+        if not offload[i]:
+            continue
+        end = max(t, d2h_free) + nbytes[i] / d2h_bps
+        d2h_free = end
+        inflight.append((end, i))
+        while inflight and inflight[0][0] <= t:
+            inflight.popleft()
+        while len(inflight) > window - 1:
+            end_oldest, _ = inflight.popleft()
+            if end_oldest > t:
+                exposed += end_oldest - t
+                t = end_oldest
+    resident = {i for _, i in inflight}  # still held at the end of forward: served from the device
+    ready = {}
+    h2d_free = t
+    chosen = [i for i in range(n) if offload[i]]
+    on_host = [i for i in chosen if i not in resident]
+    if on_host and len(resident) < window:  # fetched as backward starts (_prefetch_at_backward_start)
+        ready[on_host[-1]] = h2d_free = t + nbytes[on_host[-1]] / h2d_bps
+    previous = {b: a for a, b in zip(chosen, chosen[1:])}
+    for i in reversed(range(n)):
+        if offload[i] and i not in resident:
+            if i not in ready:
+                ready[i] = max(t, h2d_free) + nbytes[i] / h2d_bps
+                h2d_free = ready[i]
+            if ready[i] > t:
+                exposed += ready[i] - t
+                t = ready[i]
+        p = previous.get(i)
+        if offload[i] and p is not None and p not in resident and p not in ready:
+            ready[p] = max(t, h2d_free) + nbytes[p] / h2d_bps
+            h2d_free = ready[p]
+        t += bwd[i]
+    return exposed, t
+
+
+def _removals(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window, allowance=None):
+    """Greedy: yield (exposed, step) of `mask`, then take back onto the device the offloaded
+    layer whose removal cuts the predicted exposed time most (ties: the smaller layer), and
+    repeat; `mask` is updated in place. Stops when nothing more can be taken back."""
+    kept = 0
+    while True:
+        exposed, step = simulate(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window)
+        yield exposed, step
+        best = None
+        for i, on in enumerate(mask):
+            if not on or (allowance is not None and kept + nbytes[i] > allowance):
+                continue
+            mask[i] = False
+            candidate = simulate(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window)[0]
+            mask[i] = True
+            if best is None or (candidate, nbytes[i]) < (best[0], nbytes[best[1]]):
+                best = (candidate, i)
+        if best is None:
+            return
+        mask[best[1]] = False
+        kept += nbytes[best[1]]
+
+
+def choose(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window, allowance: Optional[float] = None):
+    """The offload mask: hide copies under compute, or keep at most `allowance` bytes on the device."""
+    mask = list(eligible)
+    exposed = step = 0.0
+    for exposed, step in _removals(mask, nbytes, fwd, bwd, d2h_bps, h2d_bps, window, allowance):
+        if exposed <= EXPOSED_TOLERANCE * step:
+            break
+    return mask, exposed, step
+
+
+class StepSearch:
+    """How many layers of the schedule's order to offload, from measured step times.
+
+    Each probe of a count times it against the step without offload, their steps taken in
+    alternation (`record` gets both medians), so that a machine whose steps drift (clocks,
+    other tenants) by more than the tolerance between two probes judges each count against
+    a baseline of the same minutes. Probes the model's choice first; keeps it if it is within
+    `tolerance` of its baseline, else bisects down to the largest count that is. A count
+    above zero is confirmed once before it is final: it is probed again and must still be
+    within tolerance (else the search goes on below it). `probe` is the count to run now,
+    None once settled (`final`).
+    """
+
+    def __init__(self, model_k: int, tolerance: float = STEP_OVERHEAD_TOLERANCE):
+        self.tolerance = tolerance
+        self.step_ms: dict = {}  # layers offloaded -> its latest probe's median step (ms)
+        self.baseline_ms: dict = {}  # layers offloaded -> the median step without offload in that probe
+        self.lo, self.hi = 0, model_k  # largest count known within tolerance, smallest known over
+        self.probe = model_k if model_k > 0 else None
+        self.final = None if model_k > 0 else 0
+        self.confirming = False  # the count probed now is being confirmed
+        self.confirmed = False  # a confirmation ran (once per search: the steps are bounded)
+
+    def within(self, k: int) -> bool:
+        return self.step_ms[k] <= (1.0 + self.tolerance) * self.baseline_ms[k]
+
+    def record(self, k: int, ms: float, baseline_ms: float) -> None:
+        """The probe of `k` layers: its median step and the baseline's, timed in alternation."""
+        if k != self.probe:
+            raise RuntimeError(f"offload.activation auto: a step of {k} layers was recorded while probing "
+                               f"{self.probe}")
+        self.step_ms[k] = ms
+        self.baseline_ms[k] = baseline_ms
+        if self.confirming:
+            self.confirming = False
+            if self.within(k):
+                self.probe, self.final = None, k
+                return
+            self.hi, self.lo = k, 0  # it did not hold: what is below it is unknown again
+        elif self.within(k):
+            self.lo = max(self.lo, k)
+        else:
+            self.hi = min(self.hi, k)
+        if self.hi == self.lo or self.within(self.hi):  # the model's choice holds
+            self._accept(self.hi)
+        elif self.hi - self.lo <= 1:
+            self._accept(self.lo)
+        else:
+            self.probe = (self.lo + self.hi) // 2
+
+    def _accept(self, k: int) -> None:
+        """End the search at `k`, after one more probe of it if it is above zero (the confirmation)."""
+        if k > 0 and not self.confirmed:
+            self.confirmed = self.confirming = True
+            self.probe = k
+            return
+        self.probe, self.final = None, k
+
+
+def planned_bytes(layer_bytes, mask, caps) -> int:
+    """Bytes a plan offloads: each chosen layer's, or its cap where it is offloaded in part."""
+    return sum(b if caps is None or caps[i] is None else min(b, caps[i])
+               for i, (b, m) in enumerate(zip(layer_bytes, mask)) if m)

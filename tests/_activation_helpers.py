@@ -1,0 +1,215 @@
+"""Models, fixtures and spies shared by the CPU tests of activation offload (tests/test_activation_*.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
+
+MODES = ["sync", "async", "auto"]
+
+
+class Block(nn.Module):
+    """Saves transposes, slices, expands, as_strided and overlapping views, a tensor twice,
+    int and bool tensors, and views of one storage in several shapes."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.table = nn.Embedding(11, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = F.gelu(self.up(h))
+        y = self.down(a)
+        t = (x * 3).t()  # a transposed view is saved by the matmul below
+        z = (t @ h).sum() * 1e-3
+        s = a[1:, ::2]  # a strided slice
+        e = x[:1].expand(x.shape[0], -1)  # a broadcast view
+        w = torch.sin(s).sum() * 1e-2 + torch.cos(e)
+        flat = y.reshape(-1)
+        o = flat.as_strided((flat.numel() - 3, 2), (1, 1))  # overlapping windows of one storage
+        o = (o * o).sum() * 1e-2  # the same tensor saved twice
+        idx = (x.abs() * 7).long() % 11  # int saved by embedding backward
+        emb = self.table(idx[:, 0])
+        mask = x > 0  # bool saved by where
+        m = torch.where(mask, y, y * 0.5)
+        return m + w + emb + z + o
+
+
+class Model(nn.Module):
+    def __init__(self, d=16, n=4, ckpt=None):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            if self.ckpt is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.ckpt == "reentrant")
+        return self.head(x).square().mean()
+
+
+def small_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Model(**kw)
+
+
+def grads_of(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def train_step(model, *inputs):
+    model.zero_grad(set_to_none=True)
+    loss = sum(model(x) for x in inputs)
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+@pytest.fixture
+def pool():
+    return offload.HostPool()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The models here are tiny: one intra-op thread is faster and steadier on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def steps_to_run(mode):
+    """Steps to run: auto measures two steps, then times its plan and then steps without offload
+    (its layers unwrapped): on the CPU, 10 steps cover all three."""
+    return 10 if mode == "auto" else 1
+
+
+class InplaceAfterSave(nn.Module):
+    def __init__(self, d, late):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.late = late
+
+    def forward(self, pair):
+        x, aux = pair
+        y = self.lin(x)
+        s = y.exp()  # saves its result
+        if self.late is None:
+            s.mul_(2)  # in the same layer, after the save
+        elif self.late == "next":
+            aux.mul_(2)  # the previous layer saved aux
+        return s + x, s
+
+
+class PairModel(nn.Module):
+    def __init__(self, late):
+        super().__init__()
+        self.blocks = nn.ModuleList([InplaceAfterSave(8, None if late == "same" else "save"),
+                                     InplaceAfterSave(8, "next"), InplaceAfterSave(8, "save")])
+        if late == "same":
+            self.blocks[0].late = None
+            self.blocks[1].late = "save"
+
+    def forward(self, x):
+        pair = (x, x)
+        for block in self.blocks:
+            pair = block(pair)
+        return pair[0].sum()
+
+
+def log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
+    """Append ("fetch", key(group)) and ("restore", key(group)) to `log` as the engine does them."""
+    fetch, restore = engine._fetch, engine._restore
+    monkeypatch.setattr(engine, "_fetch", lambda group: (log.append(("fetch", key(group))), fetch(group))[1])
+    monkeypatch.setattr(engine, "_restore",
+                        lambda group, p: (log.append(("restore", key(group))), restore(group, p))[1])
+
+
+def use_schedule(engine, n, **kw):
+    from offload.activation.schedule import Schedule
+
+    engine.use_plan(Schedule(n, kw.get("caps", [None] * n), kw.get("release_at", {}), kw.get("fetch_at", {}),
+                             kw.get("fetch_at_start", []), kw.get("split_at", {})))
+
+
+class StepClock:
+    """Stands in for the planner's clock once the plan exists: a step takes 1 s plus
+    `overhead` s per offloaded layer (what the probes read), whatever the host does; times
+    `slow` during the planner's odd-numbered probes (a machine another tenant slows down
+    now and then)."""
+
+    def __init__(self, handle, overhead, slow=1.0):
+        self.handle, self.overhead, self.slow = handle, overhead, slow
+
+    def mark(self):
+        return None
+
+    def done(self, mark):
+        return True
+
+    def seconds(self, a, b):
+        probe = next(iter(self.handle.planner.tuning.values()), None)  # the probe reading this step
+        factor = self.slow if probe is not None and probe.serial % 2 else 1.0
+        return factor * (1.0 + self.overhead * len(self.handle.offloaded_layers()))
+
+
+class FakeEvent:
+    def __init__(self, clock):
+        self.clock, self.at = clock, None
+
+    def record(self, stream):
+        self.clock[0] += 1
+        self.at = self.clock[0]
+        stream.log.append("record")
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return float(other.at - self.at)
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name, self.log = name, []
+
+    def wait_stream(self, other):
+        self.log.append(f"wait_stream {other.name}")
+
+    def wait_event(self, event):
+        self.log.append("wait_event")
+
+
+def async_logging_fetches(monkeypatch, pool, **model_kw):
+    """(model with an async handle whose fetches and restores go to `log`, handle, log, x,
+    the reference gradients of a copy without offload)."""
+    ref = small_model(**model_kw)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    log = []
+    log_fetch_and_restore(monkeypatch, handle.engine, log)
+    x = torch.randn(8, 16)
+    _, grads_ref = train_step(ref, x)
+    return model, handle, log, x, grads_ref

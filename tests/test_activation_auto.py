@@ -1,0 +1,513 @@
+"""Auto mode on the CPU path: measuring, plans per input shape, schedules run by the engine, probes against timed steps."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import offload
+from offload.core import _device
+from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
+    FakeEvent, FakeStream, Model, StepClock, assert_bitwise_equal, log_fetch_and_restore, one_thread, pool,
+    small_model, train_step, use_schedule,
+)
+
+# These tests run models on the CPU, whose activations are host memory already:
+# where an accelerator exists the engine rightly leaves them alone, and
+# test_activation_cuda.py covers the GPU.
+pytestmark = pytest.mark.skipif(
+    _device.accelerator_type() is not None,
+    reason="CPU engine tests; with an accelerator present, test_activation_cuda.py covers the engine",
+)
+
+
+def test_activation_auto_plans_and_replans(pool, capsys):
+    ref = small_model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    for shape in ((8, 16), (8, 16), (8, 16), (6, 16), (6, 16), (6, 16)):
+        x = torch.randn(*shape)
+        loss_ref, grads_ref = train_step(ref, x)
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    printed = capsys.readouterr().out
+    assert printed.count("auto plan") == 2 and "[[8, 16]]" in printed and "[[6, 16]]" in printed
+    plan = handle.stats()["plan"]
+    assert plan["input_shapes"] == [[6, 16]] and len(plan["mask"]) == 4 and plan["mask"][3] is False
+    assert plan["eligible_bytes"] > 0
+
+
+@pytest.mark.parametrize("case", ["fits", "grows", "budget", "no_room"])
+def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool, monkeypatch):
+    """The first measuring step offloads every eligible layer; if a step without offload fits
+    (and no budget is set) the measured ones offload nothing, one more while the allocator
+    grows; else one more offloads everything. Layer bytes are measured either way."""
+    reserved = [0]
+    if case == "grows":  # the allocator takes new device memory in every step
+        monkeypatch.setattr(_device, "memory_reserved", lambda device=None: reserved[0])
+    if case == "no_room":  # 1 KiB of device memory: a step without offload might not fit
+        monkeypatch.setattr(_device, "mem_get_info", lambda device=None: (1 << 10, 1 << 10))
+    ref = small_model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
+                                               memory_budget_bytes="1GiB" if case == "budget" else None)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    offloaded = []
+    while handle.plan is None:
+        reserved[0] += 1 << 20
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        offloaded.append(handle.stats()["layers_offloaded"])
+        assert len(offloaded) < 5
+    dry = case in ("fits", "grows")
+    # The plan is made at the next forward: the last entry is the first step with it.
+    expected = {"fits": [3, 0], "grows": [3, 0, 0], "budget": [3, 3], "no_room": [3, 3]}[case]
+    assert offloaded[:-1] == expected and handle.planner.measure_without_offload is dry
+    plan = handle.plan
+    assert all(b > 0 for b in plan["layer_bytes"][:3]) and all(f > 0 for f in plan["forward_ms"][:3])
+
+
+class _PeakInLossModel(Model):
+    """Tells a stand-in for the device's peak memory that the step peaks between the head and
+    the loss (a Llama's loss upcasts its logits there)."""
+
+    def __init__(self, peak):
+        super().__init__()
+        self.peak = peak
+
+    def forward(self, x):
+        self.peak[0] = 0  # the peak memory statistic is reset as each step starts
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        h = self.head(x)  # saves its input and weight: the 1st and 2nd tensors after the layers
+        self.peak[0] = 100
+        return h.square().mean()  # the 3rd
+
+
+def test_activation_auto_finds_the_last_save_before_the_peak(pool, monkeypatch):
+    peak = [0]
+    monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: peak[0])
+    torch.manual_seed(0)
+    model = _PeakInLossModel(peak)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    for _ in range(3):
+        train_step(model, torch.randn(8, 16))
+    m, ms = handle.plan["before_peak"]
+    assert m == 2 and ms >= 0
+    # The peak reached before any tensor is saved after the layers (inside them): no such point.
+    monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: 100)
+    handle.disable()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    for _ in range(3):
+        train_step(model, torch.randn(8, 16))
+    assert handle.plan["before_peak"] is None
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+
+
+class _NestedInputModel(Model):
+    """Takes its input inside a container."""
+
+    def forward(self, batch):
+        if isinstance(batch, (list, tuple)):
+            return super().forward(batch[0])
+        return super().forward(batch.x if isinstance(batch, _Batch) else batch["x"])
+
+
+@pytest.mark.parametrize("container", ["dict", "list", "userdict", "dataclass"])
+def test_activation_auto_replans_on_nested_input_shape(container, pool, capsys):
+    """A new input shape inside a dict, a list, a UserDict (Hugging Face's BatchEncoding) or
+    a dataclass is a new shape: auto mode measures it and plans again."""
+    import collections
+
+    wrap = {"dict": lambda x: {"x": x}, "list": lambda x: [x], "dataclass": _Batch,
+            "userdict": lambda x: collections.UserDict(x=x)}[container]
+    torch.manual_seed(0)
+    ref = _NestedInputModel()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    for n in (8, 8, 8, 6, 6, 6):
+        x = torch.randn(n, 16)
+        loss_ref, grads_ref = train_step(ref, wrap(x))
+        loss, grads = train_step(model, wrap(x))
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    printed = capsys.readouterr().out
+    assert printed.count("auto plan") == 2 and "[[8, 16]]" in printed and "[[6, 16]]" in printed
+    assert handle.plan["input_shapes"] == [[6, 16]]
+
+
+def test_activation_auto_budget_zero_offloads_everything(pool):
+    model = small_model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, memory_budget_bytes=0,
+                                               pool=pool, verbose=False)
+    for _ in range(3):
+        train_step(model, torch.randn(8, 16))
+    assert handle.plan["mask"] == [True, True, True, False]
+
+
+def test_activation_auto_marks_when_layers_save_their_bytes(pool):
+    """The measured steps mark when each layer has saved every eighth of its bytes: the plan
+    holds, per eligible layer, marks of a rising share saved at rising times within its
+    forward, past the last eighth; and the layer's bytes after each of its new spans."""
+    from offload.activation.schedule import PROFILE_POINTS
+
+    model = small_model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    while handle.plan is None:
+        train_step(model, torch.randn(64, 16))
+    plan = handle.plan
+    eligible = [not k for k in handle.keep]
+    assert any(eligible)
+    for i, marks in enumerate(plan["saved_ms"]):
+        if not eligible[i]:
+            continue
+        shares = [share for share, _ in marks]
+        times = [t for _, t in marks]
+        assert 0 < len(marks) <= PROFILE_POINTS and shares == sorted(shares)
+        assert (PROFILE_POINTS - 1) / PROFILE_POINTS <= shares[-1] <= 1
+        assert shares[0] >= 1 / PROFILE_POINTS and times == sorted(times)
+        assert 0 <= times[0] and times[-1] <= plan["forward_ms"][i]
+        record = handle.planner.records[i]  # and its bytes after each new span
+        ends = record["span_ends"]
+        assert ends == sorted(set(ends)) and ends[-1] == record["capped"] > 0
+
+
+def test_activation_schedule_caps_and_fetch_points_bitwise(pool):
+    """A schedule that offloads one layer in part: what it keeps stays on the device, every
+    gradient is bitwise the same, and each group comes back at its backward point."""
+    ref = small_model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    train_step(model, x)
+    full = handle.stats()
+    use_schedule(handle.engine, 4, caps=[None, 2048, None, None], release_at={0: 2, 1: 4, 2: 5},
+               fetch_at={3: [2], 2: [1], 1: [0]})
+    for _ in range(2):
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["groups_offloaded"] == 3 and stats["tensors_kept"] > full["tensors_kept"]
+    assert 0 < stats["d2h_bytes"] < full["d2h_bytes"] and stats["h2d_bytes"] == stats["d2h_bytes"]
+    assert stats["groups_prefetched"] == 3 and stats["groups_fetched"] == 3
+
+
+@pytest.mark.parametrize("split_bytes", [256, 4096])
+def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, split_bytes, pool):
+    """A layer the schedule splits: its first part's copy is queued before the layer ends,
+    views of one storage saved in several parts come back bitwise, and every part is fetched
+    at its layer's backward point, a layer's last part first (backward needs it first)."""
+    from offload.activation import engine as _activation
+
+    ref = small_model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    engine = handle.engine
+    ends = [k * split_bytes for k in range(1, 64)]
+    use_schedule(engine, 4, release_at={0: [2, 3] * 32, 1: 4, 2: 4}, fetch_at={3: [2], 2: [1], 1: [0]},
+               split_at={0: ends, 1: ends, 2: ends})
+    log = []
+    copy_spans = _activation.copy_spans_to_host
+    monkeypatch.setattr(_activation, "copy_spans_to_host", lambda *a, **k: (log.append("copy"), copy_spans(*a, **k))[1])
+    model.blocks[0].register_forward_hook(lambda *_: log.append("layer 0 ended"))
+    log_fetch_and_restore(monkeypatch, engine, log)
+    closed = []  # groups in the order their copies were queued
+    close = engine._close
+    monkeypatch.setattr(engine, "_close", lambda group: (closed.append(group), close(group))[1])
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(2):
+        log.clear()
+        closed.clear()
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        assert log.index("copy") < log.index("layer 0 ended")
+        stats = handle.stats()
+        assert stats["groups_offloaded"] > stats["layers_offloaded"] + 3 * (split_bytes == 256)
+        assert stats["layers_offloaded"] == 3
+        fetched = [e[1] for e in log if e[0] == "fetch"]
+        # Each at its point, none on demand (a part whose tensors autograd dropped in forward
+        # is freed with them, never fetched).
+        assert len(fetched) == stats["groups_prefetched"] == stats["groups_fetched"] > 3 + 3 * (split_bytes == 256)
+        assert [g.layer for g in fetched] == sorted((g.layer for g in fetched), reverse=True)
+        for later, earlier in zip(fetched, fetched[1:]):
+            if later.layer == earlier.layer:
+                assert closed.index(later) > closed.index(earlier)
+        restored = [e[1] for e in log if e[0] == "restore"]
+        for group in restored:
+            assert log.index(("fetch", group)) < log.index(("restore", group))
+    handle.disable()
+
+
+@pytest.mark.parametrize("case", ["whole", "parts", "tail"])
+def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, case):
+    """The host never sees a copy done (it runs ahead of the device): each group's memory is
+    still let go, at its planned point, by a wait on the device; no host wait; each group is
+    fetched when backward reaches the layer the schedule names, before it is needed.
+    `parts`: layer 0 is copied in two parts, each let go at its own point. `tail`: layer 1 is
+    let go at the second tensor saved after the last layer (the head's), not at its end."""
+    from offload.activation.schedule import TAIL_POINT
+
+    parts = case == "parts"
+    from offload.core import _backend
+
+    clock = [0]
+    compute, d2h, h2d = FakeStream("compute"), FakeStream("d2h"), FakeStream("h2d")
+    monkeypatch.setattr(_device, "new_event", lambda device=None, timing=False: FakeEvent(clock))
+    monkeypatch.setattr(_device, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(_device, "copy_streams", lambda device=None: (d2h, h2d))
+    monkeypatch.setattr(offload.CopyHandle, "ready", lambda self: False)
+    waits = []
+    monkeypatch.setattr(offload.CopyHandle, "wait", lambda self: waits.append(self))
+    ref = small_model(n=4)
+    model = copy.deepcopy(ref)
+    with _backend.force_fallback():
+        handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=offload.HostPool(),
+                                                   verbose=False)
+        engine = handle.engine
+        engine.on_accel = engine.timing = True
+        if parts:
+            use_schedule(engine, 4, release_at={0: [1, 2], 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]},
+                       split_at={0: [512]})
+        else:
+            use_schedule(engine, 4, release_at={0: 2, 1: 4 + TAIL_POINT if case == "tail" else 4, 2: 5},
+                       fetch_at={3: [2], 2: [1], 1: [0]})
+            if case == "tail":
+                engine.schedule.tail_save = 2
+        log = []
+        settle, saved_after = engine._mark_copied, engine._saved_after_layers
+
+        def settled(group):
+            log.append(("settle", group.layer, engine.backward_seen, max(engine._layer_groups)))
+            settle(group)
+
+        monkeypatch.setattr(engine, "_mark_copied", settled)
+        monkeypatch.setattr(engine, "_saved_after_layers",
+                            lambda: (log.append(("tail", engine._tail + 1)), saved_after()))
+        log_fetch_and_restore(monkeypatch, engine, log, lambda group: group.layer)
+        x = torch.randn(8, 16)
+        _, grads_ref = train_step(ref, x)
+        for _ in range(2):
+            log.clear()
+            _, grads = train_step(model, x)
+            assert_bitwise_equal(grads, grads_ref)
+            # Layer 0 when layer 2 opens (layers 0 and 1 exist; in parts: its first part when
+            # layer 1 opens), layer 1 after the last layer, layer 2 when backward starts.
+            first = [("settle", 0, False, 0)] if parts else []
+            assert [e for e in log if e[0] == "settle"] == first + [("settle", 0, False, 1), ("settle", 1, False, 2),
+                                                                     ("settle", 2, True, 2)]
+            tail = [e for e in log if e[0] == "tail"]
+            if case == "tail":  # the head's Linear saves its input and weight, square() its input
+                assert tail == [("tail", 1), ("tail", 2), ("tail", 3)]
+                assert log.index(("tail", 2)) < log.index(("settle", 1, False, 2)) < log.index(("tail", 3))
+            else:  # counted only where the schedule has a point there
+                assert tail == []
+            order = [e for e in log if e[0] not in ("settle", "tail")]
+            assert [e[1] for e in order if e[0] == "fetch"] == [2, 1, 0] + [0] * parts
+            for layer in (0, 1, 2):
+                assert order.index(("fetch", layer)) < order.index(("restore", layer))
+    assert waits == []
+    stats = handle.stats()
+    assert stats["forward_wait_seconds"] > 0 and stats["backward_wait_seconds"] > 0  # the device-side waits
+    handle.disable()
+
+
+@pytest.mark.parametrize("overhead, slow", [(0.02, 1.0), (1.0, 1.0), (0.02, 1.25)])
+def test_activation_auto_backs_off_on_measured_steps(overhead, slow, pool, capsys):
+    ref = small_model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    for step in range(40):
+        if step == 3:  # the plan was made at the start of step 2 (two measured steps)
+            plan = handle.plan
+            assert plan["tuning"]["checked"] and not plan["tuning"]["settled"]
+            model_k = plan["tuning"]["model_layers"]
+            handle.planner.clock = StepClock(handle, overhead, slow)
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    plan = handle.plan
+    # 3% tolerance: 2% per layer allows one layer, 100% none.
+    expected = min(model_k, 1) if overhead < 0.03 else 0
+    assert plan["tuning"]["settled"] and sum(plan["mask"]) == expected, plan
+    # Each probe's baseline ran without offload, in that probe's own minutes (`slow` or not).
+    assert plan["tuning"]["baseline_ms"] and set(plan["tuning"]["baseline_ms"].values()) <= {1000.0, 1000.0 * slow}
+    assert plan["offload"] == [n for n, m in zip(handle.layers, plan["mask"]) if m]
+    assert "settled on" in capsys.readouterr().out
+    stats = handle.stats()
+    assert stats["layers_offloaded"] == expected
+    if expected == 0:
+        assert stats["tensors_kept"] == 0  # no hooks at all: a step exactly as without offload
+    handle.disable()
+
+
+class _LateClock(StepClock):
+    """Over the tolerance until the plan is made again (its copies ended late), within it after."""
+
+    def seconds(self, a, b):
+        plan = self.handle.plan
+        self.overhead = 0.0 if plan is not None and "d2h_gbps_replanned" in plan else 1.0
+        return super().seconds(a, b)
+
+
+@pytest.mark.parametrize("why", ["slower", "late"])
+def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypatch, capsys):
+    """After the first probe, the copies' rate under the plan's compute (here 1/10,000 of the
+    rate measured while measuring: these small layers copy faster than they run), or a probe
+    over the tolerance whose copies, at the planned rate, the compute stream waited for at the
+    release points (here 10,000 times their own time), make the schedule again at a lower
+    rate, and the search starts over."""
+    from offload.activation import planner as _activation_plan
+    from offload.activation.planner import AutoPlanner
+    from offload.activation.schedule import planned_bytes
+
+    seen = []
+
+    def rate(planner, copies):
+        seen.append(len(copies))
+        d2h = planner.tuning[planner.key].d2h
+        return d2h / 1e4 if why == "slower" else d2h
+
+    monkeypatch.setattr(AutoPlanner, "_copy_rate", rate)
+    monkeypatch.setattr(_activation_plan, "_copies_late", lambda copies: 0.0 if why == "slower" else 1e4)
+    model = small_model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(small_model(), x)
+    planned = None
+    for step in range(60):
+        plan = handle.plan
+        if plan is not None and planned is None:
+            planned = planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"])
+            d2h = plan["d2h_gbps"]
+            handle.planner.clock = StepClock(handle, 0.0) if why == "slower" else _LateClock(handle, 1.0)
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        if plan is not None and plan["tuning"]["settled"]:
+            break
+    # Once: the offloading steps of the first probe (a warm-up and three timed).
+    assert seen == [4]
+    if why == "slower":
+        assert plan["d2h_gbps_under_compute"] == pytest.approx(d2h / 1e4)
+        assert plan["d2h_gbps_replanned"] == pytest.approx(d2h / 1e4)
+    else:
+        assert plan["d2h_gbps_under_compute"] == pytest.approx(d2h)
+        assert plan["d2h_gbps_replanned"] == pytest.approx(d2h / (1 + 1e4))
+    assert planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"]) < planned
+    assert plan["tuning"]["settled"] and sum(plan["mask"]) == plan["tuning"]["model_layers"]
+    assert "under the plan's compute" in capsys.readouterr().out
+    handle.disable()
+
+
+def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
+    """The copies' rate and lateness of a probe are those of its usual step (the median over
+    its offloading steps): one step whose copies ran slow and waited does not make the plan
+    again; steps without timed copies are left out."""
+    from offload.activation.planner import AutoPlanner, _copies_late
+
+    def step(moved, seconds, waited):
+        return {"d2h_bytes": moved, "d2h_seconds": seconds, "forward_wait_seconds": waited}
+
+    usual = [step(100, 1.0, 0.01), step(100, 1.0, 0.0), step(100, 1.25, 0.02)]
+    slow = step(100, 2.0, 1.0)  # half the rate, waiting half its copies' time
+    untimed = step(0, 0.0, 0.0)
+    assert _copies_late(usual + [slow, untimed]) == pytest.approx((0.01 + 0.016) / 2)
+    assert _copies_late([untimed]) == 0.0
+    handle = offload.enable_activation_offload(small_model(), "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    rate = AutoPlanner._copy_rate(handle.planner, usual + [slow, untimed])
+    assert rate == pytest.approx((100.0 + 80.0) / 2)  # between the 1.0 s and 1.25 s steps
+    assert AutoPlanner._copy_rate(handle.planner, [untimed]) is None
+    handle.disable()
+
+
+@pytest.mark.parametrize("late, overhead", [(1e4, 0.0), (None, 1.0)])
+def test_activation_auto_late_copies_keep_the_plan(late, overhead, pool, monkeypatch):
+    """No new schedule for copies at the planned rate where the first probe is within the
+    tolerance however late they ended (the waits fit in what the 3% is for), nor where it
+    missed with waits within RELEASE_WAIT_TOLERANCE of their time (then the search backs off)."""
+    from offload.activation import planner as _activation_plan
+    from offload.activation.planner import AutoPlanner
+
+    late = _activation_plan.RELEASE_WAIT_TOLERANCE if late is None else late
+    monkeypatch.setattr(AutoPlanner, "_copy_rate", lambda planner, copies: planner.tuning[planner.key].d2h)
+    monkeypatch.setattr(_activation_plan, "_copies_late", lambda copies: late)
+    model = small_model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    for step in range(60):
+        plan = handle.plan
+        if plan is not None and plan["tuning"]["settled"]:
+            break
+        if plan is not None:
+            handle.planner.clock = StepClock(handle, overhead)
+        train_step(model, x)
+    assert plan["tuning"]["settled"]
+    assert "d2h_gbps_replanned" not in plan
+    # Within the tolerance: the model's count; over it at every count: none.
+    assert sum(plan["mask"]) == (plan["tuning"]["model_layers"] if overhead == 0.0 else 0)
+    assert plan["tuning"]["model_layers"] > 0
+    handle.disable()
+
+
+@pytest.mark.parametrize("idle_gbps, expected", [(1e6, (1e6, 1e6)), (1.0, (5.0, 6.0))])
+def test_activation_auto_schedule_starts_from_the_faster_bus_reading(idle_gbps, expected, pool, monkeypatch):
+    """Without a budget the schedule takes the faster of the first measuring step's copies
+    (here 5 and 6 GB/s) and an idle copy each way."""
+    from offload.activation import planner as _activation_plan
+
+    monkeypatch.setattr(_activation_plan, "probe_bandwidth", lambda device: (idle_gbps * 1e9, idle_gbps * 1e9))
+    model = small_model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    stats = handle.engine.stats
+    monkeypatch.setattr(handle.engine, "stats", lambda: {**stats(), "d2h_gbps": 5.0, "h2d_gbps": 6.0})
+    for _ in range(3):
+        train_step(model, torch.randn(8, 16))
+    assert (handle.plan["d2h_gbps"], handle.plan["h2d_gbps"]) == pytest.approx(expected)
+    handle.disable()
+
+
+def test_activation_auto_warns_when_the_budget_cannot_be_met(pool, monkeypatch, capsys):
+    monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: 1 << 30)  # peak 1 GiB
+    model = small_model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, memory_budget_bytes="1MiB",
+                                               pool=pool)
+    with pytest.warns(UserWarning, match="cannot meet memory_budget_bytes=1048576"):
+        for _ in range(3):
+            train_step(model, torch.randn(8, 16))
+    assert handle.plan["budget_met"] is False and handle.plan["mask"] == [True, True, True, False]
+    assert "does NOT meet memory_budget_bytes=1048576" in capsys.readouterr().out
+    import warnings
+
+    with warnings.catch_warnings():  # once per handle
+        warnings.simplefilter("error")
+        train_step(model, torch.randn(6, 16))
+        train_step(model, torch.randn(6, 16))
+        train_step(model, torch.randn(6, 16))
+
+
+def test_activation_auto_keeps_one_group_a_layer(pool):
+    """Auto mode measures and plans layer by layer: min_group_bytes does not merge its groups."""
+    model = small_model(n=4)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, min_group_bytes=1 << 40,
+                                               pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        train_step(model, x)
+    plan = handle.plan
+    assert plan is not None and all(b > 0 for b in plan["layer_bytes"][:3])
+    handle.disable()
