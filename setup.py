@@ -113,7 +113,10 @@ def extensions(target: str):
         return []
     os.environ.setdefault("MAX_JOBS", default_max_jobs())
     choose_compiler()
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    # csrc/core: the native core, no Python headers; csrc/python: its pybind11
+    # bindings and the module entry point; csrc/core/cuda: what only CUDA needs.
+    sources = sorted(glob.glob(os.path.join("csrc", "core", "*.cpp")))
+    sources += sorted(glob.glob(os.path.join("csrc", "python", "*.cpp")))
     torch_version = torch.__version__
     macros = [
         ("OFFLOAD_TARGET", f'"{target}"'),
@@ -123,8 +126,8 @@ def extensions(target: str):
     include_dirs = [os.path.join(HERE, "csrc", "include")]
     cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
     if target == "cuda":
-        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+        sources += sorted(glob.glob(os.path.join("csrc", "core", "cuda", "*.cu")))
+        sources += sorted(glob.glob(os.path.join("csrc", "core", "cuda", "*.cpp")))
         macros += [("OFFLOAD_WITH_CUDA", "1"), ("OFFLOAD_CUDA_VERSION", f'"{torch.version.cuda}"')]
         nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
         return [

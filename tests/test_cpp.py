@@ -1,11 +1,14 @@
-"""Runs the C++ unit tests (tests/cpp/, built by CMakeLists.txt and run by ctest).
+"""Runs the C++ unit tests (tests/cpp/, built by CMakeLists.txt and run by ctest),
+and checks that the native core stays apart from its Python bindings.
 
-They test the native core's C++ API directly: the host pool's size classes, reuse,
-limit, reserve/trim and threads, and the copy engine's round trips. Building them
-compiles the core once more (a few minutes on 2 cores), hence `slow`.
+The unit tests test the native core's C++ API directly: the host pool's size
+classes, reuse, limit, reserve/trim and threads, and the copy engine's round
+trips. Building them compiles the core once more (a few minutes on 2 cores),
+hence `slow`. They link the core alone, built without Python's headers.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +17,41 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "cpp", "run.sh")
+CSRC = os.path.join(ROOT, "csrc")
+CPP_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
+# What only the bindings may include: CPython, pybind11 and torch's Python layer.
+PYTHON_INCLUDE = re.compile(
+    r'^\s*#\s*include\s*[<"](Python\.h|pybind11/[^>"]*|torch/extension\.h|torch/python\.h|torch/csrc/[^>"]*'
+    r'|offload/bindings_registry\.h)[>"]',
+    re.MULTILINE,
+)
+
+
+def _sources(folder):
+    for dirpath, _, names in os.walk(folder):
+        for name in sorted(names):
+            if name.endswith(CPP_SUFFIXES):
+                yield os.path.join(dirpath, name)
+
+
+def test_cpp_core_includes_no_python():
+    core = os.path.join(CSRC, "core")
+    offenders = []
+    for path in _sources(core):
+        with open(path, encoding="utf-8") as f:
+            for match in PYTHON_INCLUDE.finditer(f.read()):
+                offenders.append(f"{os.path.relpath(path, ROOT)}: {match.group(0).strip()}")
+    assert list(_sources(core)), "csrc/core holds no sources"
+    assert not offenders, "csrc/core must compile without Python.h or pybind11 (bindings go to csrc/python):\n" + (
+        "\n".join(offenders)
+    )
+
+
+def test_cpp_files_stay_readable():
+    longest = {os.path.relpath(path, ROOT): sum(1 for _ in open(path, encoding="utf-8")) for path in _sources(CSRC)}
+    too_long = {path: lines for path, lines in longest.items() if lines > 900}
+    assert longest, "csrc holds no sources"
+    assert not too_long, f"C++ files over 900 lines (split them by concern): {too_long}"
 
 
 @pytest.mark.slow

@@ -1,10 +1,13 @@
 // How each native feature adds itself to the Python module offload._C.
 //
-// A feature file (host_pool.cpp, copy_engine.cpp, buckets.cpp, ...) defines its
-// pybind11 bindings in a function and registers it with
+// A bindings file of csrc/python (host_pool.cpp, copy_engine.cpp, buckets.cpp,
+// ...) defines its pybind11 bindings in a function and registers it with
 //     OFFLOAD_REGISTER_BINDINGS(name, fn);
-// bindings.cpp runs every registered function when the module is imported, in
-// the order of their names, so features never edit a shared file to appear.
+// csrc/python/module.cpp runs every registered function when the module is
+// imported, in the order of their names, so features never edit a shared file to
+// appear. A feature whose signatures name another's class sorts after it
+// (a_host_pool before b_copy_engine), so pybind11 knows the class by then.
+// Only csrc/python includes this header: it pulls in torch/extension.h (Python.h).
 #pragma once
 
 #include <functional>

@@ -1,9 +1,9 @@
 // Device events, recycled across transfers.
 //
-// A transfer used three events (the copy stream's wait for the caller, its
-// completion, the in-flight registry's), each created and destroyed by a driver
-// call: for one 16 MiB copy that churn was a visible part of the ~20 us the
-// engine spent beyond a bare copy_ (benchmarks/RESULTS.md). Events are taken from
+// A transfer uses three events (the copy stream's wait for the caller, its
+// completion, the in-flight registry's); created and destroyed per transfer, each
+// is a driver call, a visible part of what a small copy costs beyond a bare
+// copy_ (benchmarks/RESULTS.md). Events are taken from
 // here and given back when their owner is done with them; a given-back event is
 // handed out again only once it has completed, so its next record can never be
 // confused with the last one on any backend (CUDA, or ACL on Ascend, whose
@@ -19,7 +19,8 @@ namespace offload {
 // An event for `device` made with `flag`: a completed one from the cache, or a new
 // one (created by the backend at its first record). Thread-safe. Timing events
 // (BACKEND_DEFAULT) are cached apart from the others: a copy timed once per layer
-// per step made two and destroyed two, each a driver call, in a launch-bound step.
+// per step would otherwise make two and destroy two, each a driver call, in a
+// launch-bound step.
 c10::Event take_event(const c10::Device& device, c10::EventFlag flag = c10::EventFlag::PYTORCH_DEFAULT);
 
 // Returns an event its owner no longer uses (it may still be pending: it is

@@ -2,9 +2,9 @@
 //
 // A slab is ordinary memory from the C library, first-touched by several threads
 // (page faults are the slow part of a large allocation and parallelise well) and
-// then registered ("pinned") with the accelerator's driver. On the H100 here that
-// took about 0.2 s for 4 GiB, against 1.8-2.0 s for torch.empty(pin_memory=True),
-// which asks the driver to allocate and fault in the memory itself.
+// then registered ("pinned") with the accelerator's driver: several times faster
+// than torch.empty(pin_memory=True), which asks the driver to allocate and fault
+// in the memory itself (benchmarks/RESULTS.md).
 //
 // Each accelerator backend registers its pinning calls at load time
 // (cuda/host_memory_cuda.cpp); a CPU build has none and its slabs stay pageable,

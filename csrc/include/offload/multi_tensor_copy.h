@@ -3,7 +3,7 @@
 // The copy engine packs many small tensors into one staging buffer (and unpacks
 // it again) with this, so that one DMA moves what would otherwise be thousands
 // of small copies, each paying several microseconds of latency. On CUDA it is
-// one kernel launch per ~1000 ranges (cuda/multi_tensor_copy.cu); on the CPU a
+// one kernel launch per table of up to 900 ranges (core/cuda/multi_tensor_copy.cu); on the CPU a
 // parallel memcpy; on other accelerators torch's _foreach_copy_.
 #pragma once
 

@@ -1,5 +1,5 @@
 // How a tensor's elements sit in memory, and which bytes a copy must move.
-// The same rules as offload/_layout.py (the pure-PyTorch path).
+// The same rules as offload/core/layout.py (the pure-PyTorch path).
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,8 @@
 // The tensors a transfer reads, as the copy engine walks them: in order.
 //
-// A list of thousands of tensors from Python costs ~40 ns a tensor to convert
-// (pybind11's list caster), which for 4,096 tensors delays the first DMA by
-// ~0.2 ms if it all happens before the engine starts. A source made with a
+// A list of thousands of tensors from Python costs tens of nanoseconds a tensor to
+// convert (pybind11's list caster), which delays the first DMA by the whole list's
+// conversion if it all happens before the engine starts. A source made with a
 // `Fill` converts on demand, a batch at a time, so the engine can queue the
 // first group's copy while the rest of the list is still Python objects.
 // A source made from a std::vector borrows it, fully converted.
@@ -68,8 +68,7 @@ class TensorSource {
  private:
   static constexpr size_t kBatch = 256;
   // The first batch is small: the first group's copy waits for it, and it needs
-  // only a few tensors (256 took ~25 us of a steady 4,000-tensor save's ~0.65 ms
-  // to its first DMA on the H100's host).
+  // only a few tensors.
   static constexpr size_t kFirstBatch = 16;
 
   void fill_to(size_t upto) {

@@ -1,11 +1,13 @@
 // The copy engine: batched, asynchronous transfers between a device and the host.
+// Its parts live in csrc/core (copy_engine.h lists them); its Python bindings in
+// csrc/python/copy_engine.cpp.
 //
 // Stream ownership, in one place:
 // - Sources of a device-to-host copy belong to the caller's stream. The copy
 //   stream first waits (on the device) for an event recorded there, so it sees
 //   every value the caller queued; the transfer then holds the sources until its
-//   last event completes (copy_engine.cpp, InFlight), so the caching allocator
-//   cannot reuse them mid-copy.
+//   last event completes (Note [in-flight registry], csrc/core/in_flight.h), so
+//   the caching allocator cannot reuse them mid-copy.
 // - Device staging buffers are allocated while the copy stream is current and
 //   used only on it, so the allocator's stream order protects them.
 // - Host blocks come from the HostPool; every copy records its stream on them,
@@ -14,32 +16,36 @@
 //   stream; the copy stream waits for an event recorded there first (earlier
 //   users of that memory) and record_stream()s them, and the consumer waits for
 //   the transfer's events before reading them.
-// - A deferred device-to-host copy (copy_to_host_deferred) splits the work in
-//   two. The calling thread fixes the transfer's outputs, groups and host
-//   buffers (those of the handle it reuses), waits until the worker has queued
-//   every earlier deferred copy (so refills land in call order), records the
-//   snapshot event on the caller's current stream, queues the first group
-//   itself, allocates the device staging slots (on the pack stream, recorded on
-//   the copy stream, as a synchronous copy does: the worker allocates nothing),
-//   then converts and checks every other source, group by group. The copy
-//   worker (one native thread per process, FIFO, never takes the GIL) queues
-//   each group as soon as the calling thread has checked it, making the copy
-//   and pack streams wait on the snapshot event, not on the caller's stream as
-//   it is then, so the copy holds the values as of the call. Where a source
-//   fails its check or needs a new tensor, the calling thread stops the worker,
-//   waits until it has, and raises or copies the rest itself.
-//   Until the worker has queued the copies, the job owns the sources and a
-//   reference to the transfer (so neither dies under it); then the sources go
-//   to the in-flight registry, as for a synchronous copy. Every method that
-//   reads the events (query, synchronize, wait_stream, wait_stream_for,
-//   release_sources, copy_seconds) first waits, on the host, until the worker
-//   has queued them, and raises the worker's error, if any, on every call.
-//   Finished jobs are destroyed by a later call from a calling thread (the next
-//   deferred copy, a wait on a deferred handle: CopyWorker::collect, with the
-//   GIL held where called from Python), never by the worker, since dropping the
-//   last C++ reference to a tensor that has a Python object takes the GIL.
-//   A synchronous copy into buffers (out=) first waits until the worker has
-//   queued every deferred copy, so refills of one set of buffers land in call order.
+// - A deferred device-to-host copy (copy_to_host_deferred): Note [deferred copy].
+//
+// Note [deferred copy]
+// A deferred device-to-host copy splits the work in two. The calling thread fixes
+// the transfer's outputs, groups and host buffers (those of the handle it reuses),
+// waits until the worker has queued every earlier deferred copy (so refills land in
+// call order), records the snapshot event on the caller's current stream, queues the
+// first group itself, allocates the device staging slots (on the pack stream,
+// recorded on the copy stream, as a synchronous copy does: the worker allocates
+// nothing), then converts and checks every other source, group by group. The copy
+// worker (one native thread per process, FIFO, never takes the GIL) queues each
+// group as soon as the calling thread has checked it, making the copy and pack
+// streams wait on the snapshot event, not on the caller's stream as it is then, so
+// the copy holds the values as of the call. Where a source fails its check or needs
+// a new tensor, the calling thread stops the worker, waits until it has, and raises
+// or copies the rest itself.
+//
+// Until the worker has queued the copies, the job owns the sources and a reference
+// to the transfer (so neither dies under it); then the sources go to the in-flight
+// registry, as for a synchronous copy. Every method that reads the events (query,
+// synchronize, wait_stream, wait_stream_for, release_sources, copy_seconds) first
+// waits, on the host, until the worker has queued them, and raises the worker's
+// error, if any, on every call. Finished jobs are destroyed by a later call from a
+// calling thread (the next deferred copy, a wait on a deferred handle:
+// CopyWorker::collect, with the GIL held where called from Python), never by the
+// worker, since dropping the last C++ reference to a tensor that has a Python object
+// takes the GIL.
+//
+// A synchronous copy into buffers (out=) first waits until the worker has queued
+// every deferred copy, so refills of one set of buffers land in call order.
 #pragma once
 
 #include <atomic>
@@ -148,9 +154,9 @@ class Transfer {
 
   // Both end by dropping the tensors the engine held for copies that are complete
   // (this transfer's and others'), unless `drain` is false. A source whose Python
-  // object is alive takes the GIL as its reference goes (c10's PyObject
-  // preservation), so a caller that waits without the GIL drains after taking it
-  // back: drained without it, 4,000 sources took ~0.6 ms on the H100's host.
+  // object is alive takes the GIL as its reference goes, so a caller that waits
+  // without the GIL drains after taking it back (Note [dropping tensors],
+  // csrc/core/in_flight.h).
   bool query(bool drain = true) const;
   void synchronize(bool drain = true) const;
   // The consumer `stream` (default: the current stream of the transfer's device;
@@ -195,10 +201,9 @@ class Transfer {
   using TensorList = std::vector<at::Tensor>;
   c10::Device device_;
   // A refill (out=<handle>) writes the same host tensors as the handle it refills,
-  // so it shares these lists instead of copying them: copying both (a reference
-  // count per tensor, on lines a training step had evicted) and recording each
-  // source's address again took 0.27 ms of a 4,000-tensor refill on the H100's
-  // host, 0.005 ms without. Never changed once the transfer is returned.
+  // so it shares these lists instead of copying them: a copy costs a reference
+  // count per tensor, on cache lines a training step has evicted, for thousands
+  // of tensors per refill. Never changed once the transfer is returned.
   std::shared_ptr<TensorList> outputs_ = std::make_shared<TensorList>();
   // Device-to-host: what was written (outputs_ may be expanded views of it).
   std::shared_ptr<TensorList> host_bases_ = std::make_shared<TensorList>();
@@ -221,8 +226,8 @@ struct CopyOptions {
   int64_t small_bytes = int64_t(1) << 20;   // below: packed with others into one DMA
   int64_t chunk_bytes = int64_t(64) << 20;  // large tensors move in pieces of this size
   // Most bytes packed into one group (one pack launch, one DMA, one event); the
-  // group also never exceeds chunk_bytes. 8 MiB already runs the DMA at ~97% of
-  // its peak and starts the first DMA soon after the call; a caller that refills
+  // group also never exceeds chunk_bytes. 8 MiB already runs the DMA close to its
+  // peak (benchmarks/RESULTS.md) and starts the first DMA soon after the call; a caller that refills
   // the same groups many times (checkpoint staging) asks for larger groups, so
   // thousands of small tensors cost fewer launches and events per save. The
   // device holds three staging buffers of this size while a copy runs.
@@ -282,6 +287,15 @@ std::shared_ptr<Transfer> copy_to_host_deferred(std::vector<at::Tensor> tensors,
                                                 const c10::optional<c10::Stream>& stream,
                                                 const std::shared_ptr<Transfer>& out_transfer,
                                                 const CopyOptions& options);
+
+// Drops, in the calling thread, what the copy worker finished and the tensors the
+// in-flight registry held for copies that have completed. The Python bindings
+// call it with the GIL held before they let it go (Note [dropping tensors]).
+void release_finished_copies();
+// Only the in-flight registry's part of release_finished_copies().
+void drain_in_flight();
+// Blocks until the copy worker has queued every deferred copy submitted so far.
+void wait_copy_worker();
 
 std::shared_ptr<Transfer> copy_to_device(TensorSource& tensors, const std::shared_ptr<Transfer>& from,
                                          const c10::Device& device, HostPool& pool,

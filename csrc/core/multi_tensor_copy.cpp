@@ -1,4 +1,9 @@
-// Device dispatch and the generic paths of multi_tensor_copy.
+// Device dispatch and the generic paths of multi_tensor_copy (include/offload/multi_tensor_copy.h).
+//
+// Moves: raw bytes between ranges that are contiguous at both ends. On the CPU
+// a parallel memcpy, across ranges (small ranges dominate); on a device with a
+// registered implementation (core/cuda/multi_tensor_copy.cu) that one; on any
+// other accelerator torch's _foreach_copy_ over byte views.
 #include "offload/multi_tensor_copy.h"
 
 #include <array>

@@ -1,4 +1,9 @@
-// Slab memory for the host pool: aligned, huge-page-advised, touched in parallel.
+// Slab memory for the host pool: aligned, huge-page-advised, touched in parallel,
+// and the table of each backend's pinner (include/offload/host_memory.h).
+//
+// Layout: a slab is one posix_memalign'd range, 2 MiB aligned, its size a multiple
+// of 2 MiB (the caller rounds), advised to use transparent huge pages. Limits:
+// the C library's memory only; an allocation that fails raises OutOfMemoryError.
 #include "offload/host_memory.h"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Multi-tensor copy with cast: the CUDA half of bucket packing (csrc/buckets.cpp).
+// Multi-tensor copy with cast: the CUDA half of bucket packing (csrc/core/buckets.cpp).
 //
 // What it moves: a list of spans, each `numel` contiguous elements read from `src`
 // as type S and written to `dst` as type D (S == D: raw bytes, any dtype, fp8 and

@@ -1,4 +1,9 @@
 // Device events recycled across transfers (see event_cache.h for why).
+//
+// Holds: given-back events, oldest first, until a query finds them complete; then
+// completed events by (device type, device index, flag), handed out newest first.
+// Limits: kMaxPending given-back events and kMaxReadyPerDevice completed ones per
+// key; beyond them events are destroyed, as they would be without the cache.
 #include "offload/event_cache.h"
 
 #include <deque>
@@ -17,9 +22,9 @@ constexpr size_t kMaxPending = 1024;
 constexpr size_t kMaxReadyPerDevice = 256;
 // Given-back events are queried only when no completed one of the kind asked for
 // is at hand, oldest first (the likeliest to be done), until one is not, and at
-// most this many: a query is a driver call (2-3 us inside a training step on the
-// H100's host), and querying on every take cost one per take that found the
-// newest given-back event still pending, a dozen per offloaded layer.
+// most this many: a query is a driver call, and querying on every take would cost
+// one per take that found the newest given-back event still pending, a dozen per
+// offloaded layer.
 constexpr int kQueriesPerRefill = 64;
 
 class EventCache {

@@ -1,4 +1,6 @@
-// Tensor layout helpers for the copy engine (see include/offload/tensor_layout.h).
+// Tensor layout helpers for the copy engine (see include/offload/tensor_layout.h):
+// which elements a strided tensor reaches, and views made without the dispatcher.
+// Moves nothing.
 #include "offload/tensor_layout.h"
 
 #include <algorithm>
@@ -38,8 +40,8 @@ at::Tensor compact(const at::Tensor& t, bool* expanded) {
 at::Tensor make_view(const at::Storage& storage, at::ScalarType dtype, const at::Device& device,
                      at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset_elements) {
   // Built directly rather than through at::empty + set_: the engine makes one
-  // view per transferred tensor, and two dispatcher round trips per view were
-  // most of the host time of a 4096-tensor batch.
+  // view per transferred tensor, and two dispatcher round trips per view would be
+  // most of the host time of a batch of thousands of tensors.
   auto key = c10::computeDispatchKey(dtype, at::kStrided, device);
   at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(key),
                                                              caffe2::TypeMeta::fromScalarType(dtype));

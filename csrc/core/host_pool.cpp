@@ -1,4 +1,14 @@
-// The pinned host pool (see include/offload/host_pool.h) and its Python binding.
+// The pinned host pool (include/offload/host_pool.h): size classes, free lists,
+// slabs and the events that hold a returned block back until its copies end.
+//
+// Hands out: uint8 host tensors over blocks carved from slabs (host_memory.cpp),
+// each 512-byte aligned at least. Layout: a slab is one contiguous, pinned (where
+// the backend can pin) range; blocks are carved from it by a bump pointer and never
+// split or merged again, only cached by size class or dropped with their slab when
+// the slab is wholly free (trim, recycle). Limits: limit_bytes caps the bytes held
+// in slabs (0: none); a block serves only its own class, or a large class at most
+// 1/8 larger. Thread-safe: one mutex guards the pool's state; slabs are touched
+// and pinned outside it where a reservation grows the pool (grow_reserved).
 #include "offload/host_pool.h"
 
 #include <algorithm>
@@ -6,9 +16,6 @@
 #include <exception>
 #include <thread>
 
-#include <torch/extension.h>
-
-#include "offload/bindings_registry.h"
 #include "offload/checks.h"
 #include "offload/event_cache.h"
 #include "offload/host_memory.h"
@@ -136,7 +143,7 @@ HostPool::Block* HostPool::carve_locked(size_t cls, size_t nbytes) {
   if (current_ == nullptr || current_->bytes - current_->carved < cls) {
     // A slab whose blocks are all back on the free lists, cached for other sizes
     // (a closed stager's, a previous model's), is cut afresh before the pool
-    // grows: pinning new memory costs ~0.1 s per GiB while that memory sits idle.
+    // grows: pinning new memory takes the driver far longer than re-cutting idle memory.
     if (Slab* idle = recycle_locked(cls)) current_ = idle;
   }
   if (current_ == nullptr || current_->bytes - current_->carved < cls) {
@@ -330,11 +337,9 @@ size_t HostPool::begin_reserve(size_t nbytes, size_t largest_block) {
     if (stats_.reserved_bytes + reserving_ + bytes > limit_bytes_) fail_limit_locked(nbytes, bytes);
   }
   reserving_ += bytes;
-  // Slabs of twice the pool's slab size (512 MiB by default on an accelerator), or
-  // of the largest block expected: copies into the first slabs run while the next
-  // are touched and pinned. A first checkpoint save on the H100's host took 230 ms
-  // to grow 4 GiB as one slab before its copy began; the driver pinned 4 GiB in
-  // pieces of 256 MiB as fast as in one piece there.
+  // Slabs of twice the pool's slab size, or of the largest block expected, so
+  // copies into the first slabs run while the next are touched and pinned (Note
+  // [reservation in slabs]).
   reserve_slab_ = std::max(2 * slab_bytes_, size_class(largest_block));
   return bytes;
 }
@@ -347,6 +352,12 @@ void HostPool::cancel_reserve(size_t bytes) {
   grown_.notify_all();
 }
 
+// Note [reservation in slabs]
+// A first checkpoint save needs gigabytes of pinned memory at once. Grown as one
+// slab, its copies wait for the whole slab to be touched and pinned; grown in
+// slabs of a few hundred MiB, the first copies start after the first slab, and
+// the driver pins the pieces about as fast as the whole (benchmarks/RESULTS.md).
+// The next slab is touched on a second thread while the driver pins the current.
 void HostPool::grow_reserved(size_t bytes) {
   if (bytes == 0) return;
   size_t slab_bytes;
@@ -443,57 +454,5 @@ void HostPool::set_limit(size_t limit_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   limit_bytes_ = limit_bytes;
 }
-
-namespace {
-
-c10::DeviceType parse_device_type(const std::string& name) {
-  if (name == "cpu") return c10::DeviceType::CPU;
-  if (name == "cuda") return c10::DeviceType::CUDA;
-  if (name == "npu") return c10::DeviceType::PrivateUse1;
-  TORCH_CHECK_VALUE(false, "offload.HostPool: device_type must be 'cpu', 'cuda' or 'npu', got '", name, "'");
-  return c10::DeviceType::CPU;
-}
-
-void bind_host_pool(pybind11::module_& m) {
-  namespace py = pybind11;
-  py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
-      .def(py::init([](const std::string& device_type, size_t limit_bytes, size_t slab_bytes, int touch_threads) {
-             return HostPool::create(parse_device_type(device_type), limit_bytes, slab_bytes, touch_threads);
-           }),
-           py::arg("device_type"), py::arg("limit_bytes"), py::arg("slab_bytes"), py::arg("touch_threads"))
-      .def("allocate", &HostPool::allocate, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
-      .def("record_stream", &HostPool::record_stream, py::arg("tensor"), py::arg("stream"))
-      .def("owns", &HostPool::owns, py::arg("tensor"))
-      .def("reserve", &HostPool::reserve, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
-      .def("begin_reserve", &HostPool::begin_reserve, py::arg("nbytes"), py::arg("largest_block"))
-      .def("grow_reserved", &HostPool::grow_reserved, py::arg("bytes"), py::call_guard<py::gil_scoped_release>())
-      .def("cancel_reserve", &HostPool::cancel_reserve, py::arg("bytes"))
-      .def("trim", &HostPool::trim, py::call_guard<py::gil_scoped_release>())
-      .def("pinned", &HostPool::pinned)
-      .def("limit", &HostPool::limit)
-      .def("set_limit", &HostPool::set_limit, py::arg("limit_bytes"))
-      .def_static("size_class", &HostPool::size_class, py::arg("nbytes"))
-      .def("stats", [](HostPool& pool) {
-        const HostPoolStats s = pool.stats();
-        py::dict d;
-        d["reserved_bytes"] = s.reserved_bytes;
-        d["in_use_bytes"] = s.in_use_bytes;
-        d["peak_in_use_bytes"] = s.peak_in_use_bytes;
-        d["free_bytes"] = s.free_bytes;
-        d["pending_blocks"] = s.pending_blocks;
-        d["limit_bytes"] = s.limit_bytes;
-        d["requests"] = s.requests;
-        d["cache_hits"] = s.cache_hits;
-        d["slabs"] = s.slabs;
-        d["recycled_slabs"] = s.recycled_slabs;
-        d["allocation_seconds"] = s.allocation_seconds;
-        d["registration_seconds"] = s.registration_seconds;
-        return d;
-      });
-}
-
-}  // namespace
-
-OFFLOAD_REGISTER_BINDINGS(a_host_pool, bind_host_pool);
 
 }  // namespace offload

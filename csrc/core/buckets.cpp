@@ -1,23 +1,22 @@
 // Bucket packing and unpacking: many tensors into one uint8 bucket and back, with a
-// cast on the way (fp32 -> bf16 and the like). Python plans the layout
-// (offload/buckets.py); this file checks the plan against the tensors, turns it
-// into flat spans and copies them: on the CPU with at::parallel_for, on CUDA with
-// the multi-tensor kernel of cuda/bucket_pack.cu (one launch per dtype pair and
-// table of spans, on the current stream).
+// cast on the way (fp32 -> bf16 and the like).
 //
-// Bound with pybind11 rather than TORCH_LIBRARY: the ops take parallel lists of
-// offsets and dtypes and write into a caller-owned bucket or caller-owned
-// parameters in place; they are a transport step outside any autograd or compiled
-// graph, and the pybind call avoids boxing four lists through the dispatcher on a
-// path where host overhead per bucket matters.
+// Moves: spans of contiguous elements, [start, start + numel) of each tensor, to
+// and from byte offsets of one bucket. Layout: Python plans it
+// (offload/weights/buckets.py); every tensor is contiguous and on the bucket's
+// device, every offset aligned to its dtype. This file checks the plan against the
+// tensors, turns it into flat spans and copies them: on the CPU with
+// at::parallel_for, on CUDA with the multi-tensor kernel of cuda/bucket_pack.cu
+// (one launch per dtype pair and table of spans, on the current stream). Limits:
+// casts between float64, float32, float16 and bfloat16 only; other dtypes move as
+// bytes into the same dtype; other devices are not built in.
 #include <cstring>
 #include <vector>
 
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
-#include "offload/bindings_registry.h"
 #include "offload/buckets.h"
 
 namespace offload {
@@ -110,8 +109,6 @@ void copy_spans(const std::vector<CopySpan>& spans, c10::Device device, int64_t 
   copy_spans_cpu(spans);
 }
 
-namespace {
-
 // Writes elements [starts[i], starts[i] + numels[i]) of sources[i], cast to
 // dtypes[i], at byte offsets[i] of the bucket.
 void pack_bucket(const at::Tensor& bucket, const std::vector<at::Tensor>& sources, const std::vector<int64_t>& starts,
@@ -151,17 +148,4 @@ void unpack_bucket(const at::Tensor& bucket, const std::vector<at::Tensor>& dest
   copy_spans(spans, bucket.device(), max_blocks);
 }
 
-void bind_buckets(pybind11::module_& m) {
-  // The GIL is released: a host-cache sender packs on its own thread while the trainer runs.
-  m.def("pack_bucket", &pack_bucket, "Pack spans of many tensors into one uint8 bucket, casting on the way",
-        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("bucket"), pybind11::arg("sources"), pybind11::arg("starts"), pybind11::arg("numels"),
-        pybind11::arg("offsets"), pybind11::arg("dtypes"), pybind11::arg("max_blocks") = 0);
-  m.def("unpack_bucket", &unpack_bucket, "Copy spans of a uint8 bucket into many tensors, casting on the way",
-        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("bucket"), pybind11::arg("destinations"), pybind11::arg("starts"), pybind11::arg("numels"),
-        pybind11::arg("offsets"), pybind11::arg("dtypes"), pybind11::arg("max_blocks") = 0);
-}
-
-}  // namespace
 }  // namespace offload
-
-OFFLOAD_REGISTER_BINDINGS(buckets, offload::bind_buckets);

@@ -1,26 +1,27 @@
 // Loops over thousands of Python objects that the stager runs on every save,
-// in C rather than in the interpreter (offload/_object_scan.py has the same
+// in C rather than in the interpreter (offload/staging/object_scan.py has the same
 // functions in Python, used without the compiled core).
 //
-// Why: a steady save of a 4,000-tensor state dict must leave the caller within
-// about 2 ms. Two of its checks walk every leaf: that the leaves still have the
-// types the cached plan was made for, and that no staged dict still holds a
-// buffer set's tensors (the sum of their reference counts against a baseline).
-// As `list(map(type, ...))` and `sum(map(sys.getrefcount, ...))` they cost
-// 0.1-0.15 ms each at 4,000 objects; here, a few microseconds.
+// Why: a steady save of a state dict of thousands of tensors must leave the
+// caller within a few milliseconds. Two of its checks walk every leaf: that the
+// leaves still have the types the cached plan was made for, and that no staged
+// dict still holds a buffer set's tensors (the sum of their reference counts
+// against a baseline). As `list(map(type, ...))` and
+// `sum(map(sys.getrefcount, ...))` they cost a fair part of that budget; here, a
+// few microseconds.
 //
 // A third sizes a first save before it plans, so that the pool's growth can
-// start beside the planning: ~2 us a tensor in Python (a storage object made per
-// tensor), 9 ms at 4,000 tensors on the H100's host, all of it ahead of the growth.
+// start beside the planning: in Python it makes a storage object per tensor, all
+// of it ahead of the growth.
 //
 // The last two make a first save's reader views: for each of the copy engine's
 // host tensors, a tensor of the same dtype and layout over the same bytes under
-// another storage (staging.py's _BufferSet says why). In Python each cost a
-// storage object, dict lookups and an as_strided, ~5 us: 20 ms of a 4,000-tensor
-// first save on the H100's host, after its copies were queued.
+// another storage (offload/staging/stager.py's _BufferSet says why). In Python
+// each costs a storage object, dict lookups and an as_strided, microseconds a
+// tensor after the copies are queued.
 //
 // A fifth reads a wide dict's values in the plan's key order, for the cached
-// tree's extraction of the leaves (offload/_state_tree.py), on every save.
+// tree's extraction of the leaves (offload/staging/state_tree.py), on every save.
 //
 // They run with the interpreter lock held. The first two take lists (pybind11
 // refuses anything else with a TypeError), dict_values a dict and a tuple; the
@@ -79,7 +80,7 @@ bool types_equal(const pybind11::list& objects, const pybind11::list& types) {
 // the usual case), then by equality; where it differs (another insertion order,
 // an OrderedDict reordered by move_to_end, whose dict order is not its
 // iteration order) each key is looked up. A missing key raises KeyError. In
-// Python, `tuple(d) == keys` then `list(d.values())` made two lists of 4,000.
+// Python, `tuple(d) == keys` then `list(d.values())` makes two lists of the dict's size.
 pybind11::list dict_values(const pybind11::dict& d, const pybind11::tuple& keys) {
   PyObject* dict = d.ptr();
   PyObject* expected = keys.ptr();
@@ -128,7 +129,7 @@ pybind11::list dict_values(const pybind11::dict& d, const pybind11::tuple& keys)
 // (bytes, largest): the bytes of `tensors`' storages that a first save copies,
 // each storage once and never more of it than its tensors' bytes add up to (a
 // slice of a large buffer costs the slice), and the largest tensor's bytes.
-// Empty tensors count nothing. offload/staging.py adds the packing slack.
+// Empty tensors count nothing. offload/staging/stager.py adds the packing slack.
 std::pair<int64_t, int64_t> storage_bytes(const std::vector<at::Tensor>& tensors) {
   struct Extent {
     int64_t whole;  // the storage's bytes
