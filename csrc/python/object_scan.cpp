@@ -16,7 +16,7 @@
 //
 // The last two make a first save's reader views: for each of the copy engine's
 // host tensors, a tensor of the same dtype and layout over the same bytes under
-// another storage (offload/staging/stager.py's _BufferSet says why). In Python
+// another storage (Note [who reads a buffer set] in offload/staging/ring.py says why). In Python
 // each costs a storage object, dict lookups and an as_strided, microseconds a
 // tensor after the copies are queued.
 //

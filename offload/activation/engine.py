@@ -123,7 +123,7 @@ class ActivationEngine(BackwardSide):
       `opened`, `closed`, `saved_bytes`, `unpacked`, and `backward_started()`,
       `saved_after_layers(m)`.
     The saved-tensor hooks (the Python ones, `pack`/`unpack`, and the core's in
-    csrc/saved_tensor_hooks.cpp, which read these as plain attributes per tensor):
+    csrc/python/saved_tensor_hooks.cpp, which read these as plain attributes per tensor):
       `open_group` (None outside an offloaded or measured span), `pack(t)`,
       `pack_extent(t, ptr, first, last, check_params)`, `unpack(packed)`,
       `counters["tensors_kept"]` (incremented for a tensor that stays), `min_tensor_bytes`,

@@ -2,7 +2,7 @@
 the in-place check that replaces autograd's, and the tensors a forward must keep.
 
 `offload_extent` is the per-tensor test of the Python pack hook; the core's hooks
-(csrc/saved_tensor_hooks.cpp) make the same test in C, and a test holds the two equal.
+(csrc/python/saved_tensor_hooks.cpp) make the same test in C, and a test holds the two equal.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How a tensor's memory is laid out, and how to move only the bytes that matter.
 
 Shared by the pure-PyTorch copy path and the activation engine; the native core
-implements the same rules in csrc/tensor_layout.cpp.
+implements the same rules in csrc/core/tensor_layout.cpp.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Loops over thousands of Python objects (a state dict's leaves) that the stager runs per save.
 
-The compiled core runs them in C (csrc/object_scan.cpp says what each saves);
+The compiled core runs them in C (csrc/python/object_scan.cpp says what each saves);
 without it, the same in Python.
 The choice is made once, at import, so that a reference-count baseline and the
 sums compared with it always come from the same function.

@@ -33,7 +33,7 @@ CPU_DEFAULT_BUCKET_BYTES = 256 << 20
 
 # Casts the kernels implement; everything else is copied as raw bytes.
 _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-# Devices csrc/buckets.cpp copies on: the CPU loop, and the CUDA kernels when the
+# Devices csrc/core/buckets.cpp copies on: the CPU loop, and the CUDA kernels when the
 # core was built for CUDA (`_backend.built_for`). Anything else (Ascend, or CUDA
 # with a CPU-only core) packs with torch's copies.
 _NATIVE_BUCKET_DEVICES = ("cpu", "cuda")
