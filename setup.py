@@ -12,7 +12,6 @@ OFFLOAD_BUILD_TARGET picks what is compiled:
 MAX_JOBS caps parallel compile jobs (default: sized to cores and memory).
 """
 
-import datetime
 import glob
 import os
 import shutil
@@ -121,7 +120,6 @@ def extensions(target: str):
     macros = [
         ("OFFLOAD_TARGET", f'"{target}"'),
         ("OFFLOAD_TORCH_VERSION", f'"{torch_version}"'),
-        ("OFFLOAD_BUILD_DATE", f'"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}"'),
     ]
     include_dirs = [os.path.join(HERE, "csrc", "include")]
     cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]

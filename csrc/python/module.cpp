@@ -12,8 +12,10 @@
 #ifndef OFFLOAD_TORCH_VERSION
 #define OFFLOAD_TORCH_VERSION "unknown"
 #endif
+// The build date is this file's compile time: a define passed to every source would change
+// all their flags on each build, and ninja would recompile the whole core every time.
 #ifndef OFFLOAD_BUILD_DATE
-#define OFFLOAD_BUILD_DATE "unknown"
+#define OFFLOAD_BUILD_DATE __DATE__ " " __TIME__
 #endif
 
 namespace {
