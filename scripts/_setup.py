@@ -11,7 +11,7 @@ a .venv it has just made.
 
 The build installs offload editable (`pip install --no-build-isolation --no-deps -e .`)
 and records a stamp: a hash of what the compiled core depends on (every file under
-csrc/, setup.py, pyproject.toml, the interpreter, torch's version and location, and
+csrc/, setup.py, pyproject.toml, the environment, torch's version and location, and
 OFFLOAD_BUILD_TARGET). A later run with the same stamp, whose environment still
 imports this checkout's offload (and its compiled core, if it had one), skips the build.
 """
@@ -151,7 +151,7 @@ def stamp() -> dict:
     for path in files:
         digest.update(path.relative_to(ROOT).as_posix().encode())
         digest.update(path.read_bytes())
-    for value in (sys.executable, torch.__version__, torch.__file__,
+    for value in (sys.prefix, torch.__version__, torch.__file__,
                   os.environ.get("OFFLOAD_BUILD_TARGET", "auto").strip().lower()):
         digest.update(b"\0" + value.encode())
     return {"hash": digest.hexdigest(), "python": sys.executable, "torch": torch.__version__}
@@ -222,7 +222,7 @@ def build() -> int:
     env.pop("OFFLOAD_FORCE_FALLBACK", None)
     LOG.parent.mkdir(exist_ok=True)
     command = [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", "-e", str(ROOT)]
-    start = time.monotonic()
+    start, said = time.monotonic(), set()
     with open(LOG, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, bufsize=1)
@@ -230,7 +230,8 @@ def build() -> int:
             log.write(line)
             shown = line.strip()
             # setup.py's own lines (the target it chose and why) and ninja's [done/total] progress.
-            if shown.startswith("offload:"):
+            if shown.startswith("offload:") and shown not in said:  # pip runs setup.py more than once
+                said.add(shown)
                 print(f"  {shown}", flush=True)
             elif re.match(r"^\[\d+/\d+\]", shown):
                 step = shown.split()[0]

@@ -40,7 +40,7 @@ def _load() -> None:
     try:
         from .. import _C  # type: ignore[attr-defined]
     except ImportError as exc:
-        _why_not = _shadowing() or f"offload._C could not be imported ({exc})"
+        _why_not = _shadowing() or _unbuilt() or f"offload._C could not be imported ({exc})"
         return
     except Exception as exc:  # a broken build must not break `import offload`
         _why_not = f"offload._C failed to load: {type(exc).__name__}: {exc}"
@@ -64,6 +64,15 @@ def _built_core(package: Path) -> Optional[Path]:
         if found.is_file():
             return found
     return None
+
+
+def _unbuilt() -> str:
+    """A sentence when this offload has no compiled core file at all (nothing failed to load)."""
+    here = Path(__file__).resolve().parent.parent
+    if _built_core(here) is not None:
+        return ""
+    return (f"offload._C could not be imported: {here} has no compiled core (installed with "
+            "OFFLOAD_BUILD_TARGET=none, or its build failed); build it with `pip install --no-build-isolation .`")
 
 
 def _shadowing() -> str:
