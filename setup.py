@@ -24,10 +24,19 @@ try:
     import torch
     from torch.utils import cpp_extension
 except ImportError:
+    # pip's build isolation runs this file in a temporary environment holding only the build
+    # requirements; its folders are named pip-build-env-*. torch is deliberately not one of them.
+    if any("pip-build-env" in entry for entry in sys.path):
+        sys.exit(
+            "offload: pip's build isolation hid torch: this build runs in a temporary environment without it.\n"
+            "Build against the torch you have installed with\n"
+            "    pip install --no-build-isolation .\n"
+            "(an isolated build would need its own torch, and the core must match the one you run)."
+        )
     sys.exit(
-        "offload: torch is not installed. Install torch first, then build offload against it with\n"
-        "    pip install --no-build-isolation .\n"
-        "(build isolation would build against a different torch than the one you run)."
+        f"offload: torch is not installed for {sys.executable}. Install torch first, then build offload "
+        "against it with\n"
+        "    pip install --no-build-isolation ."
     )
 
 HERE = os.path.dirname(os.path.abspath(__file__))

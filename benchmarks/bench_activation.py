@@ -266,7 +266,8 @@ def _alternated_checkpoint(ctx, model, loss_fn, rounds):
         _device.empty_cache()
 
 
-def _report(ctx, name, results, forward_ms, bandwidth):
+def _report(ctx, name, results, forward_ms, bandwidth, headline=False):
+    """Rows of one model; `headline`: its async rows stand for activation offload in the headline table."""
     rows = []
     none_ms, none_peak, _ = results["none"]
     d2h_bw, h2d_bw = bandwidth
@@ -299,16 +300,19 @@ def _report(ctx, name, results, forward_ms, bandwidth):
                          auto_layers=plan["offload"], auto_model_layers=plan["tuning"]["model_layers"],
                          auto_probe_step_ms=plan["tuning"]["step_ms"], auto_settled=plan["tuning"]["settled"])
         rows.append(row(SECTION, f"{name} {column} step", offload=ms, baseline=none_ms, unit="ms",
-                        baseline_name="no offload", higher_is_better=False, **extra))
+                        baseline_name="no offload", higher_is_better=False, figure="activation", model=name,
+                        way=column, **extra))
+        said = {"headline": f"Activation offload (async): peak, {name}"} if headline and column == "async" else {}
         rows.append(row(SECTION, f"{name} {column} peak", offload=peak / GiB, baseline=none_peak / GiB,
-                        unit="GiB", baseline_name="no offload", higher_is_better=False))
+                        unit="GiB", baseline_name="no offload", higher_is_better=False, **said))
         if column == "async" and bound:
             rows.append(row(SECTION, f"{name} async vs bus bound", offload=ms, baseline=bound, unit="ms",
                             baseline_name="bus bound", higher_is_better=False))
     if "save_on_cpu" in results:
+        said = {"headline": f"Activation offload (async): step, {name}"} if headline else {}
         rows.append(row(SECTION, f"{name} async vs save_on_cpu", offload=results["async"][0],
                         baseline=results["save_on_cpu"][0], unit="ms", baseline_name="save_on_cpu(pin_memory)",
-                        higher_is_better=False))
+                        higher_is_better=False, **said))
     rows.append(row(SECTION, f"{name} async+ckpt vs ckpt", offload=results["async+checkpoint"][0],
                     baseline=results["checkpoint"][0], unit="ms", baseline_name="checkpointing",
                     higher_is_better=False))
@@ -362,14 +366,14 @@ def _run(ctx):
     model, loss_fn = _stack(ctx)
     name = "blocks 4x32 quick" if ctx.quick else "blocks 8x4096 bs2 seq4096"
     results, forward = _columns(ctx, name, model, loss_fn, bandwidth)
-    rows += _report(ctx, name, results, forward, bandwidth)
+    rows += _report(ctx, name, results, forward, bandwidth, headline=True)
     del model, loss_fn
     gc.collect()
     _device.empty_cache()
     try:
         import transformers  # noqa: F401
     except ImportError:
-        ctx.progress("transformers is not installed: Llama rows skipped")
+        ctx.skip("Llama rows", "needs transformers (not installed)")
         return rows
     for seq in ((32,) if ctx.quick else (2048, 8192)):
         model, loss_fn = _llama(ctx, seq)

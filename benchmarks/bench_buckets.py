@@ -17,18 +17,19 @@ from __future__ import annotations
 import torch
 
 from common import gbps, row, time_ms
-from model_shapes import llama3_8b, materialize, qwen2_5_1_5b
+from model_shapes import label, llama3_8b, materialize, qwen2_5_1_5b
 from offload.core import _device
 from offload.weights.buckets import default_bucket_bytes, pack_into, plan_buckets
 
 SECTION = "buckets"
+REQUIRES = ("transformers",)  # the tensor lists come from transformers' model configs
 
 
 def applies(device_type: str) -> bool:
     return device_type in ("cuda", "npu", "cpu")
 
 
-def _case(ctx, label, shapes, dtype=torch.bfloat16):
+def _case(ctx, label, shapes, dtype=torch.bfloat16, headline=False):
     device = ctx.device
     sources = materialize(shapes, torch.float32, device)
     bucket_bytes = (4 << 20) if ctx.quick else default_bucket_bytes(device)
@@ -80,15 +81,16 @@ def _case(ctx, label, shapes, dtype=torch.bfloat16):
                 baseline_name="one large D2D copy (ceiling)", **extra)]
     for name, what in [("foreach", "torch._foreach_copy_"), ("slices", "Python loop of slice copies"),
                        ("cat", "torch.cat of .to(bf16)")]:
+        said = {"headline": f"Bucket packing fp32->bf16: {label}"} if headline and name == "cat" else {}
         rows.append(row(SECTION, f"{label} pack fp32->bf16", offload=results["offload"]["median_ms"],
                         baseline=results[name]["median_ms"], unit="ms", baseline_name=what, higher_is_better=False,
-                        spread_pct=results["offload"]["spread_pct"]))
+                        spread_pct=results["offload"]["spread_pct"], **said))
     del sources, buf, big_src, big_dst
     _device.empty_cache()
     return rows
 
 
 def run(ctx):
-    rows = _case(ctx, "Qwen2.5-1.5B", qwen2_5_1_5b(ctx.quick))
-    rows += _case(ctx, "Llama-3-8B", llama3_8b(ctx.quick))
+    rows = _case(ctx, label("Qwen2.5-1.5B", ctx.quick), qwen2_5_1_5b(ctx.quick))
+    rows += _case(ctx, label("Llama-3-8B", ctx.quick), llama3_8b(ctx.quick), headline=True)
     return rows

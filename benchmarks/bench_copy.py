@@ -42,14 +42,16 @@ def _single_tensor_sweep(ctx, sizes, iters):
         rows.append(row(SECTION, f"D2H 1 x {_fmt(size)}", offload=gbps(size, t_off["median_ms"]),
                         baseline=gbps(size, t_torch["median_ms"]), unit="GB/s",
                         baseline_name="pinned copy_(non_blocking)", size_bytes=size, plot="D2H",
-                        spread_pct=t_off["spread_pct"]))
+                        spread_pct=t_off["spread_pct"], figure="transfer", direction="D2H", bytes_per_tensor=size,
+                        tensors=1))
         dst = torch.empty_like(src)
         t_off, t_torch = compare_ms(lambda: offload.copy_to_device([host], dev, out=[dst]).wait_stream(),
                                     lambda: dst.copy_(host, non_blocking=True), dev, iters=reps)
         rows.append(row(SECTION, f"H2D 1 x {_fmt(size)}", offload=gbps(size, t_off["median_ms"]),
                         baseline=gbps(size, t_torch["median_ms"]), unit="GB/s",
                         baseline_name="pinned copy_(non_blocking)", size_bytes=size, plot="H2D",
-                        spread_pct=t_off["spread_pct"]))
+                        spread_pct=t_off["spread_pct"], figure="transfer", direction="H2D", bytes_per_tensor=size,
+                        tensors=1))
         if size == sizes[-1]:
             ctx.notes["bus_peak_d2h_gbps"] = rows[-2]["baseline"]
             ctx.notes["bus_peak_h2d_gbps"] = rows[-1]["baseline"]
@@ -69,7 +71,8 @@ def _joined(handle):
     return handle
 
 
-def _many_tensors(ctx, count, each, iters):
+def _many_tensors(ctx, count, each, iters, headline=False):
+    """D2H and H2D of `count` tensors of `each` bytes; `headline`: these rows stand for the copy engine."""
     dev = ctx.device
     ctx.progress(f"{count} x {each // KiB} KiB")
     srcs = [torch.randint(0, 255, (each,), dtype=torch.uint8, device=dev) for _ in range(count)]
@@ -80,9 +83,11 @@ def _many_tensors(ctx, count, each, iters):
     t_off, t_torch = compare_ms(lambda: _joined(offload.copy_to_host(srcs, out=handle)),
                                 lambda: _copy_each(hosts, srcs), dev, iters=iters)
     peak = max(ctx.notes.get("bus_peak_d2h_gbps", 0), 1e-9)
+    shape = dict(figure="transfer", bytes_per_tensor=each, tensors=count)
     out = [row(SECTION, f"D2H {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
                baseline=gbps(total, t_torch["median_ms"]), unit="GB/s", baseline_name="copy_ per tensor",
-               of_bus_peak=gbps(total, t_off["median_ms"]) / peak, spread_pct=t_off["spread_pct"])]
+               of_bus_peak=gbps(total, t_off["median_ms"]) / peak, spread_pct=t_off["spread_pct"], direction="D2H",
+               **shape, **({"headline": f"Copy to host: {count} x {_fmt(each)}"} if headline else {}))]
     host_list = handle.wait()
 
     def torch_h2d():
@@ -95,7 +100,9 @@ def _many_tensors(ctx, count, each, iters):
     out.append(row(SECTION, f"H2D {count} x {_fmt(each)}", offload=gbps(total, t_off["median_ms"]),
                    baseline=gbps(total, t_torch["median_ms"]), unit="GB/s",
                    baseline_name=".to(non_blocking) per tensor",
-                   of_bus_peak=gbps(total, t_off["median_ms"]) / peak, spread_pct=t_off["spread_pct"]))
+                   of_bus_peak=gbps(total, t_off["median_ms"]) / peak, spread_pct=t_off["spread_pct"],
+                   direction="H2D", **shape,
+                   **({"headline": f"Copy to device: {count} x {_fmt(each)}"} if headline else {})))
     return out
 
 
@@ -205,7 +212,8 @@ def _pool_growth(ctx, size):
     pool.trim()
     return [row(SECTION, f"pool growth {_fmt(size)}", offload=t_off * 1e3, baseline=t_torch * 1e3, unit="ms",
                 baseline_name="torch.empty(pin_memory=True)", higher_is_better=False,
-                registration_ms=stats["registration_seconds"] * 1e3)]
+                registration_ms=stats["registration_seconds"] * 1e3,
+                headline=f"Pinned host pool: grow by {_fmt(size)}")]
 
 
 def _cached_acquire(ctx, iters):
@@ -240,13 +248,13 @@ def _fmt(nbytes: int) -> str:
 def run(ctx) -> list:
     if ctx.quick:
         rows = _single_tensor_sweep(ctx, [64 * KiB, MiB, 16 * MiB], iters=5)
-        rows += _many_tensors(ctx, 200, 256 * KiB, iters=3)
+        rows += _many_tensors(ctx, 200, 256 * KiB, iters=3, headline=True)
         rows += _many_tensors(ctx, 400, 16 * KiB, iters=3)
         rows += _pool_growth(ctx, 64 * MiB)
         rows += _cached_acquire(ctx, iters=2000)
         return rows
     rows = _single_tensor_sweep(ctx, [64 * KiB, MiB, 16 * MiB, 256 * MiB, GiB], iters=20)
-    rows += _many_tensors(ctx, 2000, 256 * KiB, iters=10)
+    rows += _many_tensors(ctx, 2000, 256 * KiB, iters=10, headline=True)
     rows += _many_tensors(ctx, 4096, 16 * KiB, iters=10)
     if _device.is_accelerator(ctx.device):  # on the host a deferred copy runs synchronously
         rows += _refill(ctx, 4000, 256 * KiB, iters=10)

@@ -98,9 +98,10 @@ def run(ctx):
         # The copy section (bench_copy.py), when it ran first, left the measured bus peaks here.
         peak = ctx.notes.get("bus_peak_d2h_gbps" if ours == "off" else "bus_peak_h2d_gbps")
         pct = 100 * ours_gbps / peak if peak else None
+        said = {"headline": f"Parameter offload: {size} to host"} if ours == "off" else {}
         rows.append(row(SECTION, f"{direction} {size}", offload=ours_gbps,
                         baseline=gbps(nbytes, med[to_key]), unit="GB/s", baseline_name="module.to(...)",
-                        pct_of_bus_peak=pct, bus_peak_gbps=peak, **extra))
+                        pct_of_bus_peak=pct, bus_peak_gbps=peak, **extra, **said))
         rows.append(row(SECTION, f"{direction} {size}", offload=ours_gbps,
                         baseline=gbps(nbytes, med[loop_key]), unit="GB/s",
                         baseline_name="per-param non_blocking loop, pinned", **extra))

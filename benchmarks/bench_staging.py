@@ -149,10 +149,18 @@ def _size_cases(quick: bool):
     return [("64 tensors x 64 MiB (4 GiB)", 64, 32 << 20), ("4000 tensors x 256 KiB", 4000, 128 << 10)]
 
 
+def _marks(name, drawn, headline, label, panel, group, said=None) -> dict:
+    """A staging row's figure fields (for the baselines drawn) and headline (the first case's chosen baseline)."""
+    out = dict(figure="staging_weight_sync", panel=panel, group=group) if name in drawn else {}
+    if said and headline:
+        out["headline"] = f"Checkpoint staging: {said}, {label}"
+    return out
+
+
 def _staging_rows(ctx) -> list:
     rows = []
     device = ctx.device
-    for label, count, numel in _size_cases(ctx.quick):
+    for case_index, (label, count, numel) in enumerate(_size_cases(ctx.quick)):
         state = _state(count, numel, device)
         nbytes = _bytes(state)
         results = {}
@@ -171,6 +179,11 @@ def _staging_rows(ctx) -> list:
             raise RuntimeError(f"offload.AsyncStager failed: {ours}")
         o_blocked, o_staged = ours
         o_first, o_steady = o_staged[0], statistics.median(o_staged[1:])
+        stagers = [name for name in results if name.startswith("DefaultStager")]
+        # The headline's baseline: DefaultStager()'s defaults where this device has them, else the
+        # stager dcp.async_save builds. The figure shows those two and the .cpu() loop.
+        headline = next((n for n in stagers if "pin=1,shm=1,async=1,nb=1" in n), stagers[0] if stagers else None)
+        drawn = {".cpu()"} | ({stagers[0], stagers[-1]} if stagers else set())
         for name, result in results.items():
             common = {"size_bytes": nbytes, "tensors": count, "offload_saves": len(o_staged)}
             if isinstance(result, str):
@@ -180,14 +193,18 @@ def _staging_rows(ctx) -> list:
             b_blocked, b_staged = result
             common["baseline_saves"] = len(b_staged)  # medians over its saves 2-n
             saves = _later_saves(len(o_staged), len(b_staged))
+            lead = case_index == 0 and name == headline
             rows.append(row(SECTION, f"{label}: staging, first save", offload=gbps(nbytes, o_first),
-                            baseline=gbps(nbytes, b_staged[0]), unit="GB/s", baseline_name=name, **common))
+                            baseline=gbps(nbytes, b_staged[0]), unit="GB/s", baseline_name=name, **common,
+                            **_marks(name, drawn, lead, label, "gbps", f"staging {label}: first save", "first save")))
             rows.append(row(SECTION, f"{label}: staging, {saves}", offload=gbps(nbytes, o_steady),
                             baseline=gbps(nbytes, statistics.median(b_staged[1:])), unit="GB/s",
-                            baseline_name=name, **common))
+                            baseline_name=name, **common,
+                            **_marks(name, drawn, lead, label, "gbps", f"staging {label}: later saves")))
             rows.append(row(SECTION, f"{label}: caller blocked, {saves}",
                             offload=statistics.median(o_blocked[1:]), baseline=statistics.median(b_blocked[1:]),
-                            unit="ms", baseline_name=name, higher_is_better=False, **common))
+                            unit="ms", baseline_name=name, higher_is_better=False, **common,
+                            **_marks(name, drawn, lead, label, "blocked", f"staging {label}", "caller blocked")))
         del state
         _device.empty_cache()
     return rows

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SECTION = "weight_sync"
+REQUIRES = ("transformers",)  # the tensor lists come from transformers' model configs
 
 
 def applies(device_type: str) -> bool:
@@ -67,7 +68,7 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
     import sys
 
     sys.path.insert(0, bench_dir)
-    from model_shapes import llama3_8b, materialize, qwen2_5_1_5b
+    from model_shapes import label, llama3_8b, materialize, qwen2_5_1_5b
 
     import offload
     from offload.core import _device
@@ -79,7 +80,7 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
     device = _device.current_device()
     iters = 2 if quick else 5
     out = []
-    for label, shapes in [("Qwen2.5-1.5B", qwen2_5_1_5b(quick)), ("Llama-3-8B", llama3_8b(quick))]:
+    for name, shapes in [("Qwen2.5-1.5B", qwen2_5_1_5b(quick)), ("Llama-3-8B", llama3_8b(quick))]:
         weights = materialize(shapes, torch.float32 if rank == 0 else torch.bfloat16, device)
         # (bucket MiB, reserve_sms): the defaults first, then the sweep (same on both ranks).
         configs = [(None, None)] + ([] if quick else [(b, None) for b in (64, 128, 512, 1024)] + [(None, 0)])
@@ -109,7 +110,7 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
 
         each = _timed(per_tensor, device, iters)
         if rank == 0:
-            out.append(dict(label=label, bytes=nbytes, tensors=len(shapes), ours=ours, one=one, each=each,
+            out.append(dict(label=label(name, quick), bytes=nbytes, tensors=len(shapes), ours=ours, one=one, each=each,
                             phases=phases, default_bucket=default_bucket,
                             variants={k: v[0] for k, v in variants.items() if k != (None, None)}))
         del weights
@@ -160,7 +161,7 @@ def run(ctx):
         ctx.progress("sync between two ranks")
         rows.extend(_sync_rows(_spawn(bench_weight_sync._worker, 2, ctx, "sync")))
     else:
-        ctx.progress("sync between two ranks skipped: needs 2 GPUs")
+        ctx.skip("sync between two ranks", "needs 2 GPUs")
     return rows
 
 
@@ -170,15 +171,17 @@ def _sync_rows(results):
     from common import gbps, row
 
     rows = []
-    for r in results:
+    for index, r in enumerate(results):
         ours, one, each = (statistics.median(r[k]) for k in ("ours", "one", "each"))
         phases = {k: round(v, 3) for k, v in r["phases"].items() if k.endswith("_ms")}
         rows.append(row(SECTION, f"{r['label']} fp32->bf16 vs one big broadcast", offload=gbps(r["bytes"], ours),
                         baseline=gbps(r["bytes"], one), unit="GB/s", baseline_name="one dist.broadcast (ceiling)",
                         sync_ms=ours, spread_ms=[min(r["ours"]), max(r["ours"])], phases=phases,
                         tensors=r["tensors"]))
+        said = {"headline": f"Weight sync fp32->bf16: {r['label']}"} if index == len(results) - 1 else {}
         rows.append(row(SECTION, f"{r['label']} fp32->bf16", offload=ours, baseline=each, unit="ms",
-                        baseline_name="cast + dist.broadcast per tensor", higher_is_better=False))
+                        baseline_name="cast + dist.broadcast per tensor", higher_is_better=False, bytes=r["bytes"],
+                        figure="staging_weight_sync", panel="gbps", group=f"weight sync {r['label']}", **said))
         # The most any bucketing can gain over the per-tensor loop on this link.
         rows.append(row(SECTION, f"{r['label']} ceiling: one big broadcast", offload=one, baseline=each, unit="ms",
                         baseline_name="cast + dist.broadcast per tensor", higher_is_better=False))
@@ -201,7 +204,7 @@ def _cache_worker(rank, init_method, quick, device_type, bench_dir, results):
     import sys
 
     sys.path.insert(0, bench_dir)
-    from model_shapes import materialize, qwen2_5_1_5b
+    from model_shapes import label, materialize, qwen2_5_1_5b
 
     import offload
     from offload.core import _device
@@ -280,7 +283,7 @@ def _cache_worker(rank, init_method, quick, device_type, bench_dir, results):
 
     base = loop(False)
     snap = loop(True)
-    results.put(dict(bytes=nbytes, tensors=len(params), repeats=repeats, compute_ms=repeats * one_ms,
+    results.put(dict(label=label("Qwen2.5-1.5B", quick), bytes=nbytes, tensors=len(params), repeats=repeats, compute_ms=repeats * one_ms,
                      base_step=base["step"], **{k: v for k, v in snap.items()}))
     dist.destroy_process_group()
 
@@ -298,9 +301,11 @@ def _host_cache_rows(r):
                   copy_gbps=gbps(r["bytes"], copy), bytes=r["bytes"], tensors=r["tensors"])
     return [
         # offload = blocked time, baseline = the copy it hides: ratio >= 20 meets "blocked <= 5%".
-        row(SECTION, "host_cache Qwen2.5-1.5B fp32: trainer blocked per snapshot", offload=blocked, baseline=copy,
-            unit="ms", baseline_name="the snapshot's D2H copy (events)", higher_is_better=False, **detail),
-        row(SECTION, "host_cache Qwen2.5-1.5B fp32: train step with a snapshot each step", offload=r["step"],
+        row(SECTION, f"host_cache {r['label']} fp32: trainer blocked per snapshot", offload=blocked, baseline=copy,
+            unit="ms", baseline_name="the snapshot's D2H copy (events)", higher_is_better=False, **detail,
+            headline=f"Weight snapshot (host_cache): trainer blocked, {r['label']}", figure="staging_weight_sync",
+            panel="blocked", group=f"weight snapshot {r['label']}"),
+        row(SECTION, f"host_cache {r['label']} fp32: train step with a snapshot each step", offload=r["step"],
             baseline=r["base_step"], unit="ms/step", baseline_name="same loop without snapshots",
             higher_is_better=False),
     ]

@@ -2,9 +2,17 @@
 
 A benchmark module `bench_<topic>.py` defines:
     SECTION = "<topic>"
+    REQUIRES = ("transformers",)               # optional: modules without which it is skipped
     def applies(device_type: str) -> bool      # 'cuda', 'npu' or 'cpu'
     def run(ctx: Context) -> list[dict]        # rows made with `row(...)`
-and `python -m offload.bench` finds and runs it.
+and `python -m benchmarks` (benchmarks/runner.py) finds and runs it. Rows a section
+leaves out are recorded with `ctx.skip(what, reason)`.
+
+Fields of a row beyond `row()`'s own that the report reads:
+    headline="<capability: case>"   the row stands for its capability in the headline table
+    figure="activation"             (a) with model=, way=, peak_bytes=
+    figure="transfer"               (b) with direction=, bytes_per_tensor=, tensors=
+    figure="staging_weight_sync"    (c) with panel="blocked"|"gbps", group=, and bytes= on ms rows
 """
 
 from __future__ import annotations
@@ -25,6 +33,12 @@ class Context:
     quick: bool = False  # smaller sizes and fewer repeats (CPU, smoke runs)
     progress: Callable[[str], None] = print
     notes: dict = field(default_factory=dict)  # measured ceilings shared between sections
+    skipped: list = field(default_factory=list)  # {"what", "reason"} of rows left out
+
+    def skip(self, what: str, reason: str) -> None:
+        """Record rows left out (a model that needs a missing package, a case that needs 2 GPUs)."""
+        self.skipped.append({"what": what, "reason": reason})
+        self.progress(f"skipped {what}: {reason}")
 
     @property
     def device_type(self) -> str:

@@ -37,6 +37,14 @@ def llama3_8b(quick: bool = False) -> List[Tuple[str, Tuple[int, ...]]]:
     return _shapes(LlamaForCausalLM, config)
 
 
+QUICK_LABELS = {"Qwen2.5-1.5B": "tiny Qwen2 config", "Llama-3-8B": "tiny Llama config"}
+
+
+def label(name: str, quick: bool) -> str:
+    """How a row names a tensor list: quick shapes are tiny configs, not the model of that name."""
+    return QUICK_LABELS[name] if quick else name
+
+
 def _shapes(cls, config):
     with torch.device("meta"):
         model = cls(config)

@@ -1,6 +1,6 @@
 """`python -m offload.info`: what offload is running on and what is active, and why.
 
-Prints the package and torch versions, the CUDA or CANN runtime, the device, the
+Prints the package's version and folder, torch's version, the CUDA or CANN runtime, the device, the
 backend of each operation (native core or pure PyTorch, with the reason), and the
 build information recorded at build time, with a warning when the running torch
 is not the one offload was built against.
@@ -8,6 +8,7 @@ is not the one offload was built against.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -28,6 +29,7 @@ def collect() -> dict:
 
     return {
         "offload": __version__,
+        "location": os.path.dirname(os.path.abspath(__file__)),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cuda runtime": versions.get("cuda"),

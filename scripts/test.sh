@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
-# The test suite, from a fresh clone: set up .venv, build offload's native core
-# against the installed torch, run every test (each core test runs on the
-# compiled core and on the pure-PyTorch path), then run the core tests once more
-# with the compiled core switched off, as a user without it would run them.
-source "$(dirname "$0")/_env.sh" pytest hypothesis transformers
-python -m pytest tests -q -p no:cacheprovider "$@"
-OFFLOAD_FORCE_FALLBACK=1 python -m pytest tests/test_package.py tests/test_pool.py tests/test_copy.py \
-  tests/test_buckets.py tests/test_staging.py tests/test_activation.py -q -p no:cacheprovider -m "not slow"
+# The test suite, from a clone: set up the environment (scripts/_env.sh), build
+# offload's native core against its torch, run every test (each core test runs on
+# the compiled core and on the pure-PyTorch path), then run the core tests once
+# more with the compiled core switched off, as a user without it would run them.
+# Arguments go to both pytest runs; when they name test files or folders, those
+# replace the default selections.
+source "$(dirname "$0")/_env.sh" --need pytest hypothesis --want transformers
+
+selection=(tests)
+fallback=(tests/test_package.py tests/test_pool.py tests/test_copy.py tests/test_buckets.py tests/test_staging.py)
+for file in tests/test_activation*.py; do
+  case "$file" in *_cuda.py) ;; *) fallback+=("$file") ;; esac
+done
+for arg in "$@"; do
+  if [ -e "${arg%%::*}" ]; then  # a path (or path::test) names the selection
+    selection=()
+    fallback=()
+    break
+  fi
+done
+
+"$OFFLOAD_PYTHON" -m pytest ${selection[@]+"${selection[@]}"} -q -p no:cacheprovider "$@"
+OFFLOAD_FORCE_FALLBACK=1 "$OFFLOAD_PYTHON" -m pytest ${fallback[@]+"${fallback[@]}"} -q -p no:cacheprovider -m "not slow" "$@"

@@ -140,3 +140,57 @@ def test_package_build_info_matches_the_running_torch():
     assert {"target", "torch_version", "build_date", "features"} <= set(info)
     assert "a_host_pool" in info["features"] and "b_copy_engine" in info["features"]
     assert _backend.torch_mismatch() is None
+
+
+@pytest.mark.parametrize("isolated", [True, False])
+def test_package_setup_says_why_torch_is_missing(tmp_path, isolated):
+    # pip's isolated build puts folders named pip-build-env-* on sys.path and leaves torch out.
+    folder = tmp_path / ("pip-build-env-test" if isolated else "plain") / "site"
+    folder.mkdir(parents=True)
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('torch is not in this environment')\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(folder)})
+    assert result.returncode != 0
+    if isolated:
+        assert "pip's build isolation hid torch" in result.stderr
+        assert "pip install --no-build-isolation ." in result.stderr
+    else:
+        assert f"torch is not installed for {sys.executable}" in result.stderr
+
+
+def test_package_names_a_source_tree_that_shadows_an_installed_build(tmp_path):
+    # A clone's offload/ (sources only) imported ahead of an installed offload that has its core.
+    import importlib.machinery
+
+    source, installed = tmp_path / "clone", tmp_path / "site-packages"
+    for dest in (source, installed):
+        for path in (ROOT / "offload").rglob("*.py"):
+            target = dest / path.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(path.read_text())
+    (installed / "offload" / f"_C{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    script = (
+        "import sys\n"
+        "class Block:\n"  # the clone has no core; an editable install elsewhere must not serve one
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'offload._C':\n"
+        "            raise ImportError('no compiled core here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import offload\n"
+        "from offload.core import _backend\n"
+        "print(_backend.why_not())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_FORCE_FALLBACK"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=source, capture_output=True, text=True, timeout=300,
+                            env={**env, "PYTHONPATH": str(installed)})
+    assert result.returncode == 0, result.stderr
+    said = result.stdout.strip()
+    assert f"the source tree at {source / 'offload'} has no compiled core" in said
+    assert f"shadows the installed build at {installed / 'offload'}" in said

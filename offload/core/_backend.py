@@ -2,15 +2,20 @@
 
 `import offload` must never fail because of the extension: a user who installed
 with OFFLOAD_BUILD_TARGET=none, whose build failed, or whose torch changed since the
-build still gets the pure-PyTorch path. We warn once, and only where it costs
-something (a machine with an accelerator); `python -m offload.info` says why.
+build still gets the pure-PyTorch path. `import offload` itself says nothing; the
+first use of a path that the core would serve warns once, and only on a machine with
+an accelerator (on the CPU the pure-PyTorch path costs little). `python -m offload.info`
+says why the core is not in use, naming a source tree that shadows an installed build.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import os
+import sys
 import warnings
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -35,7 +40,7 @@ def _load() -> None:
     try:
         from .. import _C  # type: ignore[attr-defined]
     except ImportError as exc:
-        _why_not = f"offload._C could not be imported ({exc})"
+        _why_not = _shadowing() or _unbuilt() or f"offload._C could not be imported ({exc})"
         return
     except Exception as exc:  # a broken build must not break `import offload`
         _why_not = f"offload._C failed to load: {type(exc).__name__}: {exc}"
@@ -50,6 +55,48 @@ def _load() -> None:
         )
         return
     _core = _C
+
+
+def _built_core(package: Path) -> Optional[Path]:
+    """The compiled core file inside an `offload` package folder, if there is one."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        found = package / f"_C{suffix}"
+        if found.is_file():
+            return found
+    return None
+
+
+def _unbuilt() -> str:
+    """A sentence when this offload has no compiled core file at all (nothing failed to load)."""
+    here = Path(__file__).resolve().parent.parent
+    if _built_core(here) is not None:
+        return ""
+    return (f"offload._C could not be imported: {here} has no compiled core (installed with "
+            "OFFLOAD_BUILD_TARGET=none, or its build failed); build it with `pip install --no-build-isolation .`")
+
+
+def _shadowing() -> str:
+    """A sentence when this offload has no compiled core but another one on sys.path has.
+
+    The usual cause: `pip install .` put a built offload into site-packages, and Python
+    run from the checkout's root imports the checkout's `offload/` (sources only) first.
+    """
+    here = Path(__file__).resolve().parent.parent
+    if _built_core(here) is not None:
+        return ""
+    for entry in sys.path:
+        other = Path(entry or os.getcwd()) / "offload"
+        try:
+            if other.resolve() == here or not other.is_dir():
+                continue
+        except OSError:
+            continue
+        built = _built_core(other)
+        if built is not None:
+            return (f"offload._C could not be imported: the source tree at {here} has no compiled core and shadows "
+                    f"the installed build at {other}; run from another directory to use the installed build, or "
+                    f"build this tree in place with `pip install --no-build-isolation -e {here.parent}`")
+    return ""
 
 
 _load()

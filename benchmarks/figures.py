@@ -1,0 +1,206 @@
+"""The main job's three figures, drawn from the rows' figure fields (see common.py):
+
+- activation_memory_time.png: peak activation memory against step time, one point per
+  way of saving activations, one panel per model, the Pareto frontier drawn;
+- transfer_bandwidth.png: GB/s against bytes per tensor, one tensor and many, offload
+  against PyTorch's copies, the measured bus peak as a line;
+- staging_weight_sync.png: caller-blocked time and GB/s of checkpoint staging and weight
+  sync against DCP's DefaultStager and per-tensor loops.
+
+Each is skipped when its rows are absent (a section skipped) or matplotlib is not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.runner import missing
+
+ACTIVATION = "activation_memory_time.png"
+TRANSFER = "transfer_bandwidth.png"
+STAGING = "staging_weight_sync.png"
+OFFLOAD_COLOR = "tab:blue"
+# Ways of saving activations: (label in the legend, marker, PyTorch's own way?)
+WAYS = {
+    "none": ("PyTorch: no offload", "o", True),
+    "checkpoint": ("PyTorch: activation checkpointing", "s", True),
+    "save_on_cpu": ("PyTorch: save_on_cpu(pin_memory)", "D", True),
+    "async": ("offload: async", "^", False),
+    "auto": ("offload: auto", "v", False),
+    "async+checkpoint": ("offload: async + checkpointing", "P", False),
+}
+
+
+def matplotlib_missing() -> bool:
+    return missing("matplotlib")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(what: str, meta: dict) -> str:
+    title = f"{what}\n{meta['device']}, {meta['date']}"
+    if not meta["performance_result"]:
+        title += " (no accelerator: functional check, not a performance result)"
+    return title
+
+
+def pareto(points):
+    """The points no other point beats on both step time and memory, by step time."""
+    front, best = [], float("inf")
+    for x, y in sorted(points):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def activation(rows, meta, path: Path) -> bool:
+    rows = [r for r in rows if r.get("figure") == "activation" and r.get("way") in WAYS]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    if not models:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        points = []
+        for r in (r for r in rows if r["model"] == model):
+            label, marker, theirs = WAYS[r["way"]]
+            x, y = r["offload"], r["peak_bytes"] / 2**30
+            points.append((x, y))
+            ax.scatter([x], [y], marker=marker, s=60, label=label, color="tab:gray" if theirs else OFFLOAD_COLOR,
+                       edgecolors="black", linewidths=0.5, zorder=3)
+        front = pareto(points)
+        ax.plot([p[0] for p in front], [p[1] for p in front], linestyle="--", color="tab:green", linewidth=1,
+                label="Pareto frontier", zorder=2)
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("training step time (ms)")
+        ax.set_ylabel("peak activation memory (GiB)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="best")
+    fig.suptitle(_title("Activation memory against step time (lower left is better)", meta), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _size_label(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def transfer(rows, meta, path: Path) -> bool:
+    rows = [r for r in rows if r.get("figure") == "transfer"]
+    directions = [d for d in ("D2H", "H2D") if any(r["direction"] == d for r in rows)]
+    if not directions:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(directions), figsize=(6 * len(directions), 4.6), squeeze=False, sharey=True)
+    for ax, direction in zip(axes[0], directions):
+        mine = [r for r in rows if r["direction"] == direction]
+        single = sorted((r for r in mine if r["tensors"] == 1), key=lambda r: r["bytes_per_tensor"])
+        if single:
+            xs = [r["bytes_per_tensor"] for r in single]
+            ax.plot(xs, [r["offload"] for r in single], marker="o", color=OFFLOAD_COLOR, label="offload, one tensor")
+            ax.plot(xs, [r["baseline"] for r in single], marker="x", linestyle="--", color="tab:gray",
+                    label=f"PyTorch {single[0]['baseline_name']}, one tensor")
+        many = [r for r in mine if r["tensors"] > 1]
+        for k, r in enumerate(many):
+            ax.scatter([r["bytes_per_tensor"]], [r["offload"]], marker="*", s=160, color=OFFLOAD_COLOR,
+                       edgecolors="black", linewidths=0.5, zorder=3, label="offload, many tensors" if k == 0 else None)
+            ax.scatter([r["bytes_per_tensor"]], [r["baseline"]], marker="X", s=70, color="tab:orange", zorder=3,
+                       label=f"PyTorch {r['baseline_name']}, many tensors" if k == 0 else None)
+            ax.annotate(f"{r['tensors']} tensors", (r["bytes_per_tensor"], r["offload"]), textcoords="offset points",
+                        xytext=(6, 4), fontsize=7)
+        peak = meta["notes"].get(f"bus_peak_{direction.lower()}_gbps")
+        if peak:
+            ax.axhline(peak, color="tab:red", linestyle=":", label=f"bus peak, measured ({peak:.1f} GB/s)")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["bytes_per_tensor"] for r in mine})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([_size_label(t) for t in ticks], fontsize=7, rotation=30)
+        ax.set_xlabel("bytes per tensor")
+        ax.set_ylabel("bandwidth (GB/s)")
+        ax.set_title(f"{direction} ({'device to host' if direction == 'D2H' else 'host to device'})", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(_title("Transfer bandwidth: offload against PyTorch's copies", meta), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _panel_value(r):
+    if r["panel"] == "gbps" and r["unit"] == "ms":  # a time over the bytes moved
+        return (r["bytes"] / (r["offload"] * 1e6) if r["offload"] else None,
+                r["bytes"] / (r["baseline"] * 1e6) if r["baseline"] else None)
+    return r["offload"], r["baseline"]
+
+
+def staging(rows, meta, path: Path) -> bool:
+    rows = [r for r in rows if r.get("figure") == "staging_weight_sync"]
+    panels = [p for p in ("blocked", "gbps") if any(r["panel"] == p for r in rows)]
+    if not panels:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    baselines = list(dict.fromkeys(r["baseline_name"] for r in rows if r["baseline"] is not None))
+    colors = {name: plt.get_cmap("Set2")(k % 8) for k, name in enumerate(baselines)}
+    for ax, panel in zip(axes[0], panels):
+        mine = [r for r in rows if r["panel"] == panel]
+        groups = list(dict.fromkeys(r["group"] for r in mine))
+        series = ["offload"] + [b for b in baselines if any(r["baseline_name"] == b for r in mine)]
+        width = 0.8 / len(series)
+        labelled = set()
+        for g, group in enumerate(groups):
+            values = {}
+            for r in (r for r in mine if r["group"] == group):
+                ours, theirs = _panel_value(r)
+                values["offload"] = ours
+                if theirs is not None:
+                    values[r["baseline_name"]] = theirs
+            for s, name in enumerate(series):
+                if values.get(name) is None:
+                    continue
+                label = None if name in labelled else name
+                labelled.add(name)
+                ax.bar(g - 0.4 + width * (s + 0.5), values[name], width, label=label, edgecolor="black",
+                       color=OFFLOAD_COLOR if name == "offload" else colors[name], linewidth=0.4)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(groups, fontsize=7, rotation=20, ha="right")
+        ax.set_yscale("log")  # the ways differ by orders of magnitude
+        if panel == "blocked":
+            ax.set_ylabel("caller blocked per save (ms, log scale, lower is better)")
+            ax.set_title("Time the training loop waits", fontsize=10)
+        else:
+            ax.set_ylabel("bandwidth (GB/s, log scale, higher is better)")
+            ax.set_title("Bytes moved per second", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=6, loc="best")
+    fig.suptitle(_title("Checkpoint staging and weight sync: offload against DCP's DefaultStager and per-tensor "
+                        "loops", meta), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def draw_all(rows, meta: dict, out: Path):
+    """Paths of the figures drawn into `out`."""
+    if matplotlib_missing():
+        return []
+    drawn = []
+    for name, draw in ((ACTIVATION, activation), (TRANSFER, transfer), (STAGING, staging)):
+        if draw(rows, meta, out / name):
+            drawn.append(out / name)
+    return drawn
