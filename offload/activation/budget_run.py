@@ -22,6 +22,7 @@ import statistics
 from typing import Optional
 
 from . import budget as _budget
+from .schedule import COPY_MARGIN
 
 # Steps of a new budget plan not timed (first allocations of new block sizes), then timed.
 CHECK_WARMUP_STEPS = 1
@@ -122,7 +123,7 @@ class BudgetRun:
         if peak > 0 and self.result.feasible and peak > self.budget * (1 + PEAK_SLACK):
             self.fixed += peak - chosen.peak_bytes
             out["replan"] = True
-        if (d2h_bps is not None and d2h_bps < self.bus.d2h_bps / (1 + _budget_copy_margin())
+        if (d2h_bps is not None and d2h_bps < self.bus.d2h_bps / (1 + COPY_MARGIN)
                 and step_ms > chosen.step_s * 1e3 * (1 + STEP_MISS)):
             self.bus = _budget.Bus(d2h_bps, self.bus.h2d_bps, self.bus.window)
             out["replan"] = True
@@ -131,8 +132,3 @@ class BudgetRun:
             out["replans"] = self.replans
         return out
 
-
-def _budget_copy_margin() -> float:
-    from .schedule import COPY_MARGIN
-
-    return COPY_MARGIN

@@ -6,8 +6,8 @@ under compute, and its peak shows whether a step without offload fits. If it doe
 budget is set) the next steps run without offload (Note [measuring without offload]), else
 one more with everything offloaded; the last of them gives per layer its saved bytes, its
 forward time and its backward time. The plan is then made by `schedule.schedule` (no
-budget) or `schedule.choose` (a memory budget), and, without a budget, checked against
-timed steps (Note [probes]).
+budget), and checked against timed steps (Note [probes]); or by `budget.plan` (a memory
+budget: keep, offload or recompute per layer), checked by budget_run.py.
 
 The planner drives the engine and the handle only through their documented interfaces
 (Note [engine interface] in engine.py, Note [handle interface] in api.py).
