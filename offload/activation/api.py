@@ -13,12 +13,23 @@ import weakref
 from typing import List, Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..core.checks import check_int, parse_bytes
 from ..core.pool import HostPool
 from . import layers as _layers
 from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine
 from .saved_tensors import input_tensors, module_tensors, not_traced, other_hooks_active
+
+# Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
+# under torch's non-reentrant checkpoint, inside the layer's group: the checkpoint saves the
+# layer's inputs through the hooks below its own (so they are offloaded with the group) and
+# keeps none of the layer's activations; backward runs the forward again with the RNG state
+# of the first run (`preserve_rng_state`), so dropout draws the same masks and gradients are
+# bitwise those without it. The recomputation runs in backward, outside any capture. A
+# layer's key/value cache argument (Hugging Face) is dropped for a recomputed layer, as
+# Hugging Face's own gradient checkpointing turns the cache off in training: the second run
+# would append its keys and values to the cache again and attend over both.
 
 # Note [torch.compile]: a compiled layer's activations are saved at run time by
 # AOTAutograd's autograd function, so they are offloaded like any other (the boundaries are
@@ -45,9 +56,13 @@ class ActivationOffload:
 
     Note [handle interface]: what auto mode's planner (planner.py) uses of the handle:
     `engine`, `layers` (names), `keep` (per layer: kept on the device whatever the plan),
-    `set_offloaded(mask)` (per layer: offloaded from the next forward on) and
+    `set_offloaded(mask)` (per layer: offloaded from the next forward on),
+    `set_recomputed(mask)` (per layer: its forward checkpointed from the next forward on,
+    Note [recompute]), `checkpointed` (per layer: the user checkpoints it already) and
     `set_layers_wrapped(on)` (wrap the layers' forwards, or restore them while a plan offloads
-    nothing). `planner` gives auto mode's planner (None in the other modes).
+    and recomputes nothing). The layer wrappers report each layer's input bytes to the
+    planner's `layer_inputs(index, nbytes)` while it measures. `planner` gives auto mode's
+    planner (None in the other modes).
     """
 
     def __init__(self, model, layers, engine, keep, memory_budget_bytes, verbose):
@@ -63,6 +78,7 @@ class ActivationOffload:
         self._modules = [weakref.ref(module) for _, module in layers]
         self._keep = keep  # per layer: kept on the device whatever the mode
         self._offload = [not k for k in keep]  # per layer: offloaded in the current plan
+        self._recompute = [False] * len(keep)  # per layer: checkpointed by the current plan
         self._enabled = True
         self._paused = False  # inside paused(): forwards run as without offload
         self._auto = None
@@ -107,6 +123,23 @@ class ActivationOffload:
             raise ValueError(f"offload.ActivationOffload.set_offloaded: one entry per layer ({len(self._keep)}), "
                              f"got {len(mask)}")
         self._offload = [bool(on) for on in mask]
+
+    def set_recomputed(self, mask) -> None:
+        """Per layer: whether the next forwards run it under a checkpoint (auto mode's budget plan)."""
+        if len(mask) != len(self._keep):
+            raise ValueError(f"offload.ActivationOffload.set_recomputed: one entry per layer ({len(self._keep)}), "
+                             f"got {len(mask)}")
+        self._recompute = [bool(on) for on in mask]
+
+    @property
+    def checkpointed(self) -> List[bool]:
+        """Per layer: the user checkpoints it already (Hugging Face's gradient checkpointing, torch's
+        checkpoint_wrapper): its forward's activations are recomputed whatever the plan."""
+        return [_layers.user_checkpointed(ref()) for ref in self._modules]
+
+    def recomputed_layers(self) -> List[str]:
+        """The names of the layers the current plan recomputes (besides those the user checkpoints)."""
+        return [name for name, on in zip(self.layers, self._recompute) if on]
 
     def offloaded_layers(self) -> List[str]:
         return [name for name, on in zip(self.layers, self._offload) if on]
@@ -177,7 +210,14 @@ class ActivationOffload:
             engine.boundary(name, offload=offload, layer=index)
             if offload:
                 self._add_layer_params(index)
-            out = original(*args, **kwargs)
+            if engine.observer is not None and self._auto is not None:
+                self._auto.layer_inputs(index, _input_bytes(args, kwargs))
+            if self._recompute[index]:
+                # Note [recompute]
+                kwargs = _without_cache(kwargs)
+                out = checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            else:
+                out = original(*args, **kwargs)
             schedule = engine.schedule
             if schedule is not None and index in schedule.fetch_at:
                 engine.fetch_when_backward_reaches(out, schedule.fetch_at[index])
@@ -198,6 +238,7 @@ class ActivationOffload:
         out = self.engine.stats()
         out["layers"] = list(self.layers)
         out["offloaded_layers"] = self.offloaded_layers()
+        out["recomputed_layers"] = self.recomputed_layers()
         out["plan"] = self.plan
         return out
 
@@ -234,6 +275,36 @@ class ActivationOffload:
     def __repr__(self) -> str:
         return (f"ActivationOffload(mode={self.engine.mode!r}, {len(self.offloaded_layers())} of "
                 f"{len(self.layers)} layers offloaded, enabled={self._enabled})")
+
+
+# Keyword arguments through which a Hugging Face layer reads and writes its key/value cache.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(kwargs):
+    """A recomputed layer's keyword arguments without its key/value cache (Note [recompute])."""
+    if not any(kwargs.get(name) is not None for name in _CACHE_KWARGS) and not kwargs.get("use_cache"):
+        return kwargs
+    kwargs = dict(kwargs)
+    for name in _CACHE_KWARGS:
+        if name in kwargs:
+            kwargs[name] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _input_bytes(args, kwargs) -> int:
+    """Bytes of the distinct storages of a layer's tensor inputs: what a checkpoint of it saves."""
+    seen, total = set(), 0
+    for t in input_tensors(args, kwargs):
+        if type(t) is not torch.Tensor:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def _compiling() -> bool:

@@ -128,6 +128,16 @@ def find_layers(
     return found
 
 
+def user_checkpointed(module: Optional[nn.Module]) -> bool:
+    """Whether the user checkpoints `module`'s forward already: Hugging Face's gradient
+    checkpointing (a layer's `gradient_checkpointing` flag) or torch's `checkpoint_wrapper`."""
+    if module is None:
+        return False
+    if getattr(module, "gradient_checkpointing", False) is True:
+        return True
+    return type(module).__name__ == "CheckpointWrapper"
+
+
 def forward_target(module: nn.Module) -> nn.Module:
     """The module whose forward runs after the layer's parameters are unsharded."""
     inner = getattr(module, "_fsdp_wrapped_module", None)

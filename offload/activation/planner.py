@@ -6,8 +6,8 @@ under compute, and its peak shows whether a step without offload fits. If it doe
 budget is set) the next steps run without offload (Note [measuring without offload]), else
 one more with everything offloaded; the last of them gives per layer its saved bytes, its
 forward time and its backward time. The plan is then made by `schedule.schedule` (no
-budget) or `schedule.choose` (a memory budget), and, without a budget, checked against
-timed steps (Note [probes]).
+budget), and checked against timed steps (Note [probes]); or by `budget.plan` (a memory
+budget: keep, offload or recompute per layer), checked by budget_run.py.
 
 The planner drives the engine and the handle only through their documented interfaces
 (Note [engine interface] in engine.py, Note [handle interface] in api.py).
@@ -26,7 +26,9 @@ import torch
 from ..core import _device
 from ..core.copy import copy_to_device, copy_to_host
 from .saved_tensors import tensor_leaves
-from .schedule import (COPY_MARGIN, STEP_OVERHEAD_TOLERANCE, StepSearch, choose, planned_bytes, schedule)
+from . import budget as _budget
+from .budget_run import BudgetRun, costs as _costs
+from .schedule import (COPY_MARGIN, STEP_OVERHEAD_TOLERANCE, StepSearch, planned_bytes, schedule)
 
 # Note [probes]: the model misses what it does not see (the host stalls of the resident
 # window, launch-bound steps where the hooks' own cost shows, copies slowing compute on a
@@ -208,6 +210,9 @@ class AutoPlanner:
         # The input shape of the last forward if its settled plan offloads nothing (its steps run unhooked).
         self.unhooked_shape = None
         self.warned_budget = False  # a budget the plan cannot meet is warned about once per handle
+        self.inputs = {}  # layer -> bytes of its tensor inputs in the measured step (what a checkpoint saves)
+        self.budget_runs = {}  # key -> BudgetRun while a budget plan is checked against its steps
+        self.budget_start = None  # (mark, key) of the last training forward of a budget plan being checked
 
     def current_plan(self):
         return self.plans.get(self.key)
@@ -238,18 +243,21 @@ class AutoPlanner:
         handle = self.handle
         if key in self.plans:
             self._tune(key)
+            self._check_budget(key)
             mask = list(self.plans[key]["mask"])
+            recompute = list(self.plans[key].get("recompute") or [False] * len(mask))
             handle.set_offloaded(mask)
+            handle.set_recomputed(recompute)
             self.engine.use_plan(self.plans[key].get("schedule"), observer=None)
             # Nothing offloaded: a settled plan, or a probe's step without offload (the baseline
             # the probed count is timed against is the step exactly as without offload).
-            unhooked = not any(mask)
+            unhooked = not any(mask) and not any(recompute)
             self.unhooked_shape = key if unhooked and key not in self.tuning else None
             handle.set_layers_wrapped(not unhooked)
             return unhooked
         self.unhooked_shape = None
         handle.set_layers_wrapped(True)
-        self.last_start = None
+        self.last_start = self.budget_start = None
         if self.measuring is None or self.measuring[0] != key:
             self.measuring = (key, 0)
             self.measure_without_offload = False
@@ -257,8 +265,10 @@ class AutoPlanner:
         # known to fit, none (kept groups: each layer's bytes and times are still recorded).
         keep = handle.keep
         handle.set_offloaded([False] * len(keep) if self.measure_without_offload else [not k for k in keep])
+        handle.set_recomputed([False] * len(keep))
         self.engine.use_plan(None, observer=self)
         self.records = {}
+        self.inputs = {}
         self.backward_mark = None
         self.tail_marks = []
         if self.engine.on_accel:
@@ -404,6 +414,10 @@ class AutoPlanner:
         plan["offloaded_bytes"] = planned_bytes(plan["layer_bytes"], mask, plan.get("caps"))
 
     # ---- observer
+    def layer_inputs(self, index: int, nbytes: int) -> None:
+        """The handle: layer `index` of the measured step took `nbytes` of tensor inputs."""
+        self.inputs[index] = nbytes
+
     def opened(self, group) -> None:
         self.records.setdefault(group.layer, {})["open"] = self.clock.mark()
 
@@ -499,11 +513,8 @@ class AutoPlanner:
             else:  # the window's plans keep the rate measured under it where there is one
                 d2h, h2d = d2h or idle_d2h, h2d or idle_h2d
         eligible = [not k for k in handle.keep]
-        allowance = None
         peak = stats["peak_device_bytes"]
-        if self.budget is not None:
-            allowance = max(0, self.budget - peak)
-        window = self.engine.resident_groups
+        run = None
         plan_schedule = caps = before_peak = None
         if self.budget is None:
             # Hide the copies: what the bus moves before backward starts, freed at planned points.
@@ -513,8 +524,16 @@ class AutoPlanner:
             caps = plan_schedule.caps
             mask = [i in order for i in range(n)]
             step = sum(fwd) + tail + head_bwd + sum(bwd) + exposed
-        else:  # as few layers as meet the budget, in the resident window
-            mask, exposed, step = choose(eligible, nbytes, fwd, bwd, d2h, h2d, window, allowance)
+        else:  # keep, offload or recompute each layer: the least step that fits (budget.py)
+            inputs = [self.inputs.get(i, 0) for i in range(n)]
+            # What the head and the loss hold on top of the layers as backward starts.
+            tail_bytes = max(0, peak - self.tail_marks[0][2]) if self.tail_marks else 0
+            run = BudgetRun(_costs(nbytes, inputs, fwd, bwd, eligible, handle.checkpointed),
+                            _budget.Bus(d2h, h2d, self.engine.resident_groups), self.budget, peak, tail + head_bwd,
+                            tail_bytes)
+            run.make()
+            mask = run.fields(handle.layers)["mask"]
+            exposed, step = run.result.chosen.exposed_s, run.result.chosen.step_s
         eligible_bytes = sum(b for b, e in zip(nbytes, eligible) if e)
         offloaded = planned_bytes(nbytes, mask, caps)
         plan = {
@@ -556,35 +575,91 @@ class AutoPlanner:
             self.tuning[key] = _Probe(order, StepSearch(sum(mask)), replan, d2h)
             plan["tuning"].update(settled=False, checked=True)
             plan["model_mask"] = list(mask)
-        if self.budget is not None and peak + (eligible_bytes - offloaded) > self.budget and any(
-            e and not m for e, m in zip(eligible, mask)
-        ):
-            plan["budget_met"] = False
-        elif self.budget is not None:
-            plan["budget_met"] = peak + (eligible_bytes - offloaded) <= self.budget
         missed = ""
-        if plan.get("budget_met") is False:
-            predicted = peak + eligible_bytes - offloaded
-            missed = (f"; does NOT meet memory_budget_bytes={self.budget} (predicted peak {predicted / 2**20:.1f} "
-                      f"MiB, {sum(mask)} of {sum(eligible)} eligible layers offloaded)")
-            if not self.warned_budget:
-                self.warned_budget = True
-                warnings.warn(
-                    f"offload.enable_activation_offload: mode='auto' cannot meet memory_budget_bytes={self.budget} "
-                    f"for inputs {plan['input_shapes']}: the predicted peak device memory is {predicted} bytes with "
-                    f"{sum(mask)} of {sum(eligible)} eligible layers offloaded (keep_first/keep_last keep the "
-                    f"others, and what is not a saved activation stays); raise the budget, lower keep_first/"
-                    "keep_last, or combine with activation checkpointing",
-                    stacklevel=2,
-                )
+        if run is not None:
+            self._use_budget_plan(key, plan, run)
+            self.budget_runs[key] = run
+            missed = self._budget_missed(plan)
         if self.verbose:
             print(
                 f"offload.activation auto plan for inputs {plan['input_shapes']}: offload {len(plan['offload'])} "
                 f"of {n} layers ({offloaded / 2**20:.1f} of {eligible_bytes / 2**20:.1f} MiB eligible), "
                 f"predicted exposed copy time {plan['predicted_exposed_ms']:.2f} ms of a "
                 f"{plan['predicted_step_ms']:.2f} ms step at {plan['d2h_gbps']:.1f}/{plan['h2d_gbps']:.1f} GB/s"
+                + (f", recompute {len(plan['recomputed'])} (predicted peak {plan['predicted_peak_bytes'] / 2**20:.1f} "
+                   f"MiB)" if run is not None else "")
                 + ("; timing it against a step without offload" if plan["tuning"]["checked"] else "")
                 + missed,
                 flush=True,
             )
         return plan
+
+    # ---- a memory budget: keep, offload or recompute per layer (budget.py), checked against its steps
+    def _use_budget_plan(self, key, plan, run) -> None:
+        """Put `run`'s current plan into `plan` (the handle's dict)."""
+        fields = run.fields(self.handle.layers)
+        check = plan.get("check")
+        plan.update(fields)
+        if check is not None:
+            fields["check"]["history"] = check.get("history", []) + [
+                {k: check[k] for k in ("measured_step_ms", "measured_peak_bytes", "predicted_step_ms",
+                                       "predicted_peak_bytes") if k in check}]
+        plan["check"]["predicted_step_ms"] = plan["predicted_step_ms"]
+        plan["check"]["predicted_peak_bytes"] = plan["predicted_peak_bytes"]
+        mask = plan["mask"]
+        plan["offload"] = [name for name, m in zip(self.handle.layers, mask) if m]
+        plan["recomputed"] = [name for name, on in zip(self.handle.layers, plan["recompute"]) if on]
+        plan["offloaded_bytes"] = planned_bytes(plan["layer_bytes"], mask, None)
+        plan["tuning"]["model_layers"] = sum(mask)
+
+    def _budget_missed(self, plan) -> str:
+        """Warn, once per handle, when the budget cannot be met; the note for the printed plan."""
+        if plan["budget_met"]:
+            return ""
+        least = plan["least_peak_bytes"]
+        if not self.warned_budget:
+            self.warned_budget = True
+            warnings.warn(
+                f"offload.enable_activation_offload: mode='auto' cannot meet memory_budget_bytes={self.budget} "
+                f"for inputs {plan['input_shapes']}: the least peak device memory any plan reaches is predicted at "
+                f"{least} bytes ({len(plan['offload'])} layers offloaded, {len(plan['recomputed'])} recomputed; "
+                "keep_first/keep_last keep the others, and what is not a saved activation stays); that plan runs. "
+                "Raise the budget or lower keep_first/keep_last",
+                stacklevel=3,
+            )
+        return (f"; does NOT meet memory_budget_bytes={self.budget} (least predicted peak {least / 2**20:.1f} MiB, "
+                f"{len(plan['offload'])} of {len(plan['mask'])} layers offloaded)")
+
+    def _check_budget(self, key) -> None:
+        """Time the step that just ended if it ran this shape's budget plan under check; once
+        enough are, compare with the prediction and plan again on a miss (budget_run.py)."""
+        run = self.budget_runs.get(key)
+        if run is None:
+            self.budget_start = None
+            return
+        device = self.engine.device
+        mark = self.clock.mark()
+        last, self.budget_start = self.budget_start, None
+        if last is not None and last[1] == key and run.step_ended(
+                self.clock.seconds(last[0], mark) * 1e3, _device.max_memory_allocated(device), self.engine.counters):
+            plan = self.plans[key]
+            verdict = run.verdict(self._copy_rate(run.copies))
+            plan["check"].update(measured_step_ms=verdict["measured_step_ms"],
+                                 measured_peak_bytes=verdict["measured_peak_bytes"], replans=verdict["replans"])
+            if verdict["replan"]:
+                run.make()
+                self._use_budget_plan(key, plan, run)
+                missed = self._budget_missed(plan)
+                if self.verbose:
+                    print(f"offload.activation auto: inputs {plan['input_shapes']}: the plan's steps took "
+                          f"{verdict['measured_step_ms']:.2f} ms, peak {(verdict['measured_peak_bytes'] or 0) / 2**20:.1f}"
+                          f" MiB; planned again: offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}, "
+                          f"predicted {plan['predicted_step_ms']:.2f} ms, {plan['predicted_peak_bytes'] / 2**20:.1f} MiB"
+                          + missed, flush=True)
+            else:
+                plan["check"]["settled"] = True
+                del self.budget_runs[key]
+                return
+        if self.engine.on_accel:
+            _device.reset_peak_memory_stats(device)
+        self.budget_start = (mark, key)

@@ -1,0 +1,299 @@
+"""Auto mode's plan for a memory budget, as pure functions of per-layer measurements.
+
+Each layer is kept (its saved tensors stay on the device), offloaded (its saved tensors go to
+the host in the resident window and come back ahead of its backward) or recomputed (its
+forward runs under a non-reentrant checkpoint: only its inputs are saved, and they are
+offloaded like any other group; backward runs its forward again). `predict` replays one step
+of a plan on a timeline of the layers' measured times and the bus's rates and gives its step
+time and its peak; `plan` picks, among the plans that fit the budget, the one of least
+predicted step time, or says the budget cannot be met and what least peak can. Nothing here
+touches a device.
+
+Note [budget plan search]: three choices per layer make 3^n plans; the search evaluates the
+families a person would write by hand, "offload the first a eligible layers and recompute the
+next b" and "recompute the first b and offload the next a" for every a and b (so "checkpoint
+the first k layers" and "offload the first k layers" are among them and the plan is never
+predicted slower than either at the same budget), then improves the best of them one layer
+at a time while a change lowers the predicted step and still fits. Offloading earliest layers
+first is what the bus favours: their memory is freed longest and backward needs them last,
+with the most time to bring them back.
+
+Note [stable plans]: measured times move by a few percent from run to run; two plans whose
+predicted steps differ by less than that would otherwise be chosen at random. Among the plans
+that fit and are predicted within `TIE_TOLERANCE` of the fastest, the simplest is chosen:
+fewest layers recomputed, then fewest offloaded, then the earliest layers. A budget above the
+step's peak without offload therefore keeps every layer, and small changes of the measured
+times keep the same plan.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import List, Optional, Sequence
+
+KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+# Plans predicted within this share of the fastest one are taken as equally fast (Note [stable plans]).
+TIE_TOLERANCE = 0.005
+# Rounds of one-layer changes after the families, at most (each round changes one layer).
+MAX_ROUNDS_PER_LAYER = 2
+# Strides of the offloaded layers the search tries (Note [budget plan search]): 1 is a run of
+# layers; with the resident window a copy longer than a layer's forward hides only when the
+# next offloaded layer is further on.
+OFFLOAD_STRIDES = (1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """What a layer costs, measured in a step that runs it without checkpointing.
+
+    saved_bytes: bytes its group saves for backward; input_bytes: what a checkpoint of it
+    saves instead (its tensor inputs); forward_s, backward_s: its times (backward_s includes
+    the recomputation where the user checkpoints it already); eligible: it may be offloaded or
+    recomputed (keep_first / keep_last layers may not); checkpointed: the user checkpoints it
+    already, so it is recomputed whatever the plan and `full_bytes` (what its recomputation
+    saves, when known) stands for its saved bytes during its backward.
+    """
+
+    saved_bytes: int
+    input_bytes: int
+    forward_s: float
+    backward_s: float
+    eligible: bool = True
+    checkpointed: bool = False
+    full_bytes: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Bus:
+    """Copy rates under compute (bytes/s) and the resident window (groups on the device at once)."""
+
+    d2h_bps: float
+    h2d_bps: float
+    window: int = 2
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A plan (one kind a layer) and its predicted step: seconds, peak bytes (fixed bytes
+    included), the part of the step spent waiting for copies, and the recomputation's share."""
+
+    kinds: List[str]
+    step_s: float
+    peak_bytes: int
+    exposed_s: float
+    recompute_s: float
+
+    def fits(self, budget: Optional[int]) -> bool:
+        return budget is None or self.peak_bytes <= budget
+
+
+@dataclasses.dataclass
+class BudgetPlan:
+    """`plan`'s answer: the chosen prediction, whether it meets the budget, and the least peak
+    any plan reaches (what the budget must be at least)."""
+
+    chosen: Prediction
+    feasible: bool
+    least_peak_bytes: int
+    candidates: int
+
+
+def allowed(cost: LayerCost) -> Sequence[str]:
+    """The kinds a layer may take: a layer the user checkpoints is recomputed in any plan."""
+    if cost.checkpointed:
+        return (RECOMPUTE,)
+    if not cost.eligible:
+        return (KEEP,)
+    return (KEEP, OFFLOAD, RECOMPUTE)
+
+
+def _held(kind: str, cost: LayerCost) -> int:
+    """Bytes the layer's group holds on the device after its forward, unless copied out."""
+    return cost.input_bytes if kind == RECOMPUTE else cost.saved_bytes
+
+
+def _copied(kind: str, cost: LayerCost) -> int:
+    return _held(kind, cost) if cost.eligible and kind != KEEP else 0
+
+
+def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_bytes: int = 0,
+            tail_s: float = 0.0, tail_bytes: int = 0) -> Prediction:
+    """Replay one step of the plan `kinds` (one per layer) with the resident window.
+
+    Forward: layer i runs `forward_s` after layer i-1; a copied group's copy starts when its
+    layer ends (or when the copy before it ends) and takes its bytes over `d2h_bps`; when more
+    than `window` - 1 groups are still copying, the compute stream waits for the oldest (the
+    window's wait), and a group whose copy is complete is let go. Memory during layer i: the
+    groups held on the device, those still copying, and what layer i saves (its inputs only
+    when recomputed). Backward starts `tail_s` after the last layer, the head and the loss
+    holding `tail_bytes` on top of every group still on the device until then; groups still
+    copying then are served from the device; the first group needed from the host is fetched as backward
+    starts, each other one when the group after it starts its backward; a layer's backward
+    waits for its group, takes `backward_s` (plus `forward_s` when recomputed by the plan) and
+    holds, while it runs, what it saved (again, when recomputed) besides the groups held and
+    fetched. Peak: the largest of those sums, plus `fixed_bytes` (what is not a layer's saved
+    activation: parameters, gradients, the head and the loss).
+    """
+    n = len(costs)
+    held = [_held(k, c) for k, c in zip(kinds, costs)]
+    copied = [_copied(k, c) for k, c in zip(kinds, costs)]
+    t = exposed = recompute = 0.0
+    d2h_free = 0.0
+    inflight: collections.deque = collections.deque()  # (copy end, layer)
+    on_device = 0  # bytes of groups not copied out (kept, recomputed with their inputs kept)
+    peak = 0
+    for i, (kind, cost) in enumerate(zip(kinds, costs)):
+        during = cost.input_bytes if kind == RECOMPUTE else cost.saved_bytes
+        peak = max(peak, on_device + sum(copied[j] for _, j in inflight) + during)
+        t += cost.forward_s
+        if not copied[i]:
+            on_device += held[i]
+            continue
+        end = max(t, d2h_free) + copied[i] / bus.d2h_bps
+        d2h_free = end
+        inflight.append((end, i))
+        while inflight and inflight[0][0] <= t:
+            inflight.popleft()
+        while len(inflight) > bus.window - 1:
+            end_oldest, _ = inflight.popleft()
+            if end_oldest > t:
+                exposed += end_oldest - t
+                t = end_oldest
+    while inflight and inflight[0][0] <= t:
+        inflight.popleft()
+    resident = {j for _, j in inflight}  # still copying as backward starts: served from the device
+    memory = on_device + sum(copied[j] for j in resident)
+    peak = max(peak, memory + tail_bytes)
+    t += tail_s
+    chosen = [i for i in range(n) if copied[i] and i not in resident]
+    previous = {b: a for a, b in zip(chosen, chosen[1:])}
+    ready: dict = {}
+    h2d_free = t
+    if chosen and len(resident) < bus.window:
+        last = chosen[-1]
+        ready[last] = h2d_free = t + copied[last] / bus.h2d_bps
+        memory += copied[last]
+    for i in reversed(range(n)):
+        kind, cost = kinds[i], costs[i]
+        if copied[i] and i not in resident:
+            if i not in ready:
+                ready[i] = max(t, h2d_free) + copied[i] / bus.h2d_bps
+                h2d_free = ready[i]
+                memory += copied[i]
+            if ready[i] > t:
+                exposed += ready[i] - t
+                t = ready[i]
+        p = previous.get(i)
+        if p is not None and p not in ready:
+            ready[p] = max(t, h2d_free) + copied[p] / bus.h2d_bps
+            h2d_free = ready[p]
+            memory += copied[p]
+        extra = 0
+        if kind == RECOMPUTE:
+            extra = cost.full_bytes if cost.checkpointed and cost.full_bytes is not None else cost.saved_bytes
+        peak = max(peak, memory + extra)
+        t += cost.backward_s
+        if kind == RECOMPUTE and not cost.checkpointed:
+            t += cost.forward_s
+            recompute += cost.forward_s
+        memory -= held[i]
+    return Prediction(list(kinds), t, int(peak + fixed_bytes), exposed, recompute)
+
+
+def fixed_bytes(measured_peak: int, kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus,
+                tail_bytes: int = 0) -> int:
+    """What a step holds besides the layers' saved activations: the measured step's peak less
+    the activation peak `predict` gives for the plan it ran (0 where the device keeps no
+    memory statistics)."""
+    if measured_peak <= 0:
+        return 0
+    return max(0, measured_peak - predict(kinds, costs, bus, tail_bytes=tail_bytes).peak_bytes)
+
+
+def _families(costs: Sequence[LayerCost]):
+    """Plans of the hand-written kind: offload eligible layers (a run of them, or every s-th one,
+    which leaves the window's copies a layer's time more each) and recompute the earliest of the
+    others, either after or before the offloaded ones (Note [budget plan search])."""
+    base = [allowed(c)[0] for c in costs]
+    free = [i for i, c in enumerate(costs) if len(allowed(c)) > 1]
+    m = len(free)
+
+    def make(offloaded, recomputed):
+        kinds = list(base)
+        for i in offloaded:
+            kinds[i] = OFFLOAD
+        for i in recomputed:
+            kinds[i] = RECOMPUTE
+        return kinds
+
+    for stride in OFFLOAD_STRIDES:
+        for b in range(m + 1):
+            # Recompute the first b, offload every stride-th of the rest.
+            rest = free[b:][::stride]
+            for a in range(len(rest) + 1):
+                yield make(rest[:a], free[:b])
+        for a in range(1, len(free[::stride]) + 1):
+            # Offload every stride-th from the first, recompute the earliest b of the others.
+            offloaded = free[::stride][:a]
+            others = [i for i in free if i not in offloaded]
+            for b in range(1, len(others) + 1):
+                yield make(offloaded, others[:b])
+
+
+def _simplicity(p: Prediction):
+    """Order among equally fast plans (Note [stable plans])."""
+    return (p.kinds.count(RECOMPUTE), p.kinds.count(OFFLOAD),
+            [(k != KEEP, k == RECOMPUTE) for k in reversed(p.kinds)])
+
+
+def _pick(predictions, budget):
+    fitting = [p for p in predictions if p.fits(budget)]
+    if not fitting:
+        return None
+    fastest = min(p.step_s for p in fitting)
+    return min((p for p in fitting if p.step_s <= fastest * (1 + TIE_TOLERANCE)), key=_simplicity)
+
+
+def plan(costs: Sequence[LayerCost], bus: Bus, budget: Optional[int], fixed: int = 0,
+         tail_s: float = 0.0, tail_bytes: int = 0) -> BudgetPlan:
+    """The plan of least predicted step time whose predicted peak fits `budget` (bytes, the
+    whole device memory of the step, `fixed` included), or, if none does, the plan of least
+    predicted peak with `feasible` False (Note [budget plan search], Note [stable plans])."""
+    seen = {}
+
+    def evaluate(kinds):
+        key = tuple(kinds)
+        if key not in seen:
+            seen[key] = predict(kinds, costs, bus, fixed, tail_s, tail_bytes)
+        return seen[key]
+
+    predictions = [evaluate(kinds) for kinds in _families(costs)]
+    least = min(predictions, key=lambda p: (p.peak_bytes, p.step_s))
+    best = _pick(predictions, budget)
+    free = [i for i, c in enumerate(costs) if len(allowed(c)) > 1]
+    # One layer at a time: the fastest plan that fits, or while none does the least peak.
+    current = best if best is not None else least
+    for _ in range(MAX_ROUNDS_PER_LAYER * max(1, len(free))):
+        moves = []
+        for i in free:
+            for kind in allowed(costs[i]):
+                if kind != current.kinds[i]:
+                    kinds = list(current.kinds)
+                    kinds[i] = kind
+                    moves.append(evaluate(kinds))
+        if best is not None:
+            better = _pick([p for p in moves if p.step_s < current.step_s * (1 - 1e-9)], budget)
+        else:
+            lower = [p for p in moves if p.peak_bytes < current.peak_bytes]
+            better = min(lower, key=lambda p: (p.peak_bytes, p.step_s)) if lower else None
+            if better is not None and better.fits(budget):
+                best = better
+        if better is None:
+            break
+        current = better
+    least = min(seen.values(), key=lambda p: (p.peak_bytes, p.step_s))
+    if best is None:
+        return BudgetPlan(least, False, least.peak_bytes, len(seen))
+    chosen = _pick([p for p in seen.values()], budget)
+    return BudgetPlan(chosen, True, least.peak_bytes, len(seen))

@@ -1,0 +1,134 @@
+"""Auto mode with a memory budget: the budget planner's inputs from the measured step, and its
+plan checked against timed steps of its own.
+
+`costs` turns the measuring step's records into `budget.LayerCost`s; `BudgetRun` holds what
+the plan was made from, makes it (`make`), and checks it (`step_ended` per step, then
+`verdict`): the median step time and the allocator's peak over `CHECK_STEPS` steps of the plan
+against its prediction. A peak over the budget (with `PEAK_SLACK` for fragmentation) raises
+the bytes the model adds to every plan by the excess and plans again; copies slower than
+assumed with a step over its prediction by `STEP_MISS` plan again at the rate seen; at most
+`MAX_REPLANS` times (Note [budget check]).
+
+Note [budget check]: the model sees the activations its measuring step saw and the bus at
+the rate measured then; allocator fragmentation, workspaces and copies slowed by the plan's
+own compute are not in it. Measured misses are added back to the model's inputs (a fixed
+byte excess, a lower rate), never to its result, so the plan made again is still the least
+predicted step that fits.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from . import budget as _budget
+from .schedule import COPY_MARGIN
+
+# Steps of a new budget plan not timed (first allocations of new block sizes), then timed.
+CHECK_WARMUP_STEPS = 1
+CHECK_STEPS = 3
+PEAK_SLACK = 0.05  # a measured peak this far over the budget is a miss (allocator fragmentation)
+STEP_MISS = 0.10  # a measured step this far over its prediction, with copies slower than assumed, is a miss
+MAX_REPLANS = 2
+# A layer whose measured saved bytes are at most this many times its input bytes is taken as
+# checkpointed by the user (a checkpoint saves its inputs only).
+CHECKPOINTED_SAVES = 1.5
+
+
+def costs(nbytes, inputs, fwd, bwd, eligible, checkpointed):
+    """Per layer `budget.LayerCost` from the measuring step (lists, one entry a layer).
+
+    A layer flagged `checkpointed`, or saving hardly more than its inputs, is recomputed
+    whatever the plan; its recomputation's bytes are taken as the median of the other layers'.
+    """
+    n = len(nbytes)
+    ckpt = [bool(checkpointed[i]) or (inputs[i] > 0 and nbytes[i] <= CHECKPOINTED_SAVES * inputs[i])
+            for i in range(n)]
+    plain = [nbytes[i] for i in range(n) if not ckpt[i]]
+    full = int(statistics.median(plain)) if plain else None
+    return [_budget.LayerCost(int(nbytes[i]), int(min(inputs[i], nbytes[i]) if ckpt[i] else inputs[i]),
+                              float(fwd[i]), float(bwd[i]), eligible=bool(eligible[i]), checkpointed=ckpt[i],
+                              full_bytes=full if ckpt[i] else None)
+            for i in range(n)]
+
+
+class BudgetRun:
+    """One input shape's budget plan: what it was made from, and its check against timed steps."""
+
+    def __init__(self, layer_costs, bus: _budget.Bus, budget: int, measured_peak: int, tail_s: float,
+                 tail_bytes: int):
+        self.costs = layer_costs
+        self.bus = bus
+        self.budget = budget
+        self.tail_s = tail_s
+        self.tail_bytes = tail_bytes
+        measured = [_budget.allowed(c)[0] if len(_budget.allowed(c)) == 1 else _budget.OFFLOAD for c in layer_costs]
+        self.fixed = _budget.fixed_bytes(measured_peak, measured, layer_costs, bus, tail_bytes)
+        self.replans = 0
+        self.result: Optional[_budget.BudgetPlan] = None
+        self._reset()
+
+    def _reset(self):
+        self.steps = 0
+        self.samples: list = []  # ms of the timed steps
+        self.peaks: list = []  # the allocator's peak of each timed step
+        self.copies: list = []  # the engine's counters of each timed step
+
+    def make(self) -> _budget.BudgetPlan:
+        self.result = _budget.plan(self.costs, self.bus, self.budget, self.fixed, self.tail_s, self.tail_bytes)
+        self._reset()
+        return self.result
+
+    def fields(self, names) -> dict:
+        """The plan's entries for `handle.plan`: per layer what was chosen and why, and the prediction."""
+        chosen = self.result.chosen
+        return {
+            "kinds": list(chosen.kinds),
+            "mask": [k != _budget.KEEP and c.eligible for k, c in zip(chosen.kinds, self.costs)],
+            "recompute": [k == _budget.RECOMPUTE and not c.checkpointed for k, c in zip(chosen.kinds, self.costs)],
+            "layers": [{"name": name, "kind": k, "saved_bytes": c.saved_bytes, "input_bytes": c.input_bytes,
+                        "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3,
+                        "user_checkpointed": c.checkpointed}
+                       for name, k, c in zip(names, chosen.kinds, self.costs)],
+            "predicted_step_ms": chosen.step_s * 1e3,
+            "predicted_exposed_ms": chosen.exposed_s * 1e3,
+            "predicted_recompute_ms": chosen.recompute_s * 1e3,
+            "predicted_peak_bytes": chosen.peak_bytes,
+            "least_peak_bytes": self.result.least_peak_bytes,
+            "fixed_bytes": self.fixed,
+            "budget_met": self.result.feasible,
+            "check": {"settled": False, "replans": self.replans, "measured_step_ms": None,
+                      "measured_peak_bytes": None},
+        }
+
+    def step_ended(self, ms: float, peak: int, counters) -> bool:
+        """A step of the plan ended: `ms` long, the allocator's `peak`; True once enough are timed."""
+        self.steps += 1
+        if self.steps > CHECK_WARMUP_STEPS:
+            self.samples.append(ms)
+            self.peaks.append(peak)
+            self.copies.append(counters)
+        return len(self.samples) >= CHECK_STEPS
+
+    def verdict(self, d2h_bps: Optional[float]) -> dict:
+        """Compare the timed steps with the prediction; on a miss (Note [budget check]) correct the
+        model's inputs and return with `replan` True (then call `make` again)."""
+        chosen = self.result.chosen
+        step_ms = statistics.median(self.samples)
+        peak = max(self.peaks) if self.peaks else 0
+        out = {"measured_step_ms": step_ms, "measured_peak_bytes": peak or None, "replan": False,
+               "replans": self.replans}
+        if self.replans >= MAX_REPLANS:
+            return out
+        if peak > 0 and self.result.feasible and peak > self.budget * (1 + PEAK_SLACK):
+            self.fixed += peak - chosen.peak_bytes
+            out["replan"] = True
+        if (d2h_bps is not None and d2h_bps < self.bus.d2h_bps / (1 + COPY_MARGIN)
+                and step_ms > chosen.step_s * 1e3 * (1 + STEP_MISS)):
+            self.bus = _budget.Bus(d2h_bps, self.bus.h2d_bps, self.bus.window)
+            out["replan"] = True
+        if out["replan"]:
+            self.replans += 1
+            out["replans"] = self.replans
+        return out
+

@@ -1,0 +1,112 @@
+"""Auto mode's budget planner (offload/activation/budget.py) as pure functions of hand-made measurements."""
+
+import random
+
+import pytest
+
+from offload.activation.budget import (KEEP, OFFLOAD, RECOMPUTE, Bus, LayerCost, fixed_bytes, plan, predict)
+
+# 8 layers of 100 bytes (10 of them inputs), forward 1 s, backward 2 s; the last layer kept
+# (keep_last); the head and the loss hold 150 bytes as backward starts.
+N, TAIL = 8, 150
+
+
+def _costs(n=N, **kw):
+    return [LayerCost(100, 10, 1.0, 2.0, eligible=i < n - 1, **kw) for i in range(n)]
+
+
+FAST = Bus(125.0, 125.0, 2)  # a layer's copy (0.8 s) hides under the next layer's forward
+SLOW = Bus(40.0, 40.0, 2)  # a layer's copy takes 2.5 layers' forward time
+
+
+def _first_k(kind, k, n=N):
+    return [kind if i < k else KEEP for i in range(n)]
+
+
+def _best_first_k(costs, bus, budget):
+    """The fastest 'checkpoint the first k' and 'offload the first k' plans that fit."""
+    out = []
+    for kind in (RECOMPUTE, OFFLOAD):
+        fits = [p for p in (predict(_first_k(kind, k), costs, bus, tail_bytes=TAIL) for k in range(N))
+                if p.peak_bytes <= budget]
+        out.append(min(p.step_s for p in fits) if fits else float("inf"))
+    return min(out)
+
+
+def test_activation_planner_predicts_the_plain_and_checkpointed_steps():
+    costs = _costs()
+    plain = predict([KEEP] * N, costs, SLOW, tail_bytes=TAIL)
+    assert plain.step_s == 24.0 and plain.peak_bytes == 800 + TAIL and plain.exposed_s == 0
+    ckpt = predict(_first_k(RECOMPUTE, N - 1), costs, SLOW, tail_bytes=TAIL)
+    assert ckpt.recompute_s == 7.0 and ckpt.step_s == 31.0 and ckpt.peak_bytes < plain.peak_bytes / 3
+    # Fixed bytes: what the measured peak holds besides the activations, 0 without memory statistics.
+    assert fixed_bytes(plain.peak_bytes + 1000, [KEEP] * N, costs, SLOW, TAIL) == 1000
+    assert fixed_bytes(0, [KEEP] * N, costs, SLOW, TAIL) == 0
+
+
+def test_activation_planner_keeps_everything_above_the_peak_without_offload():
+    for bus in (FAST, SLOW):
+        result = plan(_costs(), bus, 800 + TAIL, tail_bytes=TAIL)
+        assert result.feasible and result.chosen.kinds == [KEEP] * N and result.chosen.step_s == 24.0
+
+
+def test_activation_planner_offloads_only_while_the_bus_hides_it():
+    costs = _costs()
+    for budget in (850, 650, 450, 250):
+        result = plan(costs, FAST, budget, tail_bytes=TAIL)
+        kinds = result.chosen.kinds
+        assert result.feasible and result.chosen.peak_bytes <= budget
+        assert RECOMPUTE not in kinds and OFFLOAD in kinds and result.chosen.step_s == 24.0
+        # As few layers as meet it, the earliest.
+        k = kinds.count(OFFLOAD)
+        assert kinds == _first_k(OFFLOAD, k)
+        assert predict(_first_k(OFFLOAD, k - 1), costs, FAST, tail_bytes=TAIL).peak_bytes > budget
+
+
+def test_activation_planner_mixes_recompute_and_offload_for_a_tight_budget():
+    costs = _costs()
+    budget = 500
+    result = plan(costs, SLOW, budget, tail_bytes=TAIL)
+    kinds = result.chosen.kinds
+    assert result.feasible and result.chosen.peak_bytes <= budget
+    assert RECOMPUTE in kinds and OFFLOAD in kinds
+    # Faster than checkpointing or offloading the first k layers at the same budget, by at least
+    # half the recompute time of the layer it offloads instead of recomputing.
+    assert result.chosen.step_s <= _best_first_k(costs, SLOW, budget) - 0.5
+    # Never slower than either family, at every budget of the sweep.
+    for budget in range(950, 240, -50):
+        result = plan(costs, SLOW, budget, tail_bytes=TAIL)
+        assert result.chosen.step_s <= _best_first_k(costs, SLOW, budget) + 1e-9
+
+
+def test_activation_planner_says_when_the_budget_cannot_be_met():
+    costs = _costs()
+    checkpointed = predict(_first_k(RECOMPUTE, N - 1), costs, SLOW, tail_bytes=TAIL)
+    result = plan(costs, SLOW, checkpointed.peak_bytes - 60, tail_bytes=TAIL)
+    assert not result.feasible
+    assert result.least_peak_bytes == result.chosen.peak_bytes <= checkpointed.peak_bytes
+    assert result.least_peak_bytes > checkpointed.peak_bytes - 60
+    # Fixed bytes above the budget: nothing fits, the least peak includes them.
+    result = plan(costs, SLOW, 1000, fixed=1000, tail_bytes=TAIL)
+    assert not result.feasible and result.least_peak_bytes >= 1000
+
+
+def test_activation_planner_counts_user_checkpointed_layers_as_recompute():
+    costs = [LayerCost(10, 10, 1.0, 3.0, eligible=i < N - 1, checkpointed=True, full_bytes=100) for i in range(N)]
+    result = plan(costs, FAST, 10 ** 6, tail_bytes=TAIL)
+    assert result.chosen.kinds == [RECOMPUTE] * N
+    # Their measured backward includes the recomputation: nothing is added for it.
+    assert result.chosen.recompute_s == 0 and result.chosen.step_s == N * 4.0
+
+
+@pytest.mark.parametrize("budget", [950, 650, 450, 300])
+def test_activation_planner_same_plan_under_measurement_noise(budget):
+    """Times measured 1% apart from run to run give the same plan (Note [stable plans])."""
+    rng = random.Random(0)
+    first = None
+    for _ in range(12):
+        costs = [LayerCost(100, 10, 1.0 * (1 + rng.uniform(-0.01, 0.01)), 2.0 * (1 + rng.uniform(-0.01, 0.01)),
+                           eligible=i < N - 1) for i in range(N)]
+        kinds = plan(costs, FAST, budget, tail_bytes=TAIL).chosen.kinds
+        first = first or kinds
+        assert kinds == first

@@ -1,0 +1,187 @@
+"""Recompute (a layer's forward under a non-reentrant checkpoint, its inputs offloaded) on the CPU
+path: gradients bitwise equal to the plain model; auto mode with a budget choosing it."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.core import _device
+from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
+    assert_bitwise_equal, grads_of, one_thread, pool, small_model, train_step,
+)
+from test_activation_models import _full_grads, _llama, _shard
+
+pytestmark = pytest.mark.skipif(
+    _device.accelerator_type() is not None,
+    reason="CPU engine tests; with an accelerator present, test_activation_cuda.py covers the engine",
+)
+
+RECOMPUTE = [True, False, True, False]  # layers 0 and 2 recomputed, 1 offloaded, the last kept
+
+
+def _recomputing(model, pool, recompute=RECOMPUTE, **kw):
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False, **kw)
+    handle.set_recomputed(recompute[:len(handle.layers)])
+    return handle
+
+
+def test_activation_recompute_blocks_bitwise(pool):
+    ref = small_model()
+    model = copy.deepcopy(ref)
+    handle = _recomputing(model, pool)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(2):
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["recomputed_layers"] == ["blocks.0", "blocks.2"]
+    # Recomputed layers offload only their inputs: fewer tensors than offloading all three layers.
+    plain_model = copy.deepcopy(ref)
+    plain = _recomputing(plain_model, pool, recompute=[False] * 4)
+    train_step(plain_model, x)
+    assert 0 < stats["tensors_offloaded"] < plain.stats()["tensors_offloaded"]
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return x + self.out(self.drop(torch.relu(self.lin(x))))
+
+
+class _DropoutModel(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(_DropoutBlock(d) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_activation_recompute_dropout_same_rng_bitwise(pool):
+    torch.manual_seed(0)
+    ref = _DropoutModel().train()
+    model = copy.deepcopy(ref)
+    _recomputing(model, pool)
+    x = torch.randn(8, 16)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        loss_ref, grads_ref = train_step(ref, x)
+        torch.manual_seed(seed)
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    # The RNG after the step is where it is without recompute (the recomputation restores it).
+    torch.manual_seed(3)
+    train_step(ref, x)
+    after_ref = torch.rand(8)
+    torch.manual_seed(3)
+    train_step(model, x)
+    assert torch.equal(torch.rand(8), after_ref)
+
+
+@pytest.mark.parametrize("user_checkpointing", [False, True])
+def test_activation_recompute_llama_bitwise(user_checkpointing, pool):
+    base = _llama(4)
+    base.config._attn_implementation = "eager"
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    if user_checkpointing:
+        for m in (ref, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    handle = _recomputing(model, pool)
+    if user_checkpointing:
+        assert all(handle.checkpointed)
+    ids = torch.randint(0, 64, (2, 12))
+    for _ in range(2):
+        for m in (ref, model):
+            m.zero_grad()
+            m(input_ids=ids, labels=ids).loss.backward()
+        assert_bitwise_equal(grads_of(model), grads_of(ref))
+    assert handle.stats()["tensors_offloaded"] > 0
+
+
+def test_activation_recompute_fsdp2_single_process(pool, tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
+        pytest.skip("needs torch.distributed with fully_shard (FSDP2)")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        ref = _shard("fsdp2", small_model())
+        model = _shard("fsdp2", small_model())
+        handle = _recomputing(model, pool)
+        x = torch.randn(8, 16)
+        for _ in range(2):
+            for m in (ref, model):
+                m.zero_grad()
+                m(x).backward()
+            assert_bitwise_equal(_full_grads("fsdp2", ref), _full_grads("fsdp2", model))
+        assert handle.stats()["recomputed_layers"] == ["blocks.0", "blocks.2"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_activation_auto_budget_mixes_recompute_bitwise(pool):
+    """A budget below what offload can reach in the window: auto mode recomputes some layers;
+    gradients stay bitwise, and the plan says per layer what it chose and its prediction."""
+    ref = small_model(n=6)
+    model = copy.deepcopy(ref)
+    probe_model = copy.deepcopy(ref)
+    probe = offload.enable_activation_offload(probe_model, "auto", min_tensor_bytes=0, pool=pool,
+                                              memory_budget_bytes=1 << 40, verbose=False)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        train_step(probe_model, x)
+    keep_all = probe.plan["predicted_peak_bytes"]
+    assert probe.plan["kinds"] == ["keep"] * 6 and probe.plan["budget_met"]
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool,
+                                               memory_budget_bytes=keep_all // 4, verbose=False)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(8):
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    plan = handle.stats()["plan"]
+    assert plan["budget_met"] and plan["predicted_peak_bytes"] <= keep_all // 4
+    assert "recompute" in plan["kinds"] and plan["recomputed"] == handle.recomputed_layers()
+    assert [layer["kind"] for layer in plan["layers"]] == plan["kinds"]
+    check = plan["check"]
+    assert check["settled"] and check["measured_step_ms"] > 0 and check["predicted_step_ms"] > 0
+
+
+def test_activation_auto_budget_replans_on_a_measured_peak_miss(pool, monkeypatch):
+    """A measured peak over the budget (fragmentation the model does not see) adds the excess to
+    the model's fixed bytes and plans again, with more recomputed or offloaded."""
+    peak = [0]
+    monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: peak[0])
+    model = small_model(n=6)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
+                                               memory_budget_bytes=1 << 40)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        train_step(model, x)
+    keep_all = handle.plan["predicted_peak_bytes"]
+    handle.disable()
+    budget = keep_all * 3 // 4
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
+                                               memory_budget_bytes=budget)
+    for _ in range(3):
+        train_step(model, x)
+    first = list(handle.plan["kinds"])
+    peak[0] = budget * 5 // 4  # every step of the plan peaks 25% over the budget
+    for _ in range(6):
+        train_step(model, x)
+    plan = handle.plan
+    assert plan["check"]["replans"] >= 1 and plan["fixed_bytes"] > 0
+    assert plan["kinds"] != first and plan["check"]["history"]
