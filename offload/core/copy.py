@@ -170,7 +170,14 @@ def copy_to_host(
     """Copy device tensors to pinned host memory, asynchronously.
 
     Args:
-        tensors: tensors on one accelerator (on a CPU-only torch: CPU tensors).
+        tensors: tensors on one accelerator. Where torch has an accelerator, host
+            (CPU) tensors are refused with a ValueError naming the first one
+            (``tensors[i] is on cpu but a cuda tensor is expected``): they are
+            already on the host, and a copy of them would not be the device's
+            snapshot this call promises (use `HostPool.empty` and `copy_` for a
+            pinned host-to-host copy). On a CPU-only torch the sources are CPU
+            tensors and the copies land in the pool's host memory, which is not
+            pinned there (nothing can pin without a driver: `pool.pinned` is False).
         out: host destinations, either a list of tensors matching `tensors` in shape
             and dtype, or a `CopyHandle` from an earlier `copy_to_host` of tensors of
             the same shapes and dtypes (its host buffers are reused, batched).

@@ -315,21 +315,28 @@ def _align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+def _check_layout(fn: str, bucket_bytes, alignment) -> None:
+    """bucket_bytes (None: the default, sized later) and alignment, checked against each other."""
+    check_int(fn, "alignment", alignment, 1)
+    if alignment & (alignment - 1):
+        raise ValueError(f"{fn}: alignment must be a power of two, got {alignment}")
+    if bucket_bytes is None:
+        return
+    check_int(fn, "bucket_bytes", bucket_bytes, 0)
+    if bucket_bytes < alignment:
+        raise ValueError(
+            f"{fn}: bucket_bytes ({bucket_bytes}) is smaller than one alignment unit ({alignment} bytes); "
+            "raise bucket_bytes or lower alignment"
+        )
+
+
 class Planner:
     """Places tensors one at a time; reports buckets as they close (streaming)."""
 
     def __init__(self, bucket_bytes, alignment: int, policy: DtypePolicy, fn: str, device=None):
-        check_int(fn, "alignment", alignment, 1)
-        if alignment & (alignment - 1):
-            raise ValueError(f"{fn}: alignment must be a power of two, got {alignment}")
+        _check_layout(fn, bucket_bytes, alignment)
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(device)
-        check_int(fn, "bucket_bytes", bucket_bytes, 0)
-        if bucket_bytes < alignment:
-            raise ValueError(
-                f"{fn}: bucket_bytes ({bucket_bytes}) is smaller than one alignment unit ({alignment} bytes); "
-                "raise bucket_bytes or lower alignment"
-            )
         self.fn = fn
         self.bucket_bytes = bucket_bytes
         self.alignment = alignment
@@ -585,15 +592,39 @@ def pack_buckets(
         tensors: a mapping name -> tensor (a state dict) or an iterable of (name,
             tensor) pairs, consumed lazily; all on one device; contiguous. DTensors
             are gathered (`full_tensor()`) one at a time as they are packed.
+            A mapping, list or tuple is checked at the call; an iterator as it is consumed.
         bucket_bytes: the most bytes per bucket (default: `default_bucket_bytes()`).
         dtype: cast floating-point tensors to this dtype (see the dtype policy).
         keep_dtype: names (fnmatch patterns or regexes) that keep their own dtype.
         alignment: every tensor starts at a multiple of this many bytes.
 
     The packs are queued on the current stream; buckets are fresh tensors owned by it.
+    Arguments are checked at the call (TypeError / ValueError naming the argument),
+    not when the returned iterator is first advanced.
     """
     fn = "offload.pack_buckets"
+    # Checked here, at the call: the generator below runs only when first iterated.
     policy = DtypePolicy(dtype, keep_dtype, fn)
+    _check_layout(fn, bucket_bytes, alignment)
+    if isinstance(tensors, (dict, list, tuple)) or hasattr(tensors, "items"):
+        # A container already in memory is checked whole; an iterator stays lazy
+        # (a sharded model gathered one tensor at a time), and is checked as it is consumed.
+        names = set()
+        for name, t in _named_items(tensors, fn):
+            if not isinstance(name, str):
+                raise TypeError(f"{fn}: tensor names must be str, got {type(name).__name__} ({name!r})")
+            if name in names:
+                raise ValueError(f"{fn}: tensor name {name!r} appears twice; names must be unique")
+            names.add(name)
+            if type(t).__name__ != "DTensor":  # gathered only when packed
+                _materialize(name, t, fn)
+    elif isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__"):
+        raise TypeError(f"{fn}: tensors must be a mapping or an iterable of (name, tensor) pairs, "
+                        f"got {type(tensors).__name__}")
+    return _pack_buckets(tensors, bucket_bytes, policy, alignment, fn)
+
+
+def _pack_buckets(tensors, bucket_bytes, policy: DtypePolicy, alignment: int, fn: str) -> Iterator[PackedBucket]:
     planner: Optional[Planner] = None
     pending: Dict[int, List[Tuple[torch.Tensor, BucketEntry]]] = {}
     device = None
