@@ -409,3 +409,20 @@ def test_buckets_pack_checks_an_iterator_as_it_is_consumed():
     assert consumed == []
     with pytest.raises(TypeError, match="offload.pack_buckets: tensor 'b' must be a torch.Tensor, got str"):
         list(packed)
+
+
+def test_buckets_arguments_named_when_not_containers():
+    with pytest.raises(TypeError, match="offload.pack_buckets: keep_dtype must be a name pattern"):
+        offload.pack_buckets({"a": torch.zeros(2)}, 1024, keep_dtype=1.5)
+    with pytest.raises(TypeError, match="offload.plan_buckets: tensors must be a mapping or an iterable of "
+                                        r"\(name, tensor\) pairs, got float"):
+        offload.plan_buckets(-0.5, 1024)
+    with pytest.raises(ValueError, match="offload.plan_buckets: device 'nowhere' is not a device torch knows here"):
+        offload.plan_buckets({"a": torch.zeros(2)}, device="nowhere")
+    with pytest.raises(TypeError, match="offload.default_bucket_bytes: device must be a torch.device"):
+        offload.default_bucket_bytes((1,))
+    (bucket,) = offload.pack_buckets({"a": torch.arange(4.0)}, 1024)
+    with pytest.raises(TypeError, match="offload.unpack_bucket: entries must be a sequence of BucketEntry, got float"):
+        offload.unpack_bucket(bucket.data, 1.5)
+    with pytest.raises(TypeError, match="offload.unpack_bucket: out must be a mapping name -> tensor or a list"):
+        offload.unpack_bucket(bucket.data, bucket.entries, out=2)

@@ -805,3 +805,25 @@ def test_copy_to_host_of_host_tensors_is_explicit(backend):
 def test_copy_to_host_refuses_host_tensors_on_an_accelerator(backend, device):
     with pytest.raises(ValueError, match=r"tensors\[0\] is on cpu but a cuda tensor is expected"):
         offload.copy_to_host([torch.zeros(2)])
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: offload.copy_to_host([torch.zeros(2)], timing="yes"), TypeError,
+         "offload.copy_to_host: timing must be True or False, got str"),
+        (lambda: offload.copy_to_host([torch.zeros(2)], require_pinned=None), TypeError,
+         "offload.copy_to_host: require_pinned must be True or False"),
+        (lambda: offload.copy_to_host([torch.zeros(2)], stream=3), TypeError,
+         "offload.copy_to_host: stream must be a stream of the accelerator or None, got int"),
+        (lambda: offload.copy_to_device([torch.zeros(2)], device=""), ValueError,
+         "offload.copy_to_device: device '' is not a device torch knows here"),
+        (lambda: offload.copy_to_device([torch.zeros(2)], device=(1,)), TypeError,
+         "offload.copy_to_device: device must be a torch.device, a device string, an index or None, got tuple"),
+        (lambda: offload.copy_to_device([torch.zeros(2)], timing=1), TypeError,
+         "offload.copy_to_device: timing must be True or False, got int"),
+    ],
+)
+def test_copy_options_checked_with_the_functions_name(backend, call, error, message):
+    with pytest.raises(error, match=message):
+        call()

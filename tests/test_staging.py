@@ -1176,3 +1176,10 @@ def test_staging_timing_of_a_failed_copy_is_dropped():
     record = {"_timing": {"cuda:0": [Failed()]}, "copy_ms": None, "gbps": None, "bytes": 1 << 20}
     metrics.resolve_timing(record)
     assert record["_timing"] is None and record["copy_ms"] is None and record["gbps"] is None
+
+
+def test_staging_busy_timeout_must_be_a_number():
+    with pytest.raises(TypeError, match="offload.AsyncStager: busy_timeout_s must be a number of seconds > 0, got str"):
+        offload.AsyncStager(busy_timeout_s="")
+    with pytest.raises(ValueError, match="offload.AsyncStager: busy_timeout_s must be > 0, got nan"):
+        offload.AsyncStager(busy_timeout_s=float("nan"))

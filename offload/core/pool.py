@@ -119,6 +119,8 @@ class HostPool:
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor`'s memory is a block this pool handed out."""
         _check_tensor("offload.HostPool.owns", tensor)
+        if tensor.layout != torch.strided or tensor.is_meta:  # no storage of bytes: nothing pooled
+            return False
         return self._impl.owns(tensor)
 
     def reserve(self, nbytes) -> None:

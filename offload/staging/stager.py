@@ -135,6 +135,9 @@ class AsyncStager(_StagerProtocol):
         check_int(fn, "ring_size", ring_size, 1)
         if when_busy not in ("wait", "raise"):
             raise ValueError(f"{fn}: when_busy must be 'wait' or 'raise', got {when_busy!r}")
+        if isinstance(busy_timeout_s, bool) or not isinstance(busy_timeout_s, (int, float)):
+            raise TypeError(f"{fn}: busy_timeout_s must be a number of seconds > 0, got "
+                            f"{type(busy_timeout_s).__name__}")
         if not busy_timeout_s > 0:
             raise ValueError(f"{fn}: busy_timeout_s must be > 0, got {busy_timeout_s!r}")
         if pool is not None and not isinstance(pool, HostPool):
