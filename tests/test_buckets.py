@@ -357,3 +357,72 @@ def test_buckets_cuda_unaligned_sources_and_big_tensor(backend, device):
         tensors[f"s{i}"] = _random((i + 1,), torch.bfloat16, device, gen)
     _round_trip(tensors, 1 << 21, dtype=torch.float16, alignment=16)
     _round_trip(tensors, 1 << 21)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"bucket_bytes": 1}, ValueError, r"offload.pack_buckets: bucket_bytes \(1\) is smaller than one alignment"),
+        ({"bucket_bytes": -5}, ValueError, "offload.pack_buckets: bucket_bytes must be an int >= 0, got -5"),
+        ({"bucket_bytes": "1KiB"}, TypeError, "offload.pack_buckets: bucket_bytes must be an int >= 0, got str"),
+        ({"alignment": 3}, ValueError, "offload.pack_buckets: alignment must be a power of two"),
+        ({"dtype": torch.int8}, ValueError, "offload.pack_buckets: dtype must be one of"),
+        ({"keep_dtype": [1]}, TypeError, "offload.pack_buckets: keep_dtype entries must be str"),
+    ],
+)
+def test_buckets_pack_checks_arguments_at_the_call(kwargs, error, message):
+    """The error comes from the call itself, not from the first next() of the iterator."""
+    args = dict({"bucket_bytes": 1024}, **kwargs)
+    with pytest.raises(error, match=message):
+        offload.pack_buckets({"a": torch.zeros(2)}, args.pop("bucket_bytes"), **args)
+
+
+@pytest.mark.parametrize(
+    "tensors, error, message",
+    [
+        ({"x": 3}, TypeError, "offload.pack_buckets: tensor 'x' must be a torch.Tensor, got int"),
+        ([("a", torch.zeros(2)), 5], TypeError, "offload.pack_buckets: item 1 must be a \\(name, tensor\\) pair"),
+        ({1: torch.zeros(2)}, TypeError, "offload.pack_buckets: tensor names must be str, got int"),
+        ([("w", torch.zeros(2)), ("w", torch.zeros(2))], ValueError, "tensor name 'w' appears twice"),
+        ({"m": torch.empty(2, device="meta")}, ValueError, "tensor 'm' is a meta tensor"),
+        ({"nc": torch.zeros(4, 6).t()}, ValueError, "tensor 'nc' is not contiguous"),
+        (torch.zeros(2), TypeError, "offload.pack_buckets: tensors must be a mapping"),
+        (5, TypeError, "offload.pack_buckets: tensors must be a mapping or an iterable of \\(name, tensor\\) pairs, "
+                       "got int"),
+    ],
+)
+def test_buckets_pack_checks_containers_at_the_call(tensors, error, message):
+    with pytest.raises(error, match=message):
+        offload.pack_buckets(tensors, 1024)
+
+
+def test_buckets_pack_checks_an_iterator_as_it_is_consumed():
+    """An iterator (a model gathered one tensor at a time) is not drained by the call."""
+    consumed = []
+
+    def pairs():
+        for name in ("a", "b"):
+            consumed.append(name)
+            yield name, (torch.zeros(2) if name == "a" else "not a tensor")
+
+    packed = offload.pack_buckets(pairs(), 1024)
+    assert consumed == []
+    with pytest.raises(TypeError, match="offload.pack_buckets: tensor 'b' must be a torch.Tensor, got str"):
+        list(packed)
+
+
+def test_buckets_arguments_named_when_not_containers():
+    with pytest.raises(TypeError, match="offload.pack_buckets: keep_dtype must be a name pattern"):
+        offload.pack_buckets({"a": torch.zeros(2)}, 1024, keep_dtype=1.5)
+    with pytest.raises(TypeError, match="offload.plan_buckets: tensors must be a mapping or an iterable of "
+                                        r"\(name, tensor\) pairs, got float"):
+        offload.plan_buckets(-0.5, 1024)
+    with pytest.raises(ValueError, match="offload.plan_buckets: device 'nowhere' is not a device torch knows here"):
+        offload.plan_buckets({"a": torch.zeros(2)}, device="nowhere")
+    with pytest.raises(TypeError, match="offload.default_bucket_bytes: device must be a torch.device"):
+        offload.default_bucket_bytes((1,))
+    (bucket,) = offload.pack_buckets({"a": torch.arange(4.0)}, 1024)
+    with pytest.raises(TypeError, match="offload.unpack_bucket: entries must be a sequence of BucketEntry, got float"):
+        offload.unpack_bucket(bucket.data, 1.5)
+    with pytest.raises(TypeError, match="offload.unpack_bucket: out must be a mapping name -> tensor or a list"):
+        offload.unpack_bucket(bucket.data, bucket.entries, out=2)

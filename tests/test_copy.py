@@ -782,3 +782,48 @@ def test_copy_defer_release_sources_and_wait_stream(backend, device):
     for h, e in zip(handle.wait(), expected):
         assert_bitwise(e, h)
     assert all(bool((j == 5.0).all()) for j in junk)
+
+
+def test_copy_to_host_of_host_tensors_is_explicit(backend):
+    """Host sources: refused, naming the index, where torch has an accelerator; on a
+    CPU-only torch copied into the pool's host memory, which nothing can pin there."""
+    pool = offload.HostPool()
+    sources = [torch.arange(6.0), torch.arange(4, dtype=torch.int32)]
+    if _device.accelerator_type() is not None:
+        with pytest.raises(ValueError, match=r"offload.copy_to_host: tensors\[0\] is on cpu but a \w+ tensor is "
+                                             r"expected \(data on an accelerator\)"):
+            offload.copy_to_host(sources, pool=pool)
+        return
+    handle = offload.copy_to_host(sources, pool=pool)
+    hosts = handle.wait()
+    for h, s in zip(hosts, sources):
+        assert torch.equal(h, s) and h.data_ptr() != s.data_ptr()
+        assert pool.owns(h) and not h.is_pinned() and not pool.pinned
+
+
+@pytest.mark.cuda
+def test_copy_to_host_refuses_host_tensors_on_an_accelerator(backend, device):
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on cpu but a cuda tensor is expected"):
+        offload.copy_to_host([torch.zeros(2)])
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: offload.copy_to_host([torch.zeros(2)], timing="yes"), TypeError,
+         "offload.copy_to_host: timing must be True or False, got str"),
+        (lambda: offload.copy_to_host([torch.zeros(2)], require_pinned=None), TypeError,
+         "offload.copy_to_host: require_pinned must be True or False"),
+        (lambda: offload.copy_to_host([torch.zeros(2)], stream=3), TypeError,
+         "offload.copy_to_host: stream must be a stream of the accelerator or None, got int"),
+        (lambda: offload.copy_to_device([torch.zeros(2)], device=""), ValueError,
+         "offload.copy_to_device: device '' is not a device torch knows here"),
+        (lambda: offload.copy_to_device([torch.zeros(2)], device=(1,)), TypeError,
+         "offload.copy_to_device: device must be a torch.device, a device string, an index or None, got tuple"),
+        (lambda: offload.copy_to_device([torch.zeros(2)], timing=1), TypeError,
+         "offload.copy_to_device: timing must be True or False, got int"),
+    ],
+)
+def test_copy_options_checked_with_the_functions_name(backend, call, error, message):
+    with pytest.raises(error, match=message):
+        call()

@@ -323,3 +323,47 @@ def test_pool_pinned_growth_is_registered(device):
     assert t.is_pinned()
     if pool.native:
         assert pool.stats()["registration_seconds"] > 0
+
+
+def test_pool_errors_name_offload_hostpool(backend):
+    """Every HostPool error says which call refused what, as offload.HostPool..."""
+    pool = small_pool()
+    cases = [
+        (lambda: offload.HostPool(slab_bytes=0), ValueError, "offload.HostPool: slab_bytes must be > 0"),
+        (lambda: offload.HostPool(limit_bytes="lots"), ValueError, "offload.HostPool: limit_bytes"),
+        (lambda: offload.HostPool(touch_threads=0), ValueError, "offload.HostPool: touch_threads"),
+        (lambda: pool.acquire(-1), ValueError, "offload.HostPool.acquire: nbytes"),
+        (lambda: pool.block_bytes(1.5), TypeError, "offload.HostPool.block_bytes: nbytes"),
+        (lambda: pool.empty(-2), ValueError, r"offload.HostPool.empty: size must not have negative dimensions, got \[-2\]"),
+        (lambda: pool.empty((2, "a")), TypeError, "offload.HostPool.empty: size must be an int or a sequence of ints"),
+        (lambda: pool.empty(2, "float32"), TypeError, "offload.HostPool.empty: dtype must be a torch.dtype"),
+        (lambda: pool.owns(3), TypeError, "offload.HostPool.owns: tensor must be a torch.Tensor, got int"),
+        (lambda: pool.record_stream("x", None), TypeError, "offload.HostPool.record_stream: tensor must be a torch.Tensor"),
+        (lambda: pool.reserve(-1), ValueError, "offload.HostPool.reserve: nbytes"),
+        (lambda: pool.begin_reserve(-1), ValueError, "offload.HostPool.begin_reserve: nbytes"),
+        (lambda: setattr(pool, "limit_bytes", "x"), ValueError, "offload.HostPool.limit_bytes"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    if pool.native:
+        with pytest.raises(TypeError, match="offload.HostPool.record_stream: stream must be a stream"):
+            pool.record_stream(pool.acquire(16), 5)
+    with pytest.raises(torch.OutOfMemoryError, match="offload.HostPool"):
+        small_pool(limit_bytes=MiB).acquire(2 * MiB)
+
+
+def test_pool_settles_only_announced_reservations(backend):
+    """grow_reserved / cancel_reserve of bytes begin_reserve did not announce is a ValueError,
+    not a growth or a cancellation the core would make of nothing."""
+    pool = small_pool()
+    with pytest.raises(ValueError, match=r"offload.HostPool.grow_reserved: nbytes \(4096\) is more than begin_reserve"):
+        pool.grow_reserved(4096)
+    with pytest.raises(ValueError, match=r"offload.HostPool.cancel_reserve: nbytes \(1\) is more than begin_reserve"):
+        pool.cancel_reserve(1)
+    pool.grow_reserved(0)  # nothing to settle: fine
+    announced = pool.begin_reserve(6 * MiB)
+    pool.cancel_reserve(announced)
+    if announced:
+        with pytest.raises(ValueError, match="is more than begin_reserve announced"):
+            pool.cancel_reserve(announced)  # settled once already

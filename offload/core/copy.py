@@ -170,7 +170,14 @@ def copy_to_host(
     """Copy device tensors to pinned host memory, asynchronously.
 
     Args:
-        tensors: tensors on one accelerator (on a CPU-only torch: CPU tensors).
+        tensors: tensors on one accelerator. Where torch has an accelerator, host
+            (CPU) tensors are refused with a ValueError naming the first one
+            (``tensors[i] is on cpu but a cuda tensor is expected``): they are
+            already on the host, and a copy of them would not be the device's
+            snapshot this call promises (use `HostPool.empty` and `copy_` for a
+            pinned host-to-host copy). On a CPU-only torch the sources are CPU
+            tensors and the copies land in the pool's host memory, which is not
+            pinned there (nothing can pin without a driver: `pool.pinned` is False).
         out: host destinations, either a list of tensors matching `tensors` in shape
             and dtype, or a `CopyHandle` from an earlier `copy_to_host` of tensors of
             the same shapes and dtypes (its host buffers are reused, batched).
@@ -221,6 +228,7 @@ def copy_to_host(
         tensors = _as_list(fn, tensors)
     _check_sizes(fn, small_bytes, chunk_bytes)
     check_int(fn, "group_bytes", group_bytes, 1)
+    _check_options(fn, stream, require_pinned=require_pinned, defer=defer, timing=timing, same_sources=same_sources)
     pool = _pool_or_default(fn, pool)
     out_handle = out._impl if isinstance(out, CopyHandle) else None
     if defer and out_handle is None:
@@ -268,6 +276,7 @@ def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[H
         raise ValueError(f"{fn}: tensors, starts, sizes and offsets need one entry per span, got "
                          f"{len(tensors)}, {len(starts)}, {len(sizes)} and {len(offsets)}")
     _check_sizes(fn, 0, chunk_bytes)
+    _check_options(fn, stream, timing=timing)
     pool = _pool_or_default(fn, pool)
     given = isinstance(out, torch.Tensor)
     if not given and not (is_int(out) and out >= 0):
@@ -326,7 +335,8 @@ def copy_to_device(
     sources = None if handle is not None else _as_list(fn, tensors)
     out_list = None if out is None else _as_list(fn, out, "out")
     _check_sizes(fn, small_bytes, chunk_bytes)
-    device = _device.normalize_device(device)
+    _check_options(fn, stream, require_pinned=require_pinned, timing=timing)
+    device = _target_device(fn, device)
     pool = _pool_or_default(fn, pool)
     core = _backend.core()
     if core is not None and pool.native:
@@ -362,3 +372,23 @@ def _call_native(fn: str, tensors, out_list, call) -> CopyHandle:
 def _check_sizes(fn: str, small_bytes: int, chunk_bytes: int) -> None:
     check_int(fn, "small_bytes", small_bytes, 0)
     check_int(fn, "chunk_bytes", chunk_bytes, 1)
+
+
+def _check_options(fn: str, stream, **flags) -> None:
+    """`stream` is None or a stream; each flag a bool (the core would refuse them unnamed)."""
+    if stream is not None and not (hasattr(stream, "wait_event") and hasattr(stream, "synchronize")):
+        raise TypeError(f"{fn}: stream must be a stream of the accelerator or None, got {type(stream).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{fn}: {name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _target_device(fn: str, device) -> torch.device:
+    """`device` (None, a torch.device, 'cuda:0', an index) normalised, or an error naming it."""
+    if device is not None and not isinstance(device, (str, torch.device)) and not is_int(device):
+        raise TypeError(f"{fn}: device must be a torch.device, a device string, an index or None, "
+                        f"got {type(device).__name__}")
+    try:
+        return _device.normalize_device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{fn}: device {device!r} is not a device torch knows here ({e})") from None

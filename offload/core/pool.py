@@ -20,7 +20,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _backend, _device
-from .checks import check_int, parse_bytes
+from .checks import check_int, is_int, parse_bytes
 from .timing import Span
 
 
@@ -52,14 +52,14 @@ class HostPool:
     """
 
     def __init__(self, limit_bytes=None, slab_bytes=None, *, touch_threads: int = 8):
-        limit = _limit_from_env() if limit_bytes is None else parse_bytes(limit_bytes, "HostPool: limit_bytes")
+        limit = _limit_from_env() if limit_bytes is None else parse_bytes(limit_bytes, "offload.HostPool: limit_bytes")
         if slab_bytes is None:
             slab = DEFAULT_SLAB_BYTES if _device.pinned_memory_supported() else DEFAULT_CPU_SLAB_BYTES
         else:
-            slab = parse_bytes(slab_bytes, "HostPool: slab_bytes")
+            slab = parse_bytes(slab_bytes, "offload.HostPool: slab_bytes")
         if slab == 0:
-            raise ValueError("HostPool: slab_bytes must be > 0, got 0")
-        check_int("HostPool", "touch_threads", touch_threads, 1)
+            raise ValueError("offload.HostPool: slab_bytes must be > 0, got 0")
+        check_int("offload.HostPool", "touch_threads", touch_threads, 1)
         core = _backend.core()
         device_type = _device.compute_device_type()
         if core is not None:
@@ -75,38 +75,57 @@ class HostPool:
         else:
             self._impl = _FallbackPool(limit)
         self.native = not isinstance(self._impl, _FallbackPool)
+        # Bytes begin_reserve announced that no grow_reserved / cancel_reserve has settled.
+        self._announced = 0
+        self._announce_lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A uint8 host tensor of `nbytes` bytes (contents undefined)."""
-        check_int("HostPool.acquire", "nbytes", nbytes)
+        check_int("offload.HostPool.acquire", "nbytes", nbytes)
         return self._impl.allocate(nbytes)
 
     def empty(self, size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """A contiguous host tensor of `size` and `dtype` backed by a pooled block."""
-        size = torch.Size([size] if isinstance(size, int) else size)
+        """A contiguous host tensor of `size` (an int or a sequence of ints >= 0) and `dtype`
+        backed by a pooled block."""
+        fn = "offload.HostPool.empty"
+        dims = [size] if is_int(size) else size
+        if not isinstance(dims, (tuple, list, torch.Size)) or not all(is_int(n) for n in dims):
+            raise TypeError(f"{fn}: size must be an int or a sequence of ints, got {size!r}")
+        if any(n < 0 for n in dims):
+            raise ValueError(f"{fn}: size must not have negative dimensions, got {list(dims)}")
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"HostPool.empty: dtype must be a torch.dtype, got {dtype!r}")
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        nbytes = size.numel() * itemsize
+            raise TypeError(f"{fn}: dtype must be a torch.dtype, got {dtype!r}")
+        size = torch.Size(dims)
+        nbytes = size.numel() * dtype.itemsize
         return self.acquire(nbytes)[:nbytes].view(dtype).view(size)
 
     def block_bytes(self, nbytes: int) -> int:
         """What an acquire of `nbytes` adds to this pool's in-use bytes: the block's size class."""
-        check_int("HostPool.block_bytes", "nbytes", nbytes)
+        check_int("offload.HostPool.block_bytes", "nbytes", nbytes)
         return int(self._impl.size_class(nbytes))
 
     def record_stream(self, tensor: torch.Tensor, stream) -> bool:
         """Keep `tensor`'s block from reuse until `stream` reaches this point. True if pooled here."""
+        fn = "offload.HostPool.record_stream"
+        _check_tensor(fn, tensor)
         if stream is None:
             return False
-        return self._impl.record_stream(tensor, stream)
+        try:
+            return self._impl.record_stream(tensor, stream)
+        except TypeError:  # the core's argument conversion: not a stream of this accelerator
+            raise TypeError(f"{fn}: stream must be a stream of the accelerator or None, "
+                            f"got {type(stream).__name__}") from None
 
     def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s memory is a block this pool handed out."""
+        _check_tensor("offload.HostPool.owns", tensor)
+        if tensor.layout != torch.strided or tensor.is_meta:  # no storage of bytes: nothing pooled
+            return False
         return self._impl.owns(tensor)
 
     def reserve(self, nbytes) -> None:
         """Grow ahead of the hot path so later acquires of up to `nbytes` hit the cache."""
-        self._impl.reserve(parse_bytes(nbytes, "HostPool.reserve: nbytes"))
+        self._impl.reserve(parse_bytes(nbytes, "offload.HostPool.reserve: nbytes"))
 
     # Note [reservation grown on another thread]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -125,21 +144,42 @@ class HostPool:
         returns the bytes to pass to `grow_reserved` or `cancel_reserve` (0: nothing to grow).
         `largest_block`: the largest acquire expected, so no slab is smaller. Raises
         torch.OutOfMemoryError where the growth would pass `limit_bytes`."""
-        check_int("HostPool.begin_reserve", "nbytes", nbytes)
-        check_int("HostPool.begin_reserve", "largest_block", largest_block)
-        return int(self._impl.begin_reserve(nbytes, largest_block)) if self.native else 0
+        check_int("offload.HostPool.begin_reserve", "nbytes", nbytes)
+        check_int("offload.HostPool.begin_reserve", "largest_block", largest_block)
+        if not self.native:
+            return 0
+        announced = int(self._impl.begin_reserve(nbytes, largest_block))
+        with self._announce_lock:
+            self._announced += announced
+        return announced
 
     def grow_reserved(self, nbytes: int) -> None:
         """Grow the bytes `begin_reserve` announced (blocks the calling thread, not the interpreter)."""
-        check_int("HostPool.grow_reserved", "nbytes", nbytes)
-        if nbytes:
+        if self._settle("offload.HostPool.grow_reserved", nbytes):
             self._impl.grow_reserved(nbytes)
 
     def cancel_reserve(self, nbytes: int) -> None:
         """Give up the bytes `begin_reserve` announced: waiting acquires grow the pool themselves."""
-        check_int("HostPool.cancel_reserve", "nbytes", nbytes)
-        if nbytes:
+        if self._settle("offload.HostPool.cancel_reserve", nbytes):
             self._impl.cancel_reserve(nbytes)
+
+    def _settle(self, fn: str, nbytes: int) -> bool:
+        """Take `nbytes` off the announced reservations (ValueError past them); whether any remain to act on.
+
+        The core trusts its caller to settle only what `begin_reserve` returned:
+        checked here, so a stray call is an error that names the call, not a
+        growth or a cancellation of bytes nobody announced.
+        """
+        check_int(fn, "nbytes", nbytes)
+        if not nbytes:
+            return False
+        with self._announce_lock:
+            if nbytes > self._announced:
+                raise ValueError(f"{fn}: nbytes ({nbytes}) is more than begin_reserve announced and no "
+                                 f"grow_reserved or cancel_reserve has settled yet ({self._announced}); pass "
+                                 "what begin_reserve returned")
+            self._announced -= nbytes
+        return True
 
     @property
     def native_pool(self):
@@ -168,7 +208,12 @@ class HostPool:
 
     @limit_bytes.setter
     def limit_bytes(self, value) -> None:
-        self._impl.set_limit(parse_bytes(value, "HostPool.limit_bytes"))
+        self._impl.set_limit(parse_bytes(value, "offload.HostPool.limit_bytes"))
+
+
+def _check_tensor(fn: str, tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{fn}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
 
 
 class _FallbackPool:

@@ -1,5 +1,7 @@
-"""Host-to-host copies for the CPU tensors of a state dict staged from an accelerator,
-with `copy_to_host`'s contract (fresh into one pooled block, or refilling `out`)."""
+"""Copies a stager runs on the caller's thread, with `copy_to_host`'s contract (fresh
+into one block, or refilling `out`): the CPU tensors of a state dict staged from an
+accelerator (into a pooled block), and the tensors past limit_bytes (into pageable
+memory, Note [staging past limit_bytes])."""
 
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ class HostCopy:
     """A host-to-host copy (CPU tensors of a state dict that lives on an accelerator),
     shaped like the CopyHandle the stager keeps: done when it returns."""
 
-    __slots__ = ("tensors", "meta")
+    __slots__ = ("tensors", "meta", "device")
 
-    def __init__(self, tensors: List[torch.Tensor], meta: Optional[list] = None):
+    def __init__(self, tensors: List[torch.Tensor], meta: Optional[list] = None, device=None):
         self.tensors = tensors
         self.meta = list(map(_SHAPE_DTYPE, tensors)) if meta is None else meta  # per tensor (shape, dtype)
+        self.device = device  # where the sources of a pageable copy are (None: the host)
 
     def ready(self) -> bool:
         return True
@@ -69,4 +72,37 @@ def copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_byte
                     raise ValueError(f"{fn}: host source {i} changed to {tuple(src.shape)} {src.dtype} on {src.device}")
     if sources:  # _foreach_copy_ refuses empty lists
         _foreach_copy(dsts, sources)
+    return handle
+
+
+def copy_to_pageable(sources: List[torch.Tensor], *, out=None, pool=None, group_bytes=None) -> HostCopy:
+    """copy_on_host's contract for the units past limit_bytes (Note [staging past limit_bytes]):
+    into one pageable host block (fresh) or into `out`, from sources on one device.
+
+    Each copy is a copy_ on the current stream into pageable memory, which returns
+    once its bytes are on the host: the handle is done when this returns. `pool`
+    and `group_bytes` are taken for the caller's sake and not used.
+    """
+    fn = "offload.AsyncStager.stage"
+    device = sources[0].device if sources else None
+    if out is None:
+        block = torch.empty(sum(align(t.numel() * t.element_size()) for t in sources), dtype=torch.uint8)
+        dsts, offset = [], 0
+        for t in sources:
+            nbytes = t.numel() * t.element_size()
+            dsts.append(block[offset : offset + nbytes].view(t.dtype).view(t.shape))
+            offset += align(nbytes)
+        handle = HostCopy(dsts, device=device)
+    else:
+        handle = out if isinstance(out, HostCopy) else HostCopy(out, device=device)
+        dsts = handle.tensors
+        if list(map(_SHAPE_DTYPE, sources)) != handle.meta or any(t.device != handle.device for t in sources):
+            for i, (dst, src) in enumerate(zip(dsts, sources)):
+                if dst.shape != src.shape or dst.dtype != src.dtype or src.device != handle.device:
+                    raise ValueError(f"{fn}: source {i} changed to {tuple(src.shape)} {src.dtype} on {src.device}")
+    if device is not None and device.type == "cpu":
+        _foreach_copy(dsts, sources)
+    else:
+        for dst, src in zip(dsts, sources):
+            dst.copy_(src)
     return handle

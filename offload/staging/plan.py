@@ -105,7 +105,7 @@ class CopyUnit:
 
     __slots__ = (
         "kind", "slots", "key", "nbytes", "device", "copied_first", "shape", "dtype", "span_start", "members",
-        "expanded",
+        "expanded", "pageable",
     )
 
     def __init__(
@@ -122,19 +122,24 @@ class CopyUnit:
         self.span_start = span_start  # span: its start relative to slots[0]'s first byte (<= 0)
         self.members = members  # span: per slot (byte offset in span, shape, stride, dtype)
         self.expanded = expanded  # a broadcast (stride-0) tensor: its distinct elements are copied
+        self.pageable = False  # staged to pageable host memory: past limit_bytes (Note [staging past limit_bytes])
 
 
 class CopyBatch:
     """The units copied by one call: same device, same phase (forward buffers first)."""
 
     __slots__ = (
-        "device", "copied_first", "asynchronous", "units", "src_slots", "pick_sources", "spans", "keys", "expanded"
+        "device", "copied_first", "asynchronous", "pageable", "units", "src_slots", "pick_sources", "spans", "keys",
+        "expanded",
     )
 
-    def __init__(self, device, copied_first, asynchronous):
+    def __init__(self, device, copied_first, asynchronous, pageable=False):
         self.device = device
         self.copied_first = copied_first  # forward buffers: copied before the rest, waited for at once
-        self.asynchronous = asynchronous  # through copy_to_host; else a host copy_ (CPU sources)
+        # Through copy_to_host; else a copy_ on the caller's thread: into pooled blocks
+        # (CPU sources), or into pageable memory (`pageable`, Note [staging past limit_bytes]).
+        self.asynchronous = asynchronous
+        self.pageable = pageable
         self.units: List[CopyUnit] = []
         self.src_slots: List[int] = []  # tensor units: the slot whose tensor is the source
         self.pick_sources = list  # make_picker(src_slots): the sources from the tensor slots
@@ -143,11 +148,34 @@ class CopyBatch:
         self.expanded: List[int] = []  # sources given to the copy narrowed to their distinct elements
 
 
-class CopyPlan:
-    """How one state dict (shape, tensor layouts, aliasing) is copied."""
+# Note [staging past limit_bytes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A state dict whose host buffers would pass the stager's limit_bytes is still
+# staged: the plan gives pooled (pinned) buffers to the units that fit a budget,
+# in order, and marks the rest `pageable`. Those go into pageable host memory, in
+# batches of their own, copied with copy_ on the caller's thread: each copy waits
+# for the work queued before it on the current stream and returns when its bytes
+# are on the host, so the save holds the same values and blocks the caller for
+# those bytes instead of failing. A pageable unit's key differs from the pinned
+# one's, so a buffer set never refills a pooled buffer from a pageable batch or
+# the reverse. The budget starts at the limit and counts each unit as
+# `pool_bytes_estimate` does; where the pool's rounding makes the blocks a save
+# took pass the limit anyway, the stager lowers the budget by the excess and
+# plans again (AsyncStager._stage), so the pooled bytes stay within the limit.
 
-    def __init__(self, fn, tree: StateTree, local_tensors, specs, forward_ptrs, forward_paths, tensor_paths):
+
+class CopyPlan:
+    """How one state dict (shape, tensor layouts, aliasing) is copied.
+
+    `pinned_budget`: pool bytes the units may take (None: all of them pooled); the
+    rest are staged to pageable memory (Note [staging past limit_bytes]), counted
+    with `block_bytes` (the pool's HostPool.block_bytes).
+    """
+
+    def __init__(self, fn, tree: StateTree, local_tensors, specs, forward_ptrs, forward_paths, tensor_paths,
+                 pinned_budget=None, block_bytes=None):
         self.tree = tree
+        self.pinned_budget = pinned_budget
         self.meta = list(map(META, local_tensors))
         self.ptrs = list(map(_data_ptr, local_tensors))
         self.ptr_indices = list(range(len(local_tensors)))  # for same_data_ptrs
@@ -171,14 +199,17 @@ class CopyPlan:
                 tensor_paths[s] in forward_paths or (local_tensors[s].device, self.ptrs[s]) in forward_ptrs
                 for s in unit.slots
             )
+        if pinned_budget is not None:
+            self._spill(pinned_budget, block_bytes)
         batches: Dict[Tuple, CopyBatch] = {}
         names = {device: str(device) for device in devices}
         for unit in self.units:
-            key = (not unit.copied_first, names[unit.device])
+            # Pooled batches first: their copies run on the copy stream while the pageable ones block.
+            key = (not unit.copied_first, unit.pageable, names[unit.device])
             batch = batches.get(key)
             if batch is None:
-                asynchronous = unit.device.type == compute
-                batch = batches[key] = CopyBatch(unit.device, unit.copied_first, asynchronous)
+                asynchronous = unit.device.type == compute and not unit.pageable
+                batch = batches[key] = CopyBatch(unit.device, unit.copied_first, asynchronous, unit.pageable)
             batch.units.append(unit)
         self.batches = [batches[k] for k in sorted(batches)]
         for batch in self.batches:
@@ -210,7 +241,21 @@ class CopyPlan:
         self.watched_slots = sorted(watched)
         self.watched_layouts = [layout_of(local_tensors[s])[1:] for s in self.watched_slots]
         self.copy_bytes = sum(u.nbytes for u in self.units)
+        self.pageable_bytes = sum(u.nbytes for u in self.units if u.pageable)
+        self.pageable_units = sum(u.pageable for u in self.units)
         self.signature = tuple((u.key, u.slots, u.copied_first, u.expanded) for b in self.batches for u in b.units)
+
+    def _spill(self, budget: int, block_bytes) -> None:
+        """Mark `pageable` the units that do not fit `budget` pool bytes, forward buffers
+        (copied first) placed first, the rest in order (Note [staging past limit_bytes])."""
+        used = 0
+        for unit in sorted(self.units, key=lambda u: not u.copied_first):
+            cost = unit_pool_bytes(unit, block_bytes)
+            if used + cost <= budget:
+                used += cost
+                continue
+            unit.pageable = True
+            unit.key = ("pageable",) + unit.key
 
     def _group(self, local_tensors, paths) -> None:
         """Units from tensors: memory that overlaps within one storage is copied once."""
@@ -294,7 +339,12 @@ def pool_bytes_estimate(units, block_bytes) -> int:
     Units of at least DEFAULT_SMALL_BYTES get a block each from every copy backend,
     counted at the pool's size class; smaller ones are packed into groups or not,
     as the backend does, so their blocks' rounding is not known here and they
-    count at their own bytes. A save checks the blocks it got (see
+    count at their own bytes; pageable units take none. A save checks the blocks it got (see
     `BufferRing.give_back_over_limit`).
     """
-    return sum(block_bytes(u.nbytes) if u.nbytes >= DEFAULT_SMALL_BYTES else align(u.nbytes) for u in units)
+    return sum(unit_pool_bytes(u, block_bytes) for u in units if not u.pageable)
+
+
+def unit_pool_bytes(unit: CopyUnit, block_bytes) -> int:
+    """A unit's share of `pool_bytes_estimate` (were it pooled)."""
+    return block_bytes(unit.nbytes) if unit.nbytes >= DEFAULT_SMALL_BYTES else align(unit.nbytes)

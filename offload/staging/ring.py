@@ -59,6 +59,16 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 # torch hands to readers.
 
 
+class OverLimit(Exception):
+    """Fitting a set to a plan would pass limit_bytes by `excess` bytes, with every set
+    no one reads already given back: the stager plans with fewer pooled bytes
+    (Note [staging past limit_bytes])."""
+
+    def __init__(self, excess: int):
+        super().__init__(excess)
+        self.excess = excess
+
+
 class BufferSet:
     """One set of host buffers for a whole state dict; the ring holds `ring_size` of them.
 
@@ -78,6 +88,8 @@ class BufferSet:
         # list of kept buffers) or "fresh" (out = None; becomes "reuse" once run).
         self.calls: List[List[list]] = []
         self.blocks: Dict[int, torch.Tensor] = {}  # storage address -> uint8 over the engine's block
+        # Addresses in `blocks` of pageable memory, not the pool's (Note [staging past limit_bytes]).
+        self.pageable_blocks: frozenset = frozenset()
         self._held: Tuple[Optional[dict], int] = (None, 0)  # (the blocks dict, its held_bytes)
         self.aliases: Dict[int, torch.Tensor] = {}  # storage address -> the same bytes, another storage (readers)
         # The aliases' storage handles, for the use counts (valid: each alias holds its storage).
@@ -99,10 +111,15 @@ class BufferSet:
         dict, which is replaced, never changed in place, when the blocks change."""
         blocks, held = self._held
         if blocks is not self.blocks:
-            blocks = self.blocks
-            held = sum(self.block_bytes(b.numel()) for b in blocks.values())
+            blocks, pageable = self.blocks, self.pageable_blocks
+            held = sum(self.block_bytes(b.numel()) for address, b in blocks.items() if address not in pageable)
             self._held = (blocks, held)  # holds the dict itself: `is` cannot match a new one at its address
         return held
+
+    @property
+    def pageable_bytes(self) -> int:
+        """Bytes of pageable host memory this set holds (Note [staging past limit_bytes])."""
+        return sum(self.blocks[address].numel() for address in self.pageable_blocks)
 
     @property
     def block_nbytes(self) -> int:
@@ -138,6 +155,7 @@ class BufferSet:
     def release(self) -> None:
         self.plan = None
         self.buffers, self.parts, self.calls, self.blocks, self.aliases = {}, {}, [], {}, {}
+        self.pageable_blocks = frozenset()
         self.alias_storages, self.alias_storage_objects, self.storage_ref_base = [], [], 0
         self.host_leaves, self.handles, self.watch, self.ref_base, self.use_base = [], [], [], 0, 0
         self.marked = False
@@ -173,6 +191,11 @@ class BufferSet:
                 # The DTensor constructor (not from_local) keeps the local tensor on the host.
                 host_leaves[slot] = dtensor(host_leaves[slot], spec, requires_grad=False)
                 watch.append(host_leaves[slot])
+        # Set before `blocks`: held_bytes recomputes when it sees the new dict.
+        self.pageable_blocks = frozenset(
+            buffers[unit.key].untyped_storage().data_ptr() for unit in units
+            if unit.pageable and buffers[unit.key].numel()
+        )
         self.blocks, self.aliases = blocks, aliases
         self.alias_storage_objects = [a.untyped_storage() for a in aliases.values()]
         self.alias_storages = [storage._cdata for storage in self.alias_storage_objects]
@@ -346,14 +369,9 @@ class BufferRing:
         if not self.limit:
             return True
         held, need = self.host_bytes(), self.set_bytes(plan)
-        if held + need <= self.limit:
-            return True
-        if not self.sets:
-            raise RuntimeError(
-                f"{fn}: the state dict needs {need} bytes of host buffers but limit_bytes is "
-                f"{self.limit}; raise AsyncStager(limit_bytes=...)"
-            )
-        return False  # wait for a set in use rather than grow past the limit
+        # The first set always fits: the plan's budget keeps its pooled part within the
+        # limit (Note [staging past limit_bytes]), and a save checks the blocks it got.
+        return held + need <= self.limit or not self.sets  # else wait for a set in use rather than grow
 
     def set_bytes(self, plan: CopyPlan) -> int:
         """The pool bytes a new set for `plan` takes: what a set already fitted to it
@@ -365,12 +383,13 @@ class BufferRing:
             return self.measured[1]
         return pool_bytes_estimate(plan.units, self._pool_of().block_bytes)
 
-    def give_back_over_limit(self, fn, buffer_set: BufferSet, plan: CopyPlan, new_set: bool) -> None:
+    def give_back_over_limit(self, buffer_set: BufferSet, plan: CopyPlan, new_set: bool) -> bool:
         """The blocks a save just took pass limit_bytes (the pool rounded them up past
         the estimate): the set gives its buffers back once its copies are done, and
         what it took is remembered so the ring does not grow for this plan again.
-        Returns when the ring has other sets to take the save; raises otherwise."""
-        took, total = buffer_set.held_bytes, self.host_bytes()
+        True when the ring has other sets to take the save; False when the save must
+        take fewer pooled bytes (the stager plans it with a lower budget)."""
+        took = buffer_set.held_bytes
         for handle in buffer_set.handles:
             handle.synchronize()
         buffer_set.release()
@@ -378,14 +397,8 @@ class BufferRing:
         self.measured = (plan, took)
         if new_set:
             self.sets.pop()  # made for this save: the last one
-            if self.sets:
-                return
-        beside = f", beside {total - took} held by the other sets," if total > took else ""
-        raise RuntimeError(
-            f"{fn}: staging this state dict takes {took} bytes of pooled host buffers ({plan.copy_bytes} bytes "
-            f"of tensors, in blocks the pool rounds up to its size classes){beside} but limit_bytes is "
-            f"{self.limit}; raise AsyncStager(limit_bytes=...)"
-        )
+            return bool(self.sets)
+        return False
 
     def forget_unwaited(self, index: int) -> None:
         """Drop set `index`'s handles from those the compute stream has yet to wait on."""
@@ -404,12 +417,19 @@ class BufferRing:
             block_bytes = buffer_set.block_bytes
             new_bytes = pool_bytes_estimate(fresh_units, block_bytes)
             kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers.values() if t.numel()}
-            after = self.host_bytes() - buffer_set.held_bytes + sum(map(block_bytes, kept.values())) + new_bytes
-            if after > self.limit:
-                raise RuntimeError(
-                    f"{fn}: staging needs {new_bytes} more bytes of host buffers ({after} in all) but "
-                    f"limit_bytes is {self.limit}; raise AsyncStager(limit_bytes=...) or ring_size=1"
-                )
+            kept_pooled = sum(block_bytes(n) for address, n in kept.items() if address not in buffer_set.pageable_blocks)
+
+            def after() -> int:
+                return self.host_bytes() - buffer_set.held_bytes + kept_pooled + new_bytes
+
+            if after() > self.limit:
+                # Sets no one reads give their buffers back first (they refill afresh when next taken).
+                for other in self.sets:
+                    if other is not buffer_set and other.held_bytes and other.busy_reason() is None:
+                        other.release()
+                        self.forget_unwaited(other.index)
+            if after() > self.limit:
+                raise OverLimit(after() - self.limit)
         buffer_set.calls, buffer_set.parts, buffer_set.buffers = calls, parts, buffers
         buffer_set.plan = None  # bound by AsyncStager._enqueue, once every fresh copy has returned its buffers
         return len(plan.units) - len(fresh_units), len(fresh_units)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -24,8 +25,9 @@ from .future import StagingFuture
 from .growth import PoolGrowth, start_growth
 from .host_copy import copy_on_host
 from .metrics import SaveLog
-from .plan import META, CopyPlan, layout_of, make_picker, pick, same_data_ptrs
-from .ring import BufferRing, BufferSet
+from .host_copy import copy_to_pageable
+from .plan import META, CopyPlan, layout_of, make_picker, pick, pool_bytes_estimate, same_data_ptrs
+from .ring import BufferRing, BufferSet, OverLimit
 from .state_tree import Mismatch, StateTree
 
 try:  # the protocol DCP's async_save expects; absent where torch lacks distributed
@@ -93,10 +95,14 @@ class AsyncStager(_StagerProtocol):
             read (copy running, or its staged dict alive, e.g. an upload in
             progress) waits for one or raises, per `when_busy`.
         pool: where host buffers come from (default `offload.default_host_pool()`).
-        limit_bytes: most host memory all sets together may hold (int or '8GiB';
-            None: only the pool's limit), counted as the pool counts its blocks
-            (rounded up to its size classes, see `host_bytes()`). The ring does
-            not grow past it; a single state dict larger than it raises RuntimeError.
+        limit_bytes: most pooled (pinned) host memory all sets together may hold
+            (int or '8GiB'; None: only the pool's limit), counted as the pool
+            counts its blocks (rounded up to its size classes, see `host_bytes()`).
+            The ring does not grow past it. A state dict whose buffers do not fit
+            is still staged: the tensors past the limit go to pageable host memory,
+            copied before `stage()` returns (slower, the same values), with one
+            warning per stager saying how many bytes and why (`pageable_bytes()`;
+            Note [staging past limit_bytes] in plan.py).
         when_busy: "wait" (default) or "raise" when all sets are busy.
         busy_timeout_s: longest wait for a busy set before RuntimeError.
         forward_buffers: tensors that change during the forward pass (BatchNorm
@@ -129,12 +135,19 @@ class AsyncStager(_StagerProtocol):
         check_int(fn, "ring_size", ring_size, 1)
         if when_busy not in ("wait", "raise"):
             raise ValueError(f"{fn}: when_busy must be 'wait' or 'raise', got {when_busy!r}")
+        if isinstance(busy_timeout_s, bool) or not isinstance(busy_timeout_s, (int, float)):
+            raise TypeError(f"{fn}: busy_timeout_s must be a number of seconds > 0, got "
+                            f"{type(busy_timeout_s).__name__}")
         if not busy_timeout_s > 0:
             raise ValueError(f"{fn}: busy_timeout_s must be > 0, got {busy_timeout_s!r}")
         if pool is not None and not isinstance(pool, HostPool):
             raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
         self._pool = pool
         self._limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, f"{fn}: limit_bytes")
+        # Pool bytes a plan may give its units (None: no limit); lowered where the pool's
+        # rounding passes the limit (Note [staging past limit_bytes]).
+        self._budget: Optional[int] = self._limit or None
+        self._warned_pageable = False
         self._ring = BufferRing(ring_size, self._limit, when_busy, float(busy_timeout_s), self._host_pool)
         self._forward_module, self._forward_paths = _forward_buffers(fn, forward_buffers)
         self._return_future = _async_save_takes_futures()
@@ -185,7 +198,11 @@ class AsyncStager(_StagerProtocol):
             reused, allocated = len(plan.units), 0
             held_before = buffer_set.held_bytes
             if buffer_set.plan is not plan:
-                reused, allocated = self._ring.prepare(fn, buffer_set, plan)
+                try:
+                    reused, allocated = self._ring.prepare(fn, buffer_set, plan)
+                except OverLimit as over:
+                    self._lower_budget(plan, over.excess)
+                    continue
                 held_before = buffer_set.held_bytes
             # A first save's growth (PoolGrowth) goes on while it copies: joined once it has.
             # Addresses of the tensors the core copies: compared by the refills of a
@@ -206,9 +223,20 @@ class AsyncStager(_StagerProtocol):
                 continue
             buffer_set.ptrs_version = plan.ptrs_version
             if self._limit and buffer_set.held_bytes > held_before and self.host_bytes() > self._limit:
-                self._ring.give_back_over_limit(fn, buffer_set, plan, new_set=len(self._ring.sets) > sets_before)
-                continue  # another set of the ring takes the save (_acquire_set waits or raises)
+                excess = self.host_bytes() - self._limit
+                if not self._ring.give_back_over_limit(buffer_set, plan, new_set=len(self._ring.sets) > sets_before):
+                    self._lower_budget(plan, excess)
+                continue  # another set takes the save (_acquire_set waits or raises), or a plan with fewer pool bytes
             break
+        if plan.pageable_bytes and not self._warned_pageable:
+            self._warned_pageable = True
+            warnings.warn(
+                f"{fn}: the state dict's {plan.copy_bytes} bytes of tensors do not fit limit_bytes={self._limit} of "
+                f"pooled host buffers, so {plan.pageable_bytes} bytes ({plan.pageable_units} tensors) are staged to "
+                "pageable host memory, copied before stage() returns (slower, the same values); raise "
+                "AsyncStager(limit_bytes=...) to stage them all asynchronously. Warned once per stager.",
+                stacklevel=3,
+            )
         allocated_bytes = max(0, buffer_set.held_bytes - held_before)
         if not buffer_set.marked:
             buffer_set.mark_baseline()
@@ -235,6 +263,7 @@ class AsyncStager(_StagerProtocol):
                 "buffers_allocated": allocated,
                 "allocated_bytes": allocated_bytes,
                 "host_bytes": self.host_bytes(),
+                "pageable_bytes": plan.pageable_bytes,
                 "_timing": timing,
             }
         )
@@ -299,13 +328,18 @@ class AsyncStager(_StagerProtocol):
         """Per save, oldest first: bytes, tensors, blocked_ms (time inside stage),
         waited_ms (of it, waiting for a free buffer set), copy_ms and gbps (None
         until the copy is observed complete), replanned, buffers_reused,
-        buffers_allocated, allocated_bytes, host_bytes, set."""
+        buffers_allocated, allocated_bytes, host_bytes, pageable_bytes (of the
+        save's tensors, staged to pageable memory past limit_bytes), set."""
         return self._log.public()
 
     def host_bytes(self) -> int:
-        """Host memory held by all buffer sets, as the pool counts it (`HostPool.block_bytes`
+        """Pooled host memory held by all buffer sets, as the pool counts it (`HostPool.block_bytes`
         of each block: rounded up to the pool's size classes), which `limit_bytes` bounds."""
         return self._ring.host_bytes()
+
+    def pageable_bytes(self) -> int:
+        """Pageable host memory held by all buffer sets: what did not fit `limit_bytes`."""
+        return sum(s.pageable_bytes for s in self._ring.sets)
 
     @property
     def ring_size(self) -> int:
@@ -354,6 +388,7 @@ class AsyncStager(_StagerProtocol):
         try:
             stale = (
                 plan is None
+                or plan.pinned_budget != self._budget
                 or plan.tree is not tree
                 or specs != plan.specs
                 or (plan.watched_slots
@@ -410,7 +445,15 @@ class AsyncStager(_StagerProtocol):
                 )
             forward_paths = {dotted[p] for p in self._forward_paths}
         tensor_paths = [tree.paths[pos] for pos in tree.tensor_pos]
-        return CopyPlan(fn, tree, local_tensors, specs, forward_ptrs, forward_paths, tensor_paths)
+        return CopyPlan(fn, tree, local_tensors, specs, forward_ptrs, forward_paths, tensor_paths, self._budget,
+                        self._host_pool().block_bytes)
+
+    def _lower_budget(self, plan: CopyPlan, excess: int) -> None:
+        """The pooled part of `plan` passes limit_bytes by `excess` bytes: plan later saves
+        with that much less (Note [staging past limit_bytes]). Strictly lower each time,
+        so a save ends, at worst with every tensor pageable."""
+        pooled = pool_bytes_estimate(plan.units, self._host_pool().block_bytes)
+        self._budget = max(0, min(self._budget, pooled) - excess)
 
     # ------------------------------------------------------------ the ring
 
@@ -455,7 +498,9 @@ class AsyncStager(_StagerProtocol):
                     sources[i] = compact(sources[i])[0]
                 device = batch.device
                 timed = False
-                if batch.asynchronous:
+                if batch.pageable:
+                    copy = copy_to_pageable
+                elif batch.asynchronous:
                     copy = copy_to_host
                     if sources and sources[0].device != device:
                         if checked:  # pragma: no cover - a plan made from these tensors has their device

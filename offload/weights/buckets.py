@@ -64,12 +64,27 @@ _NATIVE_BUCKET_DEVICES = ("cpu", "cuda")
 def default_bucket_bytes(device=None) -> int:
     """The bucket size used when none is given: 1/32 of `device`'s free memory within
     [MIN_DEFAULT_BUCKET_BYTES, MAX_DEFAULT_BUCKET_BYTES]; CPU_DEFAULT_BUCKET_BYTES on the host."""
-    device = _device.normalize_device(device)
+    return _default_bucket_bytes("offload.default_bucket_bytes", device)
+
+
+def _default_bucket_bytes(fn: str, device) -> int:
+    device = _bucket_device(fn, device)
     if not _device.is_accelerator(device):
         return CPU_DEFAULT_BUCKET_BYTES
     free, _ = _device.mem_get_info(device)
     size = min(MAX_DEFAULT_BUCKET_BYTES, max(MIN_DEFAULT_BUCKET_BYTES, free // 32))
     return size - size % DEFAULT_ALIGNMENT
+
+
+def _bucket_device(fn: str, device) -> torch.device:
+    """`device` (None: the current accelerator, or cpu) as a torch.device, or an error naming it."""
+    if device is not None and not isinstance(device, (str, torch.device)) and not is_int(device):
+        raise TypeError(f"{fn}: device must be a torch.device, a device string, an index or None, "
+                        f"got {type(device).__name__}")
+    try:
+        return _device.normalize_device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{fn}: device {device!r} is not a device torch knows here ({e})") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -285,6 +300,9 @@ class DtypePolicy:
             )
         if isinstance(keep_dtype, (str, re.Pattern)):
             keep_dtype = [keep_dtype]
+        if not isinstance(keep_dtype, (list, tuple, set, frozenset)):
+            raise TypeError(f"{fn}: keep_dtype must be a name pattern (str or re.Pattern) or a sequence of them, "
+                            f"got {type(keep_dtype).__name__}")
         patterns = []
         for p in keep_dtype:
             if isinstance(p, re.Pattern):
@@ -315,21 +333,28 @@ def _align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+def _check_layout(fn: str, bucket_bytes, alignment) -> None:
+    """bucket_bytes (None: the default, sized later) and alignment, checked against each other."""
+    check_int(fn, "alignment", alignment, 1)
+    if alignment & (alignment - 1):
+        raise ValueError(f"{fn}: alignment must be a power of two, got {alignment}")
+    if bucket_bytes is None:
+        return
+    check_int(fn, "bucket_bytes", bucket_bytes, 0)
+    if bucket_bytes < alignment:
+        raise ValueError(
+            f"{fn}: bucket_bytes ({bucket_bytes}) is smaller than one alignment unit ({alignment} bytes); "
+            "raise bucket_bytes or lower alignment"
+        )
+
+
 class Planner:
     """Places tensors one at a time; reports buckets as they close (streaming)."""
 
     def __init__(self, bucket_bytes, alignment: int, policy: DtypePolicy, fn: str, device=None):
-        check_int(fn, "alignment", alignment, 1)
-        if alignment & (alignment - 1):
-            raise ValueError(f"{fn}: alignment must be a power of two, got {alignment}")
+        _check_layout(fn, bucket_bytes, alignment)
         if bucket_bytes is None:
-            bucket_bytes = default_bucket_bytes(device)
-        check_int(fn, "bucket_bytes", bucket_bytes, 0)
-        if bucket_bytes < alignment:
-            raise ValueError(
-                f"{fn}: bucket_bytes ({bucket_bytes}) is smaller than one alignment unit ({alignment} bytes); "
-                "raise bucket_bytes or lower alignment"
-            )
+            bucket_bytes = _default_bucket_bytes(fn, device)
         self.fn = fn
         self.bucket_bytes = bucket_bytes
         self.alignment = alignment
@@ -417,8 +442,10 @@ class Planner:
 
 def _named_items(tensors, fn: str):
     """(name, tensor) pairs from a mapping or an iterable of pairs, lazily."""
-    if isinstance(tensors, torch.Tensor):
-        raise TypeError(f"{fn}: tensors must be a mapping or an iterable of (name, tensor) pairs, got a tensor")
+    if isinstance(tensors, torch.Tensor) or isinstance(tensors, (str, bytes)) or not (
+            hasattr(tensors, "items") or hasattr(tensors, "__iter__")):
+        what = "a tensor" if isinstance(tensors, torch.Tensor) else type(tensors).__name__
+        raise TypeError(f"{fn}: tensors must be a mapping or an iterable of (name, tensor) pairs, got {what}")
     items = tensors.items() if hasattr(tensors, "items") else tensors
     for i, item in enumerate(items):
         if not (isinstance(item, tuple) and len(item) == 2):
@@ -444,6 +471,8 @@ def plan_buckets(
     `bucket_bytes` defaults to `default_bucket_bytes(device)`.
     """
     fn = "offload.plan_buckets"
+    if device is not None:
+        _bucket_device(fn, device)
     planner = Planner(bucket_bytes, alignment, DtypePolicy(dtype, keep_dtype, fn), fn, device)
     entries: List[BucketEntry] = []
     for name, t in _named_items(tensors, fn):
@@ -585,15 +614,38 @@ def pack_buckets(
         tensors: a mapping name -> tensor (a state dict) or an iterable of (name,
             tensor) pairs, consumed lazily; all on one device; contiguous. DTensors
             are gathered (`full_tensor()`) one at a time as they are packed.
+            A mapping, list or tuple is checked at the call; an iterator as it is consumed.
         bucket_bytes: the most bytes per bucket (default: `default_bucket_bytes()`).
         dtype: cast floating-point tensors to this dtype (see the dtype policy).
         keep_dtype: names (fnmatch patterns or regexes) that keep their own dtype.
         alignment: every tensor starts at a multiple of this many bytes.
 
     The packs are queued on the current stream; buckets are fresh tensors owned by it.
+    Arguments are checked at the call (TypeError / ValueError naming the argument),
+    not when the returned iterator is first advanced.
     """
     fn = "offload.pack_buckets"
+    # Checked here, at the call: the generator below runs only when first iterated.
     policy = DtypePolicy(dtype, keep_dtype, fn)
+    _check_layout(fn, bucket_bytes, alignment)
+    if isinstance(tensors, (dict, list, tuple)) or hasattr(tensors, "items"):
+        # A container already in memory is checked whole; an iterator stays lazy
+        # (a sharded model gathered one tensor at a time), and is checked as it is consumed.
+        names = set()
+        for name, t in _named_items(tensors, fn):
+            if not isinstance(name, str):
+                raise TypeError(f"{fn}: tensor names must be str, got {type(name).__name__} ({name!r})")
+            if name in names:
+                raise ValueError(f"{fn}: tensor name {name!r} appears twice; names must be unique")
+            names.add(name)
+            if type(t).__name__ != "DTensor":  # gathered only when packed
+                _materialize(name, t, fn)
+    elif isinstance(tensors, (torch.Tensor, str, bytes)) or not hasattr(tensors, "__iter__"):
+        next(_named_items(tensors, fn))  # raises, naming what tensors is
+    return _pack_buckets(tensors, bucket_bytes, policy, alignment, fn)
+
+
+def _pack_buckets(tensors, bucket_bytes, policy: DtypePolicy, alignment: int, fn: str) -> Iterator[PackedBucket]:
     planner: Optional[Planner] = None
     pending: Dict[int, List[Tuple[torch.Tensor, BucketEntry]]] = {}
     device = None
@@ -640,6 +692,8 @@ def unpack_bucket(
     Returns (name, destination) pairs.
     """
     fn = "offload.unpack_bucket"
+    if isinstance(entries, (BucketEntry, torch.Tensor, str)) or not hasattr(entries, "__iter__"):
+        raise TypeError(f"{fn}: entries must be a sequence of BucketEntry, got {type(entries).__name__}")
     entries = list(entries)
     _check_bucket(fn, data, entries)
     if out is None:
@@ -654,6 +708,8 @@ def unpack_bucket(
 
 
 def _destinations(fn: str, out, entries: List[BucketEntry]) -> List[torch.Tensor]:
+    if isinstance(out, (torch.Tensor, str)) or not (hasattr(out, "items") or hasattr(out, "__iter__")):
+        raise TypeError(f"{fn}: out must be a mapping name -> tensor or a list of tensors, got {type(out).__name__}")
     if hasattr(out, "items"):
         missing = [e.name for e in entries if e.name not in out]
         if missing:
