@@ -13,6 +13,7 @@ import collections
 import contextlib
 import functools
 import time
+import warnings
 import weakref
 from typing import Dict, Optional
 
@@ -81,6 +82,13 @@ from .step_stats import StepTimings, new_counters
 # part end (bytes of new spans), its copy starts, and the layer goes on in a new group. A
 # later view of a storage copied in an earlier part shares that copy if it lies in it
 # unchanged. Backward needs a layer's last part first; its parts are fetched together.
+#
+# Note [pool full]: a group whose host block the pool cannot give (its `limit_bytes` reached)
+# stays on the device as a kept group: its tensors are served as they are in backward, the
+# step completes with exactly the gradients it would have had, and device memory holds what
+# did not fit. Nothing was queued for it (the block is acquired before any copy), so nothing
+# is half-copied. One warning per engine says how much stayed and why; later groups still
+# try the pool, which frees blocks as backward releases them.
 #
 # Note [hooks in groups only]: with `hooks_in_groups_only` (set by enable_activation_offload,
 # which marks backward's start on the model's output) the hooks are on only from an
@@ -200,6 +208,7 @@ class ActivationEngine(BackwardSide):
         # layer index -> (bytes, count) of the new storage spans it offloaded in its last forward:
         # async mode copies the first offloaded layer of a forward in parts of those bytes.
         self._layer_sizes: dict = {}
+        self._warned_pool_full = False  # Note [pool full]
 
     def use_plan(self, schedule, observer=None) -> None:
         """Run the next forwards by auto mode's `schedule` (a `schedule.Schedule`; None: the
@@ -415,8 +424,12 @@ class ActivationEngine(BackwardSide):
             # One call for the group's spans, into a block the core acquires from the pool and
             # times itself: the core makes no tensor per span, and no Python event or stream
             # object is made per group (a launch-bound step pays for each on the host).
-            group.d2h = copy_spans_to_host([entry[0] for entry in group.spans], starts, sizes, group.nbytes_aligned,
-                                           offsets, pool=self.pool, timing=self.timing)
+            try:
+                group.d2h = copy_spans_to_host([entry[0] for entry in group.spans], starts, sizes,
+                                               group.nbytes_aligned, offsets, pool=self.pool, timing=self.timing)
+            except torch.OutOfMemoryError as exc:
+                self._keep_on_device(group, exc)
+                return
         if self.timing:
             self._timings.copy(self.counters, "d2h_seconds", group.d2h.copy_timer())
         group.state = COPYING
@@ -462,6 +475,18 @@ class ActivationEngine(BackwardSide):
                 oldest.d2h.synchronize()
                 c["forward_wait_seconds"] += time.perf_counter() - t0
             self._mark_copied(oldest)
+
+    def _keep_on_device(self, group: Group, exc: BaseException) -> None:
+        """The pool is at its limit: `group` stays on the device (Note [pool full])."""
+        group.state = KEPT
+        group.spans = None
+        if not self._warned_pool_full:
+            self._warned_pool_full = True
+            warnings.warn(
+                f"offload: the host pool cannot take the {group.nbytes_aligned} bytes saved by {group.name!r} "
+                f"({exc}); those activations stay on the device, and so does any later group that does not "
+                "fit. Raise the pool's limit_bytes (or OFFLOAD_HOST_POOL_LIMIT) to offload them",
+                stacklevel=2)
 
     def _poll(self) -> None:
         """Mark copied, oldest first, the groups whose copies are complete (never blocks).

@@ -98,13 +98,18 @@ class _Mirror:
                 total += (n + _MIRROR_ALIGNMENT - 1) // _MIRROR_ALIGNMENT * _MIRROR_ALIGNMENT
             if self.host is None or self.host.numel() < total:
                 # The old block (if any) goes back to the pool when this reference drops:
-                # nothing reads it now, the last reload's copy was waited for.
-                self.host = None
+                # nothing reads it now, the last reload's copy was waited for. Planned again
+                # from scratch if the new one cannot be had (no stale layout is kept).
+                self.host, self.sizes, self.offsets = None, [], []
                 try:
                     self.host = self.pool.acquire(total)
                 except RuntimeError as exc:
-                    raise RuntimeError(
-                        f"{fn}: could not get {total} bytes of pinned host memory for the mirror ({exc}); raise "
+                    # Nothing has moved yet: the module's tensors are where they were.
+                    stats = self.pool.stats()
+                    raise torch.OutOfMemoryError(
+                        f"{fn}: cannot get {total} bytes of pinned host memory for the mirror of {len(sizes)} "
+                        f"storages; the pool holds {stats['in_use_bytes']} bytes in use of its limit of "
+                        f"{stats['limit_bytes'] or 'no'} bytes ({exc}). The parameters stay where they are; raise "
                         "the pool's limit (OFFLOAD_HOST_POOL_LIMIT, HostPool(limit_bytes=...)) or free host memory"
                     ) from exc
             self.sizes, self.offsets = sizes, offsets

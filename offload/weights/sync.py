@@ -16,6 +16,8 @@ transfer is the span from the first broadcast posted to the last one completed.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import pickle
 import random
 import threading
 from collections import OrderedDict
@@ -106,6 +108,24 @@ DEFAULT_RESERVE_SMS = 32
 # Such a snapshot is several copy handles (one per group, each reusing the host
 # buffers of the same group of an evicted version); without DTensors it is one
 # batched copy of everything.
+#
+# Note [sync timeouts]
+# ~~~~~~~~~~~~~~~~~~~~
+# A sync is a fixed sequence of broadcasts that both sides walk in step. When the
+# peer raises or dies mid-way, the side still running would wait in the next
+# collective until the process group's own timeout (thirty minutes by default,
+# and forever for a wait on the host that no watchdog watches). With `timeout_s`
+# every wait of a sync is bounded: on gloo (host collectives) each wait is a
+# host wait of at most `timeout_s`; on NCCL/HCCL the waits inside the bucket
+# pipeline stay device-side (Note [bucket pipeline]) and the host waits the end
+# of a sync makes, and the header's, are bounded. A wait that times out or fails
+# raises RuntimeError naming the step of the protocol, the peer and the timeout.
+# After that, or after the sender raised once its header was out, the two sides
+# are at different points of the protocol and the group may still carry part of
+# a sync: the object refuses further syncs with an error saying so, and a new
+# sender/receiver pair on a new group (`dist.new_group`) syncs afresh (a new
+# group has its own connections and its own plan ids, so nothing of the failed
+# sync reaches it). `timeout_s=None` keeps the process group's timeout.
 
 
 def _resolve_group(fn: str, group, ranks, backend):
@@ -226,6 +246,79 @@ def _check_source(fn: str, name: str, t: torch.Tensor, device: torch.device, bac
                          "pass t.contiguous()")
 
 
+class _Link:
+    """One side's collectives of a sync: broadcasts from `src` whose waits are bounded by
+    `timeout_s` (Note [sync timeouts]), and the failure that ended the last sync, if any."""
+
+    def __init__(self, fn: str, group, src: int, timeout_s: Optional[float], device: torch.device):
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise ValueError(f"{fn}: timeout_s must be a number of seconds > 0 or None (the process group's "
+                             f"timeout), got {timeout_s!r}")
+        self.fn = fn
+        self.group = group
+        self.src = src
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self.device = device
+        self.on_device = device.type != "cpu"  # NCCL/HCCL: a wait on a work is device-side
+        self.failure: Optional[str] = None
+
+    def check(self, fn: str) -> None:
+        if self.failure is not None:
+            raise RuntimeError(
+                f"{fn}: an earlier sync on this group failed mid-way ({self.failure}); the sender and its "
+                "receivers are at different points of it, so this group cannot sync again: destroy it and "
+                "construct a new WeightSender and WeightReceiver on a new group (dist.new_group)")
+
+    def fail(self, what: str) -> None:
+        if self.failure is None:
+            self.failure = what
+
+    def broadcast(self, tensor: torch.Tensor, what: str):
+        try:
+            return dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+        except Exception as exc:  # a peer that died is seen here on some backends
+            raise self._error(what, exc) from exc
+
+    def wait(self, work, what: str, host: bool = True) -> None:
+        """Wait for `work`: bounded by the timeout where the host waits (Note [sync timeouts])."""
+        if self.timeout_s is None or (self.on_device and not host):
+            work.wait()  # the process group's timeout; device-side on NCCL/HCCL
+            return
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            raise self._error(what, exc) from exc
+        if done is False:
+            raise self._error(what, None)
+
+    def run(self, tensor: torch.Tensor, what: str) -> None:
+        """A broadcast the host waits for (bounded)."""
+        self.wait(self.broadcast(tensor, what), what, host=True)
+
+    def send_object(self, obj, what: str) -> None:
+        """`obj` pickled, as its length and then its bytes (each a broadcast the host waits for)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        self.run(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), what)
+        self.run(data, what)
+
+    def receive_object(self, what: str):
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.run(size, what)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.run(data, what)
+        return pickle.loads(data.cpu().numpy().tobytes())
+
+    def _error(self, what: str, exc: Optional[BaseException]) -> RuntimeError:
+        bound = (f"within timeout_s={self.timeout_s:g}" if self.timeout_s is not None
+                 else "within the process group's timeout")
+        cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        self.fail(f"{what} did not complete {bound}{cause}")
+        return RuntimeError(f"{self.fn}: {what} (sender: rank {self.src}) did not complete {bound}; a peer "
+                            f"may have failed or died mid-sync{cause}. This group cannot sync again: destroy "
+                            "it and sync on a new group")
+
+
 class _Buffers:
     """Two bucket buffers, grown (never shrunk) to the largest bucket of a sync."""
 
@@ -291,6 +384,8 @@ class WeightSender:
         pool: host pool for snapshots and host buckets.
         reserve_sms: SMs the pack kernels leave to the collective (CUDA; Note [SMs left
             to the collective]); 0 lets a pack take the whole device.
+        timeout_s: longest wait, in seconds, for a collective of a sync (Note [sync
+            timeouts]); None: the process group's timeout.
     """
 
     def __init__(
@@ -308,6 +403,7 @@ class WeightSender:
         keep_versions: int = 2,
         pool: Optional[HostPool] = None,
         reserve_sms: int = DEFAULT_RESERVE_SMS,
+        timeout_s: Optional[float] = None,
     ):
         fn = "offload.WeightSender"
         if mode not in MODES:
@@ -328,6 +424,7 @@ class WeightSender:
             bucket_bytes = min(default_bucket_bytes(self.device), DEFAULT_SYNC_BUCKET_BYTES)
         self.bucket_bytes = bucket_bytes
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
+        self._link = _Link(fn, self.group, self.src, timeout_s, self.device)
         self._backend = dist.get_backend(self.group) if self.member else None
         self.dtype = dtype
         self.keep_dtype = keep_dtype
@@ -372,6 +469,7 @@ class WeightSender:
         layout = _layout(groups)
         device = items[0][1].device if items else _device.current_device()  # a DTensor's: its local shard's
         reuse = [None] * len(groups)
+        oldest = None  # the snapshot evicted for this one, put back if this one fails
         with self._lock:
             if version is None:
                 version = self._next_version
@@ -389,17 +487,36 @@ class WeightSender:
             raise ValueError(f"{fn}: version {version} is already cached; pass a new version")
         copy_span = Span(device)  # on the current stream, which the gathers and copies follow
         handles = []
-        for k, group in enumerate(groups):
-            if k >= 2:
-                # Host wait: group k-2's copy has read its gathered tensors, and the
-                # engine (drained by the wait) has let them go, so their memory is
-                # free before this group's gathers allocate (Note [gathering DTensor sources]).
-                handles[k - 2].synchronize()
-            gathered = [_gather(t) for _, t in group]
-            # The copy stream waits for the current stream (which the gathers
-            # joined), and the engine holds `gathered` until the copy completes.
-            handles.append(copy_to_host(gathered, out=reuse[k], pool=self.pool))
-            del gathered  # ours go now; the engine's when the copy is done
+        try:
+            for k, group in enumerate(groups):
+                if k >= 2:
+                    # Host wait: group k-2's copy has read its gathered tensors, and the
+                    # engine (drained by the wait) has let them go, so their memory is
+                    # free before this group's gathers allocate (Note [gathering DTensor sources]).
+                    handles[k - 2].synchronize()
+                gathered = [_gather(t) for _, t in group]
+                # The copy stream waits for the current stream (which the gathers
+                # joined), and the engine holds `gathered` until the copy completes.
+                handles.append(copy_to_host(gathered, out=reuse[k], pool=self.pool))
+                del gathered  # ours go now; the engine's when the copy is done
+        except torch.OutOfMemoryError as exc:
+            # Only host buffers were being filled: the weights are untouched. The copies
+            # already queued finish before their buffers go back to the pool.
+            for handle in handles:
+                handle.synchronize()
+            handles = None
+            with self._lock:
+                if oldest is not None and reuse[0] is None and oldest.version not in self._snapshots:
+                    self._snapshots[oldest.version] = oldest  # kept: its buffers were not written
+                    self._snapshots.move_to_end(oldest.version, last=False)
+            stats = self.pool.stats()
+            asked = sum(t.numel() * t.element_size() for _, t in items)
+            raise torch.OutOfMemoryError(
+                f"{fn}: cannot copy version {version} ({asked} bytes of weights) to pinned host memory: the "
+                f"pool holds {stats['in_use_bytes']} bytes in use of its limit of {stats['limit_bytes'] or 'no'} "
+                f"bytes, {len(self._snapshots)} snapshot(s) cached (keep_versions={self.keep_versions}) ({exc}). "
+                "The weights are unchanged; raise the pool's limit (HostPool(limit_bytes=...), "
+                "OFFLOAD_HOST_POOL_LIMIT) or lower keep_versions") from exc
         if copy_span.on_accel:
             # A private stream waits for the copies, so the end event marks their
             # completion without the current (training) stream waiting for anything.
@@ -508,21 +625,32 @@ class WeightSender:
         # wire: once the header is out, receivers wait for buckets, and an error here
         # would leave them hanging until the group's timeout. DTensors are checked
         # as they are gathered (gathering them all first would hold the whole model).
+        self._link.check(fn)
         for name, t in items:
             if not _is_dtensor(t):
                 _check_source(fn, name, t, pack_device, self._backend)
         timer = PhaseTimer(self.device, PHASES)
         timer.add_host("host_copy", host_copy_ms / 1e3)
         plan, plan_id, fresh = self._plan(items)
+        try:
+            return self._send_planned(fn, items, version, pack_device, timer, plan, plan_id, fresh)
+        except BaseException as exc:
+            # The receivers are somewhere inside this sync (Note [sync timeouts]); a
+            # KeyboardInterrupt leaves them there as much as an error does.
+            self._link.fail(f"the sender raised {type(exc).__name__} during the sync of version {version}")
+            raise
+
+    def _send_planned(self, fn: str, items, version: int, pack_device: torch.device, timer: PhaseTimer,
+                      plan: BucketPlan, plan_id: int, fresh: bool) -> dict:
+        link = self._link
         # A small tensor first: the version, the plan's id and whether the plan
         # follows. The plan (an object broadcast, pickled) is sent only when this
         # sender's names, shapes or dtypes changed, so a steady-state sync costs one
         # tiny collective of metadata; receivers keep the plans they have seen by id.
         flag = torch.tensor([version, plan_id, int(fresh)], dtype=torch.int64, device=self.device)
-        dist.broadcast(flag, src=self.src, group=self.group)
+        link.wait(link.broadcast(flag, "the header"), "the header", host=False)
         if fresh:
-            dist.broadcast_object_list([plan.to_dict()], src=self.src, group=self.group,
-                                       device=_object_device(self.group))
+            link.send_object(plan.to_dict(), "the bucket plan")
         tensors = dict(items)
         staged = pack_device != self.device  # host snapshot sent over NCCL: pack on the host, then copy up
         works: List = [None, None]
@@ -533,7 +661,8 @@ class WeightSender:
             slot = k % 2
             size = plan.bucket_sizes[k]
             if works[slot] is not None:
-                works[slot].wait()  # device-side on NCCL: the buffer's previous broadcast is done
+                # Device-side on NCCL: the buffer's previous broadcast is done.
+                link.wait(works[slot], f"bucket {k - 2} of {plan.num_buckets}", host=False)
             sources = []
             # Timed only when something is gathered: a phase that did not run reports 0.
             gathers = any(_is_dtensor(tensors[e.name]) for e in entries)
@@ -568,18 +697,11 @@ class WeightSender:
             if k == 0:
                 timer.mark_span("transfer")
             with _device.nvtx_range(f"offload.weight_sync.bucket{k}"):
-                works[slot] = dist.broadcast(data, src=self.src, group=self.group, async_op=True)
-        for w in works:
-            if w is not None:
-                w.wait()
+                works[slot] = link.broadcast(data, f"bucket {k} of {plan.num_buckets}")
+        for k in range(max(0, plan.num_buckets - 2), plan.num_buckets):
+            link.wait(works[k % 2], f"bucket {k} of {plan.num_buckets}", host=True)
         timer.mark_span("transfer")
         return timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
-
-
-def _object_device(group):
-    """Where broadcast_object_list stages its bytes: the accelerator for NCCL/HCCL, else None (host)."""
-    device = _transport_device(group)
-    return device if device.type != "cpu" else None
 
 
 class WeightReceiver:
@@ -588,10 +710,13 @@ class WeightReceiver:
     Args:
         group / ranks / src: as for `WeightSender` (the same group, the sender's rank).
         reserve_sms: SMs the unpack kernels of `load()` leave to the collective (CUDA).
+        timeout_s: longest wait, in seconds, for a collective of a sync, the first
+            (the header of the next sync) included (Note [sync timeouts]); None: the
+            process group's timeout.
     """
 
     def __init__(self, group=None, *, src: int = 0, ranks=None, backend: Optional[str] = None,
-                 reserve_sms: int = DEFAULT_RESERVE_SMS):
+                 reserve_sms: int = DEFAULT_RESERVE_SMS, timeout_s: Optional[float] = None):
         fn = "offload.WeightReceiver"
         self.group = _resolve_group(fn, group, ranks, backend)
         self.src = int(src)
@@ -601,19 +726,20 @@ class WeightReceiver:
         _check_src(fn, self.group, self.src)
         self.device = _transport_device(self.group)
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
+        self._link = _Link(fn, self.group, self.src, timeout_s, self.device)
         self._buffers = _Buffers()
         self.version: Optional[int] = None
         self.timings: dict = {}
         # Plans seen, by id, with their per-bucket spans; a sender resends only a changed plan.
         self._plans: Dict[int, Tuple[BucketPlan, List[BucketSpans]]] = {}
 
-    def _header(self) -> Tuple[BucketPlan, List[BucketSpans], int]:
+    def _header(self, fn: str) -> Tuple[BucketPlan, List[BucketSpans], int]:
+        self._link.check(fn)
         flag = torch.empty(3, dtype=torch.int64, device=self.device)
-        dist.broadcast(flag, src=self.src, group=self.group)
+        self._link.run(flag, "the header")
         version, plan_id, fresh = (int(v) for v in flag.tolist())
         if fresh:
-            box = [None]
-            dist.broadcast_object_list(box, src=self.src, group=self.group, device=_object_device(self.group))
+            box = [self._link.receive_object("the bucket plan")]
             if not isinstance(box[0], dict) or "entries" not in box[0]:
                 raise RuntimeError(f"offload.WeightReceiver: expected a bucket plan from rank {self.src}, "
                                    f"got {type(box[0]).__name__}")
@@ -641,8 +767,8 @@ class WeightReceiver:
         """Receive and drop buckets of `sizes` bytes (a sync this receiver refuses), if the sizes are readable."""
         if not isinstance(sizes, list) or not all(is_int(n) and n >= 0 for n in sizes):
             return
-        for n in sizes:
-            dist.broadcast(self._buffers.get(0, n, self.device), src=self.src, group=self.group)
+        for k, n in enumerate(sizes):
+            self._link.run(self._buffers.get(0, n, self.device), f"bucket {k} of {len(sizes)}")
 
     def _buckets(self, plan: BucketPlan, spans: List[BucketSpans],
                  timer: PhaseTimer) -> Iterator[Tuple[torch.Tensor, BucketSpans]]:
@@ -651,10 +777,12 @@ class WeightReceiver:
         datas: List = [None, None]
         n = plan.num_buckets
 
+        link = self._link
+
         def post(k):
             slot = k % 2
             datas[slot] = self._buffers.get(slot, plan.bucket_sizes[k], self.device)
-            works[slot] = dist.broadcast(datas[slot], src=self.src, group=self.group, async_op=True)
+            works[slot] = link.broadcast(datas[slot], f"bucket {k} of {n}")
 
         if n:
             timer.mark_span("transfer")
@@ -663,7 +791,9 @@ class WeightReceiver:
 
         def handout():
             for k in range(n):
-                works[k % 2].wait()
+                # The last bucket's wait is on the host where a timeout bounds it (Note
+                # [sync timeouts]); the others stay device-side on NCCL/HCCL.
+                link.wait(works[k % 2], f"bucket {k} of {n}", host=k == n - 1)
                 yield datas[k % 2], spans[k]
                 if k + 2 < n:
                     # The consumer asked for more after bucket k: it is done with k's
@@ -682,7 +812,7 @@ class WeightReceiver:
         `copy=True`; tensors split across buckets are assembled into new tensors.
         Timings are in `self.timings` once the generator is exhausted.
         """
-        plan, spans, version = self._header()
+        plan, spans, version = self._header("offload.WeightReceiver.receive")
         timer = PhaseTimer(self.device, PHASES)
         partial: Dict[str, torch.Tensor] = {}
         for data, bucket in self._buckets(plan, spans, timer):
@@ -717,7 +847,7 @@ class WeightReceiver:
             dsts = {n: t.detach() for n, t in target.items()}
         else:
             raise TypeError(f"{fn}: target must be a module or a mapping name -> tensor, got {type(target).__name__}")
-        plan, spans, version = self._header()
+        plan, spans, version = self._header(fn)
         timer = PhaseTimer(self.device, PHASES)
         # The first two buckets are on their way while the destinations are checked.
         buckets = self._buckets(plan, spans, timer)

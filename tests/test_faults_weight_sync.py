@@ -1,0 +1,328 @@
+"""Weight sync under faults: a sender that raises or dies mid-sync, a receiver that dies mid-sync,
+and a host_cache snapshot that the pool cannot hold.
+
+Each side that survives gets a RuntimeError within its `timeout_s` (not a hang), refuses further
+syncs on the broken group, and then syncs bitwise with a new peer on a new group. Every process
+runs under a join timeout, so a hang fails the test instead of blocking the run.
+"""
+
+import datetime
+import gc
+import os
+import queue
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import offload
+from _workers import watch_for_aborts
+
+TIMEOUT_S = 4.0
+# How much later than `timeout_s` the error may come on a loaded shared machine (spawned
+# interpreters, other test processes): still far below the process group's own timeout.
+SLACK_S = 40.0
+_INIT_TIMEOUT = datetime.timedelta(seconds=120)
+_JOIN_TIMEOUT_S = 180
+BUCKET_BYTES = 4096
+
+
+def _weights(step: int) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "a": torch.randn(700, generator=gen),
+        "b": torch.randn(40, 50, generator=gen).to(torch.bfloat16),
+        "c": torch.randint(-1000, 1000, (900,), generator=gen, dtype=torch.int64),
+        "d": torch.randn(2500, generator=gen),
+    }
+
+
+def _zeros_like(weights: dict) -> dict:
+    return {n: torch.zeros_like(t) for n, t in weights.items()}
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for n in want:
+        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), n
+
+
+def _init(rank: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=_INIT_TIMEOUT)
+    torch.set_num_threads(1)
+
+
+def _sync_on_new_group(rank: int, step: int) -> None:
+    """A new sender/receiver pair on a new group syncs bitwise."""
+    group = dist.new_group([0, 1])
+    if rank == 0:
+        offload.WeightSender(group, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S).send(_weights(step))
+    else:
+        target = _zeros_like(_weights(step))
+        offload.WeightReceiver(group, timeout_s=TIMEOUT_S).load(target)
+        _assert_equal(target, _weights(step))
+
+
+def _timed_failure(call) -> tuple:
+    """(the RuntimeError `call` raised, seconds it took)."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        call()
+    return info.value, time.monotonic() - t0
+
+
+def _check_refuses_again(call) -> None:
+    with pytest.raises(RuntimeError, match="cannot sync again"):
+        call()
+
+
+def _report(results, rank, fn):
+    """Run fn(), put ("ok", rank, value) or ("error", rank, traceback) into `results`."""
+    watch_for_aborts()
+    try:
+        results.put(("ok", rank, fn()))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+        raise
+    finally:
+        results.close()
+        results.join_thread()  # the result reaches the parent before os._exit
+        sys.stdout.flush()
+
+
+# ------------------------------------------------------------ sender raises (both processes live on)
+
+
+def _raising_sender_world(rank, init_file, results):
+    def body():
+        _init(rank, init_file)
+        group = dist.new_group([0, 1])
+        if rank == 0:
+            sender = offload.WeightSender(group, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
+            sender.send(_weights(0))
+            from offload.weights import sync
+
+            packed = []
+            real = sync.copy_spans
+
+            def fail_second_bucket(*args, **kw):
+                packed.append(1)
+                if len(packed) == 2:
+                    raise RuntimeError("injected pack failure")
+                return real(*args, **kw)
+
+            sync.copy_spans = fail_second_bucket
+            try:
+                with pytest.raises(RuntimeError, match="injected pack failure"):
+                    sender.send(_weights(1))
+            finally:
+                sync.copy_spans = real
+            _check_refuses_again(lambda: sender.send(_weights(1)))
+            elapsed = None
+        else:
+            receiver = offload.WeightReceiver(group, timeout_s=TIMEOUT_S)
+            target = _zeros_like(_weights(0))
+            receiver.load(target)
+            _assert_equal(target, _weights(0))
+            error, elapsed = _timed_failure(lambda: receiver.load(_zeros_like(_weights(1))))
+            assert "offload.WeightReceiver" in str(error) and f"timeout_s={TIMEOUT_S:g}" in str(error), error
+            assert "bucket" in str(error) and "new group" in str(error), error
+            _check_refuses_again(lambda: receiver.load(_zeros_like(_weights(1))))
+        _sync_on_new_group(rank, 2)
+        return elapsed
+
+    _report(results, rank, body)
+    os._exit(0)  # the broken group's worker thread still waits for the bucket never sent
+
+
+def test_faults_sender_raises_mid_sync_receiver_times_out(tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_file = str(tmp_path / "init")
+    procs = [ctx.Process(target=_raising_sender_world, args=(rank, init_file, results)) for rank in (0, 1)]
+    outcome = _collect(procs, results, expect=2)
+    assert all(kind == "ok" for kind, _, _ in outcome.values()), outcome
+    elapsed = outcome[1][2]
+    assert elapsed < TIMEOUT_S + SLACK_S, f"the receiver's error came after {elapsed:.1f} s"
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+# ------------------------------------------------------------ one side dies (SIGKILL) mid-sync
+
+
+def _dying_world(rank, victim, first_file, second_file, results):
+    """World one: rank `victim` kills itself mid-sync. The survivor must fail within the
+    timeout, then (world two, with a fresh peer) sync bitwise."""
+    survivor = rank != victim
+
+    def body():
+        _init(rank, first_file)
+        group = dist.new_group([0, 1])
+        if rank == 0:
+            sender = offload.WeightSender(group, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
+            sender.send(_weights(0))
+            if not survivor:
+                from offload.weights import sync
+
+                real = sync.copy_spans
+                count = []
+
+                def die_at_second_bucket(*args, **kw):
+                    count.append(1)
+                    if len(count) == 2:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return real(*args, **kw)
+
+                sync.copy_spans = die_at_second_bucket
+                sender.send(_weights(1))
+                raise AssertionError("the sender outlived its own SIGKILL")
+            error, elapsed = _timed_failure(lambda: sender.send(_weights(1)))
+            assert "offload.WeightSender" in str(error) and "new group" in str(error), error
+            _check_refuses_again(lambda: sender.send(_weights(1)))
+        else:
+            receiver = offload.WeightReceiver(group, timeout_s=TIMEOUT_S)
+            target = _zeros_like(_weights(0))
+            receiver.load(target)
+            _assert_equal(target, _weights(0))
+            if not survivor:
+                for k, _ in enumerate(receiver.receive()):
+                    if k == 1:  # one bucket in, the next ones posted
+                        os.kill(os.getpid(), signal.SIGKILL)
+                raise AssertionError("the receiver outlived its own SIGKILL")
+            error, elapsed = _timed_failure(lambda: receiver.load(_zeros_like(_weights(1))))
+            assert "offload.WeightReceiver" in str(error) and "new group" in str(error), error
+            _check_refuses_again(lambda: receiver.load(_zeros_like(_weights(1))))
+        # The peer is gone: this world is over. A new world with a fresh peer.
+        dist.destroy_process_group()
+        _init(rank, second_file)
+        _sync_on_new_group(rank, 2)
+        return elapsed
+
+    _report(results, rank, body)
+    os._exit(0)
+
+
+def _fresh_peer(rank, second_file, results):
+    def body():
+        _init(rank, second_file)
+        _sync_on_new_group(rank, 2)
+        return None
+
+    _report(results, f"fresh {rank}", body)
+    os._exit(0)
+
+
+def _collect(procs, results, expect: int) -> dict:
+    """Start `procs`, wait (bounded) for `expect` results, kill what is left; {rank: result}."""
+    out = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        while len(out) < expect and time.monotonic() < deadline:
+            try:
+                kind, rank, value = results.get(timeout=0.5)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            out[rank] = (kind, rank, value)
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert len(out) == expect, f"a process hung or crashed: results {out}, exit codes {[p.exitcode for p in procs]}"
+    return out
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["sender_dies", "receiver_dies"])
+def test_faults_peer_killed_mid_sync_survivor_errors_then_syncs_anew(tmp_path, victim):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    procs = [ctx.Process(target=_dying_world, args=(rank, victim, first, second, results)) for rank in (0, 1)]
+    procs.append(ctx.Process(target=_fresh_peer, args=(victim, second, results)))
+    survivor = 1 - victim
+    outcome = _collect(procs, results, expect=2)  # the survivor's and the fresh peer's
+    assert set(outcome) == {survivor, f"fresh {victim}"}, outcome
+    assert all(kind == "ok" for kind, _, _ in outcome.values()), outcome
+    elapsed = outcome[survivor][2]
+    assert elapsed < TIMEOUT_S + SLACK_S, f"the survivor's error came after {elapsed:.1f} s"
+    assert procs[victim].exitcode == -signal.SIGKILL
+    assert procs[survivor].exitcode == 0 and procs[2].exitcode == 0
+
+
+# ------------------------------------------------------------ in one process
+
+
+@pytest.fixture
+def gloo_world():
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_faults_weight_sync_timeout_s_bad_values(gloo_world):
+    for bad in (0, -1.0, "5", True, float("nan")):
+        with pytest.raises(ValueError, match=r"offload.WeightSender: timeout_s must be"):
+            offload.WeightSender(timeout_s=bad)
+        with pytest.raises(ValueError, match=r"offload.WeightReceiver: timeout_s must be"):
+            offload.WeightReceiver(timeout_s=bad)
+
+
+@pytest.mark.parametrize("backend_name", ["native", "fallback"])
+def test_faults_snapshot_pool_full_raises_and_keeps_weights(gloo_world, backend_name):
+    """A host_cache snapshot the pool cannot hold: torch.OutOfMemoryError naming the bytes asked
+    and held, the weights untouched, the cached snapshot kept, the pool back where it was."""
+    from offload.core import _backend
+
+    if backend_name == "native" and not _backend.native_available():
+        pytest.skip(f"needs the compiled core: {_backend.why_not()}")
+    ctx = _backend.force_fallback() if backend_name == "fallback" else _nullcontext()
+    with ctx:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+        weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        pool = offload.HostPool(limit_bytes=6 << 20, slab_bytes=1 << 20)
+        sender = offload.WeightSender(mode="host_cache", pool=pool, keep_versions=2)
+        v0 = sender.snapshot(model)
+        sender.snapshot_ms(v0)
+        held = pool.stats()["in_use_bytes"]
+        pool.limit_bytes = held + nbytes // 2  # the next snapshot cannot fit
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            sender.snapshot(model)
+        message = str(info.value)
+        del info  # its traceback's frames hold what the failed copy had acquired
+        gc.collect()
+        assert message.startswith("offload.WeightSender.snapshot: cannot copy version 1"), message
+        assert f"({nbytes} bytes of weights)" in message and "in use" in message and "keep_versions" in message
+        for n, t in model.state_dict().items():
+            assert torch.equal(t, weights[n]), n
+        assert sender.versions == [v0]
+        assert pool.stats()["in_use_bytes"] == held
+        for t, want in zip(sender._get_snapshot("test", v0).tensors(), weights.values()):
+            assert torch.equal(t, want)
+        pool.limit_bytes = 0  # room again: the next snapshot works
+        v2 = sender.snapshot(model)
+        assert sender.versions == [v0, v2]
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
