@@ -282,3 +282,27 @@ def set_device(device) -> None:
     device = torch.device(device)
     if is_accelerator(device):
         _module(device.type).set_device(device)
+
+
+# ---- interprocess events (colocated weight sync)
+
+
+def new_ipc_event(device=None):
+    """An event another process on the same device can wait on; None on the CPU (no events there)."""
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        return None
+    return _module(device.type).Event(interprocess=True)
+
+
+def ipc_event_handle(event):
+    """The picklable handle another process opens with `open_ipc_event`; None for None (CPU)."""
+    return None if event is None else event.ipc_handle()
+
+
+def open_ipc_event(device, handle):
+    """The event of `handle` (from `ipc_event_handle` in another process) on `device`; None for None."""
+    if handle is None:
+        return None
+    device = normalize_device(device)
+    return _module(device.type).Event.from_ipc_handle(device, handle)

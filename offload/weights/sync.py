@@ -11,6 +11,9 @@ Timings (`send()` / `load()` return them; `receiver.timings` after `receive()`):
 gather_ms, pack_ms, host_copy_ms, transfer_ms, unpack_ms, total_ms, plus bytes,
 buckets and version. Phases overlap by design, so they need not sum to the total;
 transfer is the span from the first broadcast posted to the last one completed.
+
+`transport="ipc"` (trainer and rollout on the same device) hands the buckets over
+through buffers shared once between the two processes instead (ipc.py).
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ from .buckets import (
     default_bucket_bytes,
     plan_buckets,
 )
+from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver, IpcSender
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 MODES = ("device", "host_cache")
+TRANSPORTS = ("nccl", "ipc")
 _DEVICE_BACKENDS = ("nccl", "hccl")
 # Buckets default to at most this (less where free memory is short,
 # `offload.default_bucket_bytes`): the first pack and the last unpack are not
@@ -384,8 +389,14 @@ class WeightSender:
         pool: host pool for snapshots and host buckets.
         reserve_sms: SMs the pack kernels leave to the collective (CUDA; Note [SMs left
             to the collective]); 0 lets a pack take the whole device.
-        timeout_s: longest wait, in seconds, for a collective of a sync (Note [sync
-            timeouts]); None: the process group's timeout.
+        transport: "nccl" (collectives over the group, whatever its backend: NCCL, HCCL
+            or gloo) or "ipc" (receivers in other processes on this device: buckets in
+            two buffers shared once, Note [IPC protocol] in ipc.py; mode "device" only).
+        channel: for "ipc", one end of `multiprocessing.Pipe()` to the receiver instead
+            of a process group; with a group, its backend must include gloo.
+        timeout_s: longest wait, in seconds, for the other side (Note [sync timeouts]);
+            None: the process group's timeout ("nccl"), or DEFAULT_IPC_TIMEOUT_S for
+            "ipc" (a dead or failed peer is an error, not a hang).
     """
 
     def __init__(
@@ -403,11 +414,26 @@ class WeightSender:
         keep_versions: int = 2,
         pool: Optional[HostPool] = None,
         reserve_sms: int = DEFAULT_RESERVE_SMS,
+        transport: str = "nccl",
+        channel=None,
         timeout_s: Optional[float] = None,
     ):
         fn = "offload.WeightSender"
         if mode not in MODES:
             raise ValueError(f"{fn}: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        _check_transport(fn, transport, channel)
+        self._ipc = None
+        if transport == "ipc":
+            if mode != "device":
+                raise ValueError(f"{fn}: transport 'ipc' packs from the device (mode 'device'), got mode={mode!r}")
+            if ranks is not None:
+                raise ValueError(f"{fn}: transport 'ipc' takes a group (or a channel), not ranks")
+            self._ipc = IpcSender(fn, group, channel, int(src), bucket_bytes, dtype, keep_dtype, alignment,
+                                  DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s)
+            self.mode, self.src, self.is_src, self.member = mode, int(src), True, True
+            self.device, self.bucket_bytes = self._ipc.device, self._ipc.bucket_bytes
+            self._next_version = 0
+            return
         check_int(fn, "keep_versions", keep_versions, 1)
         self.group = _resolve_group(fn, group, ranks, backend)
         self.src = int(src)
@@ -454,6 +480,8 @@ class WeightSender:
     def snapshot(self, source, version: Optional[int] = None) -> int:
         """Copy `source`'s weights to pinned host memory, asynchronously; returns the version tag."""
         fn = "offload.WeightSender.snapshot"
+        if self._ipc is not None:
+            raise ValueError(f"{fn}: transport 'ipc' sends from the device; snapshots need transport 'nccl'")
         items = _named_sources(fn, source)  # references: nothing is gathered yet
         names = [n for n, _ in items]
         if not self.is_src:  # an FSDP peer: it takes part in the gathers; only src keeps a copy
@@ -579,6 +607,8 @@ class WeightSender:
         if version is None:
             version = self._next_version
         self._next_version = max(self._next_version, version + 1)
+        if self._ipc is not None:
+            return self._ipc.send(fn, items, version, _check_source)
         if not self.is_src:  # another rank of the FSDP mesh: only take part in the gathers
             return self._gather_only(items, version)
         return self._send_items(fn, items, version, self.device, host_copy_ms=0.0)
@@ -704,20 +734,41 @@ class WeightSender:
         return timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
 
 
+def _check_transport(fn: str, transport, channel) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{fn}: transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if channel is not None and transport != "ipc":
+        raise ValueError(f"{fn}: channel is the control channel of transport 'ipc'; transport {transport!r} uses "
+                         "the group")
+
+
 class WeightReceiver:
     """Receives what a `WeightSender` broadcasts.
 
     Args:
         group / ranks / src: as for `WeightSender` (the same group, the sender's rank).
         reserve_sms: SMs the unpack kernels of `load()` leave to the collective (CUDA).
-        timeout_s: longest wait, in seconds, for a collective of a sync, the first
-            (the header of the next sync) included (Note [sync timeouts]); None: the
-            process group's timeout.
+        transport, channel: as for `WeightSender` (the same transport).
+        timeout_s: longest wait, in seconds, for the sender, the first (the header of
+            the next sync) included (Note [sync timeouts]); None: the process group's
+            timeout ("nccl"), or DEFAULT_IPC_TIMEOUT_S for "ipc".
     """
 
     def __init__(self, group=None, *, src: int = 0, ranks=None, backend: Optional[str] = None,
-                 reserve_sms: int = DEFAULT_RESERVE_SMS, timeout_s: Optional[float] = None):
+                 reserve_sms: int = DEFAULT_RESERVE_SMS, transport: str = "nccl", channel=None,
+                 timeout_s: Optional[float] = None):
         fn = "offload.WeightReceiver"
+        _check_transport(fn, transport, channel)
+        self._ipc = None
+        self.version: Optional[int] = None
+        self.timings: dict = {}
+        if transport == "ipc":
+            if ranks is not None:
+                raise ValueError(f"{fn}: transport 'ipc' takes a group (or a channel), not ranks")
+            self._ipc = IpcReceiver(fn, group, channel, int(src),
+                                    DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s)
+            self.src = int(src)
+            return
         self.group = _resolve_group(fn, group, ranks, backend)
         self.src = int(src)
         if not _is_member(self.group):
@@ -812,6 +863,10 @@ class WeightReceiver:
         `copy=True`; tensors split across buckets are assembled into new tensors.
         Timings are in `self.timings` once the generator is exhausted.
         """
+        if self._ipc is not None:
+            yield from self._ipc.receive(copy)
+            self.version, self.timings = self._ipc.version, self._ipc.timings
+            return
         plan, spans, version = self._header("offload.WeightReceiver.receive")
         timer = PhaseTimer(self.device, PHASES)
         partial: Dict[str, torch.Tensor] = {}
@@ -840,6 +895,11 @@ class WeightReceiver:
         hanging in the collective) and then ValueError names the tensor.
         Returns the timings.
         """
+        if self._ipc is not None:
+            try:
+                return self._ipc.load(target, strict)
+            finally:
+                self.version, self.timings = self._ipc.version, self._ipc.timings
         fn = "offload.WeightReceiver.load"
         if isinstance(target, torch.nn.Module):
             dsts = {n: t.detach() for n, t in target.state_dict(keep_vars=True).items()}

@@ -1,0 +1,173 @@
+"""Train a Hugging Face causal LM with FSDP2 under torchrun, with activation offload and async checkpoints.
+
+    torchrun --nproc-per-node 2 examples/train_fsdp2.py --activation-offload auto
+    torchrun --nproc-per-node 2 examples/train_fsdp2.py --checkpoint-every 50 --checkpoint-dir ckpt [--resume]
+
+The model is built from a config (no downloads) and sharded with `fully_shard`
+per decoder block, then at the root; AdamW; synthetic tokens, the same for a
+step whatever run it is in, so a resumed run sees the data an uninterrupted one
+would. NCCL on GPUs, gloo on the CPU. Checkpoints are DCP `async_save`s staged
+by `offload.AsyncStager`, whose `protect(optimizer)` makes the optimizer step
+wait (on the device) for the staging copy. Each step prints its loss, tokens/s,
+peak device memory and, with offload on, the bytes offloaded and the exposed wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import offload
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch releases that kept FSDP2 under _composable
+    from torch.distributed._composable.fsdp import fully_shard
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--activation-offload", choices=("off", "async", "auto"), default="off")
+    p.add_argument("--offload-min-tensor-bytes", type=int, default=1 << 20,
+                   help="saved tensors smaller than this stay on the device")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir")
+    args = p.parse_args(argv)
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        p.error("--checkpoint-every and --resume need --checkpoint-dir")
+    return args
+
+
+def build_model(args, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=max(1, args.heads // 4), vocab_size=args.vocab,
+                         max_position_embeddings=args.seq)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and in every run
+    model = LlamaForCausalLM(config).to(device)
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def batch_for(args, step: int, rank: int, device):
+    """Synthetic tokens of (step, rank): a resumed run trains on what an uninterrupted one would."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    return ids.to(device)
+
+
+def latest_checkpoint(root):
+    steps = [int(name[5:]) for name in os.listdir(root) if name.startswith("step-") and name[5:].isdigit()]
+    return max(steps) if steps else None
+
+
+def wait_saved(pending) -> None:
+    """Wait until a previous async_save is written (its return type differs across torch releases)."""
+    done = getattr(pending, "upload_completion", pending)
+    done.result()
+
+
+def peak_memory_bytes(device) -> int:
+    accel = getattr(torch, "accelerator", None)
+    read = getattr(accel, "max_memory_allocated", None)
+    return int(read(device)) if device.type != "cpu" and read is not None else 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    use_gpu = torch.accelerator.is_available() if hasattr(torch, "accelerator") else False
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if use_gpu:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.accelerator.set_device_index(local)
+        device = torch.device(torch.accelerator.current_accelerator().type, local)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    model = build_model(args, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    start = 0
+    if args.resume:
+        found = latest_checkpoint(args.checkpoint_dir)
+        if found is None:
+            raise SystemExit(f"--resume: no checkpoint in {args.checkpoint_dir}")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(args.checkpoint_dir, f"step-{found}"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        start = found
+        if rank == 0:
+            print(f"resumed from step {found}", flush=True)
+
+    handle = None
+    if args.activation_offload != "off":
+        handle = offload.enable_activation_offload(model, args.activation_offload,
+                                                   min_tensor_bytes=args.offload_min_tensor_bytes)
+    stager, pending = None, None
+    if args.checkpoint_every:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        stager = offload.AsyncStager()
+        stager.protect(optimizer)  # optimizer.step() waits, on the device, for the staging copy
+        # The save's own collectives run on a background thread: a group of their own keeps
+        # them apart from the training collectives of the main thread.
+        checkpoint_group = dist.new_group(backend="gloo")
+
+    tokens = args.batch * args.seq * world
+    for step in range(start, args.steps):
+        if stager is not None and step > start and step % args.checkpoint_every == 0:
+            # At the top of the step, so the copy overlaps this step's forward and backward.
+            if pending is not None:
+                wait_saved(pending)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            pending = dcp.async_save({"model": model_sd, "optim": optim_sd},
+                                     checkpoint_id=os.path.join(args.checkpoint_dir, f"step-{step}"),
+                                     async_stager=stager, process_group=checkpoint_group)
+        t0 = time.perf_counter()
+        ids = batch_for(args, step, rank, device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.item()  # waits for the step: the time below is the step's
+        seconds = time.perf_counter() - t0
+        if rank == 0:
+            line = (f"step {step} loss {value!r} tokens/s {tokens / seconds:.0f} "
+                    f"peak_memory_gib {peak_memory_bytes(device) / 2**30:.2f}")
+            if handle is not None:
+                s = handle.stats()
+                line += (f" offloaded_mib {s['d2h_bytes'] / 2**20:.3f} exposed_wait_ms "
+                         f"{s['exposed_seconds'] * 1e3:.2f} layers_offloaded {s['layers_offloaded']}")
+            print(line, flush=True)
+    if pending is not None:
+        wait_saved(pending)
+    if stager is not None:
+        stager.close()
+    if handle is not None:
+        handle.disable()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
