@@ -5,7 +5,7 @@
 # more with the compiled core switched off, as a user without it would run them.
 # Arguments go to both pytest runs; when they name test files or folders, those
 # replace the default selections.
-source "$(dirname "$0")/_env.sh" --need pytest hypothesis --want transformers
+source "$(dirname "$0")/_env.sh" --need pytest hypothesis --want transformers accelerate
 
 selection=(tests)
 fallback=(tests/test_package.py tests/test_pool.py tests/test_copy.py tests/test_buckets.py tests/test_staging.py)
