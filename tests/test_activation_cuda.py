@@ -276,7 +276,15 @@ def test_activation_cuda_200_steps_flat_memory():
     assert max(device_after) == min(device_after), (
         f"device memory after a step varies: {min(device_after)} .. {max(device_after)} bytes; "
         f"first steps {device_after[:8]}")
-    assert max(host_peak) == min(host_peak)  # the pool never needed more after warm-up
+    # The host pool's peak may take one more step of blocks than the first measured steps
+    # did: a step's host blocks go back when its autograd graph is freed, which can come
+    # after the next step's first copies (at most one step's graph outlives the step).
+    # Beyond that bound, and after the first half of the loop, it must not grow at all:
+    # a block lost per step would show as steady growth.
+    step_bytes = pool.block_bytes(handle.stats()["d2h_bytes"])
+    assert max(host_peak) - min(host_peak) <= step_bytes, (
+        f"host pool peak grew by {max(host_peak) - min(host_peak)} bytes, more than one step's {step_bytes}")
+    assert host_peak[len(host_peak) // 2] == host_peak[-1], "the host pool's peak still grows after warm-up"
     assert rss[1] - rss[0] < (128 << 20)
     stats = handle.stats()
     assert stats["step"] == 199 and stats["groups_prefetched"] >= 1
