@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import re
 
+import torch
+
+from . import _device
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
           "tib": 1 << 40}
@@ -44,3 +48,15 @@ def parse_bytes(value, what: str) -> int:
     if number < 0:
         raise ValueError(f"{what}: must be >= 0 bytes, got {number}")
     return number
+
+
+def resolve_device(fn: str, device) -> torch.device:
+    """`device` (None: the current accelerator, or cpu; a torch.device, 'cuda:0', an index)
+    normalised, or an error naming `fn` and the argument."""
+    if device is not None and not isinstance(device, (str, torch.device)) and not is_int(device):
+        raise TypeError(f"{fn}: device must be a torch.device, a device string, an index or None, "
+                        f"got {type(device).__name__}")
+    try:
+        return _device.normalize_device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{fn}: device {device!r} is not a device torch knows here ({e})") from None

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _backend, _device
-from .checks import check_int, is_int
+from .checks import check_int, is_int, resolve_device
 from .pool import HostPool, default_host_pool
 
 # The first deferred copy registers the core's copy worker to be waited for at exit
@@ -336,7 +336,7 @@ def copy_to_device(
     out_list = None if out is None else _as_list(fn, out, "out")
     _check_sizes(fn, small_bytes, chunk_bytes)
     _check_options(fn, stream, require_pinned=require_pinned, timing=timing)
-    device = _target_device(fn, device)
+    device = resolve_device(fn, device)
     pool = _pool_or_default(fn, pool)
     core = _backend.core()
     if core is not None and pool.native:
@@ -382,13 +382,3 @@ def _check_options(fn: str, stream, **flags) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"{fn}: {name} must be True or False, got {type(value).__name__} {value!r}")
 
-
-def _target_device(fn: str, device) -> torch.device:
-    """`device` (None, a torch.device, 'cuda:0', an index) normalised, or an error naming it."""
-    if device is not None and not isinstance(device, (str, torch.device)) and not is_int(device):
-        raise TypeError(f"{fn}: device must be a torch.device, a device string, an index or None, "
-                        f"got {type(device).__name__}")
-    try:
-        return _device.normalize_device(device)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"{fn}: device {device!r} is not a device torch knows here ({e})") from None

@@ -17,7 +17,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..core import _backend, _device
-from ..core.checks import check_int, is_int
+from ..core.checks import check_int, is_int, resolve_device
 
 # Offsets in a bucket are multiples of this: 256 bytes is the device allocator's
 # own alignment, so a view into a bucket is as aligned as a fresh tensor and the
@@ -68,23 +68,13 @@ def default_bucket_bytes(device=None) -> int:
 
 
 def _default_bucket_bytes(fn: str, device) -> int:
-    device = _bucket_device(fn, device)
+    device = resolve_device(fn, device)
     if not _device.is_accelerator(device):
         return CPU_DEFAULT_BUCKET_BYTES
     free, _ = _device.mem_get_info(device)
     size = min(MAX_DEFAULT_BUCKET_BYTES, max(MIN_DEFAULT_BUCKET_BYTES, free // 32))
     return size - size % DEFAULT_ALIGNMENT
 
-
-def _bucket_device(fn: str, device) -> torch.device:
-    """`device` (None: the current accelerator, or cpu) as a torch.device, or an error naming it."""
-    if device is not None and not isinstance(device, (str, torch.device)) and not is_int(device):
-        raise TypeError(f"{fn}: device must be a torch.device, a device string, an index or None, "
-                        f"got {type(device).__name__}")
-    try:
-        return _device.normalize_device(device)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"{fn}: device {device!r} is not a device torch knows here ({e})") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -472,7 +462,7 @@ def plan_buckets(
     """
     fn = "offload.plan_buckets"
     if device is not None:
-        _bucket_device(fn, device)
+        resolve_device(fn, device)
     planner = Planner(bucket_bytes, alignment, DtypePolicy(dtype, keep_dtype, fn), fn, device)
     entries: List[BucketEntry] = []
     for name, t in _named_items(tensors, fn):
