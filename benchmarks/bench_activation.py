@@ -7,7 +7,7 @@ no offload; `save_on_cpu(pin_memory=True)`; per-layer activation checkpointing; 
 `sync`, `async`, `auto`; offload with checkpointing.
 
 Peak memory is peak activation memory: the peak above the model with its gradients
-allocated (gradients are zeroed, not freed, between steps), as in the issue's figures.
+allocated (gradients are zeroed, not freed, between steps), as users read a memory budget.
 Counting gradients instead would put the peak of every checkpointed column at the end of
 backward, where all gradients exist and only the first layer's input (the model's input,
 not an activation) is left to offload, so it could not show what offload saves.
@@ -16,7 +16,7 @@ Auto mode times its plan against steps without offload in its first steps; its c
 warms up until the plan has settled, then measures like the others.
 
 Besides step time (ratio to no offload) and peak device memory it reports the exposed
-copy time and the bus bound the issue's targets are stated against: forward time of the
+copy time and the bus bound: forward time of the
 no-offload step vs offloaded bytes over the measured device-to-host bandwidth (the larger
 of the two), plus the same for backward with host-to-device. Offload with checkpointing is
 also timed against checkpointing alone with their steps alternated (`_alternated_checkpoint`),

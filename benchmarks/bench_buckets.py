@@ -8,7 +8,7 @@ buffer, bucket after bucket:
 - `torch._foreach_copy_` into views made beforehand (its best case)
 - `torch.cat` of `.to(bf16)` casts (what many RL frameworks do)
 and a single large device-to-device copy of the same bytes as the HBM ceiling.
-Bandwidth counts bytes read plus bytes written. The issue's bar: offload at least
+Bandwidth counts bytes read plus bytes written. The target: offload at least
 80% of the copy ceiling and faster than `_foreach_copy_`.
 """
 

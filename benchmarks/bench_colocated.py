@@ -10,7 +10,7 @@ receiver, from a barrier both ranks leave together to its last copy completed:
   (torch's `reduce_tensor`), the receiver opens each and copies it into its parameter
 - the floor: the pack's and the unpack's bytes (read + written) at the
   device-to-device copy rate measured in the same run; for views, the pack's alone.
-The issue's bars: within 1.15x of the floor, and at least 8x (1.5B) / 2.5x (8B)
+The targets: within 1.15x of the floor, and at least 8x (1.5B) / 2.5x (8B)
 faster than one handle per tensor. Needs a CUDA GPU (device IPC); skipped elsewhere.
 """
 

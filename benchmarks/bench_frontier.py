@@ -6,7 +6,7 @@ plan's (peak, step time) against the hand-written plans: "checkpoint the first k
 (torch's non-reentrant checkpoint, as the planner's recompute) and "offload the first k
 layers" (mode async). Each budget row compares the plan's step with the fastest hand-written
 plan whose measured peak is at or below the plan's own measured peak (ratio > 1: the planner
-is faster). Models: the activation section's block stack and its Llama at seq 8192 (quick:
+is faster). Models: the activation section's stack of blocks and its Llama at seq 8192 (quick:
 their small shapes on the CPU, where the device keeps no memory statistics and the peaks are
 the planner's predictions).
 """

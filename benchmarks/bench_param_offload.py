@@ -7,8 +7,8 @@
   allocated once, then `p.data = torch.empty(0)`; back with `p.data = host[i].to(device,
   non_blocking=True)` (what hand-written offload code in RL frameworks does)
 Host wall time of each direction until the copies completed; GB/s against the bus
-peak that the copy section measured in the same run, when it ran first. The issue's
-bar: each direction at least 90% of the bus peak. Quick mode (CPU): 8 MiB.
+peak that the copy section measured in the same run, when it ran first. The target:
+each direction at least 90% of the bus peak. Quick mode (CPU): 8 MiB.
 """
 
 from __future__ import annotations

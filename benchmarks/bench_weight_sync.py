@@ -7,7 +7,7 @@ host wall time per sync, with both ranks in step (a barrier before each repeat):
   (plan broadcast, pack with cast, two pipelined bucket broadcasts, load in place)
 - the ceiling: one `dist.broadcast` of a single buffer of all the bf16 bytes
 - the usual way: cast each tensor and broadcast it, one collective per tensor
-The issue's bar on two GPUs: at least 85% of the ceiling's bandwidth and 5x the
+The target on two GPUs: at least 85% of the ceiling's bandwidth and 5x the
 per-tensor broadcast. A row "ceiling" prints per-tensor time / one-big-broadcast
 time: the most any bucketing can gain over the per-tensor loop on this link (over
 NVLink about 2x, so 5x cannot be reached there). Extra rows sweep the bucket size

@@ -11,7 +11,7 @@ of auto mode) next to the same step with the hooks in and nothing offloaded:
 - profile: the compute stream's kernel time against its span (gaps: the device waiting for
            the host), and the kernels whose time changed.
 
-RESULTS.md ("Activation offload", session 7) gives what these showed on the H100.
+benchmarks/RESULTS.md has the current figures of the sections these diagnose.
 """
 
 from __future__ import annotations

@@ -250,8 +250,8 @@ def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> Non
 
 
 # The signature of each class's forward, once: auto mode wraps its layers again in every other
-# step of a probe, and inspect.signature was 14 of the 17 us a wrap took (8 layers: ~0.6 ms of a
-# launch-bound step on the H100's host, counted against the probed offload).
+# step of a probe, inspect.signature is most of what a wrap costs, and in a launch-bound step
+# that host time would be counted against the probed offload.
 _signatures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
