@@ -20,19 +20,32 @@ def _pool_limited(limit):
     return offload.HostPool(limit_bytes=limit, slab_bytes=MiB)
 
 
+@pytest.fixture
+def deterministic(monkeypatch):
+    """Bitwise gradients on an accelerator need its deterministic kernels (and cuBLAS's fixed
+    workspace); the CPU's kernels are deterministic already."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
 def _pool_full_warnings(caught):
     return [w for w in caught if "host pool cannot take" in str(w.message)]
 
 
 @pytest.mark.parametrize("mode", ["async", "sync", "auto"])
-def test_faults_activation_pool_full_keeps_rest_on_device(backend, mode):
+def test_faults_activation_pool_full_keeps_rest_on_device(backend, mode, device, deterministic):
     """Groups of about 1 MiB, a 2 MiB pool: some groups are offloaded, the rest stay on the
-    device; every step's gradients equal those without offload; one warning in all."""
-    ref = small_model(d=32, n=4)
+    device; every step's gradients equal those without offload; one warning in all.
+
+    Model and input live on the compute device: the engine offloads only tensors there."""
+    ref = small_model(d=32, n=4).to(device)
     model = copy.deepcopy(ref)
     pool = _pool_limited(2 * MiB)
     handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool, verbose=False)
-    x = torch.randn(512, 32)
+    x = torch.randn(512, 32, device=device)
     _, want = train_step(ref, x)
     offloaded = []
     with warnings.catch_warnings(record=True) as caught:
@@ -52,13 +65,13 @@ def test_faults_activation_pool_full_keeps_rest_on_device(backend, mode):
     handle.disable()
 
 
-def test_faults_activation_pool_full_nothing_fits(backend):
+def test_faults_activation_pool_full_nothing_fits(backend, device, deterministic):
     """A pool that takes nothing: the step runs as without offload (every group kept)."""
-    ref = small_model(d=32, n=3)
+    ref = small_model(d=32, n=3).to(device)
     model = copy.deepcopy(ref)
     pool = _pool_limited(1)
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
-    x = torch.randn(64, 32)
+    x = torch.randn(64, 32, device=device)
     _, want = train_step(ref, x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -80,14 +93,16 @@ def _state(module, optimizer):
 
 
 @pytest.mark.parametrize("grow", [False, True], ids=["first_offload", "state_grew"])
-def test_faults_param_offload_pool_full_moves_nothing(backend, grow):
+def test_faults_param_offload_pool_full_moves_nothing(backend, grow, device):
     """offload_params into a full pool: torch.OutOfMemoryError naming the bytes asked and held;
     every parameter, gradient and optimizer state is still usable where it was, bitwise; once
-    the pool has room, offload and reload round-trip."""
+    the pool has room, offload and reload round-trip.
+
+    The module lives on the compute device: with an accelerator present, host tensors stay put."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(device)
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(8, 256)).square().mean().backward()
+    model(torch.randn(8, 256, device=device)).square().mean().backward()
     pool = _pool_limited(0)
     if grow:  # a first offload fits; the optimizer's state made afterwards does not
         offload.offload_params(model, grads=True, pool=pool)
@@ -109,7 +124,7 @@ def test_faults_param_offload_pool_full_moves_nothing(backend, grow):
     for k in before:
         assert torch.equal(before[k], after[k]), k
     # Usable as it is: a training step runs.
-    model(torch.randn(8, 256)).square().mean().backward()
+    model(torch.randn(8, 256, device=device)).square().mean().backward()
     optimizer.step()
     pool.limit_bytes = 0
     want = _state(model, optimizer)

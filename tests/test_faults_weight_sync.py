@@ -285,9 +285,11 @@ def test_faults_weight_sync_timeout_s_bad_values(gloo_world):
 
 
 @pytest.mark.parametrize("backend_name", ["native", "fallback"])
-def test_faults_snapshot_pool_full_raises_and_keeps_weights(gloo_world, backend_name):
+def test_faults_snapshot_pool_full_raises_and_keeps_weights(gloo_world, backend_name, device):
     """A host_cache snapshot the pool cannot hold: torch.OutOfMemoryError naming the bytes asked
-    and held, the weights untouched, the cached snapshot kept, the pool back where it was."""
+    and held, the weights untouched, the cached snapshot kept, the pool back where it was.
+
+    The weights live on the compute device: with an accelerator present, snapshots copy from it."""
     from offload.core import _backend
 
     if backend_name == "native" and not _backend.native_available():
@@ -295,9 +297,10 @@ def test_faults_snapshot_pool_full_raises_and_keeps_weights(gloo_world, backend_
     ctx = _backend.force_fallback() if backend_name == "fallback" else _nullcontext()
     with ctx:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(device)
         weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        # Small slabs (native slabs round to 2 MiB) keep the limits below meaningful with pinned memory too.
         pool = offload.HostPool(limit_bytes=6 << 20, slab_bytes=1 << 20)
         sender = offload.WeightSender(mode="host_cache", pool=pool, keep_versions=2)
         v0 = sender.snapshot(model)
@@ -316,7 +319,7 @@ def test_faults_snapshot_pool_full_raises_and_keeps_weights(gloo_world, backend_
         assert sender.versions == [v0]
         assert pool.stats()["in_use_bytes"] == held
         for t, want in zip(sender._get_snapshot("test", v0).tensors(), weights.values()):
-            assert torch.equal(t, want)
+            assert t.device.type == "cpu" and torch.equal(t, want.cpu())
         pool.limit_bytes = 0  # room again: the next snapshot works
         v2 = sender.snapshot(model)
         assert sender.versions == [v0, v2]
