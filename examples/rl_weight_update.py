@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/rl_weight_update.py --placement separate    # trainer GPU 0, rollout GPU 1
     torchrun --nproc-per-node 2 examples/rl_weight_update.py --placement colocated   # both on GPU 0
+    torchrun --nproc-per-node 2 examples/rl_weight_update.py --device cpu            # gloo, host memory
 
 Rank 0 is the trainer, rank 1 the rollout engine. Each iteration the trainer
 takes an optimizer step, sends its weights cast to bf16 (`offload.WeightSender`),
@@ -14,8 +15,9 @@ them against checksums the trainer computed.
 
 Placements: "separate" sends over the world group (NCCL on GPUs); "colocated"
 puts both processes on one device and hands the buckets over through device IPC
-(`transport="ipc"`, its control messages over a gloo group). On a CPU-only
-machine both run with gloo and host memory (the IPC path's stand-in: shared memory).
+(`transport="ipc"`, its control messages over a gloo group). With `--device cpu`
+(the default on a host without an accelerator) both run with gloo and host memory
+(the IPC path's stand-in: shared memory).
 """
 
 from __future__ import annotations
@@ -35,12 +37,29 @@ TRAINER, ROLLOUT = 0, 1
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--placement", choices=("separate", "colocated"), default="colocated")
+    p.add_argument("--device", default="auto",
+                   help="auto (the host's accelerator if it has one, else the CPU), cpu, or an accelerator type")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--bucket-mib", type=int, default=None, help="bucket size (default: offload's)")
     return p.parse_args(argv)
+
+
+def pick_device(requested: str, index: int, needed: int, placement: str) -> torch.device:
+    """This rank's device: device `index` of `requested`'s type, of which this host needs `needed`."""
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    kind = (accel.type if accel is not None else "cpu") if requested == "auto" else requested
+    if kind == "cpu":
+        return torch.device("cpu")
+    count = torch.accelerator.device_count() if accel is not None and accel.type == kind else 0
+    if count < needed:
+        raise SystemExit(f"{os.path.basename(__file__)}: --placement {placement} needs {needed} {kind} device(s) on "
+                         f"this host, but torch sees {count}; use --placement colocated (one device), or pass "
+                         "--device cpu (gloo)")
+    torch.accelerator.set_device_index(index)
+    return torch.device(kind, index)
 
 
 def build_model(args, device, dtype=torch.float32):
@@ -86,14 +105,12 @@ def checksums(named) -> torch.Tensor:
 def main(argv=None):
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
-    gpu = torch.accelerator.is_available() if hasattr(torch, "accelerator") else False
-    if gpu:
-        index = rank if args.placement == "separate" else 0
-        torch.accelerator.set_device_index(index)
-        device = torch.device(torch.accelerator.current_accelerator().type, index)
+    if args.placement == "separate":  # a device per process
+        device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)),
+                             int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.placement)
     else:
-        device = torch.device("cpu")
-    separate_gpus = gpu and args.placement == "separate"
+        device = pick_device(args.device, 0, 1, args.placement)
+    separate_gpus = device.type != "cpu" and args.placement == "separate"
     dist.init_process_group("nccl" if separate_gpus and device.type == "cuda" else "gloo")
     if dist.get_world_size() != 2:
         raise SystemExit("run with torchrun --nproc-per-node 2 (rank 0 trains, rank 1 rolls out)")

@@ -2,11 +2,13 @@
 
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --activation-offload auto
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --checkpoint-every 50 --checkpoint-dir ckpt [--resume]
+    torchrun --nproc-per-node 2 examples/train_fsdp2.py --device cpu    # gloo, every rank on the CPU
 
 The model is built from a config (no downloads) and sharded with `fully_shard`
 per decoder block, then at the root; AdamW; synthetic tokens, the same for a
 step whatever run it is in, so a resumed run sees the data an uninterrupted one
-would. NCCL on GPUs, gloo on the CPU. Checkpoints are DCP `async_save`s staged
+would. One accelerator per rank with NCCL (`--device auto`, the default, when
+the host has one), or the CPU with gloo. Checkpoints are DCP `async_save`s staged
 by `offload.AsyncStager`, whose `protect(optimizer)` makes the optimizer step
 wait (on the device) for the staging copy. Each step prints its loss, tokens/s,
 peak device memory and, with offload on, the bytes offloaded and the exposed wait.
@@ -21,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import offload
@@ -33,6 +36,8 @@ except ImportError:  # torch releases that kept FSDP2 under _composable
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto",
+                   help="auto (the host's accelerator, one per rank, else the CPU), cpu, or an accelerator type")
     p.add_argument("--activation-offload", choices=("off", "async", "auto"), default="off")
     p.add_argument("--offload-min-tensor-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay on the device")
@@ -54,6 +59,20 @@ def parse_args(argv=None):
     return args
 
 
+def pick_device(requested: str, index: int, needed: int) -> torch.device:
+    """This rank's device: device `index` of `requested`'s type, of which the ranks on this host need `needed`."""
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    kind = (accel.type if accel is not None else "cpu") if requested == "auto" else requested
+    if kind == "cpu":
+        return torch.device("cpu")
+    count = torch.accelerator.device_count() if accel is not None and accel.type == kind else 0
+    if count < needed:
+        raise SystemExit(f"{os.path.basename(__file__)}: {needed} processes on this host need a {kind} device each, "
+                         f"but torch sees {count}; run fewer processes per node, or pass --device cpu (gloo)")
+    torch.accelerator.set_device_index(index)
+    return torch.device(kind, index)
+
+
 def build_model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,9 +82,11 @@ def build_model(args, device):
                          max_position_embeddings=args.seq)
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every run
     model = LlamaForCausalLM(config).to(device)
+    # An explicit mesh: FSDP2's default one is on the host's accelerator, even for a CPU run.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -95,14 +116,9 @@ def peak_memory_bytes(device) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    use_gpu = torch.accelerator.is_available() if hasattr(torch, "accelerator") else False
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if use_gpu:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.accelerator.set_device_index(local)
-        device = torch.device(torch.accelerator.current_accelerator().type, local)
-    else:
-        device = torch.device("cpu")
+    device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)),
+                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     model = build_model(args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -1,4 +1,8 @@
-"""The examples run as users run them: `torchrun --nproc-per-node 2`, gloo on the CPU (tiny models)."""
+"""The examples run as users run them: `torchrun --nproc-per-node 2`, tiny models.
+
+`--device cpu` (gloo) everywhere, whatever accelerators the host has; the runs on
+accelerators are marked: one GPU (colocated), two GPUs (NCCL).
+"""
 
 import os
 import re
@@ -8,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from offload.core import _device
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(script, *args, timeout=240):
+def _torchrun(script, *args, timeout=240, check=True):
     env = dict(os.environ)
     # The worktree's offload, not an installed one: the script's own folder comes first on its path.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -21,6 +27,8 @@ def _torchrun(script, *args, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "examples" / script), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if not check:
+        return done
     assert done.returncode == 0, f"{script} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done.stdout
 
@@ -29,7 +37,7 @@ def _losses(out):
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)", out, re.M)}
 
 
-TINY = ["--batch", "2", "--seq", "32", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
+TINY = ["--device", "cpu", "--batch", "2", "--seq", "32", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
         "--offload-min-tensor-bytes", "0"]
 
 
@@ -51,7 +59,46 @@ def test_examples_train_fsdp2_checkpoint_resume_same_loss(tmp_path):
 
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
 def test_examples_rl_weight_update_checks_weights(placement):
-    out = _torchrun("rl_weight_update.py", "--placement", placement, "--iterations", "3", "--hidden", "64",
-                    "--layers", "2", "--vocab", "256", "--bucket-mib", "1")
+    _check_rl(_torchrun("rl_weight_update.py", "--device", "cpu", "--placement", placement, *RL_TINY))
+
+
+RL_TINY = ["--iterations", "3", "--hidden", "64", "--layers", "2", "--vocab", "256", "--bucket-mib", "1"]
+
+
+def _check_rl(out):
     assert len(re.findall(r"(?<!rollout )iteration \d+ loss", out)) == 3
     assert len(re.findall(r"rollout iteration \d+: \d+ tensors loaded in [0-9.]+ ms, checked", out)) == 3
+
+
+def _accelerators() -> int:
+    kind = _device.accelerator_type()
+    return 0 if kind is None else _device._module(kind).device_count()
+
+
+@pytest.mark.skipif(_accelerators() >= 2, reason="needs fewer than 2 accelerators (to ask for more than there are)")
+@pytest.mark.parametrize("script,args", [("train_fsdp2.py", TINY[2:]),
+                                         ("rl_weight_update.py", ["--placement", "separate", *RL_TINY])])
+def test_examples_too_few_devices_clear_message(script, args):
+    kind = _device.accelerator_type() or "cuda"
+    done = _torchrun(script, "--device", kind, *args, check=False)
+    assert done.returncode != 0
+    assert f"but torch sees {_accelerators()}" in done.stderr and "--device cpu" in done.stderr, done.stderr[-3000:]
+    assert "invalid device ordinal" not in done.stderr
+
+
+@pytest.mark.cuda
+def test_examples_rl_weight_update_colocated_on_one_gpu():
+    _check_rl(_torchrun("rl_weight_update.py", "--placement", "colocated", *RL_TINY))
+
+
+@pytest.mark.multi_gpu
+def test_examples_rl_weight_update_separate_gpus():
+    _check_rl(_torchrun("rl_weight_update.py", "--placement", "separate", *RL_TINY))
+
+
+@pytest.mark.multi_gpu
+def test_examples_train_fsdp2_nccl_offload_and_checkpoint(tmp_path):
+    out = _torchrun("train_fsdp2.py", *TINY[2:], "--steps", "3", "--activation-offload", "auto",
+                    "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert sorted(_losses(out)) == [0, 1, 2] and "offloaded_mib" in out
+    assert os.path.isdir(tmp_path / "ckpt" / "step-2")

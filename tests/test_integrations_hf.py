@@ -1,4 +1,8 @@
-"""The Hugging Face Trainer callback: same losses, gradients and weights with offload on and off, figures logged."""
+"""The Hugging Face Trainer callback: same losses, gradients and weights with offload on and off, figures logged.
+
+Both runs train where offload moves activations from: the accelerator when the host
+has one, else the CPU (the engine's stand-in).
+"""
 
 import os
 import subprocess
@@ -12,9 +16,23 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
+from offload.core import _device  # noqa: E402
 from offload.integrations.hf import LOG_FIGURES, ActivationOffloadCallback  # noqa: E402
 
 STEPS = 5
+ON_ACCELERATOR = _device.is_accelerator(_device.current_device())
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """On an accelerator, the same kernels give the same bits run to run (cuBLAS workspaces, no atomics)."""
+    if not ON_ACCELERATOR:
+        yield
+        return
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
 
 
 class _Recording(Trainer):
@@ -43,15 +61,16 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _train(tmp_path, callback, checkpointing=False):
+def _train(tmp_path, callback, checkpointing=False, use_cpu=not ON_ACCELERATOR):
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    config._attn_implementation = "eager"  # the same attention kernels on every device, deterministic backward
     model = LlamaForCausalLM(config)
     # `gradient_checkpointing` is named `activation_checkpointing` in newer transformers.
     fields = TrainingArguments.__dataclass_fields__
     checkpoint_flag = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=STEPS, per_device_train_batch_size=4,
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=use_cpu, max_steps=STEPS, per_device_train_batch_size=4,
                              learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
                              data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
                              **{checkpoint_flag: checkpointing})
@@ -75,7 +94,7 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("mode,checkpointing", [("async", False), ("async", True), ("auto", False)])
-def test_integrations_hf_trainer_bitwise_equal_with_and_without(tmp_path, mode, checkpointing):
+def test_integrations_hf_trainer_bitwise_equal_with_and_without(tmp_path, mode, checkpointing, deterministic):
     reference = _train(tmp_path / "off", None, checkpointing)
     callback = ActivationOffloadCallback(mode, min_tensor_bytes=0)
     offloaded = _train(tmp_path / "on", callback, checkpointing)
@@ -89,6 +108,13 @@ def test_integrations_hf_trainer_bitwise_equal_with_and_without(tmp_path, mode, 
     # The model's and the layers' own forwards are back.
     assert "forward" not in vars(offloaded.model)
     assert all("forward" not in vars(layer) for layer in offloaded.model.model.layers)
+
+
+@pytest.mark.cuda
+def test_integrations_hf_model_off_the_accelerator_warns(tmp_path):
+    with pytest.warns(UserWarning, match="the Trainer's model is on cpu but activation offload moves activations "
+                                         "off cuda:0; nothing is offloaded"):
+        _train(tmp_path, ActivationOffloadCallback("async", min_tensor_bytes=0), use_cpu=True)
 
 
 def test_integrations_hf_rejects_bad_mode():

@@ -219,6 +219,8 @@ def test_weight_sync_ipc_pipe_channel_three_syncs():
     for step in range(3):
         _change(weights, step)
         assert sender.send(weights)["buckets"] > 4
+        # The buffers follow the tensors, not the host's accelerator (Note [IPC stand-in]).
+        assert sender.device == torch.device("cpu") and sender._ipc._buffers[0].device == torch.device("cpu")
     _finish(proc)
     assert result.get() == "ok"
 
@@ -315,3 +317,14 @@ def test_weight_sync_ipc_cuda_two_processes_one_gpu():
 @pytest.mark.cuda
 def test_weight_sync_ipc_cuda_bad_destination():
     _spawn(_scenario_bad_destination, device_type="cuda")
+
+
+@pytest.mark.cuda
+def test_weight_sync_ipc_cuda_mixed_devices_rejected():
+    here, there = multiprocessing.Pipe()
+    sender = offload.WeightSender(transport="ipc", channel=here)
+    mixed = {"a": torch.zeros(4), "b": torch.zeros(4, device=offload.core._device.current_device())}
+    with pytest.raises(ValueError, match="tensor 'b' is on cuda:0 but 'a' is on cpu; transport 'ipc' sends every"):
+        sender.send(mixed)
+    here.close()
+    there.close()

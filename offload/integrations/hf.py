@@ -13,11 +13,13 @@ offload does.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 from transformers import TrainerCallback
 
 from ..activation import enable_activation_offload
+from ..core import _device
 
 MODES = ("async", "auto")
 # What the callback adds to the Trainer's logs: log key -> (stats() key, scale).
@@ -60,6 +62,7 @@ class ActivationOffloadCallback(TrainerCallback):
             raise RuntimeError("offload.integrations.hf.ActivationOffloadCallback: the Trainer passed no model "
                                "to on_train_begin")
         if self.handle is None:
+            _warn_if_off_the_device(model)
             self.handle = enable_activation_offload(model, self.mode, **self.options)
         return control
 
@@ -94,3 +97,14 @@ class ActivationOffloadCallback(TrainerCallback):
             if value is not None:
                 out[key] = value * scale
         return out
+
+
+def _warn_if_off_the_device(model) -> None:
+    """Offload moves activations off the compute device; a model trained elsewhere (the Trainer's
+    `use_cpu=True` on a host with an accelerator) has none there, and would run silently unchanged."""
+    compute = _device.current_device()
+    where = next((p.device for p in model.parameters()), None)
+    if where is not None and _device.is_accelerator(compute) and where.type != compute.type:
+        warnings.warn(f"offload.integrations.hf.ActivationOffloadCallback: the Trainer's model is on {where} but "
+                      f"activation offload moves activations off {compute}; nothing is offloaded (train on "
+                      f"{compute.type}: use_cpu=False)", stacklevel=3)

@@ -68,11 +68,13 @@ _KIND_NAMES = {_HEADER: "header", _READY: "bucket ready", _HELLO: "hello", _CONS
 #
 # Note [IPC stand-in]
 # ~~~~~~~~~~~~~~~~~~~
-# On the CPU (CI) the buffers are host tensors in shared memory (torch's
-# file-name sharing, which works between any two processes of the host), there
-# are no events, and the messages themselves order the work: a pack or an unpack
-# on the CPU is complete when it returns. The protocol, the pipelining over two
-# slots, the buffer reuse and the error paths are the same code as on a device.
+# The buffers live where the sender's tensors are: the first sync's tensors fix
+# the sender's device, whatever accelerator the host has. For CPU tensors (CI, or
+# a host without device IPC) the buffers are host tensors in shared memory
+# (torch's file-name sharing, which works between any two processes of the host),
+# there are no events, and the messages themselves order the work: a pack or an
+# unpack on the CPU is complete when it returns. The protocol, the pipelining over
+# two slots, the buffer reuse and the error paths are the same code as on a device.
 
 
 def _now() -> float:
@@ -241,7 +243,9 @@ class IpcSender:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"{fn}: timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         self.channel = make_channel(fn, group, channel, src, is_sender=True)
+        # Until the first sync fixes it from the tensors (Note [IPC stand-in]).
         self.device = _device.current_device()
+        self._bound = False
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_IPC_BUCKET_BYTES
         check_int(fn, "bucket_bytes", bucket_bytes, 1)
@@ -249,7 +253,7 @@ class IpcSender:
         self.dtype, self.keep_dtype, self.alignment = dtype, keep_dtype, alignment
         self.timeout_s = float(timeout_s)
         self._buffers: List[Optional[torch.Tensor]] = [None, None]
-        self._ready = [_device.new_ipc_event(self.device) for _ in range(2)]
+        self._ready: List = [None, None]  # interprocess events of the device, made when it is bound
         self._released: Dict[int, list] = {}  # peer -> its two released events (None on the CPU)
         self._pending = [False, False]  # slot was released (host) but not yet waited for (device)
         self._shared = False  # buffers sent to the receivers since they last changed
@@ -292,11 +296,32 @@ class IpcSender:
                 buf.share_memory_()
         self._shared = False
 
-    def send(self, fn: str, items, version: int, check_source) -> dict:
-        _check_broken(fn, self.broken)
+    def _bind(self, fn: str, items, check_source) -> None:
+        """Checks the sources; the first sync's fix the device of the buffers (Note [IPC stand-in])."""
+        device = self.device
+        if not self._bound:
+            first = next(((n, t) for n, t in items if not t.is_meta), None)
+            if first is not None:
+                device = first[1].device  # a DTensor's: its local shard's
+        for name, t in items:
+            if t.is_meta or t.device == device:
+                continue
+            if self._bound:
+                raise ValueError(f"{fn}: tensor {name!r} is on {t.device} but this sender's shared buffers are on "
+                                 f"{device} (where its first sync's tensors were); make another sender to send from "
+                                 f"{t.device}")
+            raise ValueError(f"{fn}: tensor {name!r} is on {t.device} but {first[0]!r} is on {device}; transport "
+                             "'ipc' sends every tensor of a sync from one device")
         for name, t in items:
             if type(t).__name__ != "DTensor":
-                check_source(fn, name, t, self.device, "ipc")
+                check_source(fn, name, t, device, "ipc")
+        if not self._bound:
+            self.device, self._bound = device, True
+            self._ready = [_device.new_ipc_event(device) for _ in range(2)]
+
+    def send(self, fn: str, items, version: int, check_source) -> dict:
+        _check_broken(fn, self.broken)
+        self._bind(fn, items, check_source)
         timer = PhaseTimer(self.device, PHASES)
         plan, fresh = self._plan_for(items)
         stream = _device.current_stream(self.device)

@@ -392,6 +392,8 @@ class WeightSender:
         transport: "nccl" (collectives over the group, whatever its backend: NCCL, HCCL
             or gloo) or "ipc" (receivers in other processes on this device: buckets in
             two buffers shared once, Note [IPC protocol] in ipc.py; mode "device" only).
+            The buffers live where the first sync's tensors are (CPU tensors: shared
+            memory, Note [IPC stand-in]).
         channel: for "ipc", one end of `multiprocessing.Pipe()` to the receiver instead
             of a process group; with a group, its backend must include gloo.
         timeout_s: longest wait, in seconds, for the other side (Note [sync timeouts]);
@@ -608,7 +610,10 @@ class WeightSender:
             version = self._next_version
         self._next_version = max(self._next_version, version + 1)
         if self._ipc is not None:
-            return self._ipc.send(fn, items, version, _check_source)
+            try:
+                return self._ipc.send(fn, items, version, _check_source)
+            finally:  # the first sync's tensors fix the device of the IPC buffers
+                self.device = self._ipc.device
         if not self.is_src:  # another rank of the FSDP mesh: only take part in the gathers
             return self._gather_only(items, version)
         return self._send_items(fn, items, version, self.device, host_copy_ms=0.0)
