@@ -91,9 +91,11 @@ def test_bench_runner_records_ran_skipped_and_failed_sections(fake_sections, tmp
     assert [r["case"] for r in data["rows"]] == ["many tensors"]
     meta = data["meta"]
     import offload
+    from offload.core import _device
 
     assert meta["offload"] == offload.__version__
-    assert meta["quick"] is True  # always on a machine without an accelerator
+    # quick sizes always on a machine without an accelerator; full sizes on one unless asked
+    assert meta["quick"] is (_device.accelerator_type() is None)
     for key in ("git", "device", "device_type", "driver", "torch", "date", "command", "performance_result"):
         assert key in meta, key
     report_md = (out / "report.md").read_text()
