@@ -732,3 +732,25 @@ def load_into(data: torch.Tensor, dsts: Sequence[torch.Tensor], entries: Sequenc
     for e, d in zip(entries, dsts):
         check_destination(fn, e, d, data.device)
     _copy_spans(data, [d.detach() for d in dsts], entries, pack=False)
+
+
+def bucket_tensors(data: torch.Tensor, bucket, partial: dict, timer, device, copy: bool = False):
+    """Yield (name, tensor) for what bucket `bucket` (a BucketSpans) completes in `data`.
+
+    A tensor whole in the bucket is a view of `data` (a clone with `copy=True`); one split
+    across buckets is assembled in `partial` (name -> tensor, kept by the caller across
+    buckets) and yielded with its last chunk. Assembly is timed as `timer`'s "unpack".
+    """
+    for e in bucket.entries:
+        view = data[e.offset : e.offset + e.nbytes].view(e.torch_dtype)
+        if e.num_chunks == 1:
+            tensor = view.view(e.shape)
+            yield e.name, (tensor.clone() if copy else tensor)
+            continue
+        with timer.phase("unpack"):
+            whole = partial.get(e.name)
+            if whole is None:
+                whole = partial[e.name] = torch.empty(e.shape, dtype=e.torch_dtype, device=device)
+            whole.view(-1)[e.start : e.start + e.numel].copy_(view)
+        if e.chunk + 1 == e.num_chunks:
+            yield e.name, partial.pop(e.name)

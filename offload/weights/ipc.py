@@ -27,7 +27,7 @@ from torch.multiprocessing import reductions
 from ..core import _device
 from ..core.checks import check_int
 from ..core.timing import PhaseTimer
-from .buckets import BucketPlan, BucketSpans, check_destination, copy_spans, plan_buckets
+from .buckets import BucketPlan, BucketSpans, bucket_tensors, check_destination, copy_spans, plan_buckets
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 DEFAULT_IPC_TIMEOUT_S = 120.0
@@ -490,19 +490,7 @@ class IpcReceiver:
         partial: Dict[str, torch.Tensor] = {}
         try:
             for data, bucket in self._buckets(fn, plan, spans, timer):
-                for e in bucket.entries:
-                    view = data[e.offset : e.offset + e.nbytes].view(e.torch_dtype)
-                    if e.num_chunks == 1:
-                        tensor = view.view(e.shape)
-                        yield e.name, (tensor.clone() if copy else tensor)
-                        continue
-                    with timer.phase("unpack"):
-                        whole = partial.get(e.name)
-                        if whole is None:
-                            whole = partial[e.name] = torch.empty(e.shape, dtype=e.torch_dtype, device=self.device)
-                        whole.view(-1)[e.start : e.start + e.numel].copy_(view)
-                    if e.chunk + 1 == e.num_chunks:
-                        yield e.name, partial.pop(e.name)
+                yield from bucket_tensors(data, bucket, partial, timer, self.device, copy)
         except GeneratorExit:
             self._failed(RuntimeError("the receiver stopped reading before the last bucket"))
             raise

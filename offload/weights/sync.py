@@ -38,6 +38,7 @@ from .buckets import (
     DEFAULT_ALIGNMENT,
     BucketPlan,
     BucketSpans,
+    bucket_tensors,
     check_destination,
     copy_spans,
     default_bucket_bytes,
@@ -876,19 +877,7 @@ class WeightReceiver:
         timer = PhaseTimer(self.device, PHASES)
         partial: Dict[str, torch.Tensor] = {}
         for data, bucket in self._buckets(plan, spans, timer):
-            for e in bucket.entries:
-                view = data[e.offset : e.offset + e.nbytes].view(e.torch_dtype)
-                if e.num_chunks == 1:
-                    tensor = view.view(e.shape)
-                    yield e.name, (tensor.clone() if copy else tensor)
-                    continue
-                with timer.phase("unpack"):
-                    whole = partial.get(e.name)
-                    if whole is None:
-                        whole = partial[e.name] = torch.empty(e.shape, dtype=e.torch_dtype, device=self.device)
-                    whole.view(-1)[e.start : e.start + e.numel].copy_(view)
-                if e.chunk + 1 == e.num_chunks:
-                    yield e.name, partial.pop(e.name)
+            yield from bucket_tensors(data, bucket, partial, timer, self.device, copy)
         self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
 
     def load(self, target, strict: bool = True) -> dict:
