@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import offload
+from offload.core import _device
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -41,6 +42,12 @@ def _pool():
 
 def _tensor():
     return torch.arange(12, dtype=torch.float32)
+
+
+def _compute_tensor():
+    """A valid source of a copy to host: on the device offload copies from (the accelerator
+    where there is one)."""
+    return _tensor().to(_device.current_device())
 
 
 JUNK = {
@@ -154,8 +161,10 @@ POOLS = {"None": lambda: None, "pool": _pool}
 
 
 @FUZZ
-@given(_args(tensors=TENSORS, pool=POOLS, require_pinned=FLAGS, small_bytes=SIZES, chunk_bytes=SIZES,
-             group_bytes=SIZES, timing=FLAGS))
+@given(_args(tensors={"[tensor]": lambda: [_compute_tensor()], "[]": lambda: [],
+                     "[int tensor, bf16]": lambda: [t.to(_device.current_device()) for t in TENSORS[
+                         "[int tensor, bf16]"]()]}, pool=POOLS,
+             require_pinned=FLAGS, small_bytes=SIZES, chunk_bytes=SIZES, group_bytes=SIZES, timing=FLAGS))
 def test_fuzz_copy_to_host(drawn):
     handle = _check("offload.copy_to_host", lambda: offload.copy_to_host(**_values(drawn)), drawn, oom=True)
     if handle is not None:
@@ -163,7 +172,8 @@ def test_fuzz_copy_to_host(drawn):
 
 
 @FUZZ
-@given(_args(tensors=TENSORS, device={"None": lambda: None, "'cpu'": lambda: "cpu"}, pool=POOLS,
+@given(_args(tensors=TENSORS, pool=POOLS,
+             device={"None": lambda: None, "the compute device": lambda: str(_device.current_device())},
              require_pinned=FLAGS, small_bytes=SIZES, chunk_bytes=SIZES, timing=FLAGS))
 def test_fuzz_copy_to_device(drawn):
     values = _values(drawn)

@@ -55,6 +55,16 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type in ("cuda", "npu")
 
 
+def device_count(device_type: str) -> int:
+    """How many devices of `device_type` torch sees (the CPU counts as one; 0 for a type
+    this torch has no runtime for)."""
+    if device_type == "cpu":
+        return 1
+    if not is_accelerator(torch.device(device_type)) or accelerator_type() != device_type:
+        return 0
+    return int(_module(device_type).device_count())
+
+
 def current_device() -> torch.device:
     kind = accelerator_type()
     if kind is None:

@@ -57,6 +57,12 @@ def resolve_device(fn: str, device) -> torch.device:
         raise TypeError(f"{fn}: device must be a torch.device, a device string, an index or None, "
                         f"got {type(device).__name__}")
     try:
-        return _device.normalize_device(device)
+        resolved = _device.normalize_device(device)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{fn}: device {device!r} is not a device torch knows here ({e})") from None
+    if _device.is_accelerator(resolved):
+        count = _device.device_count(resolved.type)
+        if resolved.index is None or not 0 <= resolved.index < count:
+            raise ValueError(f"{fn}: device {device!r} names {resolved}, but torch sees {count} "
+                             f"{resolved.type} device(s) here")
+    return resolved
