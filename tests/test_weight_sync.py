@@ -324,7 +324,7 @@ def _scenario_fsdp2_host_cache(rank, device):
 
 
 class _GatherRecorder:
-    """Wraps offload.weights.sync._gather: the most bytes of gathered full tensors alive at once.
+    """Wraps offload.weights.sources.gather: the most bytes of gathered full tensors alive at once.
 
     Tensors are tracked by weak reference; a tensor the copy engine still holds
     keeps its Python object (PyTorch preserves it while C++ holds the tensor), so
@@ -332,13 +332,13 @@ class _GatherRecorder:
     """
 
     def __init__(self):
-        import offload.weights.sync as ws
+        import offload.weights.sources as ws
 
-        self._gather = ws._gather
+        self._gather = ws.gather
         self.alive = []  # (weakref, nbytes)
         self.peak = 0
         self.calls = 0
-        ws._gather = self
+        ws.gather = self
 
     def __call__(self, t):
         import weakref

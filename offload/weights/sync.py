@@ -19,8 +19,6 @@ through buffers shared once between the two processes instead (ipc.py).
 from __future__ import annotations
 
 import contextlib
-import datetime
-import pickle
 import random
 import threading
 from collections import OrderedDict
@@ -44,12 +42,13 @@ from .buckets import (
     default_bucket_bytes,
     plan_buckets,
 )
+from . import sources as weight_sources
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver, IpcSender
+from .link import Link, check_src, is_member, resolve_group, transport_device
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 MODES = ("device", "host_cache")
 TRANSPORTS = ("nccl", "ipc")
-_DEVICE_BACKENDS = ("nccl", "hccl")
 # Buckets default to at most this (less where free memory is short,
 # `offload.default_bucket_bytes`): the first pack and the last unpack are not
 # overlapped with the wire (Note [bucket pipeline]), so a smaller bucket fills and
@@ -94,133 +93,6 @@ DEFAULT_RESERVE_SMS = 32
 # only on the copy stream; the trainer's stream is never made to wait except by
 # `wait_snapshot()`. Sends from a snapshot run on a stream of the sender's own,
 # so their uploads and packs never enter the trainer's stream either.
-#
-# Note [gathering DTensor sources]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# FSDP2 / DTensor sources are gathered with `full_tensor()` one tensor at a time
-# as their bucket is packed, never the whole model at once. Every rank of the FSDP
-# mesh calls `send()` (and `snapshot()`) with the same source in the same order;
-# ranks other than `src` only take part in the gathers and keep no copy.
-# A snapshot of such sources walks the tensors in groups of at most
-# `bucket_bytes` of full tensors (a larger tensor alone), gathers one group,
-# queues its copy to the host and drops the gathered tensors, which the copy
-# engine holds only until that copy completes. Before gathering group k+2 the
-# host waits for the copy of group k, so at most two groups of gathered tensors
-# exist at once: the copy of one group overlaps the gather of the next, and
-# device memory stays bounded even when the gathers outrun the host link. The
-# price is that `snapshot()` returns only once the copies of all but the last two
-# groups have completed; the gathers are collectives in the trainer's order, so
-# they cannot move to another thread. `snapshot_ms()` then spans the gathers too.
-# Such a snapshot is several copy handles (one per group, each reusing the host
-# buffers of the same group of an evicted version); without DTensors it is one
-# batched copy of everything.
-#
-# Note [sync timeouts]
-# ~~~~~~~~~~~~~~~~~~~~
-# A sync is a fixed sequence of broadcasts that both sides walk in step. When the
-# peer raises or dies mid-way, the side still running would wait in the next
-# collective until the process group's own timeout (thirty minutes by default,
-# and forever for a wait on the host that no watchdog watches). With `timeout_s`
-# every wait of a sync is bounded: on gloo (host collectives) each wait is a
-# host wait of at most `timeout_s`; on NCCL/HCCL the waits inside the bucket
-# pipeline stay device-side (Note [bucket pipeline]) and the host waits the end
-# of a sync makes, and the header's, are bounded. A wait that times out or fails
-# raises RuntimeError naming the step of the protocol, the peer and the timeout.
-# After that, or after the sender raised once its header was out, the two sides
-# are at different points of the protocol and the group may still carry part of
-# a sync: the object refuses further syncs with an error saying so, and a new
-# sender/receiver pair on a new group (`dist.new_group`) syncs afresh (a new
-# group has its own connections and its own plan ids, so nothing of the failed
-# sync reaches it). `timeout_s=None` keeps the process group's timeout.
-
-
-def _resolve_group(fn: str, group, ranks, backend):
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{fn}: torch.distributed is not initialized; call dist.init_process_group first")
-    if group is not None and ranks is not None:
-        raise ValueError(f"{fn}: pass either group or ranks, not both")
-    if ranks is not None:
-        # new_group is collective over the whole world: every rank must build it.
-        return dist.new_group(sorted(int(r) for r in ranks), backend=backend)
-    return group if group is not None else dist.group.WORLD
-
-
-def _is_member(group) -> bool:
-    """False on a rank outside `group` (new_group hands those ranks a sentinel, not a group)."""
-    return group is not dist.GroupMember.NON_GROUP_MEMBER
-
-
-def _check_src(fn: str, group, src: int) -> None:
-    members = dist.get_process_group_ranks(group)
-    if src not in members:
-        raise ValueError(f"{fn}: src must be a rank of the group, got src={src} for ranks {members}")
-
-
-def _transport_device(group) -> torch.device:
-    """Buckets live where the group's backend reads them: the accelerator for NCCL/HCCL, else the host."""
-    backend = str(dist.get_backend(group)).lower()
-    if backend in _DEVICE_BACKENDS:
-        return _device.current_device()
-    return torch.device("cpu")
-
-
-def _named_sources(fn: str, source) -> List[Tuple[str, torch.Tensor]]:
-    """(name, tensor) references: module state dict, mapping, or pairs. Nothing is gathered here."""
-    if isinstance(source, torch.nn.Module):
-        items = list(source.state_dict(keep_vars=True).items())
-    elif hasattr(source, "items"):
-        items = list(source.items())
-    else:
-        try:
-            items = list(source)
-        except TypeError:
-            raise TypeError(
-                f"{fn}: source must be a module, a state dict or (name, tensor) pairs, got {type(source).__name__}"
-            ) from None
-    out = []
-    for i, item in enumerate(items):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-            raise TypeError(f"{fn}: source item {i} must be a (name, tensor) pair, got {item!r:.80}")
-        out.append((item[0], item[1].detach()))
-    return out
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
-
-
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a DTensor (a collective over its mesh), else `t` itself."""
-    return t.full_tensor() if _is_dtensor(t) else t
-
-
-def _gather_groups(items, max_bytes: int) -> List[list]:
-    """Consecutive groups of (name, tensor) references that `snapshot()` gathers and copies together.
-
-    Without DTensors: one group, one batched copy (nothing is gathered). With
-    them: groups of at most `max_bytes` of full tensors, a larger tensor alone, so
-    the gathered tensors alive at once stay bounded (Note [gathering DTensor sources]).
-    """
-    if not any(_is_dtensor(t) for _, t in items):
-        return [items]
-    groups: List[list] = []
-    current: list = []
-    size = 0
-    for item in items:
-        nbytes = item[1].numel() * item[1].element_size()  # a DTensor's numel is its full size
-        if current and size + nbytes > max_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += nbytes
-    if current:
-        groups.append(current)
-    return groups
-
-
-def _layout(groups) -> List[list]:
-    """Shapes and dtypes of the full tensors, per group: a snapshot's host buffers fit another of the same layout."""
-    return [[(tuple(t.shape), t.dtype) for _, t in group] for group in groups]
 
 
 def _copy_blocks(fn: str, device: torch.device, reserve_sms) -> int:
@@ -238,91 +110,6 @@ def _bucket_spans(plan: BucketPlan) -> List[BucketSpans]:
     for e in plan.entries:
         per_bucket[e.bucket].append(e)
     return [BucketSpans(entries) for entries in per_bucket]
-
-
-def _check_source(fn: str, name: str, t: torch.Tensor, device: torch.device, backend) -> None:
-    if t.is_meta:
-        raise ValueError(f"{fn}: tensor {name!r} is a meta tensor, which has no data to send")
-    if t.device != device:
-        raise ValueError(f"{fn}: tensor {name!r} is on {t.device} but this group's backend ({backend}) sends from "
-                         f"{device}")
-    if t.is_sparse or t.layout != torch.strided or not t.is_contiguous():
-        raise ValueError(f"{fn}: tensor {name!r} must be a contiguous strided tensor (layout {t.layout}, shape "
-                         f"{list(t.shape)}, stride {list(t.stride()) if t.layout == torch.strided else None}); "
-                         "pass t.contiguous()")
-
-
-class _Link:
-    """One side's collectives of a sync: broadcasts from `src` whose waits are bounded by
-    `timeout_s` (Note [sync timeouts]), and the failure that ended the last sync, if any."""
-
-    def __init__(self, fn: str, group, src: int, timeout_s: Optional[float], device: torch.device):
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not timeout_s > 0):
-            raise ValueError(f"{fn}: timeout_s must be a number of seconds > 0 or None (the process group's "
-                             f"timeout), got {timeout_s!r}")
-        self.fn = fn
-        self.group = group
-        self.src = src
-        self.timeout_s = None if timeout_s is None else float(timeout_s)
-        self.device = device
-        self.on_device = device.type != "cpu"  # NCCL/HCCL: a wait on a work is device-side
-        self.failure: Optional[str] = None
-
-    def check(self, fn: str) -> None:
-        if self.failure is not None:
-            raise RuntimeError(
-                f"{fn}: an earlier sync on this group failed mid-way ({self.failure}); the sender and its "
-                "receivers are at different points of it, so this group cannot sync again: destroy it and "
-                "construct a new WeightSender and WeightReceiver on a new group (dist.new_group)")
-
-    def fail(self, what: str) -> None:
-        if self.failure is None:
-            self.failure = what
-
-    def broadcast(self, tensor: torch.Tensor, what: str):
-        try:
-            return dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
-        except Exception as exc:  # a peer that died is seen here on some backends
-            raise self._error(what, exc) from exc
-
-    def wait(self, work, what: str, host: bool = True) -> None:
-        """Wait for `work`: bounded by the timeout where the host waits (Note [sync timeouts])."""
-        if self.timeout_s is None or (self.on_device and not host):
-            work.wait()  # the process group's timeout; device-side on NCCL/HCCL
-            return
-        try:
-            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except Exception as exc:
-            raise self._error(what, exc) from exc
-        if done is False:
-            raise self._error(what, None)
-
-    def run(self, tensor: torch.Tensor, what: str) -> None:
-        """A broadcast the host waits for (bounded)."""
-        self.wait(self.broadcast(tensor, what), what, host=True)
-
-    def send_object(self, obj, what: str) -> None:
-        """`obj` pickled, as its length and then its bytes (each a broadcast the host waits for)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-        self.run(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), what)
-        self.run(data, what)
-
-    def receive_object(self, what: str):
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self.run(size, what)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.run(data, what)
-        return pickle.loads(data.cpu().numpy().tobytes())
-
-    def _error(self, what: str, exc: Optional[BaseException]) -> RuntimeError:
-        bound = (f"within timeout_s={self.timeout_s:g}" if self.timeout_s is not None
-                 else "within the process group's timeout")
-        cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
-        self.fail(f"{what} did not complete {bound}{cause}")
-        return RuntimeError(f"{self.fn}: {what} (sender: rank {self.src}) did not complete {bound}; a peer "
-                            f"may have failed or died mid-sync{cause}. This group cannot sync again: destroy "
-                            "it and sync on a new group")
 
 
 class _Buffers:
@@ -349,7 +136,7 @@ class _Snapshot:
                  copy_span: Optional[Span]):
         self.version = version
         self.names = names
-        self.layout = layout  # per gather group: shapes and dtypes (see _layout)
+        self.layout = layout  # per gather group: shapes and dtypes (see weight_sources.layout_of)
         # CopyHandles of the device-to-host copies, one per gather group, in the
         # order of `names`; empty on ranks other than src.
         self.handles = handles
@@ -438,22 +225,22 @@ class WeightSender:
             self._next_version = 0
             return
         check_int(fn, "keep_versions", keep_versions, 1)
-        self.group = _resolve_group(fn, group, ranks, backend)
+        self.group = resolve_group(fn, group, ranks, backend)
         self.src = int(src)
         self.mode = mode
         self.keep_versions = keep_versions
-        self.member = _is_member(self.group)
+        self.member = is_member(self.group)
         if self.member:
-            _check_src(fn, self.group, self.src)
+            check_src(fn, self.group, self.src)
         elif dist.get_rank() == self.src:
             raise ValueError(f"{fn}: src={self.src} (this rank) is not in the group; the sender must be a member")
         # A non-member only gathers: its "transport" device is where the gathers run.
-        self.device = _transport_device(self.group) if self.member else _device.current_device()
+        self.device = transport_device(self.group) if self.member else _device.current_device()
         if bucket_bytes is None:
             bucket_bytes = min(default_bucket_bytes(self.device), DEFAULT_SYNC_BUCKET_BYTES)
         self.bucket_bytes = bucket_bytes
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
-        self._link = _Link(fn, self.group, self.src, timeout_s, self.device)
+        self._link = Link(fn, self.group, self.src, timeout_s, self.device)
         self._backend = dist.get_backend(self.group) if self.member else None
         self.dtype = dtype
         self.keep_dtype = keep_dtype
@@ -485,7 +272,7 @@ class WeightSender:
         fn = "offload.WeightSender.snapshot"
         if self._ipc is not None:
             raise ValueError(f"{fn}: transport 'ipc' sends from the device; snapshots need transport 'nccl'")
-        items = _named_sources(fn, source)  # references: nothing is gathered yet
+        items = weight_sources.named_sources(fn, source)  # references: nothing is gathered yet
         names = [n for n, _ in items]
         if not self.is_src:  # an FSDP peer: it takes part in the gathers; only src keeps a copy
             self._gather_only(items, version)  # one tensor at a time, dropped at once
@@ -496,8 +283,8 @@ class WeightSender:
                 while len(self._snapshots) > self.keep_versions:
                     self._snapshots.popitem(last=False)
             return version
-        groups = _gather_groups(items, self.bucket_bytes)
-        layout = _layout(groups)
+        groups = weight_sources.gather_groups(items, self.bucket_bytes)
+        layout = weight_sources.layout_of(groups)
         device = items[0][1].device if items else _device.current_device()  # a DTensor's: its local shard's
         reuse = [None] * len(groups)
         oldest = None  # the snapshot evicted for this one, put back if this one fails
@@ -525,7 +312,7 @@ class WeightSender:
                     # engine (drained by the wait) has let them go, so their memory is
                     # free before this group's gathers allocate (Note [gathering DTensor sources]).
                     handles[k - 2].synchronize()
-                gathered = [_gather(t) for _, t in group]
+                gathered = [weight_sources.gather(t) for _, t in group]
                 # The copy stream waits for the current stream (which the gathers
                 # joined), and the engine holds `gathered` until the copy completes.
                 handles.append(copy_to_host(gathered, out=reuse[k], pool=self.pool))
@@ -606,13 +393,13 @@ class WeightSender:
             return self._send_snapshot(fn, self._get_snapshot(fn, version, reader=True))
         if source is None:
             raise ValueError(f"{fn}: mode 'device' needs a source (a module, state dict or (name, tensor) pairs)")
-        items = _named_sources(fn, source)
+        items = weight_sources.named_sources(fn, source)
         if version is None:
             version = self._next_version
         self._next_version = max(self._next_version, version + 1)
         if self._ipc is not None:
             try:
-                return self._ipc.send(fn, items, version, _check_source)
+                return self._ipc.send(fn, items, version, weight_sources.check_source)
             finally:  # the first sync's tensors fix the device of the IPC buffers
                 self.device = self._ipc.device
         if not self.is_src:  # another rank of the FSDP mesh: only take part in the gathers
@@ -634,8 +421,8 @@ class WeightSender:
         timer = PhaseTimer(_device.current_device(), PHASES)
         with timer.phase("gather"):
             for _, t in items:
-                if _is_dtensor(t):
-                    _gather(t)
+                if weight_sources.is_dtensor(t):
+                    weight_sources.gather(t)
         return timer.result(bytes=0, buckets=0, version=version)
 
     def _send_snapshot(self, fn: str, snap: _Snapshot) -> dict:
@@ -663,8 +450,8 @@ class WeightSender:
         # as they are gathered (gathering them all first would hold the whole model).
         self._link.check(fn)
         for name, t in items:
-            if not _is_dtensor(t):
-                _check_source(fn, name, t, pack_device, self._backend)
+            if not weight_sources.is_dtensor(t):
+                weight_sources.check_source(fn, name, t, pack_device, self._backend)
         timer = PhaseTimer(self.device, PHASES)
         timer.add_host("host_copy", host_copy_ms / 1e3)
         plan, plan_id, fresh = self._plan(items)
@@ -701,20 +488,20 @@ class WeightSender:
                 link.wait(works[slot], f"bucket {k - 2} of {plan.num_buckets}", host=False)
             sources = []
             # Timed only when something is gathered: a phase that did not run reports 0.
-            gathers = any(_is_dtensor(tensors[e.name]) for e in entries)
+            gathers = any(weight_sources.is_dtensor(tensors[e.name]) for e in entries)
             with timer.phase("gather") if gathers else contextlib.nullcontext():
                 for e in entries:
                     src = gathered.get(e.name)
                     if src is None:
-                        src = _gather(tensors[e.name])
+                        src = weight_sources.gather(tensors[e.name])
                         if e.chunk + 1 < e.num_chunks:
                             gathered[e.name] = src  # more chunks follow in later buckets
                     elif e.chunk + 1 == e.num_chunks:
                         del gathered[e.name]
                     sources.append(src)
             for e, s in zip(entries, sources):  # the plan checked names, shapes and dtypes
-                if gathers and _is_dtensor(tensors[e.name]):  # the others were checked before the header
-                    _check_source(fn, e.name, s, pack_device, self._backend)
+                if gathers and weight_sources.is_dtensor(tensors[e.name]):  # the others were checked before the header
+                    weight_sources.check_source(fn, e.name, s, pack_device, self._backend)
             if staged:
                 if uploads[slot] is not None:
                     uploads[slot].synchronize()  # the host writes this slot next
@@ -775,15 +562,15 @@ class WeightReceiver:
                                     DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s)
             self.src = int(src)
             return
-        self.group = _resolve_group(fn, group, ranks, backend)
+        self.group = resolve_group(fn, group, ranks, backend)
         self.src = int(src)
-        if not _is_member(self.group):
+        if not is_member(self.group):
             raise ValueError(f"{fn}: this rank ({dist.get_rank()}) is not in the group, so it cannot receive; "
                              "construct receivers only on the group's ranks")
-        _check_src(fn, self.group, self.src)
-        self.device = _transport_device(self.group)
+        check_src(fn, self.group, self.src)
+        self.device = transport_device(self.group)
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
-        self._link = _Link(fn, self.group, self.src, timeout_s, self.device)
+        self._link = Link(fn, self.group, self.src, timeout_s, self.device)
         self._buffers = _Buffers()
         self.version: Optional[int] = None
         self.timings: dict = {}
