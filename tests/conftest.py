@@ -45,3 +45,14 @@ def backend(request):
     else:
         with _backend.force_fallback():
             yield "fallback"
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """Bitwise gradients on an accelerator need its deterministic kernels (and cuBLAS's fixed
+    workspace); the CPU's kernels are deterministic already. The previous setting comes back."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)

@@ -58,13 +58,6 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.fixture
-def deterministic(monkeypatch):
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["sync", "async", "auto"])

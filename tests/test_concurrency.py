@@ -105,16 +105,6 @@ def test_concurrency_threads_share_pool_and_copy_engine(backend):
     assert stats["requests"] > THREADS * 12
 
 
-@pytest.fixture
-def deterministic(monkeypatch):
-    """Bitwise gradients on an accelerator need its deterministic kernels (and cuBLAS's fixed
-    workspace); the CPU's kernels are deterministic already."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(was)
-
 
 def test_concurrency_save_staged_during_training_step(backend, deterministic):
     """Staging and activation offload in one process, one pool: a save staged at the top of

@@ -20,16 +20,6 @@ def _pool_limited(limit):
     return offload.HostPool(limit_bytes=limit, slab_bytes=MiB)
 
 
-@pytest.fixture
-def deterministic(monkeypatch):
-    """Bitwise gradients on an accelerator need its deterministic kernels (and cuBLAS's fixed
-    workspace); the CPU's kernels are deterministic already."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(was)
-
 
 def _pool_full_warnings(caught):
     return [w for w in caught if "host pool cannot take" in str(w.message)]

@@ -23,17 +23,6 @@ STEPS = 5
 ON_ACCELERATOR = _device.is_accelerator(_device.current_device())
 
 
-@pytest.fixture
-def deterministic(monkeypatch):
-    """On an accelerator, the same kernels give the same bits run to run (cuBLAS workspaces, no atomics)."""
-    if not ON_ACCELERATOR:
-        yield
-        return
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-
 
 class _Recording(Trainer):
     """Keeps each step's loss and, just before the optimizer step, the gradients."""
