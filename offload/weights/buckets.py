@@ -754,3 +754,28 @@ def bucket_tensors(data: torch.Tensor, bucket, partial: dict, timer, device, cop
             whole.view(-1)[e.start : e.start + e.numel].copy_(view)
         if e.chunk + 1 == e.num_chunks:
             yield e.name, partial.pop(e.name)
+
+
+def destinations(fn: str, target) -> dict:
+    """name -> tensor that a receiver's `load` writes into: a module's state or a mapping."""
+    if isinstance(target, torch.nn.Module):
+        return {n: t.detach() for n, t in target.state_dict(keep_vars=True).items()}
+    if hasattr(target, "items"):
+        return {n: t.detach() for n, t in target.items()}
+    raise TypeError(f"{fn}: target must be a module or a mapping name -> tensor, got {type(target).__name__}")
+
+
+def check_destinations(fn: str, plan, dsts: dict, device, strict: bool) -> None:
+    """Every tensor of `plan` has a destination of its shape and dtype on `device`; with
+    `strict`, every destination is sent. ValueError/TypeError name the tensor."""
+    sent = set()
+    for e in plan.entries:
+        if e.name not in dsts:
+            raise ValueError(f"{fn}: received tensor {e.name!r} but the target has no tensor of that name")
+        check_destination(fn, e, dsts[e.name], device)
+        sent.add(e.name)
+    missing = [n for n in dsts if n not in sent]
+    if strict and missing:
+        raise ValueError(f"{fn}: the target's tensor {missing[0]!r} was not sent ({len(missing)} missing); "
+                         "pass strict=False to allow it")
+

@@ -27,7 +27,8 @@ from torch.multiprocessing import reductions
 from ..core import _device
 from ..core.checks import check_int
 from ..core.timing import PhaseTimer
-from .buckets import BucketPlan, BucketSpans, bucket_tensors, check_destination, copy_spans, plan_buckets
+from .buckets import (BucketPlan, BucketSpans, bucket_tensors, check_destinations, copy_spans, destinations,
+                      plan_buckets)
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 DEFAULT_IPC_TIMEOUT_S = 120.0
@@ -502,12 +503,7 @@ class IpcReceiver:
 
     def load(self, target, strict: bool = True) -> dict:
         fn = "offload.WeightReceiver.load"
-        if isinstance(target, torch.nn.Module):
-            dsts = {n: t.detach() for n, t in target.state_dict(keep_vars=True).items()}
-        elif hasattr(target, "items"):
-            dsts = {n: t.detach() for n, t in target.items()}
-        else:
-            raise TypeError(f"{fn}: target must be a module or a mapping name -> tensor, got {type(target).__name__}")
+        dsts = destinations(fn, target)
         _check_broken(fn, self.broken)
         try:
             plan, spans, version = self._header(fn)
@@ -517,16 +513,7 @@ class IpcReceiver:
         timer = PhaseTimer(self.device, PHASES)
         error = None
         try:
-            sent = set()
-            for e in plan.entries:
-                if e.name not in dsts:
-                    raise ValueError(f"{fn}: received tensor {e.name!r} but the target has no tensor of that name")
-                check_destination(fn, e, dsts[e.name], self.device)
-                sent.add(e.name)
-            missing = [n for n in dsts if n not in sent]
-            if strict and missing:
-                raise ValueError(f"{fn}: the target's tensor {missing[0]!r} was not sent ({len(missing)} missing); "
-                                 "pass strict=False to allow it")
+            check_destinations(fn, plan, dsts, self.device, strict)
         except (ValueError, TypeError) as exc:  # still release every bucket: the sender completes
             error = exc
         try:

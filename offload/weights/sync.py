@@ -37,9 +37,10 @@ from .buckets import (
     BucketPlan,
     BucketSpans,
     bucket_tensors,
-    check_destination,
+    check_destinations,
     copy_spans,
     default_bucket_bytes,
+    destinations,
     plan_buckets,
 )
 from . import sources as weight_sources
@@ -682,28 +683,14 @@ class WeightReceiver:
             finally:
                 self.version, self.timings = self._ipc.version, self._ipc.timings
         fn = "offload.WeightReceiver.load"
-        if isinstance(target, torch.nn.Module):
-            dsts = {n: t.detach() for n, t in target.state_dict(keep_vars=True).items()}
-        elif hasattr(target, "items"):
-            dsts = {n: t.detach() for n, t in target.items()}
-        else:
-            raise TypeError(f"{fn}: target must be a module or a mapping name -> tensor, got {type(target).__name__}")
+        dsts = destinations(fn, target)
         plan, spans, version = self._header(fn)
         timer = PhaseTimer(self.device, PHASES)
         # The first two buckets are on their way while the destinations are checked.
         buckets = self._buckets(plan, spans, timer)
         error = None
         try:
-            sent = set()
-            for e in plan.entries:
-                if e.name not in dsts:
-                    raise ValueError(f"{fn}: received tensor {e.name!r} but the target has no tensor of that name")
-                check_destination(fn, e, dsts[e.name], self.device)
-                sent.add(e.name)
-            missing = [n for n in dsts if n not in sent]
-            if strict and missing:
-                raise ValueError(f"{fn}: the target's tensor {missing[0]!r} was not sent ({len(missing)} missing); "
-                                 "pass strict=False to allow it")
+            check_destinations(fn, plan, dsts, self.device, strict)
         except (ValueError, TypeError) as exc:  # still drain the buckets: the sender is not left hanging
             error = exc
         with torch.no_grad():
