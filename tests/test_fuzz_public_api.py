@@ -25,8 +25,7 @@ from offload.core import _device
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 EXAMPLES = 100
-# No shrinking: a failing example is reported as drawn, so a known failure (xfail) costs
-# no more time than a pass.
+# No shrinking: a failing example is reported as drawn, as it came.
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
 
@@ -163,8 +162,9 @@ POOLS = {"None": lambda: None, "pool": _pool}
 @FUZZ
 @given(_args(tensors={"[tensor]": lambda: [_compute_tensor()], "[]": lambda: [],
                      "[int tensor, bf16]": lambda: [t.to(_device.current_device()) for t in TENSORS[
-                         "[int tensor, bf16]"]()]}, pool=POOLS,
-             require_pinned=FLAGS, small_bytes=SIZES, chunk_bytes=SIZES, group_bytes=SIZES, timing=FLAGS))
+                         "[int tensor, bf16]"]()]}, pool=POOLS, out={"None": lambda: None},
+             stream={"None": lambda: None}, require_pinned=FLAGS, small_bytes=SIZES, chunk_bytes=SIZES,
+             group_bytes=SIZES, defer=FLAGS, timing=FLAGS, same_sources=FLAGS))
 def test_fuzz_copy_to_host(drawn):
     handle = _check("offload.copy_to_host", lambda: offload.copy_to_host(**_values(drawn)), drawn, oom=True)
     if handle is not None:
@@ -174,6 +174,7 @@ def test_fuzz_copy_to_host(drawn):
 @FUZZ
 @given(_args(tensors=TENSORS, pool=POOLS,
              device={"None": lambda: None, "the compute device": lambda: str(_device.current_device())},
+             out={"None": lambda: None}, stream={"None": lambda: None},
              require_pinned=FLAGS, small_bytes=SIZES, chunk_bytes=SIZES, timing=FLAGS))
 def test_fuzz_copy_to_device(drawn):
     values = _values(drawn)
@@ -305,6 +306,15 @@ def test_fuzz_async_stager_stage(drawn):
             del staged
 
 
+@FUZZ
+@given(_args(optimizer={"optimizer": lambda: torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)}))
+def test_fuzz_async_stager_protect(drawn):
+    with offload.AsyncStager(ring_size=1, busy_timeout_s=5.0) as stager:
+        hook = _check("offload.AsyncStager.protect", lambda: stager.protect(**_values(drawn)), drawn)
+        if hook is not None:
+            hook.remove()
+
+
 # ------------------------------------------------------------------ activation offload
 
 class _Block(torch.nn.Module):
@@ -338,9 +348,11 @@ GROUPS = {"1": lambda: 1, "2": lambda: 2}
 
 @FUZZ
 @given(_args(model={"model": _model}, mode=MODES, layers={"None": lambda: None},
-             min_tensor_bytes={"0": lambda: 0, "1024": lambda: 1024}, resident_groups=GROUPS,
+             min_tensor_bytes={"0": lambda: 0, "1024": lambda: 1024},
+             min_group_bytes={"None": lambda: None, "0": lambda: 0, "4096": lambda: 4096}, resident_groups=GROUPS,
              memory_budget_bytes={"None": lambda: None},
-             keep_first=COUNTS, keep_last=COUNTS, pool=POOLS, timing=FLAGS, verbose={"False": lambda: False}))
+             keep_first=COUNTS, keep_last=COUNTS, pool=POOLS, timing=FLAGS, nvtx=FLAGS,
+             verbose={"False": lambda: False}))
 def test_fuzz_enable_activation_offload(drawn):
     values = _values(drawn)
     model = values.pop("model")
@@ -351,8 +363,24 @@ def test_fuzz_enable_activation_offload(drawn):
 
 
 @FUZZ
+@given(_args(model={"model": _model}, memory_budget_bytes={"None": lambda: None, "'1GiB'": lambda: "1GiB",
+                                                           "65536": lambda: 65536},
+             keep_last=COUNTS, verbose={"False": lambda: False}))
+def test_fuzz_enable_activation_offload_auto(drawn):
+    """mode='auto', the one mode that takes a memory budget."""
+    values = _values(drawn)
+    model = values.pop("model")
+    handle = _check("offload.enable_activation_offload",
+                    lambda: offload.enable_activation_offload(model, "auto", **values), drawn)
+    if handle is not None:
+        handle.disable()
+
+
+@FUZZ
 @given(_args(mode=MODES, min_tensor_bytes={"0": lambda: 0, "1024": lambda: 1024},
-             resident_groups=GROUPS, pool=POOLS, params={"()": lambda: ()}, timing=FLAGS, nvtx=FLAGS))
+             resident_groups=GROUPS, pool=POOLS,
+             params={"()": lambda: (), "parameters": lambda: _model().parameters(), "[tensor]": lambda: [_tensor()]},
+             timing=FLAGS, nvtx=FLAGS, engine={"None": lambda: None}))
 def test_fuzz_activation_offload(drawn):
     """Checked at the call: a context the call returns must also enter."""
     fn = "offload.activation_offload"
@@ -362,10 +390,15 @@ def test_fuzz_activation_offload(drawn):
             pass
 
 
+@FUZZ
+@given(_args(name={"None": lambda: None, "'block'": lambda: "block"}, offload=FLAGS))
+def test_fuzz_activation_offload_boundary(drawn):
+    with offload.activation_offload(min_tensor_bytes=0) as context:
+        _check("offload.activation_offload.boundary", lambda: context.boundary(**_values(drawn)), drawn)
+
+
 # ------------------------------------------------------------------ parameter offload, weight sync
 
-@pytest.mark.xfail(strict=True, reason="offload_params checks neither optimizer (AttributeError) nor chunk_bytes "
-                                       "(offload.copy_to_host's message) at the call")
 @FUZZ
 @given(_args(module={"model": _model}, grads=FLAGS, optimizer={"None": lambda: None}, pool=POOLS,
              chunk_bytes={"4096": lambda: 4096, "1024": lambda: 1024}))
@@ -377,8 +410,6 @@ def test_fuzz_offload_params(drawn):
         offload.reload_params(module)
 
 
-@pytest.mark.xfail(strict=True, reason="reload_params does not check chunk_bytes at the call "
-                                       "(offload.copy_to_device's message)")
 @FUZZ
 @given(_args(module={"model": _model}, chunk_bytes={"4096": lambda: 4096}))
 def test_fuzz_reload_params(drawn):
@@ -406,7 +437,9 @@ def _no_process_group():
 @given(_args(group={"None": lambda: None}, src={"0": lambda: 0}, ranks={"None": lambda: None},
              backend={"None": lambda: None}, bucket_bytes=BUCKET_BYTES, dtype=CASTS, keep_dtype=KEEP,
              alignment=ALIGNMENTS, mode={"'device'": lambda: "device", "'host_cache'": lambda: "host_cache"},
-             keep_versions={"2": lambda: 2}, pool=POOLS, reserve_sms={"32": lambda: 32}))
+             keep_versions={"2": lambda: 2}, pool=POOLS, reserve_sms={"32": lambda: 32},
+             transport={"'nccl'": lambda: "nccl"}, channel={"None": lambda: None},
+             timeout_s={"None": lambda: None, "5.0": lambda: 5.0}))
 def test_fuzz_weight_sender(drawn):
     """Without a process group no sender can be made: every call raises, naming the bad
     argument where there is one, else saying that torch.distributed is not initialized."""
@@ -422,7 +455,9 @@ def test_fuzz_weight_sender(drawn):
 @pytest.mark.skipif(not _no_process_group(), reason="needs a process without a process group")
 @FUZZ
 @given(_args(group={"None": lambda: None}, src={"0": lambda: 0}, ranks={"None": lambda: None},
-             backend={"None": lambda: None}, reserve_sms={"32": lambda: 32}))
+             backend={"None": lambda: None}, reserve_sms={"32": lambda: 32},
+             transport={"'nccl'": lambda: "nccl"}, channel={"None": lambda: None},
+             timeout_s={"None": lambda: None, "5.0": lambda: 5.0}))
 def test_fuzz_weight_receiver(drawn):
     fn = "offload.WeightReceiver"
     junk = any(is_junk for _, _, is_junk in drawn.values())
@@ -439,47 +474,33 @@ def _offloaded_model():
     return model
 
 
-def _xfail(reason):
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
 # Bad arguments the fuzzer found refused late, or with another function's message or
-# none, in modules outside the core, buckets and staging: each case passes once its
-# function checks the argument at the call.
+# none: each is refused at the call, by its own function, naming the argument.
 KNOWN = [
     pytest.param("offload.enable_activation_offload", "timing",
                  lambda: offload.enable_activation_offload(_model(), timing=torch.ones(3), verbose=False),
-                 marks=_xfail("timing is not checked: torch's 'Boolean value of Tensor' RuntimeError"),
                  id="enable_activation_offload-timing"),
     pytest.param("offload.enable_activation_offload", "layers",
                  lambda: offload.enable_activation_offload(_model(), layers=3, verbose=False),
-                 marks=_xfail("layers=3: Python's \"'int' object is not iterable\""),
                  id="enable_activation_offload-layers"),
     pytest.param("offload.activation_offload", "timing",
                  lambda: offload.activation_offload(timing=torch.ones(3)),
-                 marks=_xfail("timing is not checked: torch's 'Boolean value of Tensor' RuntimeError"),
                  id="activation_offload-timing"),
     pytest.param("offload.activation_offload", "engine", lambda: offload.activation_offload(engine=3),
-                 marks=_xfail("engine is accepted unchecked and fails only when used"),
                  id="activation_offload-engine"),
     pytest.param("offload.activation_offload", "params", lambda: offload.activation_offload(params=3),
-                 marks=_xfail("params is accepted unchecked and fails only when used"),
                  id="activation_offload-params"),
     pytest.param("offload.offload_params", "optimizer",
-                 lambda: offload.offload_params(_model(), optimizer=torch.ones(2)),
-                 marks=_xfail("optimizer is not checked: AttributeError"), id="offload_params-optimizer"),
+                 lambda: offload.offload_params(_model(), optimizer=torch.ones(2)), id="offload_params-optimizer"),
     pytest.param("offload.offload_params", "grads", lambda: offload.offload_params(_model(), grads=torch.ones(2)),
-                 marks=_xfail("grads is not checked: torch's 'Boolean value of Tensor' RuntimeError"),
                  id="offload_params-grads"),
     pytest.param("offload.offload_params", "pool", lambda: offload.offload_params(_model(), pool=3),
-                 marks=_xfail("pool is not checked: AttributeError"), id="offload_params-pool"),
+                 id="offload_params-pool"),
     pytest.param("offload.offload_params", "chunk_bytes",
                  lambda: offload.offload_params(_model(), chunk_bytes=""),
-                 marks=_xfail("chunk_bytes is checked by copy_to_host, whose name the message carries"),
                  id="offload_params-chunk_bytes"),
     pytest.param("offload.reload_params", "chunk_bytes",
                  lambda: offload.reload_params(_offloaded_model(), chunk_bytes=""),
-                 marks=_xfail("chunk_bytes is checked by copy_to_device, whose name the message carries"),
                  id="reload_params-chunk_bytes"),
 ]
 

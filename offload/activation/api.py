@@ -15,10 +15,10 @@ from typing import List, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..core.checks import check_int, parse_bytes
+from ..core.checks import check_bool, check_int, parse_bytes
 from ..core.pool import HostPool
 from . import layers as _layers
-from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine
+from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
 from .saved_tensors import input_tensors, module_tensors, not_traced, other_hooks_active
 
 # Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
@@ -326,6 +326,26 @@ def _warn_compiled() -> None:
         )
 
 
+def _check_params(fn: str, params) -> tuple:
+    """`params` (an iterable of tensors never to offload, such as `model.parameters()`) read
+    once at the call, so that a wrong element is refused here rather than at the first saved
+    tensor; a single tensor stands for itself."""
+    if isinstance(params, torch.Tensor):
+        return (params,)
+    if isinstance(params, (str, bytes, dict)):
+        raise TypeError(f"{fn}: params must be an iterable of tensors (model.parameters()), "
+                        f"got {type(params).__name__}")
+    try:
+        params = tuple(params)
+    except TypeError:
+        raise TypeError(f"{fn}: params must be an iterable of tensors (model.parameters()), "
+                        f"got {type(params).__name__}") from None
+    for index, item in enumerate(params):
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"{fn}: params must hold tensors, got {type(item).__name__} at index {index}")
+    return params
+
+
 def _wrap_target(module):
     return _layers.forward_target(module)
 
@@ -377,6 +397,7 @@ def enable_activation_offload(
         handle.disable()
     """
     fn = "offload.enable_activation_offload"
+    check_bool(fn, "verbose", verbose)
     engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
                               pool=pool, timing=timing, nvtx=nvtx, fn=fn, min_group_bytes=min_group_bytes)
     memory_budget_bytes = _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes)
@@ -417,9 +438,14 @@ class activation_offload:  # noqa: N801 - used as a context manager, like torch'
                  resident_groups: int = 2, pool: Optional[HostPool] = None, params=(), timing: bool = True,
                  nvtx: bool = False, engine: Optional[ActivationEngine] = None):
         fn = "offload.activation_offload"
+        # Every option is checked here, also those an explicit `engine` makes unused.
+        check_options(fn, mode, min_tensor_bytes, resident_groups, None, pool, timing, nvtx)
         if mode == "auto":
             raise ValueError(f"{fn}: mode='auto' needs layers to measure; use enable_activation_offload(model, "
                              "mode='auto'), or mode='async' or 'sync' here")
+        if engine is not None and not isinstance(engine, ActivationEngine):
+            raise TypeError(f"{fn}: engine must be an ActivationEngine or None, got {type(engine).__name__}")
+        params = _check_params(fn, params)
         if engine is None:
             engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
                                       pool=pool, timing=timing, nvtx=nvtx, fn=fn)
@@ -438,8 +464,12 @@ class activation_offload:  # noqa: N801 - used as a context manager, like torch'
 
     def boundary(self, name=None, offload: bool = True) -> None:
         """Close the current group and start the next one."""
+        fn = "offload.activation_offload.boundary"
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{fn}: name must be a str or None, got {type(name).__name__}")
+        check_bool(fn, "offload", offload)
         if self._capture is None:
-            raise RuntimeError("offload.activation_offload.boundary: call it inside the `with` block")
+            raise RuntimeError(f"{fn}: call it inside the `with` block")
         self.engine.boundary(f"group{self._count}" if name is None else name, offload=offload)
         self._count += 1
 

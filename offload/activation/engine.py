@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..core import _backend, _device
 from ..core.copy import copy_spans_to_host, copy_to_device
-from ..core.checks import check_int
+from ..core.checks import check_bool, check_int
 from ..core.pool import HostPool, default_host_pool
 from .groups import (COPYING, HOST, KEPT, OPEN, SPAN_ALIGN, AutoState, Group, Packed, aligned_layout,
                      on_host_only, with_earlier_parts)
@@ -111,6 +111,24 @@ GROUP_BYTES_PER_TENSOR_BYTE = 32
 WHOLE_STORAGE = 7 / 8
 
 
+def check_options(fn: str, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx) -> None:
+    """The engine's options, checked for `fn` (the public function that was given them)."""
+    allowed = ", ".join(map(repr, MODES))
+    if not isinstance(mode, str):
+        raise TypeError(f"{fn}: mode must be one of {allowed}, got {type(mode).__name__} {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"{fn}: mode must be one of {allowed}, got {mode!r}")
+    check_int(fn, "min_tensor_bytes", min_tensor_bytes, 0)
+    check_int(fn, "resident_groups", resident_groups, 1, "groups whose activations may be on the device at once")
+    if min_group_bytes is not None:
+        check_int(fn, "min_group_bytes", min_group_bytes, 0,
+                  f"or None: {GROUP_BYTES_PER_TENSOR_BYTE} x min_tensor_bytes")
+    if pool is not None and not isinstance(pool, HostPool):
+        raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
+    check_bool(fn, "timing", timing)
+    check_bool(fn, "nvtx", nvtx)
+
+
 class ActivationEngine(BackwardSide):
     """Packs saved tensors into groups, copies them out and brings them back.
 
@@ -150,17 +168,9 @@ class ActivationEngine(BackwardSide):
         fn: str = "offload.activation_offload",
         min_group_bytes: Optional[int] = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"{fn}: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
-        check_int(fn, "min_tensor_bytes", min_tensor_bytes, 0)
-        check_int(fn, "resident_groups", resident_groups, 1, "groups whose activations may be on the device at once")
+        check_options(fn, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx)
         if min_group_bytes is None:
             min_group_bytes = GROUP_BYTES_PER_TENSOR_BYTE * min_tensor_bytes
-        else:
-            check_int(fn, "min_group_bytes", min_group_bytes, 0,
-                      f"or None: {GROUP_BYTES_PER_TENSOR_BYTE} x min_tensor_bytes")
-        if pool is not None and not isinstance(pool, HostPool):
-            raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
         self.mode = mode
         self.min_tensor_bytes = min_tensor_bytes
         self.min_group_bytes = min_group_bytes

@@ -85,6 +85,12 @@ def find_layers(
     if layers is not None:
         if isinstance(layers, (str, nn.Module)):
             layers = [layers]
+        else:
+            try:
+                layers = list(layers)
+            except TypeError:
+                raise TypeError(f"{fn}: layers must be a list of module names or modules (or one of them, or "
+                                f"None), got {type(layers).__name__}") from None
         found = []
         by_module = {id(m): n for n, m in model.named_modules()}
         for item in layers:

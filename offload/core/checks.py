@@ -7,6 +7,7 @@ type is a TypeError, a value out of range a ValueError.
 
 from __future__ import annotations
 
+import numbers
 import re
 
 import torch
@@ -33,10 +34,18 @@ def check_int(fn: str, name: str, value, minimum: int = 0, meaning: str = "") ->
     return value
 
 
+def check_bool(fn: str, name: str, value) -> bool:
+    """`value` as a flag: True or False (a tensor's truth or a string's is never what was meant)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def parse_bytes(value, what: str) -> int:
     """'8GiB', '512M', '1.5e9' or an int -> bytes; `what` names the function and argument."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what}: expected a number of bytes, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise TypeError(f"{what}: expected a number of bytes (an int, or a string such as '8GiB'), "
+                        f"got {type(value).__name__} {value!r}")
     if isinstance(value, int):
         number = value
     else:

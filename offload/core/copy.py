@@ -223,8 +223,8 @@ def copy_to_host(
     fn = "offload.copy_to_host"
     # A deferred copy converts the whole list before it lets the interpreter lock
     # go (see the core's copy_to_host): a caller's list cannot change under it, so
-    # it is not copied.
-    if not (defer and type(tensors) is list):
+    # it is not copied. (`is True`: defer itself is checked below, with the other flags.)
+    if not (defer is True and type(tensors) is list):
         tensors = _as_list(fn, tensors)
     _check_sizes(fn, small_bytes, chunk_bytes)
     check_int(fn, "group_bytes", group_bytes, 1)

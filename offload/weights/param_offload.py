@@ -11,11 +11,13 @@ numbers are final.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import List, Optional
 
 import torch
 
 from ..core import _device
+from ..core.checks import check_bool, check_int
 from ..core.copy import copy_to_device, copy_to_host
 from ..core.pool import HostPool, default_host_pool
 from ..core.timing import Span
@@ -142,6 +144,11 @@ def _collect(fn: str, module: torch.nn.Module, grads: bool, optimizer):
     return storages, sizes, device or _device.current_device()
 
 
+def _check_module(fn: str, module) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{fn}: module must be a torch.nn.Module, got {type(module).__name__}")
+
+
 def _finish(copy_span: Span, handle, call_span: Span, nbytes: int, count: int) -> dict:
     """Wait for `handle`'s copy (on a private stream where it runs on a device), end the
     spans, build the timings."""
@@ -173,8 +180,14 @@ def offload_params(
     since the last call move too); the host mirror is reused while it fits.
     """
     fn = "offload.offload_params"
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"{fn}: module must be a torch.nn.Module, got {type(module).__name__}")
+    _check_module(fn, module)
+    check_bool(fn, "grads", grads)
+    if optimizer is not None and not isinstance(getattr(optimizer, "state", None), Mapping):
+        raise TypeError(f"{fn}: optimizer must be a torch.optim.Optimizer (or an object whose .state maps "
+                        f"parameters to their state) or None, got {type(optimizer).__name__}")
+    if pool is not None and not isinstance(pool, HostPool):
+        raise TypeError(f"{fn}: pool must be an offload.HostPool or None, got {type(pool).__name__}")
+    check_int(fn, "chunk_bytes", chunk_bytes, 1, "bytes per copy chunk")
     mirror: Optional[_Mirror] = getattr(module, _STATE_ATTR, None)
     if mirror is not None and mirror.offloaded:
         raise RuntimeError(f"{fn}: the parameters of this {type(module).__name__} are already offloaded; "
@@ -204,6 +217,8 @@ def offload_params(
 def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> dict:
     """Bring back what `offload_params` moved, bitwise; the current stream waits for the copy on the device."""
     fn = "offload.reload_params"
+    _check_module(fn, module)
+    check_int(fn, "chunk_bytes", chunk_bytes, 1, "bytes per copy chunk")
     mirror: Optional[_Mirror] = getattr(module, _STATE_ATTR, None)
     if mirror is None or not mirror.offloaded:
         raise RuntimeError(f"{fn}: the parameters of this {type(module).__name__} are not offloaded; "
@@ -221,5 +236,7 @@ def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> di
 
 
 def params_offloaded(module: torch.nn.Module) -> bool:
+    """Whether `module`'s parameters are in the host mirror (offloaded and not yet reloaded)."""
+    _check_module("offload.params_offloaded", module)
     mirror = getattr(module, _STATE_ATTR, None)
     return bool(mirror is not None and mirror.offloaded)
