@@ -6,12 +6,13 @@ Sections: activation offload ("async" and "auto") of a small Hugging Face Llama 
 config, staged DCP saves (`offload.AsyncStager`), weight syncs between two accelerators (NCCL),
 and parameter offload/reload cycles. Each samples device memory in use, the host pool's reserved
 and in-use bytes and the process RSS after every repetition, and says whether each is flat after
-warm-up: its largest value after warm-up exceeds its value at the end of warm-up by at most the
-bound (`BOUND_BYTES`, or `BOUND_FRACTION` of the value, whichever is larger; RSS gets
-`RSS_BOUND_BYTES`, as the interpreter and the allocators' caches move it a little). At intervals
-each result is compared bit for bit with a reference computed without offload. Writes
-DIR/soak.json and prints a table; exits 1 if any section is not flat or not exact.
-`--quick` runs a handful of repetitions on whatever device there is (the CPU test uses it).
+warm-up: its largest value after warm-up exceeds its value at the end of warm-up by at most its
+bound (Note [soak bounds]). At intervals each result is compared bit for bit with a reference
+computed without offload. Writes DIR/soak.json and prints one row per section: repetitions,
+bitwise checks (how many, how often, mismatches), growth after warm-up against its bound, and
+what was lost (computed from the checks and the bounds). Exits 1 if any section is not flat or
+not exact. `--quick` runs a handful of repetitions on whatever device there is (the CPU test
+uses it).
 """
 
 from __future__ import annotations
@@ -35,8 +36,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offload  # noqa: E402
 from offload.core import _device  # noqa: E402
 
-BOUND_BYTES = 4 << 20
-BOUND_FRACTION = 0.02
+# Note [soak bounds]
+# ~~~~~~~~~~~~~~~~~~
+# Device memory is sampled as the caching allocator's allocated bytes, after a synchronize and
+# one small allocation: a block freed after record_stream() (parameter offload frees the
+# storages its copy reads that way) counts as allocated until the allocator processes its
+# event, which it does on an allocation; sampled without it the figure says whether that
+# happened yet, not what is held. The tensors alive at a sample are the same set at every
+# repetition (the soak drops its own references before it samples), so the figure can move
+# only where a tensor made again at every repetition lands in a cached block larger than it:
+# the allocator hands out a large-pool block without splitting off a remainder of at most
+# ALLOCATOR_SLACK_BYTES (its small-allocation size, 1 MiB), and small-pool blocks are split
+# exactly. The device bound of a section is therefore that slack times the tensors over that
+# size it makes again each repetition and holds at the sample (an activation step's
+# gradients); 0 where it holds none (a staged save, an offloaded model).
+# The host pool hands out blocks by size class and carves a new block only where no free one
+# of its class is left: a repetition's blocks whose copies are not yet seen complete cannot be
+# reused, so the pool may hold one more repetition's working set before it stops growing. Its
+# bound is POOL_BOUND_BYTES or POOL_BOUND_FRACTION of the figure, whichever is larger. RSS
+# gets RSS_BOUND_BYTES: the interpreter's and the allocators' own caches move it a little.
+ALLOCATOR_SLACK_BYTES = 1 << 20
+POOL_BOUND_BYTES = 4 << 20
+POOL_BOUND_FRACTION = 0.02
 RSS_BOUND_BYTES = 64 << 20
 
 FULL = {"activation_steps": 1000, "saves": 300, "syncs": 100, "param_cycles": 100, "check_every": 50,
@@ -55,19 +76,30 @@ def _rss_bytes() -> int:
 class Samples:
     """Memory after each repetition, and the bitwise checks made."""
 
-    def __init__(self, device, pool, warmup: int):
+    def __init__(self, device, pool, warmup: int, remade_large: int = 0):
+        """`remade_large`: tensors over ALLOCATOR_SLACK_BYTES the section makes again at every
+        repetition and holds at the sample (Note [soak bounds])."""
         self.device, self.pool, self.warmup = device, pool, warmup
+        self.device_bound = remade_large * ALLOCATOR_SLACK_BYTES
         self.series = {"device_bytes": [], "pool_reserved_bytes": [], "pool_in_use_bytes": [], "rss_bytes": []}
         self.checks = 0
+        self.checked_reps = 0
         self.mismatches = []
 
     def sample(self) -> None:
-        stats = self.pool.stats()
         on_accel = _device.is_accelerator(self.device)
+        if on_accel:  # Note [soak bounds]: what is held, not which freed blocks await their events
+            _device.synchronize(self.device)
+            torch.empty(1, device=self.device)
+        stats = self.pool.stats()
         self.series["device_bytes"].append(_device.memory_allocated(self.device) if on_accel else 0)
         self.series["pool_reserved_bytes"].append(stats["reserved_bytes"])
         self.series["pool_in_use_bytes"].append(stats["in_use_bytes"])
         self.series["rss_bytes"].append(_rss_bytes())
+
+    def checked(self) -> None:
+        """One repetition's result was checked (its tensors through `check`)."""
+        self.checked_reps += 1
 
     def check(self, what: str, got, want) -> None:
         self.checks += 1
@@ -81,13 +113,28 @@ class Samples:
                 flat[key] = {"flat": True, "growth_bytes": 0, "bound_bytes": 0, "samples": len(values)}
                 continue
             base = values[self.warmup - 1]
-            bound = RSS_BOUND_BYTES if key == "rss_bytes" else max(BOUND_BYTES, int(BOUND_FRACTION * base))
+            if key == "rss_bytes":
+                bound = RSS_BOUND_BYTES
+            elif key == "device_bytes":
+                bound = self.device_bound
+            else:
+                bound = max(POOL_BOUND_BYTES, int(POOL_BOUND_FRACTION * base))
             growth = max(values[self.warmup:]) - base
             flat[key] = {"flat": growth <= bound, "growth_bytes": growth, "bound_bytes": bound,
                          "after_warmup": base, "last": values[-1], "samples": len(values)}
+        is_flat = all(v["flat"] for v in flat.values())
+        exact = bool(self.checks) and not self.mismatches
+        if not self.checks:
+            lost = "unchecked"
+        elif self.mismatches:
+            lost = f"{len(self.mismatches)} tensors differ"
+        elif not is_flat:
+            lost = "memory grew past its bound"
+        else:
+            lost = "nothing"
         return {"section": name, "repetitions": reps, "seconds": round(seconds, 2), "warmup": self.warmup,
-                "memory": flat, "checks": self.checks, "mismatches": self.mismatches,
-                "flat": all(v["flat"] for v in flat.values()), "exact": not self.mismatches, **extra}
+                "memory": flat, "checks": self.checks, "checked_repetitions": self.checked_reps,
+                "mismatches": self.mismatches, "flat": is_flat, "exact": exact, "lost": lost, **extra}
 
 
 # ------------------------------------------------------------ activation offload
@@ -118,7 +165,10 @@ def soak_activation(device, counts, quick: bool, mode: str) -> dict:
     pool = offload.HostPool()
     handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0 if quick else 1 << 20, pool=pool,
                                                verbose=False)
-    samples = Samples(device, pool, counts["warmup"] if mode != "auto" else max(counts["warmup"], 12 if quick else 60))
+    # A step's gradients are made again at every step (zero_grad(set_to_none=True)) and held at the sample.
+    remade = sum(p.numel() * p.element_size() > ALLOCATOR_SLACK_BYTES for p in model.parameters() if p.requires_grad)
+    samples = Samples(device, pool, counts["warmup"] if mode != "auto" else max(counts["warmup"], 12 if quick else 60),
+                      remade_large=remade)
     batch, seq = (2, 32) if quick else (4, 512)
     gen = torch.Generator().manual_seed(1)
     start = time.perf_counter()
@@ -128,14 +178,18 @@ def soak_activation(device, counts, quick: bool, mode: str) -> dict:
         got = _step(model, ids)  # parameters fixed: every step is checkable against the reference
         if step % counts["check_every"] == 0 or step == steps - 1:
             want = _step(ref, ids)
+            samples.checked()
             for i, (a, b) in enumerate(zip(got, want)):
                 samples.check(f"step {step} grad {i}", a, b)
+            del want
+            ref.zero_grad(set_to_none=True)  # the reference's gradients are not held at the sample
         del got
         samples.sample()
     _device.synchronize(device)
     seconds = time.perf_counter() - start
     handle.disable()
-    return samples.summary(f"activation_{mode}", steps, seconds)
+    return samples.summary(f"activation_{mode}", steps, seconds,
+                           checked="every gradient vs the same step without offload")
 
 
 # ------------------------------------------------------------ staged DCP saves
@@ -178,8 +232,11 @@ def soak_staging(device, counts, quick: bool, root: str) -> dict:
             pending = None
             target = {"model": {n: torch.zeros_like(t) for n, t in expected.items()}}
             dcp.load(target, checkpoint_id=path)
+            samples.checked()
             for n, t in expected.items():
                 samples.check(f"save {k} {n}", target["model"][n], t)
+            del target  # the soak's own copies are not held at the sample (Note [soak bounds])
+        del expected
         kept.append(path)
         while len(kept) > 2:  # a fresh directory per save; the oldest go
             shutil.rmtree(kept.pop(0), ignore_errors=True)
@@ -188,7 +245,8 @@ def soak_staging(device, counts, quick: bool, root: str) -> dict:
         pending.result()
     seconds = time.perf_counter() - start
     stager.close()
-    return samples.summary("staging_dcp", saves, seconds)
+    return samples.summary("staging_dcp", saves, seconds,
+                           checked="the checkpoint loaded back vs the model's state at the save")
 
 
 # ------------------------------------------------------------ parameter offload
@@ -210,13 +268,16 @@ def soak_param_offload(device, counts, quick: bool) -> dict:
         samples.sample()  # while offloaded: device memory down, pool holds the mirror
         offload.reload_params(model)
         if check:
+            samples.checked()
             for i, (a, b) in enumerate(zip(_param_state(model, optimizer), want)):
                 samples.check(f"cycle {k} tensor {i}", a, b)
+        del want  # the soak's own copies are not held at the next sample (Note [soak bounds])
         # A step between cycles: new values, the same shapes.
         model(torch.randn(16, width, device=device)).square().mean().backward()
         optimizer.step()
     seconds = time.perf_counter() - start
-    return samples.summary("param_offload", cycles, seconds)
+    return samples.summary("param_offload", cycles, seconds,
+                           checked="parameters, gradients, optimizer state after reload vs before offload")
 
 
 def _param_state(model, optimizer):
@@ -240,7 +301,10 @@ def _sync_rank(rank, init_file, counts, quick, results):
         model = _llama(device, quick)
         model.requires_grad_(False)
         pool = offload.HostPool()
-        samples = Samples(device, pool, counts["warmup"])
+        # Each sync packs (sender) or receives (receiver) the model again into its buckets; the
+        # sender keeps the last keep_versions (2) versions, a receiver at most as many buffers.
+        buckets = sum(n > ALLOCATOR_SLACK_BYTES for n in offload.plan_buckets(model.state_dict()).bucket_sizes)
+        samples = Samples(device, pool, counts["warmup"], remade_large=2 * buckets)
         syncs = counts["syncs"]
         sender = offload.WeightSender(timeout_s=120, pool=pool) if rank == 0 else None
         receiver = offload.WeightReceiver(timeout_s=120) if rank == 1 else None
@@ -256,6 +320,7 @@ def _sync_rank(rank, init_file, counts, quick, results):
             else:
                 receiver.load(target)
                 if k % counts["check_every"] == 0 or k == syncs - 1:
+                    samples.checked()
                     for (n, a), b in zip(target.state_dict().items(), model.state_dict().values()):
                         samples.check(f"sync {k} {n}", a, b)
             samples.sample()
@@ -263,7 +328,8 @@ def _sync_rank(rank, init_file, counts, quick, results):
         seconds = time.perf_counter() - start
         dist.barrier()
         dist.destroy_process_group()
-        results.put(samples.summary(f"weight_sync_rank{rank}", syncs, seconds))
+        results.put(samples.summary(f"weight_sync_rank{rank}", syncs, seconds,
+                                    checked="the receiver's weights vs the sender's" if rank == 1 else "none here"))
     except BaseException as exc:  # noqa: BLE001 (reported to the parent)
         import traceback
 
@@ -334,27 +400,31 @@ def main(argv=None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     summary = {
         "device": _device.device_name(device), "torch": torch.__version__, "native": offload.native_available(),
-        "quick": args.quick, "counts": counts, "bounds": {"bytes": BOUND_BYTES, "fraction": BOUND_FRACTION,
+        "quick": args.quick, "counts": counts, "bounds": {"allocator_slack_bytes": ALLOCATOR_SLACK_BYTES,
+                                                         "pool_bytes": POOL_BOUND_BYTES,
+                                                         "pool_fraction": POOL_BOUND_FRACTION,
                                                          "rss_bytes": RSS_BOUND_BYTES},
         "date": datetime.date.today().isoformat(), "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "sections": rows,
     }
     with open(os.path.join(args.out, "soak.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    print(f"{'section':<22} {'reps':>5} {'s':>7} {'checks':>6} exact flat  growth MiB (device/pool/rss)")
+    print("growth after warm-up / its bound, in MiB: device (allocated), host pool (reserved), process RSS")
+    print(f"{'case':<18} {'reps':>5} {'s':>7}  {'checked bitwise':<26} {'device':<11} {'pool':<11} {'rss':<11} lost")
     ok = True
     for r in rows:
         if "skipped" in r:
-            print(f"{r['section']:<22} skipped: {r['skipped']}")
+            print(f"{r['section']:<18} skipped: {r['skipped']}")
             continue
         if "error" in r:
-            print(f"{r['section']:<22} ERROR\n{r['error']}")
+            print(f"{r['section']:<18} ERROR\n{r['error']}")
             ok = False
             continue
         m = r["memory"]
-        growth = "/".join(_mib(m[k]["growth_bytes"]) for k in ("device_bytes", "pool_reserved_bytes", "rss_bytes"))
-        print(f"{r['section']:<22} {r['repetitions']:>5} {r['seconds']:>7} {r['checks']:>6} {str(r['exact']):<5} "
-              f"{str(r['flat']):<5} {growth}")
+        checked = f"{r['checks']} tensors at {r['checked_repetitions']} of {r['repetitions']} reps"
+        growth = " ".join(f"{_mib(m[k]['growth_bytes'])}/{_mib(m[k]['bound_bytes'])}".ljust(11)
+                          for k in ("device_bytes", "pool_reserved_bytes", "rss_bytes"))
+        print(f"{r['section']:<18} {r['repetitions']:>5} {r['seconds']:>7}  {checked:<26} {growth} {r['lost']}")
         ok = ok and r["exact"] and r["flat"]
     print(f"wrote {os.path.join(args.out, 'soak.json')}")
     return 0 if ok else 1
