@@ -11,13 +11,18 @@ would. One accelerator per rank with NCCL (`--device auto`, the default, when
 the host has one), or the CPU with gloo. Checkpoints are DCP `async_save`s staged
 by `offload.AsyncStager`, whose `protect(optimizer)` makes the optimizer step
 wait (on the device) for the staging copy. Each step prints its loss, tokens/s,
-peak device memory and, with offload on, the bytes offloaded and the exposed wait.
+peak device memory and, with offload on, the bytes offloaded and the exposed wait;
+the last line rank 0 prints is `summary {...}`, the run's medians after the
+warm-up steps as JSON (benchmarks/bench_train_fsdp2.py reads it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import statistics
 import time
 
 import torch
@@ -29,9 +34,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import offload
 
 try:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch releases that kept FSDP2 under _composable
-    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def parse_args(argv=None):
@@ -41,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--activation-offload", choices=("off", "async", "auto"), default="off")
     p.add_argument("--offload-min-tensor-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay on the device")
+    p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of the gathered parameters in forward and backward (FSDP2 mixed precision; the "
+                        "sharded weights, gradient reduction and optimizer stay fp32)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=1024)
@@ -53,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--keep-checkpoints", type=int, default=0,
+                   help="keep only the newest N saved checkpoints, deleting older ones (0: keep all)")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="first steps left out of the final summary's medians (allocator and kernel warm-up)")
     args = p.parse_args(argv)
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         p.error("--checkpoint-every and --resume need --checkpoint-dir")
@@ -84,9 +96,11 @@ def build_model(args, device):
     model = LlamaForCausalLM(config).to(device)
     # An explicit mesh: FSDP2's default one is on the host's accelerator, even for a CPU run.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.param_dtype == "bf16" else None,
+                              reduce_dtype=torch.float32)
     for block in model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -102,6 +116,13 @@ def latest_checkpoint(root):
     return max(steps) if steps else None
 
 
+def prune_checkpoints(root, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (call only once those are completely written)."""
+    steps = sorted(int(name[5:]) for name in os.listdir(root) if name.startswith("step-") and name[5:].isdigit())
+    for step in steps[:-keep]:
+        shutil.rmtree(os.path.join(root, f"step-{step}"), ignore_errors=True)
+
+
 def wait_saved(pending) -> None:
     """Wait until a previous async_save is written (its return type differs across torch releases)."""
     done = getattr(pending, "upload_completion", pending)
@@ -112,6 +133,23 @@ def peak_memory_bytes(device) -> int:
     accel = getattr(torch, "accelerator", None)
     read = getattr(accel, "max_memory_allocated", None)
     return int(read(device)) if device.type != "cpu" and read is not None else 0
+
+
+def summary(args, records, tokens: int, device, handle) -> dict:
+    """The run in one line of JSON (the last line rank 0 prints): medians over the steps after the warm-up."""
+    timed = records[args.warmup_steps:] or records
+    seconds = [r[1] for r in timed]
+    out = {"steps": len(records), "timed_steps": len(timed), "tokens_per_step": tokens,
+           "tokens_per_s": tokens / statistics.median(seconds) if seconds else None,
+           "step_ms": statistics.median(seconds) * 1e3 if seconds else None,
+           "checkpoint_ms": statistics.median(r[2] for r in timed) * 1e3 if timed else None,
+           "peak_memory_bytes": peak_memory_bytes(device), "activation_offload": args.activation_offload,
+           "checkpoint_every": args.checkpoint_every}
+    if handle is not None:
+        s = handle.stats()
+        out.update(offloaded_bytes=s["d2h_bytes"], exposed_wait_ms=s["exposed_seconds"] * 1e3,
+                   layers_offloaded=s["layers_offloaded"])
+    return out
 
 
 def main(argv=None):
@@ -150,16 +188,22 @@ def main(argv=None):
         checkpoint_group = dist.new_group(backend="gloo")
 
     tokens = args.batch * args.seq * world
+    records = []  # (step, seconds, checkpoint seconds) of rank 0, for the summary
     for step in range(start, args.steps):
+        # The step's time includes what a save blocks it for (waiting for the previous
+        # save, taking the state dict, starting the staging copy).
+        t0 = time.perf_counter()
         if stager is not None and step > start and step % args.checkpoint_every == 0:
             # At the top of the step, so the copy overlaps this step's forward and backward.
             if pending is not None:
                 wait_saved(pending)
+                if args.keep_checkpoints and rank == 0:
+                    prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
             model_sd, optim_sd = get_state_dict(model, optimizer)
             pending = dcp.async_save({"model": model_sd, "optim": optim_sd},
                                      checkpoint_id=os.path.join(args.checkpoint_dir, f"step-{step}"),
                                      async_stager=stager, process_group=checkpoint_group)
-        t0 = time.perf_counter()
+        checkpoint_seconds = time.perf_counter() - t0
         ids = batch_for(args, step, rank, device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -167,9 +211,12 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         value = loss.item()  # waits for the step: the time below is the step's
         seconds = time.perf_counter() - t0
+        records.append((step, seconds, checkpoint_seconds))
         if rank == 0:
             line = (f"step {step} loss {value!r} tokens/s {tokens / seconds:.0f} "
                     f"peak_memory_gib {peak_memory_bytes(device) / 2**30:.2f}")
+            if stager is not None:
+                line += f" checkpoint_ms {checkpoint_seconds * 1e3:.1f}"
             if handle is not None:
                 s = handle.stats()
                 line += (f" offloaded_mib {s['d2h_bytes'] / 2**20:.3f} exposed_wait_ms "
@@ -177,8 +224,12 @@ def main(argv=None):
             print(line, flush=True)
     if pending is not None:
         wait_saved(pending)
+        if args.keep_checkpoints and rank == 0:
+            prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     if stager is not None:
         stager.close()
+    if rank == 0:
+        print("summary " + json.dumps(summary(args, records, tokens, device, handle)), flush=True)
     if handle is not None:
         handle.disable()
     dist.barrier()

@@ -6,7 +6,8 @@ device synchronize per tensor). Here the sender packs buckets (the same plan and
 dtype policy as the NCCL path, `offload.plan_buckets`) into two device buffers it
 allocates once and shares once, through torch's own tensor sharing; each bucket
 is signalled with an interprocess event, and the receiver unpacks into its
-parameters or hands out views. See Note [IPC protocol] and Note [IPC stand-in].
+parameters or hands out views. See Note [IPC protocol], Note [IPC control messages] and
+Note [IPC stand-in].
 Timings have the fields of the NCCL path (sync.py); `host_copy_ms` is 0 and
 `transfer_ms` spans the first bucket signalled to the last one released.
 """
@@ -67,6 +68,19 @@ _KIND_NAMES = {_HEADER: "header", _READY: "bucket ready", _HELLO: "hello", _CONS
 # destinations do not match still releases every bucket (unread), like the NCCL
 # path drains them, so the sender completes and the receiver raises.
 #
+# Note [IPC control messages]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Over a process group (gloo), a point-to-point message is a rendezvous: its bytes
+# move only once the receiving side has posted its receive, so a receive posted
+# when the message is already waiting costs one more round trip between the two
+# processes' gloo threads. Each bucket's "ready" and "released" messages are on
+# the pipeline's critical path, so a side that knows another message of this sync
+# is coming (the next bucket's) posts its receive for it as soon as it has the
+# current one. Only messages of the running sync are posted ahead: after a sync
+# that completed, no receive is left pending on the group. Headers go on one tag
+# and payloads on another, so a receive posted ahead for a header never meets a
+# payload.
+#
 # Note [IPC stand-in]
 # ~~~~~~~~~~~~~~~~~~~
 # The buffers live where the sender's tensors are: the first sync's tensors fix
@@ -99,6 +113,9 @@ class _PipeChannel:
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise RuntimeError(f"the peer closed the control channel ({type(exc).__name__}: {exc})") from exc
 
+    def post_next(self, peer) -> None:
+        pass  # a pipe buffers what is sent: nothing to post ahead
+
     def recv(self, peer, deadline: float):
         try:
             if not self.conn.poll(max(0.0, deadline - _now())):
@@ -112,19 +129,24 @@ class _PipeChannel:
 
 
 class _GroupChannel:
-    """Messages as point-to-point sends of small host tensors over a process group (gloo)."""
+    """Messages as point-to-point sends of small host tensors over a process group (gloo).
+
+    Headers travel on one tag, payloads on another; see Note [IPC control messages]."""
+
+    _HEAD_TAG, _PAYLOAD_TAG = 0, 1
 
     def __init__(self, group, peers: List[int]):
         self.group = group
         self.peers = peers
         self._sends: List = []  # (work, tensors) of sends not yet known complete
+        self._posted: Dict[int, Tuple] = {}  # peer -> (work, head) of a header receive posted ahead
 
     def send(self, peer, kind, a=0, b=0, c=0, obj=None) -> None:
         payload = None if obj is None else torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         head = torch.tensor([kind, a, b, c, 0 if payload is None else payload.numel()], dtype=torch.int64)
-        works = [dist.isend(head, dst=peer, group=self.group)]
+        works = [dist.isend(head, dst=peer, group=self.group, tag=self._HEAD_TAG)]
         if payload is not None:
-            works.append(dist.isend(payload, dst=peer, group=self.group))
+            works.append(dist.isend(payload, dst=peer, group=self.group, tag=self._PAYLOAD_TAG))
         # Kept (with their tensors) until flush(): gloo completes a send only inside wait().
         self._sends.append((works, head, payload))
 
@@ -139,15 +161,25 @@ class _GroupChannel:
             raise RuntimeError(f"the control channel failed ({exc})") from exc
         return True
 
-    def recv(self, peer, deadline: float):
+    def _post(self, peer):
         head = torch.empty(5, dtype=torch.int64)
-        if not self._wait(dist.irecv(head, src=peer, group=self.group), deadline):
+        return dist.irecv(head, src=peer, group=self.group, tag=self._HEAD_TAG), head
+
+    def post_next(self, peer) -> None:
+        """Post the receive of `peer`'s next header now: the caller knows it is coming."""
+        if peer not in self._posted:
+            self._posted[peer] = self._post(peer)
+
+    def recv(self, peer, deadline: float):
+        posted = self._posted.pop(peer, None)
+        work, head = posted if posted is not None else self._post(peer)
+        if not self._wait(work, deadline):
             return None
         kind, a, b, c, size = (int(v) for v in head.tolist())
         obj = None
         if size:
             payload = torch.empty(size, dtype=torch.uint8)
-            if not self._wait(dist.irecv(payload, src=peer, group=self.group), deadline):
+            if not self._wait(dist.irecv(payload, src=peer, group=self.group, tag=self._PAYLOAD_TAG), deadline):
                 return None
             obj = pickle.loads(payload.numpy().tobytes())
         return kind, a, b, c, obj
@@ -344,6 +376,9 @@ class IpcSender:
                                     "answer to the buffers")
                     self._released[peer] = [_device.open_ipc_event(self.device, h) for h in hello[4]]
                 self._shared = True
+            if plan.num_buckets:  # Note [IPC control messages]
+                for peer in channel.peers:
+                    channel.post_next(peer)
             tensors = dict(items)
             gathered: Dict[str, torch.Tensor] = {}
             outstanding: List[int] = []  # buckets signalled, not yet released (host)
@@ -394,6 +429,8 @@ class IpcSender:
                           f"release of bucket {k}")
             if msg[1] != k:
                 raise RuntimeError(f"{fn}: {_peer_name(self.channel, peer)} released bucket {msg[1]}, expected {k}")
+            if k + 1 < self._plan.num_buckets:  # Note [IPC control messages]
+                self.channel.post_next(peer)
         self._pending[k % 2] = True
 
     def _abort(self, exc: BaseException) -> None:
@@ -451,6 +488,8 @@ class IpcReceiver:
                                "first sync?")
         self.version = version
         plan, spans = self._plans[plan_id]
+        if plan.num_buckets:  # Note [IPC control messages]
+            self.channel.post_next(self.peer)
         return plan, spans, version
 
     def _buckets(self, fn: str, plan: BucketPlan, spans, timer) -> Iterator[Tuple[torch.Tensor, BucketSpans]]:
@@ -461,6 +500,8 @@ class IpcReceiver:
             msg = self._expect(fn, _READY, f"bucket {k}")
             if msg[1] != k:
                 raise RuntimeError(f"{fn}: the sender signalled bucket {msg[1]}, expected {k}")
+            if k + 1 < plan.num_buckets:  # Note [IPC control messages]
+                self.channel.post_next(self.peer)
             if k == 0:
                 timer.mark_span("transfer")
             if self._ready[slot] is not None:
