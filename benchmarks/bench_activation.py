@@ -156,9 +156,8 @@ def _measure(ctx, model, loss_fn, column, iters, handle=None):
     for _ in range(warmup):
         step()
     if column.startswith("auto"):
-        # Auto mode settles after 2-3 measured steps and a few probes of 8 steps each: 19 steps
-        # when the model's plan holds, 40-50 in the bench's runs that backed off, at most
-        # max_tuning_steps (75 for 7 eligible layers): no probe step is timed as the plan's.
+        # Auto mode settles after 2-3 measured steps and a few probes of 14-26 steps each (more
+        # while a verdict is unsure), at most max_tuning_steps: no probe step is timed as the plan's.
         for _ in range(max_tuning_steps(len(handle.layers))):
             plan = handle.plan
             if plan is not None and plan["tuning"]["settled"]:

@@ -1,14 +1,27 @@
 """Activation memory frontier: auto mode with a memory budget against checkpointing or
-offloading the first k layers.
+offloading the first k layers; auto mode without a budget run three times per shape.
 
 For budgets from the step's peak without offload down to full checkpointing's, the budget
 plan's (peak, step time) against the hand-written plans: "checkpoint the first k layers"
 (torch's non-reentrant checkpoint, as the planner's recompute) and "offload the first k
 layers" (mode async). Each budget row compares the plan's step with the fastest hand-written
 plan whose measured peak is at or below the plan's own measured peak (ratio > 1: the planner
-is faster). Models: the activation section's stack of blocks and its Llama at seq 8192 (quick:
-their small shapes on the CPU, where the device keeps no memory statistics and the peaks are
-the planner's predictions).
+is faster). One more budget row per shape sits at full checkpointing's measured activation
+peak plus 10% ("checkpointing's memory"): the plan's step against full checkpointing's, with
+the plan's own predicted saving beside the measured one.
+
+Auto mode without a budget is enabled three times afresh on each shape and settled: the rows
+say whether the three chose the same layers, the last one's step against steps without offload
+alternated with it (`handle.paused()`), and the share of what its own measurements say the bus
+can hide (forward time x device-to-host rate) that it offloads.
+
+Shapes: the activation section's stack of blocks and its Llama at seq 8192, and two that auto
+mode was not tuned on: a stack of fewer blocks with an MLP twice as wide, and a Qwen2 model
+(grouped-query attention, biased projections) built from a config with random weights (quick:
+small shapes on the CPU, where the device keeps no memory statistics and the peaks are the
+planner's predictions). On one GPU each shape takes one to two minutes: the hand-written points
+3 timed steps each, 6 budgets, up to 40 steps for a budget plan to settle and up to
+`max_tuning_steps` for each of the three auto runs (typically 30-60 steps).
 """
 
 from __future__ import annotations
@@ -16,15 +29,20 @@ from __future__ import annotations
 import gc
 
 import torch
-from bench_activation import _llama, _measure, _stack
+from bench_activation import Block, Stack, _alternated_paused, _llama, _measure, _stack
 from common import row
 
 import offload
+from offload.activation.planner import max_tuning_steps
 from offload.core import _device
 
 SECTION = "frontier"
 GiB = float(1 << 30)
 SETTLE_STEPS = 40  # steps a budget plan may take to be measured, made and checked
+BUDGETS = 6  # budgets of the sweep, from the peak without offload to the least any plan reaches
+AUTO_RUNS = 3  # auto mode without a budget, enabled afresh and settled this many times per shape
+ALTERNATED_ROUNDS = 12  # rounds of the last auto run against steps without offload, alternated
+CHECKPOINT_MEMORY_SLACK = 0.10  # the "checkpointing's memory" budget: its activation peak plus this share
 
 
 def applies(device_type: str) -> bool:
@@ -61,16 +79,21 @@ def _point(ctx, model, loss_fn, iters, handle, settle=False):
 
 
 def _model_frontier(ctx, name, model, loss_fn):
-    iters = 2 if ctx.quick else 5
+    iters = 2 if ctx.quick else 3
     probe = _handle(model, ctx, "auto", memory_budget_bytes=1 << 50)
     n = len(probe.layers)
     _point(ctx, model, loss_fn, iters, probe, settle=True)
     plan = probe.plan
     keep_all, least = plan["predicted_peak_bytes"], plan["least_peak_bytes"]
     stats_device = _device.is_accelerator(ctx.device)
+    # The idle model with its gradients (zeroed, not freed): a budget counts it, the peaks do not.
+    model.zero_grad(set_to_none=False)
+    gc.collect()
+    _device.synchronize(ctx.device)
+    idle = _device.memory_allocated(ctx.device)
     curves = {}
     for family in ("checkpoint", "offload"):
-        for k in range(n + 1):
+        for k in range(0 if family == "checkpoint" else 1, n + 1):  # offloading none: checkpointing none
             ctx.progress(f"{name}: {family} first {k}")
             if family == "checkpoint":
                 handle = _handle(model, ctx, "async", keep_first=n, keep_last=0)
@@ -85,7 +108,7 @@ def _model_frontier(ctx, name, model, loss_fn):
         for k, ms, peak in points:
             rows.append(row(SECTION, f"{name} {family} first {k}", offload=ms, baseline=none_ms, unit="ms",
                             baseline_name="no offload", higher_is_better=False, peak_bytes=peak, family=family, k=k))
-    steps = 3 if ctx.quick else 8
+    steps = 3 if ctx.quick else BUDGETS
     for j in range(steps):
         budget = int(keep_all - (keep_all - least) * j / (steps - 1))
         ctx.progress(f"{name}: budget {budget / GiB:.2f} GiB")
@@ -110,7 +133,144 @@ def _model_frontier(ctx, name, model, loss_fn):
                         measured_step_ms=plan.get("check", {}).get("measured_step_ms"),
                         kinds=plan.get("kinds"), budget_met=plan.get("budget_met"),
                         baseline_family=best[1], baseline_k=best[2]))
+    rows += _checkpoint_memory(ctx, name, model, loss_fn, iters, curves["checkpoint"][n], idle, least)
+    rows += _auto_runs(ctx, name, model, loss_fn, curves["checkpoint"][0])
     return rows
+
+
+def _checkpoint_memory(ctx, name, model, loss_fn, iters, full, idle, least):
+    """The budget plan at full checkpointing's measured activation peak plus 10% (the idle model
+    on top: a budget is the step's whole device memory) against full checkpointing's step; the
+    plan's predicted saving beside the measured one. Without memory statistics (CPU) the budget
+    is the least peak the planner predicts, plus 10%."""
+    _, ckpt_ms, ckpt_peak = full
+    stats_device = _device.is_accelerator(ctx.device)
+    if stats_device:
+        budget = idle + int(ckpt_peak * (1 + CHECKPOINT_MEMORY_SLACK))
+    else:
+        budget = int(least * (1 + CHECKPOINT_MEMORY_SLACK))
+    ctx.progress(f"{name}: checkpointing's memory, budget {budget / GiB:.2f} GiB")
+    handle = _handle(model, ctx, "auto", memory_budget_bytes=budget)
+    ms, peak, stats = _point(ctx, model, loss_fn, iters, handle, settle=True)
+    plan = stats["plan"] or {}
+    # The plan's model of full checkpointing: its own step less what it recomputes and leaves
+    # exposed, plus every layer's forward again (user-checkpointed layers recompute already).
+    predicted_ckpt_ms = None
+    if plan.get("layers"):
+        predicted_ckpt_ms = (plan["predicted_step_ms"] - plan["predicted_recompute_ms"] - plan["predicted_exposed_ms"]
+                             + sum(layer["forward_ms"] for layer in plan["layers"] if not layer["user_checkpointed"]))
+    predicted_saving = None if predicted_ckpt_ms is None else predicted_ckpt_ms - plan["predicted_step_ms"]
+    print(f"  checkpointing's memory +10% ({budget / GiB:.3f} GiB): plan {plan.get('kinds')} {ms:.1f} ms, peak "
+          f"{peak / GiB:.3f} GiB; full checkpointing {ckpt_ms:.1f} ms, peak {ckpt_peak / GiB:.3f} GiB; saving "
+          f"measured {ckpt_ms - ms:.1f} ms, predicted "
+          f"{'-' if predicted_saving is None else f'{predicted_saving:.1f}'} ms", flush=True)
+    return [row(SECTION, f"{name} at checkpointing's memory +10%", offload=ms, baseline=ckpt_ms, unit="ms",
+                baseline_name="full checkpointing", higher_is_better=False, budget_bytes=budget, peak_bytes=peak,
+                checkpoint_peak_bytes=ckpt_peak, kinds=plan.get("kinds"), budget_met=plan.get("budget_met"),
+                predicted_step_ms=plan.get("predicted_step_ms"), predicted_checkpoint_ms=predicted_ckpt_ms,
+                predicted_saving_ms=predicted_saving, measured_saving_ms=ckpt_ms - ms)]
+
+
+def _settle(model, loss_fn, handle):
+    """Steps until auto mode's plan without a budget has settled (at most max_tuning_steps)."""
+    for _ in range(max_tuning_steps(len(handle.layers))):
+        plan = handle.plan
+        if plan is not None and plan["tuning"]["settled"]:
+            break
+        model.zero_grad(set_to_none=False)
+        loss_fn().backward()
+    return handle.plan
+
+
+def _auto_runs(ctx, name, model, loss_fn, none_point):
+    """Auto mode without a budget, AUTO_RUNS times afresh: the same plan each time? The last
+    run's step against steps without offload, alternated; what it offloads of what its own
+    measurements say the bus can hide; its measured peak against the step without offload's."""
+    _, none_ms, none_peak = none_point
+    stats_device = _device.is_accelerator(ctx.device)
+    chosen = []
+    for run in range(AUTO_RUNS):
+        ctx.progress(f"{name}: auto without a budget, run {run + 1} of {AUTO_RUNS}")
+        handle = _handle(model, ctx, "auto")
+        try:
+            plan = _settle(model, loss_fn, handle)
+            chosen.append(tuple(plan["offload"]) if plan is not None else None)
+            if run + 1 < AUTO_RUNS:
+                continue
+            rounds = 2 if ctx.quick else ALTERNATED_ROUNDS
+            mine, paused = _alternated_paused(ctx, model, loss_fn, handle, rounds)
+            _, peak, _ = _measure(ctx, model, loss_fn, "frontier auto", 2, handle)
+        finally:
+            handle.disable()
+            gc.collect()
+            _device.empty_cache()
+    same = len(set(chosen)) == 1
+    plan = plan or {}
+    hideable = plan.get("hideable_bytes") or 0
+    offloaded = plan.get("offloaded_bytes") or 0
+    removed = none_peak - peak if stats_device else None
+    verdicts = plan.get("tuning", {}).get("verdicts", [])
+    print(f"  auto without a budget, {AUTO_RUNS} runs: {'the same plan' if same else 'DIFFERENT plans'} "
+          f"({[len(c or ()) for c in chosen]} layers); last run {mine:.1f} vs {paused:.1f} ms without offload, "
+          f"alternated = {mine / paused:.3f}x; offloads {offloaded / GiB:.3f} of {hideable / GiB:.3f} GiB the bus "
+          f"can hide ({100 * offloaded / max(hideable, 1):.0f}%)"
+          + ("" if removed is None else f", peak lowered by {removed / GiB:.3f} GiB")
+          + f"; verdicts by the model: {sum(v['by'] == 'model' for v in verdicts)} of {len(verdicts)}", flush=True)
+    return [
+        row(SECTION, f"{name} auto x{AUTO_RUNS} same plan", offload=float(len(set(chosen))), baseline=1.0,
+            unit="distinct plans", baseline_name="one plan", higher_is_better=False, same_plan=same,
+            layers=[list(c or ()) for c in chosen]),
+        row(SECTION, f"{name} auto vs none, alternated", offload=mine, baseline=paused, unit="ms",
+            baseline_name="no offload (paused), steps alternated", higher_is_better=False,
+            none_step_ms=none_ms, verdicts=verdicts),
+        row(SECTION, f"{name} auto offloaded vs hideable", offload=offloaded / GiB, baseline=hideable / GiB,
+            unit="GiB", baseline_name="what its measurements say the bus can hide (forward x D2H)",
+            share=offloaded / hideable if hideable else None, peak_removed_bytes=removed,
+            layer_bytes=plan.get("layer_bytes")),
+    ]
+
+
+class WideBlock(Block):
+    """A block whose MLP is `mlp` times the hidden size wide."""
+
+    def __init__(self, d, heads, mlp):
+        super().__init__(d, heads)
+        self.up = torch.nn.Linear(d, mlp * d, bias=False)
+        self.down = torch.nn.Linear(mlp * d, d, bias=False)
+
+
+def _wide_stack(ctx):
+    """Fewer blocks, MLP 8x: a layer's forward is mostly two wide matmuls and saves more bytes."""
+    d, heads, n, mlp, batch, seq = (32, 4, 3, 8, 2, 32) if ctx.quick else (2048, 16, 4, 8, 2, 8192)
+    dtype = torch.bfloat16 if _device.is_accelerator(ctx.device) else torch.float32
+    with torch.device(ctx.device):
+        model = Stack(d, heads, 0)
+        model.blocks = torch.nn.ModuleList(WideBlock(d, heads, mlp) for _ in range(n))
+        model = model.to(dtype)
+    x = torch.randn(batch, seq, d, device=ctx.device, dtype=dtype)
+    return model, lambda: model(x)
+
+
+def _qwen2(ctx):
+    """A Qwen2 model from a config (random weights): grouped-query attention (2 key/value heads),
+    biased q/k/v projections, another sequence and batch than the Llama."""
+    import transformers
+
+    if ctx.quick:
+        config = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+        batch, seq = 2, 32
+    else:
+        config = transformers.Qwen2Config(vocab_size=32000, hidden_size=1536, intermediate_size=8960,
+                                          num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=2,
+                                          max_position_embeddings=32768)
+        batch, seq = 2, 4096
+    config._attn_implementation = "sdpa"
+    with torch.device(ctx.device):
+        model = transformers.Qwen2ForCausalLM(config)
+    model = model.to(torch.bfloat16 if _device.is_accelerator(ctx.device) else torch.float32).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=ctx.device)
+    return model, lambda: model(input_ids=ids, labels=ids).loss
 
 
 def run(ctx):
@@ -119,19 +279,30 @@ def run(ctx):
         torch.set_num_threads(1)
     try:
         rows = []
-        model, loss_fn = _stack(ctx)
-        rows += _model_frontier(ctx, "blocks 4x32 quick" if ctx.quick else "blocks 8x4096 bs2 seq4096", model, loss_fn)
-        del model, loss_fn
-        gc.collect()
-        _device.empty_cache()
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            ctx.progress("transformers is not installed: Llama rows skipped")
-            return rows
         seq = 32 if ctx.quick else 8192
-        model, loss_fn = _llama(ctx, seq)
-        rows += _model_frontier(ctx, f"llama seq{seq}", model, loss_fn)
+        shapes = [
+            ("blocks 4x32 quick" if ctx.quick else "blocks 8x4096 bs2 seq4096", _stack, False),
+            ("wide blocks 3x32 mlp8 quick" if ctx.quick else "wide blocks 4x2048 mlp8 bs2 seq8192", _wide_stack, False),
+            (f"llama seq{seq}", lambda c: _llama(c, seq), True),
+            ("qwen2 quick" if ctx.quick else "qwen2 8x1536 gqa bs2 seq4096", _qwen2, True),
+        ]
+        for name, build, needs_transformers in shapes:
+            if needs_transformers and _missing_transformers():
+                ctx.skip(f"{name} rows", "needs transformers (not installed)")
+                continue
+            model, loss_fn = build(ctx)
+            rows += _model_frontier(ctx, name, model, loss_fn)
+            del model, loss_fn
+            gc.collect()
+            _device.empty_cache()
         return rows
     finally:
         torch.set_num_threads(threads)
+
+
+def _missing_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return True
+    return False

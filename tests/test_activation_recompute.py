@@ -112,22 +112,37 @@ def test_activation_recompute_llama_bitwise(user_checkpointing, pool):
 
 
 def test_activation_recompute_fsdp2_single_process(pool, tmp_path):
+    _recompute_fsdp("fsdp2", pool, tmp_path)
+
+
+def test_activation_recompute_fsdp1_single_process(pool, tmp_path):
+    """FSDP1 units (use_orig_params) as the layers: recomputed ones run their unit's forward again
+    under the checkpoint (parameters gathered again), offloaded ones copy out; gradients bitwise."""
+    _recompute_fsdp("fsdp1", pool, tmp_path)
+
+
+def _recompute_fsdp(kind, pool, tmp_path):
     dist = pytest.importorskip("torch.distributed")
     fsdp = pytest.importorskip("torch.distributed.fsdp")
-    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
-        pytest.skip("needs torch.distributed with fully_shard (FSDP2)")
+    if not dist.is_available() or (kind == "fsdp2" and not hasattr(fsdp, "fully_shard")) or (
+            kind == "fsdp1" and not hasattr(fsdp, "FullyShardedDataParallel")):
+        pytest.skip(f"needs torch.distributed with {kind}")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
-        ref = _shard("fsdp2", small_model())
-        model = _shard("fsdp2", small_model())
+        ref = _shard(kind, small_model())
+        model = _shard(kind, small_model())
         handle = _recomputing(model, pool)
+        prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
+        assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
         x = torch.randn(8, 16)
         for _ in range(2):
             for m in (ref, model):
                 m.zero_grad()
                 m(x).backward()
-            assert_bitwise_equal(_full_grads("fsdp2", ref), _full_grads("fsdp2", model))
-        assert handle.stats()["recomputed_layers"] == ["blocks.0", "blocks.2"]
+            assert_bitwise_equal(_full_grads(kind, ref), _full_grads(kind, model))
+        stats = handle.stats()
+        assert stats["recomputed_layers"] == [f"{prefix}blocks.0", f"{prefix}blocks.2"]
+        assert stats["tensors_offloaded"] > 0
     finally:
         dist.destroy_process_group()
 

@@ -1,4 +1,4 @@
-"""Auto mode's plan as pure functions: schedule, simulate, choose, span ends, the step search."""
+"""Auto mode's plan as pure functions: schedule, simulate, choose, span ends."""
 
 import copy
 
@@ -149,37 +149,3 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     faster, order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 55.0, 100.0, None, None, [[30, 60, 100]] * n)
     assert order == [0, 1, 2, 3] and faster.caps[3] is None
     assert faster.split_at[3] == [30] and faster.release_at[3] == [7, 8]
-
-
-def test_activation_step_search_bisects_to_the_largest_within_tolerance():
-    from offload.activation.schedule import StepSearch
-
-    def run(model_k, overhead_per_layer):
-        search, probes = StepSearch(model_k, tolerance=0.03), []
-        while search.probe is not None:
-            probes.append(search.probe)
-            search.record(search.probe, 100.0 * (1 + overhead_per_layer * search.probe), 100.0)
-        return search.final, probes
-
-    assert run(6, 0.001) == (6, [6, 6])  # the model's choice holds: checked, confirmed, kept
-    assert run(6, 0.01) == (3, [6, 3, 4, 3])  # 3% allows 3 layers
-    assert run(6, 0.5) == (0, [6, 3, 1])  # nothing hides: offload nothing
-    assert run(0, 0.5) == (0, [])  # nothing to check
-    with pytest.raises(RuntimeError, match="while probing"):
-        StepSearch(4).record(2, 1.0, 1.0)
-
-    # A count that looked fine once but runs 10% slower when timed again is not kept.
-    search, probes, seen = StepSearch(2, tolerance=0.03), [], set()
-    while search.probe is not None:
-        k = search.probe
-        probes.append(k)
-        search.record(k, 100.0 if k not in seen else 110.0, 100.0)
-        seen.add(k)
-    assert (search.final, probes) == (1, [2, 2, 1])
-
-    # Each count is judged against the baseline of its own probe, not an earlier one.
-    search = StepSearch(2, tolerance=0.03)
-    search.record(2, 108.0, 100.0)  # 8% over
-    search.record(1, 110.0, 108.0)  # the machine slowed down: 1.9% over its own baseline
-    search.record(1, 101.0, 100.0)  # confirmed
-    assert search.final == 1 and search.baseline_ms == {2: 100.0, 1: 100.0}

@@ -28,7 +28,8 @@ from ..core.copy import copy_to_device, copy_to_host
 from .saved_tensors import tensor_leaves
 from . import budget as _budget
 from .budget_run import BudgetRun, costs as _costs
-from .schedule import (COPY_MARGIN, STEP_OVERHEAD_TOLERANCE, StepSearch, planned_bytes, schedule)
+from .schedule import COPY_MARGIN, planned_bytes, schedule
+from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 
 # Note [probes]: the model misses what it does not see (the host stalls of the resident
 # window, launch-bound steps where the hooks' own cost shows, copies slowing compute on a
@@ -40,7 +41,10 @@ from .schedule import (COPY_MARGIN, STEP_OVERHEAD_TOLERANCE, StepSearch, planned
 # probe of its own would misjudge the counts probed before or after it. The model's k is
 # probed first; if it costs more than STEP_OVERHEAD_TOLERANCE of its baseline, k is bisected
 # down to the largest prefix that does not (`StepSearch`), and a count above zero is
-# confirmed by one more probe. After the first probe, if its copies ran slower than the
+# confirmed by one more probe. A probe whose overhead lies within its own noise of the
+# tolerance takes more steps, and if still unsure is decided by the schedule made at the
+# bus rate its copies achieved (Note [verdicts under noise] in step_search.py). After the
+# first probe, if its copies ran slower than the
 # schedule assumed (less COPY_MARGIN), or the probe missed the tolerance with copies late at
 # the release points (RELEASE_WAIT_TOLERANCE), the schedule is made again at the rate seen
 # and the search starts over (once). A step is timed from one training forward to the next
@@ -61,7 +65,8 @@ MEASURE_STEPS = 2
 # new device memory (its times include those allocations).
 MEASURE_WITHOUT_OFFLOAD_STEPS = 2
 # A probe alternates steps of the probed count and steps without offload: the first of
-# each are not timed (new block sizes in the allocators), then PROBE_STEPS of each are.
+# each are not timed (new block sizes in the allocators), then PROBE_STEPS of each are, and
+# PROBE_STEPS more of each while its verdict is unsure, PROBE_ROUNDS rounds at most.
 PROBE_WARMUP_STEPS = 2
 PROBE_STEPS = 3
 # Timed probe steps whose end the device has not passed yet, at most: a probe step is read
@@ -83,11 +88,12 @@ def max_tuning_steps(layers: int) -> int:
     """Steps auto mode takes at most to settle one input shape with `layers` eligible layers.
 
     The first measuring step and at most MEASURE_WITHOUT_OFFLOAD_STEPS more; then probes of
-    PROBE_WARMUP_STEPS + 2 x PROBE_STEPS steps each: the plan's, a bisection over the layers,
-    the same again when the plan is made anew at the copies' rate, and the confirmation of
-    the count it settles on (3 + 8 x (3 + 2 x log2 layers) with the defaults).
+    PROBE_WARMUP_STEPS + 2 x PROBE_STEPS x PROBE_ROUNDS steps each at most: the plan's, a
+    bisection over the layers, the same again when the plan is made anew at the copies' rate,
+    and the confirmation of the count it settles on (3 + 20 x (3 + 2 x log2 layers) with the
+    defaults; a probe whose verdict is clear takes 8).
     """
-    probe = PROBE_WARMUP_STEPS + 2 * PROBE_STEPS
+    probe = PROBE_WARMUP_STEPS + 2 * PROBE_STEPS * PROBE_ROUNDS
     bisection = math.ceil(math.log2(max(layers, 1)))
     return 1 + MEASURE_WITHOUT_OFFLOAD_STEPS + probe * (3 + 2 * bisection)
 
@@ -162,7 +168,8 @@ def probe_bandwidth(device, nbytes: int = 64 << 20):
 class _Probe:
     """A shape's plan being timed: the schedule's order, the search, and the steps seen of this probe."""
 
-    __slots__ = ("order", "search", "serial", "steps", "samples", "pending", "replan", "d2h", "copies")
+    __slots__ = ("order", "search", "serial", "steps", "samples", "target", "pending", "replan", "schedule_at",
+                 "d2h", "copies", "all_copies")
 
     def __init__(self, order, search, replan=None, d2h=None):
         self.order = order
@@ -171,9 +178,13 @@ class _Probe:
         # the rate it assumed, and the copy counters of the first probe's offloading steps:
         # once that probe ends the schedule is made again if its copies ran slower.
         self.replan, self.d2h, self.copies = replan, d2h, []
+        # The same, kept for the model's word on an unsure verdict, and the copy counters of
+        # every offloading step of the search (the rate under compute, their median).
+        self.schedule_at, self.all_copies = replan, []
         self.serial = 0  # bumped when the probed count changes, so a step of the last one is not timed
         self.steps = 0  # steps run of the current probe (the first PROBE_WARMUP_STEPS are not timed)
         self.samples = {True: [], False: []}  # timed steps (ms): of the probed count, and without offload
+        self.target = PROBE_STEPS  # timed steps of each side this round of the probe ends at
         self.pending: list = []  # (start, end, offloading) of timed steps the device may not have finished
 
 
@@ -308,11 +319,13 @@ class AutoPlanner:
         if last is not None and last[1] == key and last[2] == probe.serial:
             probe.steps += 1
             ran = last[3]
-            if ran and probe.replan is not None:
+            if ran:
                 # The step that just ended: its counters are the engine's until the next capture.
-                probe.copies.append(self.engine.counters)
+                probe.all_copies.append(self.engine.counters)
+                if probe.replan is not None:
+                    probe.copies.append(self.engine.counters)
             if probe.steps > PROBE_WARMUP_STEPS and len(probe.samples[ran]) + sum(
-                    p[2] == ran for p in probe.pending) < PROBE_STEPS:
+                    p[2] == ran for p in probe.pending) < probe.target:
                 probe.pending.append((last[0], mark, ran))
         else:  # a new probe, or the shape changed in between: warm up again
             probe.steps = 0
@@ -324,16 +337,21 @@ class AutoPlanner:
             probe.samples[ran].append(clock.seconds(start, end) * 1e3)
         search = probe.search
         k = search.probe
-        if min(len(samples) for samples in probe.samples.values()) >= PROBE_STEPS:
-            if not self._rescheduled(key, probe):
-                search.record(k, statistics.median(probe.samples[True]), statistics.median(probe.samples[False]))
-            search = probe.search
-            probe.samples = {True: [], False: []}
-            probe.serial += 1
-            probe.steps = 0
+        if min(len(samples) for samples in probe.samples.values()) >= probe.target:
+            if self._rescheduled(key, probe) or search.judge(
+                    k, probe.samples[True], probe.samples[False], probe.target >= PROBE_STEPS * PROBE_ROUNDS,
+                    lambda: self._model_count(probe)) is not None:
+                search = probe.search
+                probe.samples = {True: [], False: []}
+                probe.target = PROBE_STEPS
+                probe.serial += 1
+                probe.steps = 0
+            else:  # unsure: more steps of the same probe, alternated as before
+                probe.target += PROBE_STEPS
         plan = self.plans[key]
         plan["tuning"]["step_ms"] = {str(n): ms for n, ms in sorted(search.step_ms.items())}
         plan["tuning"]["baseline_ms"] = {str(n): ms for n, ms in sorted(search.baseline_ms.items())}
+        plan["tuning"]["verdicts"] = list(search.verdicts)
         if search.probe is None:
             k = search.final
             self._apply(key, probe.order, k)
@@ -397,6 +415,18 @@ class AutoPlanner:
                   f"{planned_bytes(plan['layer_bytes'], plan['model_mask'], plan['caps']) / 2**20:.1f} MiB",
                   flush=True)
         return True
+
+    def _model_count(self, probe) -> Optional[int]:
+        """The count the schedule offloads at the device-to-host rate the search's copies achieved
+        under compute (their median): the model's word on an unsure verdict. None (the search's
+        own count) where the rate is not timed or lies within COPY_MARGIN of the planned one,
+        which the schedule's margin already covers (Note [verdicts under noise])."""
+        if probe.schedule_at is None or probe.d2h is None:
+            return None
+        rate = self._copy_rate(probe.all_copies)
+        if rate is None or rate >= probe.d2h / (1 + COPY_MARGIN):
+            return None
+        return len(probe.schedule_at(rate)[1])
 
     def _copy_rate(self, copies):
         """Bytes/s the device-to-host copies of a step achieved: the median over these steps'

@@ -3,8 +3,8 @@
 `schedule` plans, without a memory budget, which layers' saved tensors the device-to-host
 stream copies out before backward starts and at which points each group is let go and
 fetched back (see Note [planned release points]); `simulate` and `choose` plan for a memory
-budget on a model of the resident window; `StepSearch` chooses how many layers of the
-schedule's order to keep from measured step times. Nothing here touches a device.
+budget on a model of the resident window; `StepSearch` (step_search.py) chooses how many
+layers of the schedule's order to keep from measured step times. Nothing here touches a device.
 
 Note [planned release points]: a group's device memory goes back to the allocator when the
 compute stream waits, on the device, for the group's copy at a planned point (a layer's
@@ -26,10 +26,10 @@ import dataclasses
 import math
 from typing import List, Optional
 
+from .step_search import STEP_OVERHEAD_TOLERANCE, StepSearch  # noqa: F401 (this module's names for them)
+
 # Predicted exposed copy time allowed in a budget plan, as a fraction of the predicted step.
 EXPOSED_TOLERANCE = 0.01
-# Measured step-time overhead a plan may add over the step without offload.
-STEP_OVERHEAD_TOLERANCE = 0.03
 # A schedule plans each copy this much longer than the measured bandwidth says: a group's
 # memory is let go by making the compute stream wait for its copy at a planned point, and a
 # copy a little slower than measured must not turn that wait into a stall.
@@ -317,65 +317,6 @@ def choose(eligible: List[bool], nbytes, fwd, bwd, d2h_bps, h2d_bps, window, all
         if exposed <= EXPOSED_TOLERANCE * step:
             break
     return mask, exposed, step
-
-
-class StepSearch:
-    """How many layers of the schedule's order to offload, from measured step times.
-
-    Each probe of a count times it against the step without offload, their steps taken in
-    alternation (`record` gets both medians), so that a machine whose steps drift (clocks,
-    other tenants) by more than the tolerance between two probes judges each count against
-    a baseline of the same minutes. Probes the model's choice first; keeps it if it is within
-    `tolerance` of its baseline, else bisects down to the largest count that is. A count
-    above zero is confirmed once before it is final: it is probed again and must still be
-    within tolerance (else the search goes on below it). `probe` is the count to run now,
-    None once settled (`final`).
-    """
-
-    def __init__(self, model_k: int, tolerance: float = STEP_OVERHEAD_TOLERANCE):
-        self.tolerance = tolerance
-        self.step_ms: dict = {}  # layers offloaded -> its latest probe's median step (ms)
-        self.baseline_ms: dict = {}  # layers offloaded -> the median step without offload in that probe
-        self.lo, self.hi = 0, model_k  # largest count known within tolerance, smallest known over
-        self.probe = model_k if model_k > 0 else None
-        self.final = None if model_k > 0 else 0
-        self.confirming = False  # the count probed now is being confirmed
-        self.confirmed = False  # a confirmation ran (once per search: the steps are bounded)
-
-    def within(self, k: int) -> bool:
-        return self.step_ms[k] <= (1.0 + self.tolerance) * self.baseline_ms[k]
-
-    def record(self, k: int, ms: float, baseline_ms: float) -> None:
-        """The probe of `k` layers: its median step and the baseline's, timed in alternation."""
-        if k != self.probe:
-            raise RuntimeError(f"offload.activation auto: a step of {k} layers was recorded while probing "
-                               f"{self.probe}")
-        self.step_ms[k] = ms
-        self.baseline_ms[k] = baseline_ms
-        if self.confirming:
-            self.confirming = False
-            if self.within(k):
-                self.probe, self.final = None, k
-                return
-            self.hi, self.lo = k, 0  # it did not hold: what is below it is unknown again
-        elif self.within(k):
-            self.lo = max(self.lo, k)
-        else:
-            self.hi = min(self.hi, k)
-        if self.hi == self.lo or self.within(self.hi):  # the model's choice holds
-            self._accept(self.hi)
-        elif self.hi - self.lo <= 1:
-            self._accept(self.lo)
-        else:
-            self.probe = (self.lo + self.hi) // 2
-
-    def _accept(self, k: int) -> None:
-        """End the search at `k`, after one more probe of it if it is above zero (the confirmation)."""
-        if k > 0 and not self.confirmed:
-            self.confirmed = self.confirming = True
-            self.probe = k
-            return
-        self.probe, self.final = None, k
 
 
 def planned_bytes(layer_bytes, mask, caps) -> int:
