@@ -100,6 +100,7 @@ def measure(shapes: dict, device: str = "auto", extra=(), checkpoint_root=None, 
             timeout_s: float = 600) -> dict:
     """Every configuration over the rounds: {config: {'tokens_per_s', 'step_ms', 'peak_memory_bytes', ...}}."""
     root = checkpoint_root or tempfile.mkdtemp(prefix="offload-bench-fsdp2-")
+    os.makedirs(root, exist_ok=True)
     pooled = {c: [] for c in CONFIGS}
     summaries = {c: [] for c in CONFIGS}
     try:
