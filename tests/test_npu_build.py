@@ -114,3 +114,61 @@ def test_npu_pinner_against_a_scripted_acl(npu_objects):
         ran = subprocess.run([str(program), *cases], capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stdout + ran.stderr
         assert f"{len(cases)} of {len(cases)} test cases passed" in ran.stdout
+
+
+# ---------------------------------------------------------------- setup.py's npu target
+
+
+def _setup_name(tmp_path, **env):
+    """`python setup.py --name` (chooses the target and its sources, compiles nothing) where
+    torch_npu imports (an empty stand-in package) and the CANN variables are as given."""
+    fake = tmp_path / "fake_site" / "torch_npu"
+    fake.mkdir(parents=True, exist_ok=True)
+    (fake / "__init__.py").write_text("")
+    base = {k: v for k, v in os.environ.items() if k not in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH",
+                                                             "OFFLOAD_BUILD_TARGET", "PYTHONPATH")}
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**base, "PYTHONPATH": str(fake.parent), **env})
+
+
+# setup.py's last place to look; where CANN is installed there, "not found" cannot be shown.
+CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
+needs_no_default_cann = pytest.mark.skipif((CANN_DEFAULT / "include" / "acl" / "acl.h").exists(),
+                                           reason=f"CANN is installed at {CANN_DEFAULT}, where setup.py finds it")
+
+
+def _fake_cann(root: Path) -> Path:
+    (root / "include" / "acl").mkdir(parents=True)
+    (root / "include" / "acl" / "acl.h").write_text("")
+    (root / "lib64").mkdir()
+    (root / "lib64" / "libascendcl.so").write_bytes(b"")
+    return root
+
+
+@needs_no_default_cann
+def test_npu_setup_without_cann_names_where_it_looked(tmp_path):
+    empty = tmp_path / "no_cann"
+    empty.mkdir()
+    result = _setup_name(tmp_path, OFFLOAD_BUILD_TARGET="npu", ASCEND_TOOLKIT_HOME=str(empty))
+    assert result.returncode != 0
+    assert "offload: OFFLOAD_BUILD_TARGET=npu needs CANN" in result.stderr
+    assert f"ASCEND_TOOLKIT_HOME={empty}" in result.stderr and "set_env.sh" in result.stderr
+
+
+@pytest.mark.parametrize("variable", ["ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"])
+def test_npu_setup_finds_cann_from_its_environment(tmp_path, variable):
+    cann = _fake_cann(tmp_path / "cann")
+    for target in ("npu", "auto"):
+        result = _setup_name(tmp_path, OFFLOAD_BUILD_TARGET=target, **{variable: str(cann)})
+        assert result.returncode == 0, result.stderr
+        assert "building target 'npu'" in result.stdout
+    assert f"CANN is at {cann}" in result.stdout
+
+
+@needs_no_default_cann
+def test_npu_setup_auto_without_cann_builds_the_cpu_core_and_says_why(tmp_path):
+    empty = tmp_path / "no_cann"
+    empty.mkdir()
+    result = _setup_name(tmp_path, ASCEND_TOOLKIT_HOME=str(empty))
+    assert result.returncode == 0, result.stderr
+    assert "building target 'cpu' because torch_npu is installed but CANN was not found" in result.stdout
