@@ -6,7 +6,8 @@ OFFLOAD_BUILD_TARGET picks what is compiled:
     auto  (default) from how torch was built and which toolkits exist, never from
           whether a GPU is visible, so a build node without a GPU builds the CUDA core
     cuda  C++ core + CUDA kernels (needs a CUDA build of torch and nvcc)
-    npu   C++ core for Ascend (needs torch_npu)
+    npu   C++ core + the ACL host-memory pinner for Ascend (needs torch_npu and CANN, found from
+          ASCEND_TOOLKIT_HOME or ASCEND_HOME_PATH as CANN's set_env.sh exports them)
     cpu   C++ core only: the native logic, compiled and tested on a CPU-only torch
     none  pure Python: the pure-PyTorch path everywhere
 MAX_JOBS caps parallel compile jobs (default: sized to cores and memory).
@@ -51,6 +52,27 @@ def _has_torch_npu() -> bool:
     return True
 
 
+CANN_VARIABLES = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
+CANN_DEFAULT = "/usr/local/Ascend/ascend-toolkit/latest"
+
+
+def find_cann():
+    """(root, searched): the CANN toolkit holding include/acl/acl.h and lib64/libascendcl.so, or None."""
+    searched = [(name, os.environ[name]) for name in CANN_VARIABLES if os.environ.get(name)]
+    searched.append(("default", CANN_DEFAULT))
+    for _, root in searched:
+        if os.path.isfile(os.path.join(root, "include", "acl", "acl.h")) and \
+                os.path.isfile(os.path.join(root, "lib64", "libascendcl.so")):
+            return root, searched
+    return None, searched
+
+
+def _cann_not_found(searched) -> str:
+    places = ", ".join(f"{where}={root}" if where != "default" else root for where, root in searched)
+    return (f"CANN was not found (looked for include/acl/acl.h and lib64/libascendcl.so in {places}); "
+            "source CANN's set_env.sh (it sets ASCEND_TOOLKIT_HOME) or set ASCEND_TOOLKIT_HOME")
+
+
 def choose_target():
     """(target, reason): what to build and why, printed as one line."""
     asked = os.environ.get("OFFLOAD_BUILD_TARGET", "auto").strip().lower()
@@ -62,13 +84,18 @@ def choose_target():
             f"and the CUDA toolkit (CUDA_HOME: {cpp_extension.CUDA_HOME})"
         )
     if asked == "npu" and not _has_torch_npu():
-        sys.exit("offload: OFFLOAD_BUILD_TARGET=npu needs torch_npu installed")
+        sys.exit("offload: OFFLOAD_BUILD_TARGET=npu needs torch_npu installed (pip install offload[npu])")
+    if asked == "npu" and find_cann()[0] is None:
+        sys.exit(f"offload: OFFLOAD_BUILD_TARGET=npu needs CANN: {_cann_not_found(find_cann()[1])}")
     if asked != "auto":
         return asked, "OFFLOAD_BUILD_TARGET"
     if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
         return "cuda", f"torch {torch.__version__} is a CUDA {torch.version.cuda} build and nvcc is at {cpp_extension.CUDA_HOME}"
     if _has_torch_npu():
-        return "npu", "torch_npu is installed"
+        root, searched = find_cann()
+        if root is not None:
+            return "npu", f"torch_npu is installed and CANN is at {root}"
+        return "cpu", f"torch_npu is installed but {_cann_not_found(searched)}; building the C++ core only"
     if torch.version.cuda is not None:
         return "cpu", f"torch is a CUDA build but no CUDA toolkit was found (set CUDA_HOME); building the C++ core only"
     return "cpu", f"torch {torch.__version__} has no accelerator build"
@@ -146,11 +173,19 @@ def extensions(target: str):
                 extra_compile_args={"cxx": cxx, "nvcc": nvcc},
             )
         ]
+    link = {}
     if target == "npu":
+        # csrc/core/npu: the ACL pinner. It uses ACL's C API only, so CANN's headers and
+        # libascendcl suffice; torch_npu's headers are not needed.
+        cann = find_cann()[0]
+        sources += sorted(glob.glob(os.path.join("csrc", "core", "npu", "*.cpp")))
         macros += [("OFFLOAD_WITH_NPU", "1")]
+        include_dirs.append(os.path.join(cann, "include"))
+        lib = os.path.join(cann, "lib64")
+        link = {"library_dirs": [lib], "runtime_library_dirs": [lib], "libraries": ["ascendcl"]}
     return [
         cpp_extension.CppExtension(
-            "offload._C", sources, include_dirs=include_dirs, define_macros=macros, extra_compile_args=cxx
+            "offload._C", sources, include_dirs=include_dirs, define_macros=macros, extra_compile_args=cxx, **link
         )
     ]
 

@@ -37,16 +37,19 @@ SECTION = "weight_sync"
 REQUIRES = ("transformers",)  # the tensor lists come from transformers' model configs
 
 
+# The collective backend of each device type; the CPU runs the quick two-process gloo variant.
+_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
 def applies(device_type: str) -> bool:
-    if device_type == "cpu":
-        return True  # the quick two-process gloo variant
-    return device_type == "cuda"  # host_cache on one GPU; the sync itself where there are two
+    return device_type in _BACKENDS  # host_cache on one accelerator; the sync itself where there are two
 
 
 def _gpus() -> int:
     from offload.core import _device
 
-    return _device._module("cuda").device_count() if _device.accelerator_type() == "cuda" else 0
+    kind = _device.accelerator_type()
+    return 0 if kind is None else _device.device_count(kind)
 
 
 def _timed(fn, device, iters):
@@ -73,10 +76,9 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
     import offload
     from offload.core import _device
 
-    if device_type == "cuda":
-        _device._module("cuda").set_device(rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method,
-                            rank=rank, world_size=2)
+    if device_type != "cpu":
+        _device.set_device(torch.device(device_type, rank))
+    dist.init_process_group(_BACKENDS[device_type], init_method=init_method, rank=rank, world_size=2)
     device = _device.current_device()
     iters = 2 if quick else 5
     out = []
@@ -209,8 +211,7 @@ def _cache_worker(rank, init_method, quick, device_type, bench_dir, results):
     import offload
     from offload.core import _device
 
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method,
-                            rank=rank, world_size=1)
+    dist.init_process_group(_BACKENDS[device_type], init_method=init_method, rank=rank, world_size=1)
     device = _device.current_device()
     on_accel = _device.is_accelerator(device)
     weights = materialize(qwen2_5_1_5b(quick), torch.float32, device)

@@ -194,3 +194,44 @@ def test_package_names_a_source_tree_that_shadows_an_installed_build(tmp_path):
     said = result.stdout.strip()
     assert f"the source tree at {source / 'offload'} has no compiled core" in said
     assert f"shadows the installed build at {installed / 'offload'}" in said
+
+
+def test_package_info_says_what_has_run_where():
+    result = subprocess.run([sys.executable, "-m", "offload.info"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
+    target = _backend.build_info().get("target", "none (no compiled core)")
+    assert re.search(r"build target\s+: " + re.escape(target) + "\n", result.stdout)
+    assert re.search(r"host pinner\s+: \S", result.stdout)
+    assert "not measured on an NPU" in result.stdout and "OFFLOAD_TEST_DEVICE=npu" in result.stdout
+    assert "python -m benchmarks" in result.stdout
+
+
+def test_package_info_names_the_host_pinner_with_and_without_the_core_query():
+    from offload import info
+
+    class Core:  # a core that answers the query
+        def __init__(self, registered):
+            self.registered = registered
+
+        def host_pinner_registered(self, device_type):
+            return device_type in self.registered
+
+    assert info.host_pinner(None, None).startswith("none: no compiled core")
+    assert info.host_pinner(Core({"npu"}), "cpu") == "none: a cpu build pins nothing (slabs stay pageable)"
+    assert info.host_pinner(Core({"npu"}), "npu").startswith("ACL aclrtHostRegisterV2 (ACL_HOST_REG_PINNED), "
+                                                               "registered; checked against the device")
+    assert "lacks ACL_HOST_REG_PINNED" in info.host_pinner(Core(set()), "npu")
+    assert info.host_pinner(Core({"cuda"}), "cuda") == "cudaHostRegister, registered"
+    assert info.host_pinner(object(), "npu").endswith(": not reported by this core")  # a core without the query
+
+
+def test_package_core_reports_no_host_pinner_on_a_cpu_build():
+    core = _backend.loaded_core()
+    if core is None or not hasattr(core, "host_pinner_registered"):
+        pytest.skip("needs a compiled core with host_pinner_registered")
+    if _backend.build_info().get("target") != "cpu":
+        pytest.skip(f"needs a cpu build, this one is {_backend.build_info().get('target')}")
+    assert [core.host_pinner_registered(t) for t in ("cpu", "cuda", "npu")] == [False, False, False]
+    with pytest.raises(ValueError, match="device_type must be 'cpu', 'cuda' or 'npu', got 'tpu'"):
+        core.host_pinner_registered("tpu")

@@ -38,8 +38,18 @@ std::array<HostMemoryPinner*, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_
 }  // namespace
 
 HostMemoryPinner* host_memory_pinner(c10::DeviceType type) {
+  HostMemoryPinner* pinner = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(pinner_mutex());
+    pinner = pinners()[static_cast<size_t>(type)];
+  }
+  // Outside the lock: usable() may call into the driver.
+  return pinner != nullptr && pinner->usable() ? pinner : nullptr;
+}
+
+bool host_memory_pinner_registered(c10::DeviceType type) {
   std::lock_guard<std::mutex> lock(pinner_mutex());
-  return pinners()[static_cast<size_t>(type)];
+  return pinners()[static_cast<size_t>(type)] != nullptr;
 }
 
 void set_host_memory_pinner(c10::DeviceType type, HostMemoryPinner* pinner) {

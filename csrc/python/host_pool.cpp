@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "offload/bindings_registry.h"
+#include "offload/host_memory.h"
 #include "offload/host_pool.h"
 
 namespace offload {
@@ -21,6 +22,10 @@ c10::DeviceType parse_device_type(const std::string& name) {
 
 void bind_host_pool(pybind11::module_& m) {
   namespace py = pybind11;
+  // For `python -m offload.info`: asks the driver nothing, so it answers before any device is used.
+  m.def("host_pinner_registered", [](const std::string& device_type) {
+        return host_memory_pinner_registered(parse_device_type(device_type));
+      }, py::arg("device_type"), "Whether this build pins host memory for device_type ('cpu', 'cuda' or 'npu')");
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
       .def(py::init([](const std::string& device_type, size_t limit_bytes, size_t slab_bytes, int touch_threads) {
              return HostPool::create(parse_device_type(device_type), limit_bytes, slab_bytes, touch_threads);

@@ -69,8 +69,8 @@ class HostPool:
             self._impl = core.HostPool(device_type, limit, slab, touch_threads)
             if _device.pinned_memory_supported() and not self._impl.pinned():
                 # The core cannot pin host memory for this accelerator (no driver
-                # registration built for it): torch's own pinned
-                # allocator keeps copies asynchronous there.
+                # registration built for it, or the runtime refuses it here): torch's
+                # own pinned allocator keeps copies asynchronous there.
                 self._impl = _FallbackPool(limit)
         else:
             self._impl = _FallbackPool(limit)

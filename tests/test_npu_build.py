@@ -1,0 +1,174 @@
+"""The Ascend build without CANN: the NPU sources compile against the ACL stub headers
+(csrc/stubs/acl/acl.h) with setup.py's flags, so a typo there fails here rather than on an
+Ascend machine; and the ACL pinner, linked with a scripted ACL (tests/acl/), pins, unpins,
+fails and steps aside as documented (csrc/core/npu/host_memory_npu.cpp)."""
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).resolve().parent.parent
+NPU_SOURCES = sorted((ROOT / "csrc" / "core" / "npu").glob("*.cpp"))
+CXX = os.environ.get("CXX", "c++")
+# setup.py's compile flags for the npu target (-O3 aside: optimisation finds no typo and costs time).
+FLAGS = [
+    "-std=c++17", "-fvisibility=hidden", "-fPIC", "-pthread",
+    "-DOFFLOAD_WITH_NPU=1", '-DOFFLOAD_TARGET="npu"', f'-DOFFLOAD_TORCH_VERSION="{torch.__version__}"',
+    f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'stubs'}",
+    # torch's headers as system headers: their own warnings are not this project's.
+    *(f"-isystem{path}" for path in cpp_extension.include_paths()),
+]
+# The stub as an older CANN spells it: no aclrtHostRegisterV2, no ACL_HOST_REG_PINNED.
+WITHOUT_PINNED = ["-DOFFLOAD_ACL_STUB_WITHOUT_HOST_REG_PINNED"]
+
+
+def _compiler_or_skip():
+    if shutil.which(CXX) is None:
+        pytest.skip(f"needs a C++ compiler ({CXX}; set CXX)")
+
+
+def _compile_all(jobs):
+    """Run the compile commands `jobs` ({name: argv}) side by side; {name: CompletedProcess-like}."""
+    running = {name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for name, argv in jobs.items()}
+    done = {}
+    for name, proc in running.items():
+        out, err = proc.communicate(timeout=600)
+        done[name] = (proc.returncode, err[-4000:])
+    return done
+
+
+@pytest.fixture(scope="module")
+def npu_objects(tmp_path_factory):
+    """Each NPU source compiled to an object against the stub, and compiled again as an older
+    CANN would see it; {source name: object path}."""
+    _compiler_or_skip()
+    assert NPU_SOURCES, "csrc/core/npu holds no sources"
+    out = tmp_path_factory.mktemp("npu_build")
+    jobs = {}
+    for source in NPU_SOURCES:
+        jobs[source.name] = [CXX, *FLAGS, "-c", str(source), "-o", str(out / f"{source.stem}.o")]
+        jobs[f"{source.name} (older CANN)"] = [CXX, *FLAGS, *WITHOUT_PINNED, "-c", str(source),
+                                               "-o", str(out / f"{source.stem}.older.o")]
+    results = _compile_all(jobs)
+    return {"dir": out, "results": results,
+            "objects": {source.name: out / f"{source.stem}.o" for source in NPU_SOURCES},
+            "older": {source.name: out / f"{source.stem}.older.o" for source in NPU_SOURCES}}
+
+
+def test_npu_sources_compile_against_the_acl_stub(npu_objects):
+    failed = {name: err for name, (rc, err) in npu_objects["results"].items() if rc != 0}
+    assert not failed, "\n\n".join(f"{name}:\n{err}" for name, err in failed.items())
+    assert all(path.stat().st_size > 0 for path in npu_objects["objects"].values())
+    assert all(path.stat().st_size > 0 for path in npu_objects["older"].values())
+
+
+def test_npu_pinner_references_no_acl_without_the_pinned_flag(npu_objects):
+    # Against an older CANN's headers the pinner compiles to nothing: no ACL symbol is referenced,
+    # so the core links without aclrtHostRegisterV2 and the pool takes torch_npu's pinned blocks.
+    if shutil.which("nm") is None:
+        pytest.skip("needs nm (binutils) to list an object's symbols")
+    listed = {}
+    for name, obj in [("current", npu_objects["objects"]["host_memory_npu.cpp"]),
+                      ("older", npu_objects["older"]["host_memory_npu.cpp"])]:
+        result = subprocess.run(["nm", "-u", str(obj)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        listed[name] = result.stdout
+    assert "aclrtHostRegisterV2" in listed["current"] and "aclrtHostUnregister" in listed["current"]
+    assert "aclrtHostRegisterV2" not in listed["older"] and "aclrtHostUnregister" not in listed["older"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the pinner is built for Linux only")
+def test_npu_pinner_against_a_scripted_acl(npu_objects):
+    release = tuple(int(part) for part in platform.release().split("-")[0].split(".")[:2] if part.isdigit())
+    if release <= (5, 10):
+        pytest.skip(f"ACL registers pageable memory only on Linux after 5.10; this kernel is {platform.release()}")
+    out = npu_objects["dir"]
+    jobs = {
+        "host_memory.cpp": [CXX, *FLAGS, "-c", str(ROOT / "csrc" / "core" / "host_memory.cpp"),
+                            "-o", str(out / "host_memory.o")],
+        "test_npu_pinner.cpp": [CXX, *FLAGS, f"-I{ROOT / 'tests' / 'cpp'}", "-c",
+                                str(ROOT / "tests" / "acl" / "test_npu_pinner.cpp"), "-o", str(out / "test.o")],
+    }
+    failed = {name: err for name, (rc, err) in _compile_all(jobs).items() if rc != 0}
+    assert not failed, "\n\n".join(f"{name}:\n{err}" for name, err in failed.items())
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    program = out / "test_npu_pinner"
+    linked = subprocess.run([CXX, "-pthread", str(out / "test.o"), str(out / "host_memory.o"),
+                             str(npu_objects["objects"]["host_memory_npu.cpp"]), f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
+                             f"-Wl,-rpath,{torch_lib}", "-o", str(program)], capture_output=True, text=True,
+                            timeout=600)
+    assert linked.returncode == 0, linked.stderr[-4000:]
+    # One process for the probe that succeeds and what follows it, one for the probe that fails.
+    for cases in (["npu_pinner_is_registered_for_privateuse1", "npu_pinner_pins_in_place_and_unpins",
+                   "npu_pinner_failure_is_out_of_memory_naming_call_size_error_and_knobs"],
+                  ["npu_pinner_refused_by_the_device_is_not_used"]):
+        ran = subprocess.run([str(program), *cases], capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert f"{len(cases)} of {len(cases)} test cases passed" in ran.stdout
+
+
+# ---------------------------------------------------------------- setup.py's npu target
+
+
+def _setup_name(tmp_path, **env):
+    """`python setup.py --name` (chooses the target and its sources, compiles nothing) where
+    torch_npu imports (an empty stand-in package) and the CANN variables are as given."""
+    fake = tmp_path / "fake_site" / "torch_npu"
+    fake.mkdir(parents=True, exist_ok=True)
+    (fake / "__init__.py").write_text("")
+    base = {k: v for k, v in os.environ.items() if k not in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH",
+                                                             "OFFLOAD_BUILD_TARGET", "PYTHONPATH")}
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**base, "PYTHONPATH": str(fake.parent), **env})
+
+
+# setup.py's last place to look; where CANN is installed there, "not found" cannot be shown.
+CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
+needs_no_default_cann = pytest.mark.skipif((CANN_DEFAULT / "include" / "acl" / "acl.h").exists(),
+                                           reason=f"CANN is installed at {CANN_DEFAULT}, where setup.py finds it")
+
+
+def _fake_cann(root: Path) -> Path:
+    (root / "include" / "acl").mkdir(parents=True)
+    (root / "include" / "acl" / "acl.h").write_text("")
+    (root / "lib64").mkdir()
+    (root / "lib64" / "libascendcl.so").write_bytes(b"")
+    return root
+
+
+@needs_no_default_cann
+def test_npu_setup_without_cann_names_where_it_looked(tmp_path):
+    empty = tmp_path / "no_cann"
+    empty.mkdir()
+    result = _setup_name(tmp_path, OFFLOAD_BUILD_TARGET="npu", ASCEND_TOOLKIT_HOME=str(empty))
+    assert result.returncode != 0
+    assert "offload: OFFLOAD_BUILD_TARGET=npu needs CANN" in result.stderr
+    assert f"ASCEND_TOOLKIT_HOME={empty}" in result.stderr and "set_env.sh" in result.stderr
+
+
+@pytest.mark.parametrize("variable", ["ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"])
+def test_npu_setup_finds_cann_from_its_environment(tmp_path, variable):
+    cann = _fake_cann(tmp_path / "cann")
+    for target in ("npu", "auto"):
+        result = _setup_name(tmp_path, OFFLOAD_BUILD_TARGET=target, **{variable: str(cann)})
+        assert result.returncode == 0, result.stderr
+        assert "building target 'npu'" in result.stdout
+    assert f"CANN is at {cann}" in result.stdout
+
+
+@needs_no_default_cann
+def test_npu_setup_auto_without_cann_builds_the_cpu_core_and_says_why(tmp_path):
+    empty = tmp_path / "no_cann"
+    empty.mkdir()
+    result = _setup_name(tmp_path, ASCEND_TOOLKIT_HOME=str(empty))
+    assert result.returncode == 0, result.stderr
+    assert "building target 'cpu' because torch_npu is installed but CANN was not found" in result.stdout
