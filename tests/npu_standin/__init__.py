@@ -174,6 +174,9 @@ def _build_module() -> types.ModuleType:
     def initial_seed() -> int:
         return _native.initial_seed(_native.current_device())
 
+    def _is_in_bad_fork() -> bool:  # torch.manual_seed asks before seeding the device
+        return False
+
     def get_amp_supported_dtype():
         return [torch.float16, torch.bfloat16]
 
@@ -184,7 +187,7 @@ def _build_module() -> types.ModuleType:
                set_stream, stream, synchronize, memory_allocated, max_memory_allocated, memory_reserved,
                reset_peak_memory_stats, mem_get_info, empty_cache, get_device_properties, get_device_name,
                get_rng_state, set_rng_state, manual_seed, manual_seed_all, initial_seed, get_amp_supported_dtype,
-               is_bf16_supported):
+               is_bf16_supported, _is_in_bad_fork):
         setattr(mod, fn.__name__, fn)
     mod.Stream = Stream
     mod.Event = Event
