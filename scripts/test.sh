@@ -2,7 +2,10 @@
 # The test suite, from a clone: set up the environment (scripts/_env.sh), build
 # offload's native core against its torch, run every test (each core test runs on
 # the compiled core and on the pure-PyTorch path), then run the core tests once
-# more with the compiled core switched off, as a user without it would run them.
+# more with the compiled core switched off, as a user without it would run them,
+# and the tests that take the `device` fixture once more on the npu stand-in
+# (tests/npu_standin: offload's NPU path over a test-only PrivateUse1 device; it
+# compiles once into build/npu_standin, and runs only with the default selection).
 # Arguments go to both pytest runs; when they name test files or folders, those
 # replace the default selections.
 source "$(dirname "$0")/_env.sh" --need pytest hypothesis --want transformers accelerate
@@ -12,13 +15,20 @@ fallback=(tests/test_package.py tests/test_pool.py tests/test_copy.py tests/test
 for file in tests/test_activation*.py; do
   case "$file" in *_cuda.py) ;; *) fallback+=("$file") ;; esac
 done
+standin=(tests/test_npu_standin.py tests/test_pool.py tests/test_copy.py tests/test_buckets.py tests/test_staging.py
+         tests/test_staging_degrade.py tests/test_param_offload.py tests/test_faults_memory.py
+         tests/test_saved_tensor_hooks.py tests/test_faults_weight_sync.py)
 for arg in "$@"; do
   if [ -e "${arg%%::*}" ]; then  # a path (or path::test) names the selection
     selection=()
     fallback=()
+    standin=()
     break
   fi
 done
 
 "$OFFLOAD_PYTHON" -m pytest ${selection[@]+"${selection[@]}"} -q -p no:cacheprovider "$@"
 OFFLOAD_FORCE_FALLBACK=1 "$OFFLOAD_PYTHON" -m pytest ${fallback[@]+"${fallback[@]}"} -q -p no:cacheprovider -m "not slow" "$@"
+if [ ${#standin[@]} -gt 0 ]; then
+  OFFLOAD_TEST_DEVICE=npu "$OFFLOAD_PYTHON" -m pytest "${standin[@]}" -q -p no:cacheprovider -m "not slow" "$@"
+fi

@@ -1,13 +1,29 @@
 """Fixtures and markers shared by every test.
 
 Markers skip with a reason that names what is missing: `cuda`, `npu`, `multi_gpu`
-(two or more accelerators), `native` (the compiled core), `slow`.
+(two or more accelerators), `native` (the compiled core), `slow`, and
+`not_standin("why")` for what the npu stand-in cannot show (no pinned memory, no
+asynchronous streams, no second process).
+
+OFFLOAD_TEST_DEVICE=npu runs the suite on the npu stand-in (tests/npu_standin): it is
+built and registered as torch's "npu" device before offload is imported, so offload
+takes its NPU path and the `device` fixture gives npu:0.
 """
+
+import os
 
 import pytest
 import torch
 
-from offload.core import _backend, _device
+STANDIN = os.environ.get("OFFLOAD_TEST_DEVICE", "") == "npu"
+if STANDIN:
+    import npu_standin  # tests/ is on sys.path for its conftest
+
+    npu_standin.install()
+elif os.environ.get("OFFLOAD_TEST_DEVICE", "") not in ("", "default"):
+    raise pytest.UsageError(f"OFFLOAD_TEST_DEVICE must be 'npu' or unset, got {os.environ['OFFLOAD_TEST_DEVICE']!r}")
+
+from offload.core import _backend, _device  # noqa: E402  (after the stand-in registers "npu")
 
 
 def _accelerator_count() -> int:
@@ -19,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
     kind = _device.accelerator_type()
     reasons = {
         "cuda": None if kind == "cuda" else "needs a CUDA GPU (torch sees none)",
-        "npu": None if kind == "npu" else "needs an Ascend NPU with torch_npu",
+        "npu": None if kind == "npu" and not STANDIN else "needs an Ascend NPU with torch_npu",
         "multi_gpu": None if _accelerator_count() >= 2 else f"needs 2+ accelerators, found {_accelerator_count()}",
         "native": None if _backend.native_available() else f"needs the compiled core: {_backend.why_not()}",
     }
@@ -27,6 +43,9 @@ def pytest_collection_modifyitems(config, items):
         for marker, reason in reasons.items():
             if reason is not None and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+        standin = item.get_closest_marker("not_standin")
+        if STANDIN and standin is not None:
+            item.add_marker(pytest.mark.skip(reason=f"not on the npu stand-in: {standin.args[0]}"))
 
 
 @pytest.fixture

@@ -35,6 +35,31 @@ def test_package_names_no_accelerator_outside_the_device_module():
     assert offenders == []
 
 
+# Every "cuda" string literal in offload/ outside the device module, with why it names CUDA.
+_CUDA_LITERALS = {
+    ("offload/core/_backend.py", 'device_type == "cuda"'): "a CPU-only build has no CUDA kernels",
+    ("offload/weights/buckets.py", '("cpu", "cuda")'): "the bucket kernels exist for the CPU and CUDA only",
+    ("offload/weights/sync.py", 'device.type == "cuda"'): "SMs left to a collective are a CUDA kernel's cap",
+}
+_CUDA_LITERAL_FILES = {
+    "offload/core/_device.py": "the one module that knows cuda from npu from cpu",
+    "offload/info.py": "reports what the build and the runtime are, CUDA's among them",
+}
+
+
+def test_package_cuda_strings_only_where_explained():
+    pattern = re.compile(r"""["']cuda["']""")
+    offenders = []
+    for path in (ROOT / "offload").rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in _CUDA_LITERAL_FILES:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line) and not any(rel == f and snippet in line for f, snippet in _CUDA_LITERALS):
+                offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert offenders == [], "a device-generic path names CUDA; ask offload.core._device instead, or explain it here"
+
+
 def test_package_public_api_is_importable():
     for name in offload.__all__:
         assert hasattr(offload, name), name

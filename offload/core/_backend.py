@@ -32,6 +32,19 @@ def _truthy(value: Optional[str]) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _drives(built_target: str, device_type: str) -> bool:
+    """Whether a core built for `built_target` can drive `device_type`'s copies.
+
+    The core is device-generic (c10::Stream / c10::Event, Tensor::copy_): what is
+    target-specific is the CUDA kernels and the host-memory pinners. A CPU-only build
+    does not drive CUDA; the CPU and a PrivateUse1 accelerator ("npu": torch_npu, or
+    the test suite's stand-in) run on any build, their pool's slabs pinned only where
+    the build registered a pinner for them (else HostPool keeps torch's pinned
+    allocator where torch has one).
+    """
+    return not (built_target == "cpu" and device_type == "cuda")
+
+
 def _load() -> None:
     global _core, _why_not, _build_info
     if _truthy(os.environ.get("OFFLOAD_FORCE_FALLBACK")):
@@ -48,7 +61,7 @@ def _load() -> None:
     _build_info = dict(_C.build_info())
     built_target = _build_info.get("target", "cpu")
     runtime = _device.compute_device_type()
-    if built_target == "cpu" and runtime != "cpu":
+    if not _drives(built_target, runtime):
         _why_not = (
             f"offload._C was built for the CPU only but torch sees a {runtime} device; "
             "rebuild with `pip install --no-build-isolation .` on this machine"
@@ -163,6 +176,7 @@ def built_for(device_type: str) -> bool:
 
     A core built for the CPU only (or for Ascend) has no CUDA kernels, whatever
     torch sees at run time; callers route other devices to the pure-PyTorch path.
+    (What a core can drive, its pool and copy engine, is wider: `_drives`.)
     """
     return _core is not None and (device_type == "cpu" or _build_info.get("target") == device_type)
 

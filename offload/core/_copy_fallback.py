@@ -237,7 +237,10 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
     fn = "offload.copy_to_device"
     for i, h in enumerate(sources):
         _check_source(fn, i, h, "cpu", sources[0])
-        if require_pinned and _device.is_accelerator(device) and h.numel() and not h.is_pinned():
+        # The pool's own blocks count as pinned, as in the core: where the accelerator has no
+        # pinned host memory, they are the host memory copies are made for.
+        if require_pinned and _device.is_accelerator(device) and h.numel() and not h.is_pinned() \
+                and not pool.owns(h):
             raise ValueError(
                 f"{fn}: tensors[{i}] is not pinned, so the copy would block the host; pass pinned memory "
                 "(offload.copy_to_host results, offload.HostPool.empty, tensor.pin_memory()) or require_pinned=False"

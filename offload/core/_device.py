@@ -29,8 +29,14 @@ except Exception:  # pragma: no cover - depends on the machine
 
 @functools.lru_cache(maxsize=None)
 def accelerator_type() -> Optional[str]:
-    """'cuda', 'npu', or None when torch sees no accelerator."""
-    if _HAS_TORCH_NPU and torch.npu.is_available():  # pragma: no cover
+    """'cuda', 'npu', or None when torch sees no accelerator.
+
+    "npu" is whatever backend registered torch's `npu` device module: torch_npu on
+    Ascend, or the test suite's stand-in device (tests/npu_standin), which takes
+    this same branch.
+    """
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
         return "npu"
     if torch.cuda.is_available():
         return "cuda"
@@ -46,7 +52,7 @@ def _module(device_type: str):
     """The torch.<accelerator> namespace; only this file may touch it."""
     if device_type == "cuda":
         return torch.cuda
-    if device_type == "npu":  # pragma: no cover - Ascend only
+    if device_type == "npu":
         return torch.npu
     raise ValueError(f"offload: no accelerator module for device type {device_type!r}")
 
@@ -229,9 +235,21 @@ def empty_cache() -> None:
         _module(kind).empty_cache()
 
 
+@functools.lru_cache(maxsize=None)
 def pinned_memory_supported() -> bool:
-    """Page-locked host memory exists only where torch has an accelerator."""
-    return accelerator_type() is not None
+    """Whether torch can page-lock host memory here: only where it has an accelerator
+    whose runtime provides a pinned host allocator (CUDA's always does; another
+    backend is asked once, with a one-byte allocation)."""
+    kind = accelerator_type()
+    if kind is None:
+        return False
+    if kind == "cuda":
+        return True
+    try:
+        torch.empty(1, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:  # a backend without a host allocator (NotImplementedError is one)
+        return False
+    return True
 
 
 def empty_pinned(nbytes: int) -> torch.Tensor:

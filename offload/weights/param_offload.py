@@ -199,7 +199,7 @@ def offload_params(
     call_span = Span()
     copy_span = Span(mirror.device)
     views = mirror.device_views()
-    handle = copy_to_host(views, out=mirror.host_views(), chunk_bytes=chunk_bytes)
+    handle = copy_to_host(views, out=mirror.host_views(), pool=mirror.pool, chunk_bytes=chunk_bytes)
     if _device.is_accelerator(mirror.device):
         # The copy stream reads these storages; freed below, their blocks would go back
         # to the stream that allocated them at once (the copy engine keeps references
@@ -228,7 +228,9 @@ def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> di
         for storage, n in zip(mirror.storages, mirror.sizes):
             storage.resize_(n)  # allocated on the current stream, its consumer
     copy_span = Span(mirror.device)
-    handle = copy_to_device(mirror.host_views(), mirror.device, out=mirror.device_views(), chunk_bytes=chunk_bytes)
+    # The mirror's pool vouches for its block (pinned, or the host memory of an accelerator without pinning).
+    handle = copy_to_device(mirror.host_views(), mirror.device, out=mirror.device_views(), pool=mirror.pool,
+                            chunk_bytes=chunk_bytes)
     handle.wait_stream()
     mirror.offloaded = False
     storages, mirror.storages = mirror.storages, []  # a gradient the user drops from now on is freed
