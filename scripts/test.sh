@@ -15,7 +15,7 @@ fallback=(tests/test_package.py tests/test_pool.py tests/test_copy.py tests/test
 for file in tests/test_activation*.py; do
   case "$file" in *_cuda.py) ;; *) fallback+=("$file") ;; esac
 done
-standin=(tests/test_npu_standin.py tests/test_pool.py tests/test_copy.py tests/test_buckets.py tests/test_staging.py
+standin=(tests/test_npu_standin.py tests/test_activation_device.py tests/test_pool.py tests/test_copy.py tests/test_buckets.py tests/test_staging.py
          tests/test_staging_degrade.py tests/test_param_offload.py tests/test_faults_memory.py
          tests/test_saved_tensor_hooks.py tests/test_faults_weight_sync.py)
 for arg in "$@"; do

@@ -1,0 +1,90 @@
+"""Activation offload on the compute device the `device` fixture names: the CPU in CI, the
+accelerator on a GPU host, the npu stand-in in the suite's stand-in pass. Each mode, recompute
+mixed with offload, and dropout under recompute give gradients bitwise equal to the plain model,
+and every host block is back in the pool after backward."""
+
+import copy
+
+import pytest
+import torch
+
+import offload
+from _activation_helpers import assert_bitwise_equal, one_thread, small_model, train_step  # noqa: F401 (fixture)
+from test_activation_recompute import RECOMPUTE, _DropoutModel
+
+
+def _offloaded(model, device, mode, pool, **kw):
+    return offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool, verbose=False, **kw)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "auto"])
+def test_activation_device_modes_bitwise(mode, device, deterministic):
+    ref = small_model(n=4).to(device)
+    model = copy.deepcopy(ref)
+    pool = offload.HostPool()
+    handle = _offloaded(model, device, mode, pool)
+    x = torch.randn(64, 16, device=device)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(6 if mode == "auto" else 3):
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        assert pool.stats()["in_use_bytes"] == 0
+    if mode != "auto":  # auto may keep everything on a fast device once it has measured
+        assert handle.stats()["tensors_offloaded"] > 0
+    handle.disable()
+
+
+def test_activation_device_recompute_and_offload_bitwise(device, deterministic):
+    ref = small_model(n=4).to(device)
+    model = copy.deepcopy(ref)
+    handle = _offloaded(model, device, "async", offload.HostPool())
+    handle.set_recomputed(RECOMPUTE)
+    x = torch.randn(64, 16, device=device)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(2):
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    stats = handle.stats()
+    assert stats["recomputed_layers"] == ["blocks.0", "blocks.2"] and stats["tensors_offloaded"] > 0
+    handle.disable()
+
+
+def test_activation_device_dropout_recompute_same_rng_bitwise(device, deterministic):
+    torch.manual_seed(0)
+    ref = _DropoutModel().train().to(device)
+    model = copy.deepcopy(ref)
+    handle = _offloaded(model, device, "async", offload.HostPool())
+    handle.set_recomputed(RECOMPUTE)
+    x = torch.randn(8, 16, device=device)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        loss_ref, grads_ref = train_step(ref, x)
+        torch.manual_seed(seed)
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    handle.disable()
+
+
+def test_activation_device_context_manager_leaves_no_hooks(device, deterministic):
+    """The context for custom loops: boundaries split the groups, gradients are bitwise, and once
+    it exits no saved-tensor hook is left and every host block is back."""
+    model = small_model(n=3).to(device)
+    x = torch.randn(32, 16, device=device)
+    loss_ref, grads_ref = train_step(model, x)
+    pool = offload.HostPool()
+    model.zero_grad(set_to_none=True)
+    with offload.activation_offload(min_tensor_bytes=0, pool=pool) as ao:
+        h = model.embed(x)
+        for block in model.blocks:
+            ao.boundary()
+            h = block(h)
+        loss = model.head(h).square().mean()
+        loss.backward()
+    assert torch.equal(loss.detach(), loss_ref)
+    assert_bitwise_equal([p.grad for p in model.parameters()], grads_ref)
+    assert ao.stats()["tensors_offloaded"] > 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert pool.stats()["in_use_bytes"] == 0
