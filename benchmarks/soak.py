@@ -263,14 +263,15 @@ def soak_param_offload(device, counts, quick: bool) -> dict:
     start = time.perf_counter()
     for k in range(cycles):
         check = k % counts["check_every"] == 0 or k == cycles - 1
-        want = [t.detach().clone() for t in _param_state(model, optimizer)] if check else None
+        # The reference lives on the host: a device copy would be held at this cycle's sample.
+        want = [t.detach().to("cpu", copy=True) for t in _param_state(model, optimizer)] if check else None
         offload.offload_params(model, grads=True, optimizer=optimizer, pool=pool)
         samples.sample()  # while offloaded: device memory down, pool holds the mirror
         offload.reload_params(model)
         if check:
             samples.checked()
             for i, (a, b) in enumerate(zip(_param_state(model, optimizer), want)):
-                samples.check(f"cycle {k} tensor {i}", a, b)
+                samples.check(f"cycle {k} tensor {i}", a.cpu(), b)
         del want  # the soak's own copies are not held at the next sample (Note [soak bounds])
         # A step between cycles: new values, the same shapes.
         model(torch.randn(16, width, device=device)).square().mean().backward()
