@@ -70,18 +70,7 @@ class _DropoutModel(nn.Module):
 
 
 def test_activation_recompute_dropout_same_rng_bitwise(pool):
-    torch.manual_seed(0)
-    ref = _DropoutModel().train()
-    model = copy.deepcopy(ref)
-    _recomputing(model, pool)
-    x = torch.randn(8, 16)
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        loss_ref, grads_ref = train_step(ref, x)
-        torch.manual_seed(seed)
-        loss, grads = train_step(model, x)
-        assert torch.equal(loss, loss_ref)
-        assert_bitwise_equal(grads, grads_ref)
+    model, ref, x = dropout_recompute_matches(torch.device("cpu"), pool)
     # The RNG after the step is where it is without recompute (the recomputation restores it).
     torch.manual_seed(3)
     train_step(ref, x)
@@ -89,6 +78,24 @@ def test_activation_recompute_dropout_same_rng_bitwise(pool):
     torch.manual_seed(3)
     train_step(model, x)
     assert torch.equal(torch.rand(8), after_ref)
+
+
+def dropout_recompute_matches(device, pool):
+    """Dropout layers recomputed on `device`: each step's loss and gradients bitwise equal to the
+    plain model's under the same seed; (offloaded model, reference, input) for further checks."""
+    torch.manual_seed(0)
+    ref = _DropoutModel().train().to(device)
+    model = copy.deepcopy(ref)
+    _recomputing(model, pool)
+    x = torch.randn(8, 16, device=device)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        loss_ref, grads_ref = train_step(ref, x)
+        torch.manual_seed(seed)
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    return model, ref, x
 
 
 @pytest.mark.parametrize("user_checkpointing", [False, True])
