@@ -135,16 +135,35 @@ def peak_memory_bytes(device) -> int:
     return int(read(device)) if device.type != "cpu" and read is not None else 0
 
 
-def summary(args, records, tokens: int, device, handle) -> dict:
-    """The run in one line of JSON (the last line rank 0 prints): medians over the steps after the warm-up."""
-    timed = records[args.warmup_steps:] or records
+def reset_peak_memory(device) -> None:
+    accel = getattr(torch, "accelerator", None)
+    reset = getattr(accel, "reset_peak_memory_stats", None)
+    if device.type != "cpu" and reset is not None:
+        reset(device)
+
+
+def plan_settled(handle) -> bool:
+    """Whether activation offload runs its final plan: always in the fixed modes; in auto mode once
+    its tuning has settled (until then probe steps alternate with steps without offload)."""
+    plan = None if handle is None else handle.plan
+    return plan is None or bool(plan.get("tuning", {}).get("settled", False))
+
+
+def summary(args, records, tokens: int, device, handle, settled_at) -> dict:
+    """The run in one line of JSON (the last line rank 0 prints): medians over the steps after the
+    warm-up and, in auto mode, after its plan settled (the peak memory is also taken from then on)."""
+    first = args.warmup_steps
+    if settled_at is not None:
+        first = max(first, next((i + 1 for i, r in enumerate(records) if r[0] == settled_at), first))
+    timed = records[first:] or records
     seconds = [r[1] for r in timed]
     out = {"steps": len(records), "timed_steps": len(timed), "tokens_per_step": tokens,
            "tokens_per_s": tokens / statistics.median(seconds) if seconds else None,
            "step_ms": statistics.median(seconds) * 1e3 if seconds else None,
            "checkpoint_ms": statistics.median(r[2] for r in timed) * 1e3 if timed else None,
            "peak_memory_bytes": peak_memory_bytes(device), "activation_offload": args.activation_offload,
-           "checkpoint_every": args.checkpoint_every}
+           "checkpoint_every": args.checkpoint_every, "plan_settled": settled_at is not None,
+           "tuning_steps": None if settled_at is None else settled_at - records[0][0] + 1}
     if handle is not None:
         s = handle.stats()
         out.update(offloaded_bytes=s["d2h_bytes"], exposed_wait_ms=s["exposed_seconds"] * 1e3,
@@ -189,6 +208,7 @@ def main(argv=None):
 
     tokens = args.batch * args.seq * world
     records = []  # (step, seconds, checkpoint seconds) of rank 0, for the summary
+    settled_at = None  # the step after which activation offload ran its final plan
     for step in range(start, args.steps):
         # The step's time includes what a save blocks it for (waiting for the previous
         # save, taking the state dict, starting the staging copy).
@@ -212,6 +232,9 @@ def main(argv=None):
         value = loss.item()  # waits for the step: the time below is the step's
         seconds = time.perf_counter() - t0
         records.append((step, seconds, checkpoint_seconds))
+        if settled_at is None and plan_settled(handle):
+            settled_at = step
+            reset_peak_memory(device)  # the tuning's steps without offload do not set the steady peak
         if rank == 0:
             line = (f"step {step} loss {value!r} tokens/s {tokens / seconds:.0f} "
                     f"peak_memory_gib {peak_memory_bytes(device) / 2**30:.2f}")
@@ -229,7 +252,7 @@ def main(argv=None):
     if stager is not None:
         stager.close()
     if rank == 0:
-        print("summary " + json.dumps(summary(args, records, tokens, device, handle)), flush=True)
+        print("summary " + json.dumps(summary(args, records, tokens, device, handle, settled_at)), flush=True)
     if handle is not None:
         handle.disable()
     dist.barrier()
