@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..core import _backend, _device
 from ..core.copy import copy_spans_to_host, copy_to_device
 from ..core.checks import check_bool, check_int
-from ..core.pool import HostPool, default_host_pool
+from ..core.pool import HostPool, check_pool, default_host_pool
 from .groups import (COPYING, HOST, KEPT, OPEN, SPAN_ALIGN, AutoState, Group, Packed, aligned_layout,
                      on_host_only, with_earlier_parts)
 from .backward import BackwardSide
@@ -123,8 +123,7 @@ def check_options(fn: str, mode, min_tensor_bytes, resident_groups, min_group_by
     if min_group_bytes is not None:
         check_int(fn, "min_group_bytes", min_group_bytes, 0,
                   f"or None: {GROUP_BYTES_PER_TENSOR_BYTE} x min_tensor_bytes")
-    if pool is not None and not isinstance(pool, HostPool):
-        raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
+    check_pool(fn, pool)
     check_bool(fn, "timing", timing)
     check_bool(fn, "nvtx", nvtx)
 

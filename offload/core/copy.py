@@ -25,7 +25,7 @@ import torch
 
 from . import _backend, _device
 from .checks import check_int, is_int, resolve_device
-from .pool import HostPool, default_host_pool
+from .pool import HostPool, check_pool, default_host_pool
 
 # The first deferred copy registers the core's copy worker to be waited for at exit
 # (copy_to_host's defer): copies still being queued then are queued before the driver goes.
@@ -353,10 +353,8 @@ def copy_to_device(
 
 
 def _pool_or_default(fn: str, pool) -> HostPool:
-    pool = default_host_pool() if pool is None else pool
-    if not isinstance(pool, HostPool):
-        raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
-    return pool
+    check_pool(fn, pool)
+    return default_host_pool() if pool is None else pool
 
 
 def _call_native(fn: str, tensors, out_list, call) -> CopyHandle:

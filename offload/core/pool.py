@@ -316,6 +316,13 @@ _default_pool_core = None  # whether the compiled core was in use when it was ma
 _default_lock = threading.Lock()
 
 
+def check_pool(fn: str, pool) -> Optional[HostPool]:
+    """`pool` as given to a public function: an offload.HostPool, or None for the default one."""
+    if pool is not None and not isinstance(pool, HostPool):
+        raise TypeError(f"{fn}: pool must be an offload.HostPool or None, got {type(pool).__name__}")
+    return pool
+
+
 def default_host_pool() -> HostPool:
     """The process-wide pool that offload's copies use unless given another."""
     global _default_pool, _default_pool_core

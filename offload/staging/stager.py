@@ -19,7 +19,7 @@ from ..core import _device
 from ..core.checks import check_int, parse_bytes
 from ..core.copy import copy_to_host
 from ..core.layout import compact
-from ..core.pool import HostPool, default_host_pool
+from ..core.pool import HostPool, check_pool, default_host_pool
 from ..core.timing import Span
 from .future import StagingFuture
 from .growth import PoolGrowth, start_growth
@@ -140,9 +140,7 @@ class AsyncStager(_StagerProtocol):
                             f"{type(busy_timeout_s).__name__}")
         if not busy_timeout_s > 0:
             raise ValueError(f"{fn}: busy_timeout_s must be > 0, got {busy_timeout_s!r}")
-        if pool is not None and not isinstance(pool, HostPool):
-            raise TypeError(f"{fn}: pool must be an offload.HostPool, got {type(pool).__name__}")
-        self._pool = pool
+        self._pool = check_pool(fn, pool)
         self._limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, f"{fn}: limit_bytes")
         # Pool bytes a plan may give its units (None: no limit); lowered where the pool's
         # rounding passes the limit (Note [staging past limit_bytes]).

@@ -19,7 +19,7 @@ import torch
 from ..core import _device
 from ..core.checks import check_bool, check_int
 from ..core.copy import copy_to_device, copy_to_host
-from ..core.pool import HostPool, default_host_pool
+from ..core.pool import HostPool, check_pool, default_host_pool
 from ..core.timing import Span
 
 _STATE_ATTR = "_offload_param_mirror"
@@ -185,8 +185,7 @@ def offload_params(
     if optimizer is not None and not isinstance(getattr(optimizer, "state", None), Mapping):
         raise TypeError(f"{fn}: optimizer must be a torch.optim.Optimizer (or an object whose .state maps "
                         f"parameters to their state) or None, got {type(optimizer).__name__}")
-    if pool is not None and not isinstance(pool, HostPool):
-        raise TypeError(f"{fn}: pool must be an offload.HostPool or None, got {type(pool).__name__}")
+    check_pool(fn, pool)
     check_int(fn, "chunk_bytes", chunk_bytes, 1, "bytes per copy chunk")
     mirror: Optional[_Mirror] = getattr(module, _STATE_ATTR, None)
     if mirror is not None and mirror.offloaded:
