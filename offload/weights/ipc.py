@@ -520,14 +520,24 @@ class IpcReceiver:
         except Exception:  # noqa: BLE001 - the original error is the one to raise
             pass
 
-    def receive(self, copy: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
-        fn = "offload.WeightReceiver.receive"
+    def _begin(self, fn: str):
+        """A sync's start: refuse a broken receiver, read the header; a failure tells the sender."""
         _check_broken(fn, self.broken)
         try:
-            plan, spans, version = self._header(fn)
+            return self._header(fn)
         except BaseException as exc:
             self._failed(exc)
             raise
+
+    def _finish(self, timer, plan, version) -> dict:
+        """A sync's end: the channel's last messages out, the timings kept."""
+        self.channel.flush(_now() + self.timeout_s)
+        self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
+        return self.timings
+
+    def receive(self, copy: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+        fn = "offload.WeightReceiver.receive"
+        plan, spans, version = self._begin(fn)
         timer = PhaseTimer(self.device, PHASES)
         partial: Dict[str, torch.Tensor] = {}
         try:
@@ -539,18 +549,12 @@ class IpcReceiver:
         except BaseException as exc:
             self._failed(exc)
             raise
-        self.channel.flush(_now() + self.timeout_s)
-        self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
+        self._finish(timer, plan, version)
 
     def load(self, target, strict: bool = True) -> dict:
         fn = "offload.WeightReceiver.load"
         dsts = destinations(fn, target)
-        _check_broken(fn, self.broken)
-        try:
-            plan, spans, version = self._header(fn)
-        except BaseException as exc:
-            self._failed(exc)
-            raise
+        plan, spans, version = self._begin(fn)
         timer = PhaseTimer(self.device, PHASES)
         error = None
         try:
@@ -566,10 +570,9 @@ class IpcReceiver:
         except BaseException as exc:
             self._failed(exc)
             raise
-        self.channel.flush(_now() + self.timeout_s)
         if error is not None:
+            self.channel.flush(_now() + self.timeout_s)
             raise error
-        self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
-        return self.timings
+        return self._finish(timer, plan, version)
 
 
