@@ -28,18 +28,25 @@ def _recomputing(model, pool, recompute=RECOMPUTE, **kw):
     return handle
 
 
-def test_activation_recompute_blocks_bitwise(pool):
-    ref = small_model()
+def blocks_recompute_matches(device, pool, batch=8):
+    """Layers 0 and 2 recomputed, 1 offloaded, on `device`: two steps' loss and gradients
+    bitwise equal to the plain model's; (handle, reference model, input) for further checks."""
+    ref = small_model().to(device)
     model = copy.deepcopy(ref)
     handle = _recomputing(model, pool)
-    x = torch.randn(8, 16)
+    x = torch.randn(batch, 16, device=device)
     loss_ref, grads_ref = train_step(ref, x)
     for _ in range(2):
         loss, grads = train_step(model, x)
         assert torch.equal(loss, loss_ref)
         assert_bitwise_equal(grads, grads_ref)
+    assert handle.stats()["recomputed_layers"] == ["blocks.0", "blocks.2"]
+    return handle, ref, x
+
+
+def test_activation_recompute_blocks_bitwise(pool):
+    handle, ref, x = blocks_recompute_matches(torch.device("cpu"), pool)
     stats = handle.stats()
-    assert stats["recomputed_layers"] == ["blocks.0", "blocks.2"]
     # Recomputed layers offload only their inputs: fewer tensors than offloading all three layers.
     plain_model = copy.deepcopy(ref)
     plain = _recomputing(plain_model, pool, recompute=[False] * 4)

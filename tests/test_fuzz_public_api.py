@@ -450,15 +450,7 @@ def _no_process_group():
              transport={"'nccl'": lambda: "nccl"}, channel={"None": lambda: None},
              timeout_s={"None": lambda: None, "5.0": lambda: 5.0}))
 def test_fuzz_weight_sender(drawn):
-    """Without a process group no sender can be made: every call raises, naming the bad
-    argument where there is one, else saying that torch.distributed is not initialized."""
-    fn = "offload.WeightSender"
-    junk = any(is_junk for _, _, is_junk in drawn.values())
-    with pytest.raises((TypeError, ValueError, RuntimeError)) as info:
-        offload.WeightSender(**_values(drawn))
-    assert str(info.value).startswith(fn)
-    if not junk:
-        assert "torch.distributed is not initialized" in str(info.value)
+    _check_needs_process_group("offload.WeightSender", offload.WeightSender, drawn)
 
 
 @pytest.mark.skipif(not _no_process_group(), reason="needs a process without a process group")
@@ -468,10 +460,15 @@ def test_fuzz_weight_sender(drawn):
              transport={"'nccl'": lambda: "nccl"}, channel={"None": lambda: None},
              timeout_s={"None": lambda: None, "5.0": lambda: 5.0}))
 def test_fuzz_weight_receiver(drawn):
-    fn = "offload.WeightReceiver"
+    _check_needs_process_group("offload.WeightReceiver", offload.WeightReceiver, drawn)
+
+
+def _check_needs_process_group(fn, cls, drawn):
+    """Without a process group no sender or receiver can be made: every call raises, naming the
+    bad argument where there is one, else saying that torch.distributed is not initialized."""
     junk = any(is_junk for _, _, is_junk in drawn.values())
     with pytest.raises((TypeError, ValueError, RuntimeError)) as info:
-        offload.WeightReceiver(**_values(drawn))
+        cls(**_values(drawn))
     assert str(info.value).startswith(fn)
     if not junk:
         assert "torch.distributed is not initialized" in str(info.value)
