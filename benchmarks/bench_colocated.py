@@ -29,16 +29,12 @@ other waits at a barrier, device events, median of repeats):
 
 from __future__ import annotations
 
-import os
 import pickle
-import shutil
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 SECTION = "colocated"
 SKIP_REASON = "needs a CUDA GPU: the colocated update shares device memory between two processes (device IPC)"
@@ -251,33 +247,13 @@ def _worker(rank, init_method, quick, bench_dir, results):
 
 def run(ctx):
     import bench_colocated
-    from common import row
+    from common import row, spawn_ranks
 
     if ctx.device.type != "cuda":
         ctx.progress(f"colocated skipped: {SKIP_REASON}")
         return []
-    spawn = mp.get_context("spawn")
-    results = spawn.SimpleQueue()
-    bench_dir = os.path.dirname(os.path.abspath(__file__))
-    folder = tempfile.mkdtemp(prefix="offload-bench-colocated-")
-    init_method = "file://" + os.path.join(folder, "rdzv")
-    procs = [spawn.Process(target=bench_colocated._worker, args=(r, init_method, ctx.quick, bench_dir, results))
-             for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=900)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shutil.rmtree(folder, ignore_errors=True)
-    if any(p.exitcode != 0 for p in procs) or results.empty():
-        raise RuntimeError(f"colocated benchmark ranks exited with {[p.exitcode for p in procs]}")
     rows = []
-    for r in results.get():
+    for r in spawn_ranks(bench_colocated._worker, 2, (ctx.quick,), "colocated benchmark"):
         ours, views, each = (statistics.median(r[k]) for k in ("ours", "views", "each"))
         rows += _breakdown_rows(ctx, r, ours, views)
         extra = dict(tensors=r["tensors"], bytes=r["bytes"], spread_ms=[min(r["ours"]), max(r["ours"])],

@@ -24,14 +24,10 @@ snapshots. On a CPU-only machine a quick gloo variant runs the same code.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 SECTION = "weight_sync"
 REQUIRES = ("transformers",)  # the tensor lists come from transformers' model configs
@@ -125,30 +121,9 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
 
 def _spawn(target, world, ctx, what):
     """Run target(rank, init_method, quick, device_type, bench_dir, results) on `world` processes; its result."""
-    from pathlib import Path
+    from common import spawn_ranks
 
-    spawn = mp.get_context("spawn")
-    results = spawn.SimpleQueue()
-    bench_dir = str(Path(__file__).resolve().parent)
-    # A file rendezvous: a TCP port picked free here could be taken before rank 0 binds it.
-    folder = tempfile.mkdtemp(prefix="offload-bench-weight-sync-")
-    init_method = "file://" + os.path.join(folder, "rdzv")
-    procs = [spawn.Process(target=target, args=(r, init_method, ctx.quick, ctx.device.type, bench_dir, results))
-             for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=900)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shutil.rmtree(folder, ignore_errors=True)
-    if any(p.exitcode != 0 for p in procs) or results.empty():
-        raise RuntimeError(f"weight_sync benchmark ({what}) ranks exited with {[p.exitcode for p in procs]}")
-    return results.get()
+    return spawn_ranks(target, world, (ctx.quick, ctx.device.type), f"weight_sync benchmark ({what})")
 
 
 def run(ctx):

@@ -17,7 +17,10 @@ Fields of a row beyond `row()`'s own that the report reads:
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -142,3 +145,31 @@ def row(
         "ratio": ratio,
         **extra,
     }
+
+
+def spawn_ranks(target, world: int, args: tuple, what: str):
+    """Run target(rank, init_method, *args, bench_dir, results) in `world` spawned processes
+    and return what rank 0 put in `results`; `what` names the run in the error when a rank fails."""
+    import torch.multiprocessing as mp
+
+    spawn = mp.get_context("spawn")
+    results = spawn.SimpleQueue()
+    bench_dir = os.path.dirname(os.path.abspath(__file__))
+    # A file rendezvous: a TCP port picked free here could be taken before rank 0 binds it.
+    folder = tempfile.mkdtemp(prefix="offload-bench-ranks-")
+    init_method = "file://" + os.path.join(folder, "rdzv")
+    procs = [spawn.Process(target=target, args=(r, init_method, *args, bench_dir, results)) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=900)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(folder, ignore_errors=True)
+    if any(p.exitcode != 0 for p in procs) or results.empty():
+        raise RuntimeError(f"{what} ranks exited with {[p.exitcode for p in procs]}")
+    return results.get()
