@@ -26,8 +26,6 @@ import dataclasses
 import math
 from typing import List, Optional
 
-from .step_search import STEP_OVERHEAD_TOLERANCE, StepSearch  # noqa: F401 (this module's names for them)
-
 # Predicted exposed copy time allowed in a budget plan, as a fraction of the predicted step.
 EXPOSED_TOLERANCE = 0.01
 # A schedule plans each copy this much longer than the measured bandwidth says: a group's
