@@ -40,10 +40,11 @@ SCRIPT = ROOT / "examples" / "train_fsdp2.py"
 
 # Activation memory matters here (tens of GiB per rank) while a step stays around a second.
 # auto_steps: auto mode's runs take this many more steps, for its tuning (probes alternating with
-# steps without offload) to settle before the steps that are timed.
+# steps without offload) to settle before the steps that are timed; on the CPU (quick) its plan offloads
+# nothing and settles at once, one step after its two measuring steps.
 FULL = dict(hidden=2048, layers=16, heads=16, seq=4096, batch=2, vocab=32000, steps=14, warmup=4, rounds=2,
             auto_steps=90)
-QUICK = dict(hidden=64, layers=2, heads=4, seq=32, batch=2, vocab=256, steps=5, warmup=2, rounds=1, auto_steps=0)
+QUICK = dict(hidden=64, layers=2, heads=4, seq=32, batch=2, vocab=256, steps=5, warmup=2, rounds=1, auto_steps=1)
 CONFIGS = ("off", "auto", "checkpoint")
 TARGETS = {"auto": 0.97, "checkpoint": 0.95}  # tokens/s at least this share of off's
 
@@ -103,8 +104,9 @@ def launch(config: str, shapes: dict, device: str, extra, checkpoint_root: str, 
 
 
 def measure(shapes: dict, device: str = "auto", extra=(), checkpoint_root=None, progress=print,
-            timeout_s: float = 600) -> dict:
-    """Every configuration over the rounds: {config: {'tokens_per_s', 'step_ms', 'peak_memory_bytes', ...}}."""
+            timeout_s: float = 600, log_dir=None) -> dict:
+    """Every configuration over the rounds: {config: {'tokens_per_s', 'step_ms', 'peak_memory_bytes', ...}}.
+    `log_dir`: where each run's output (rank 0's step lines, auto mode's plan) is kept, if given."""
     root = checkpoint_root or tempfile.mkdtemp(prefix="offload-bench-fsdp2-")
     os.makedirs(root, exist_ok=True)
     pooled = {c: [] for c in CONFIGS}
@@ -113,7 +115,11 @@ def measure(shapes: dict, device: str = "auto", extra=(), checkpoint_root=None, 
         for r in range(shapes["rounds"]):
             for config in order(r):
                 t0 = time.perf_counter()
-                run = parse_run(launch(config, shapes, device, list(extra), root, timeout_s), shapes["warmup"])
+                stdout = launch(config, shapes, device, list(extra), root, timeout_s)
+                if log_dir is not None:
+                    os.makedirs(log_dir, exist_ok=True)
+                    Path(log_dir, f"{config}-round{r + 1}.log").write_text(stdout)
+                run = parse_run(stdout, shapes["warmup"])
                 pooled[config] += run["tokens_per_s"]
                 summaries[config].append(run["summary"])
                 progress(f"round {r + 1}/{shapes['rounds']} {config}: {statistics.median(run['tokens_per_s']):.0f} "
@@ -133,6 +139,7 @@ def measure(shapes: dict, device: str = "auto", extra=(), checkpoint_root=None, 
             "checkpoint_ms": statistics.median(x["checkpoint_ms"] for x in s),
             "offloaded_bytes": max((x.get("offloaded_bytes") or 0) for x in s),
             "exposed_wait_ms": statistics.median((x.get("exposed_wait_ms") or 0.0) for x in s),
+            "layers_offloaded": max((x.get("layers_offloaded") or 0) for x in s),
             "plan_settled": all(x.get("plan_settled", True) for x in s),
         }
     return out
@@ -210,6 +217,7 @@ def main(argv=None) -> int:
                    help="folder for the checkpoint run's files (default: a temporary folder; choose fast storage)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per torchrun")
+    p.add_argument("--logs", default=None, help="keep each run's output in this folder")
     p.add_argument("extra", nargs="*", help="further train_fsdp2.py flags, after --, e.g. -- --param-dtype bf16")
     args = p.parse_args(argv)
     shapes = dict(QUICK if args.quick else FULL)
@@ -222,7 +230,8 @@ def main(argv=None) -> int:
               f"{accelerators()}; pass --device cpu --quick to check the harness on the CPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    results = measure(shapes, args.device, args.extra, args.checkpoint_root, timeout_s=args.timeout)
+    results = measure(shapes, args.device, args.extra, args.checkpoint_root, timeout_s=args.timeout,
+                      log_dir=args.logs)
     verdict = verdicts(results)
     print(f"train_fsdp2.py, 2 ranks, {args.device}: {json.dumps({k: v for k, v in shapes.items()})} "
           f"{' '.join(args.extra)} ({time.perf_counter() - t0:.0f} s)")

@@ -19,6 +19,7 @@ warm-up steps as JSON (benchmarks/bench_train_fsdp2.py reads it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -65,7 +66,15 @@ def parse_args(argv=None):
                    help="keep only the newest N saved checkpoints, deleting older ones (0: keep all)")
     p.add_argument("--warmup-steps", type=int, default=2,
                    help="first steps left out of the final summary's medians (allocator and kernel warm-up)")
+    p.add_argument("--profile-steps", default="",
+                   help="comma-separated steps to record with torch.profiler; rank 0 writes a Chrome trace of "
+                        "each into --profile-dir")
+    p.add_argument("--profile-dir", default="profiles")
     args = p.parse_args(argv)
+    try:
+        args.profile_steps = {int(s) for s in args.profile_steps.split(",") if s.strip()}
+    except ValueError:
+        p.error(f"--profile-steps takes comma-separated step numbers, got {args.profile_steps!r}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         p.error("--checkpoint-every and --resume need --checkpoint-dir")
     return args
@@ -142,11 +151,21 @@ def reset_peak_memory(device) -> None:
         reset(device)
 
 
-def plan_settled(handle) -> bool:
+def plan_settled(handle, mode: str) -> bool:
     """Whether activation offload runs its final plan: always in the fixed modes; in auto mode once
-    its tuning has settled (until then probe steps alternate with steps without offload)."""
-    plan = None if handle is None else handle.plan
-    return plan is None or bool(plan.get("tuning", {}).get("settled", False))
+    its tuning has settled (before its first plan the step measures, then probe steps alternate
+    with steps without offload)."""
+    if mode != "auto":
+        return True
+    plan = handle.plan
+    return plan is not None and bool(plan.get("tuning", {}).get("settled", False))
+
+
+def profiled(args, step: int, rank: int):
+    """A torch.profiler context recording this step on rank 0 if --profile-steps names it, else None."""
+    if rank != 0 or step not in args.profile_steps:
+        return None
+    return torch.profiler.profile(activities=torch.profiler.supported_activities())
 
 
 def summary(args, records, tokens: int, device, handle, settled_at) -> dict:
@@ -224,15 +243,20 @@ def main(argv=None):
                                      checkpoint_id=os.path.join(args.checkpoint_dir, f"step-{step}"),
                                      async_stager=stager, process_group=checkpoint_group)
         checkpoint_seconds = time.perf_counter() - t0
-        ids = batch_for(args, step, rank, device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.item()  # waits for the step: the time below is the step's
+        prof = profiled(args, step, rank)
+        with prof if prof is not None else contextlib.nullcontext():
+            ids = batch_for(args, step, rank, device)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.item()  # waits for the step: the time below is the step's
         seconds = time.perf_counter() - t0
+        if prof is not None:
+            os.makedirs(args.profile_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(args.profile_dir, f"step{step}.json"))
         records.append((step, seconds, checkpoint_seconds))
-        if settled_at is None and plan_settled(handle):
+        if settled_at is None and plan_settled(handle, args.activation_offload):
             settled_at = step
             reset_peak_memory(device)  # the tuning's steps without offload do not set the steady peak
         if rank == 0:

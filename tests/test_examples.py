@@ -102,3 +102,33 @@ def test_examples_train_fsdp2_nccl_offload_and_checkpoint(tmp_path):
                     "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
     assert sorted(_losses(out)) == [0, 1, 2] and "offloaded_mib" in out
     assert os.path.isdir(tmp_path / "ckpt" / "step-2")
+
+
+def _load_example(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Handle:
+    def __init__(self, plan):
+        self.plan = plan
+
+
+def test_examples_train_fsdp2_auto_settles_only_on_a_settled_plan():
+    # Before auto mode's first plan the step measures (every layer offloaded) and then probes
+    # alternate with steps without offload: none of those is the steady state the summary times.
+    train = _load_example("train_fsdp2")
+    assert not train.plan_settled(_Handle(None), "auto")
+    assert not train.plan_settled(_Handle({"tuning": {"settled": False}}), "auto")
+    assert train.plan_settled(_Handle({"tuning": {"settled": True}}), "auto")
+    assert train.plan_settled(_Handle(None), "async")
+    args = train.parse_args(["--profile-steps", "3,5"])
+    assert args.profile_steps == {3, 5}
+    assert train.profiled(args, 3, 0) is not None and train.profiled(args, 3, 1) is None
+    assert train.profiled(args, 4, 0) is None
+    with pytest.raises(SystemExit):
+        train.parse_args(["--profile-steps", "x"])
