@@ -20,7 +20,7 @@ mode was not tuned on: a stack of fewer blocks with an MLP twice as wide, and a 
 (grouped-query attention, biased projections) built from a config with random weights (quick:
 small shapes on the CPU, where the device keeps no memory statistics and the peaks are the
 planner's predictions). On one GPU each shape takes one to two minutes: the hand-written points
-3 timed steps each, 6 budgets, up to 40 steps for a budget plan to settle and up to
+`TIMED_STEPS` timed steps each, 6 budgets, up to 40 steps for a budget plan to settle and up to
 `max_tuning_steps` for each of the three auto runs (typically 30-60 steps).
 """
 
@@ -43,6 +43,9 @@ BUDGETS = 6  # budgets of the sweep, from the peak without offload to the least 
 AUTO_RUNS = 3  # auto mode without a budget, enabled afresh and settled this many times per shape
 ALTERNATED_ROUNDS = 12  # rounds of the last auto run against steps without offload, alternated
 CHECKPOINT_MEMORY_SLACK = 0.10  # the "checkpointing's memory" budget: its activation peak plus this share
+# Timed steps per point, their median taken: neighbouring points differ by 1-5%, and with 3 steps one
+# step's jitter decides the median (a point could come out faster than a plan recomputing less).
+TIMED_STEPS = 7
 
 
 def applies(device_type: str) -> bool:
@@ -79,7 +82,7 @@ def _point(ctx, model, loss_fn, iters, handle, settle=False):
 
 
 def _model_frontier(ctx, name, model, loss_fn):
-    iters = 2 if ctx.quick else 3
+    iters = 2 if ctx.quick else TIMED_STEPS
     probe = _handle(model, ctx, "auto", memory_budget_bytes=1 << 50)
     n = len(probe.layers)
     _point(ctx, model, loss_fn, iters, probe, settle=True)
