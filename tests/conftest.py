@@ -8,6 +8,10 @@ asynchronous streams, no second process).
 OFFLOAD_TEST_DEVICE=npu runs the suite on the npu stand-in (tests/npu_standin): it is
 built and registered as torch's "npu" device before offload is imported, so offload
 takes its NPU path and the `device` fixture gives npu:0.
+
+OFFLOAD_TEST_TIMES=FILE appends one line per test to FILE as it ends (total, setup, call
+and teardown seconds, outcome, node id), and a `running` line as it starts, each flushed
+at once: a run killed at a time limit still says where its time went and what it was in.
 """
 
 import os
@@ -46,6 +50,34 @@ def pytest_collection_modifyitems(config, items):
         standin = item.get_closest_marker("not_standin")
         if STANDIN and standin is not None:
             item.add_marker(pytest.mark.skip(reason=f"not on the npu stand-in: {standin.args[0]}"))
+
+
+_TIMES = os.environ.get("OFFLOAD_TEST_TIMES", "")
+_phases: dict = {}
+
+
+def _log_time(line: str) -> None:
+    # Opened per line: each line reaches the file before the next test starts.
+    with open(_TIMES, "a") as f:
+        f.write(line + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _TIMES:
+        _log_time(f"{'-':>8} {'-':>7} {'-':>7} {'-':>7} running {nodeid}")
+
+
+def pytest_runtest_logreport(report):
+    if not _TIMES:
+        return
+    phases = _phases.setdefault(report.nodeid, {})
+    phases[report.when] = report
+    if report.when != "teardown":
+        return
+    del _phases[report.nodeid]
+    seconds = [phases[w].duration if w in phases else 0.0 for w in ("setup", "call", "teardown")]
+    outcome = next((r.outcome for r in phases.values() if not r.passed), "passed")
+    _log_time(f"{sum(seconds):8.2f} {seconds[0]:7.2f} {seconds[1]:7.2f} {seconds[2]:7.2f} {outcome} {report.nodeid}")
 
 
 @pytest.fixture

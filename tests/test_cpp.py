@@ -3,8 +3,10 @@ and checks that the native core stays apart from its Python bindings.
 
 The unit tests test the native core's C++ API directly: the host pool's size
 classes, reuse, limit, reserve/trim and threads, and the copy engine's round
-trips. Building them compiles the core once more (a few minutes on 2 cores),
-hence `slow`. They link the core alone, built without Python's headers.
+trips. Building them compiles the core once more (a few minutes on 2 cores, one
+job per core), hence `slow`; run.sh reuses a build whose inputs hash the same, so a
+second run on the same machine only runs the tests. They link the core alone, built
+without Python's headers.
 """
 
 import os

@@ -2,12 +2,16 @@
 
 `--device cpu` (gloo) everywhere, whatever accelerators the host has; the runs on
 accelerators are marked: one GPU (colocated), two GPUs (NCCL).
+
+The torchruns are independent of one another: where the host has the cores, the module starts
+those of its selected tests side by side as it begins (`runs`), and each test checks its own.
 """
 
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,16 +45,22 @@ TINY = ["--device", "cpu", "--batch", "2", "--seq", "32", "--hidden", "64", "--l
         "--offload-min-tensor-bytes", "0"]
 
 
-def test_examples_train_fsdp2_checkpoint_resume_same_loss(tmp_path):
+def _fsdp2_resume(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     whole = _torchrun("train_fsdp2.py", *TINY, "--steps", "4", "--activation-offload", "async",
                       "--checkpoint-every", "2", "--checkpoint-dir", ckpt)
+    step_2_saved = os.path.isdir(os.path.join(ckpt, "step-2"))
+    resumed = _torchrun("train_fsdp2.py", *TINY, "--steps", "4", "--activation-offload", "async",
+                        "--checkpoint-dir", ckpt, "--resume")
+    return whole, step_2_saved, resumed
+
+
+def test_examples_train_fsdp2_checkpoint_resume_same_loss(runs):
+    whole, step_2_saved, resumed = runs()
     first = _losses(whole)
     assert sorted(first) == [0, 1, 2, 3]
     assert "tokens/s" in whole and "offloaded_mib" in whole and "exposed_wait_ms" in whole
-    assert os.path.isdir(os.path.join(ckpt, "step-2"))
-    resumed = _torchrun("train_fsdp2.py", *TINY, "--steps", "4", "--activation-offload", "async",
-                        "--checkpoint-dir", ckpt, "--resume")
+    assert step_2_saved
     assert "resumed from step 2" in resumed
     second = _losses(resumed)
     assert sorted(second) == [2, 3]
@@ -58,8 +68,8 @@ def test_examples_train_fsdp2_checkpoint_resume_same_loss(tmp_path):
 
 
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
-def test_examples_rl_weight_update_checks_weights(placement):
-    _check_rl(_torchrun("rl_weight_update.py", "--device", "cpu", "--placement", placement, *RL_TINY))
+def test_examples_rl_weight_update_checks_weights(runs, placement):
+    _check_rl(runs())
 
 
 RL_TINY = ["--iterations", "3", "--hidden", "64", "--layers", "2", "--vocab", "256", "--bucket-mib", "1"]
@@ -78,30 +88,96 @@ def _accelerators() -> int:
 @pytest.mark.skipif(_accelerators() >= 2, reason="needs fewer than 2 accelerators (to ask for more than there are)")
 @pytest.mark.parametrize("script,args", [("train_fsdp2.py", TINY[2:]),
                                          ("rl_weight_update.py", ["--placement", "separate", *RL_TINY])])
-def test_examples_too_few_devices_clear_message(script, args):
-    kind = _device.accelerator_type() or "cuda"
-    done = _torchrun(script, "--device", kind, *args, check=False)
+def test_examples_too_few_devices_clear_message(runs, script, args):
+    done = runs()
     assert done.returncode != 0
     assert f"but torch sees {_accelerators()}" in done.stderr and "--device cpu" in done.stderr, done.stderr[-3000:]
     assert "invalid device ordinal" not in done.stderr
 
 
 @pytest.mark.cuda
-def test_examples_rl_weight_update_colocated_on_one_gpu():
-    _check_rl(_torchrun("rl_weight_update.py", "--placement", "colocated", *RL_TINY))
+def test_examples_rl_weight_update_colocated_on_one_gpu(runs):
+    _check_rl(runs())
 
 
 @pytest.mark.multi_gpu
-def test_examples_rl_weight_update_separate_gpus():
-    _check_rl(_torchrun("rl_weight_update.py", "--placement", "separate", *RL_TINY))
+def test_examples_rl_weight_update_separate_gpus(runs):
+    _check_rl(runs())
 
 
-@pytest.mark.multi_gpu
-def test_examples_train_fsdp2_nccl_offload_and_checkpoint(tmp_path):
+def _fsdp2_nccl(tmp_path):
     out = _torchrun("train_fsdp2.py", *TINY[2:], "--steps", "3", "--activation-offload", "auto",
                     "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    return out, os.path.isdir(tmp_path / "ckpt" / "step-2")
+
+
+@pytest.mark.multi_gpu
+def test_examples_train_fsdp2_nccl_offload_and_checkpoint(runs):
+    out, step_2_saved = runs()
     assert sorted(_losses(out)) == [0, 1, 2] and "offloaded_mib" in out
-    assert os.path.isdir(tmp_path / "ckpt" / "step-2")
+    assert step_2_saved
+
+
+def _rl_on_cpu(placement):
+    return lambda tmp: _torchrun("rl_weight_update.py", "--device", "cpu", "--placement", placement, *RL_TINY)
+
+
+def _too_few(script, args):
+    return lambda tmp: _torchrun(script, "--device", _device.accelerator_type() or "cuda", *args, check=False)
+
+
+# What each test runs, by its name: a function of a fresh folder, returning what the test checks.
+RUNS = {
+    "test_examples_train_fsdp2_checkpoint_resume_same_loss": _fsdp2_resume,
+    "test_examples_rl_weight_update_checks_weights[colocated]": _rl_on_cpu("colocated"),
+    "test_examples_rl_weight_update_checks_weights[separate]": _rl_on_cpu("separate"),
+    "test_examples_too_few_devices_clear_message[train_fsdp2.py-args0]": _too_few("train_fsdp2.py", TINY[2:]),
+    "test_examples_too_few_devices_clear_message[rl_weight_update.py-args1]":
+        _too_few("rl_weight_update.py", ["--placement", "separate", *RL_TINY]),
+    "test_examples_rl_weight_update_colocated_on_one_gpu":
+        lambda tmp: _torchrun("rl_weight_update.py", "--placement", "colocated", *RL_TINY),
+    "test_examples_rl_weight_update_separate_gpus":
+        lambda tmp: _torchrun("rl_weight_update.py", "--placement", "separate", *RL_TINY),
+    "test_examples_train_fsdp2_nccl_offload_and_checkpoint": _fsdp2_nccl,
+}
+# A torchrun of two ranks keeps about three cores busy (its agent, two ranks).
+PARALLEL = max(1, (os.cpu_count() or 1) // 4)
+
+
+def _will_run(item) -> bool:
+    """Not skipped by a marker (conftest's, or a skipif whose condition is a value)."""
+    return item.get_closest_marker("skip") is None and not any(
+        m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+
+
+class _Runs:
+    def __init__(self, futures, tmp_path_factory):
+        self.futures, self.tmp_path_factory = futures, tmp_path_factory
+
+    def result(self, name):
+        """What the run of test `name` returned (its exception, if it raised)."""
+        future = self.futures.get(name)
+        if future is None:  # not started with the module: run it here
+            return RUNS[name](self.tmp_path_factory.mktemp("run"))
+        return future.result()
+
+
+@pytest.fixture(scope="module")
+def _started(request, tmp_path_factory):
+    names = [item.name for item in request.session.items
+             if item.module is request.module and item.name in RUNS and _will_run(item)]
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        # Submitted in the tests' order: with one worker they run one at a time, as the tests come.
+        futures = {name: pool.submit(RUNS[name], tmp_path_factory.mktemp("run")) for name in names}
+        yield _Runs(futures, tmp_path_factory)
+        for future in futures.values():
+            future.cancel()
+
+
+@pytest.fixture
+def runs(_started, request):
+    """This test's run: `runs()` waits for it and returns what it returned."""
+    return lambda: _started.result(request.node.name)
 
 
 def _load_example(name):

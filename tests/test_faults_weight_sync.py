@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
-from _workers import watch_for_aborts
+from _workers import context, watch_for_aborts
 
 TIMEOUT_S = 4.0
 # How much later than `timeout_s` the error may come on a loaded shared machine (spawned
@@ -143,7 +143,7 @@ def _raising_sender_world(rank, init_file, results):
 
 
 def test_faults_sender_raises_mid_sync_receiver_times_out(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     init_file = str(tmp_path / "init")
     procs = [ctx.Process(target=_raising_sender_world, args=(rank, init_file, results)) for rank in (0, 1)]
@@ -247,7 +247,7 @@ def _collect(procs, results, expect: int) -> dict:
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["sender_dies", "receiver_dies"])
 def test_faults_peer_killed_mid_sync_survivor_errors_then_syncs_anew(tmp_path, victim):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     procs = [ctx.Process(target=_dying_world, args=(rank, victim, first, second, results)) for rank in (0, 1)]

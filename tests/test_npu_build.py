@@ -3,6 +3,7 @@
 Ascend machine; and the ACL pinner, linked with a scripted ACL (tests/acl/), pins, unpins,
 fails and steps aside as documented (csrc/core/npu/host_memory_npu.cpp)."""
 
+import hashlib
 import os
 import platform
 import shutil
@@ -35,7 +36,7 @@ def _compiler_or_skip():
 
 
 def _compile_all(jobs):
-    """Run the compile commands `jobs` ({name: argv}) side by side; {name: CompletedProcess-like}."""
+    """Run the compile commands `jobs` ({name: argv}) side by side; {name: (returncode, stderr tail)}."""
     running = {name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for name, argv in jobs.items()}
     done = {}
@@ -45,22 +46,68 @@ def _compile_all(jobs):
     return done
 
 
+# Objects that compiled are kept here, each named by a hash of its command and of every input it
+# can read (csrc/, the test sources, the compiler, torch): the same inputs on the same machine
+# compile once, and any change to them compiles anew. A failed compile is never kept.
+CACHE = ROOT / "build" / "npu_build"
+
+
+def _inputs_digest() -> str:
+    digest = hashlib.sha256()
+    files = [*(ROOT / "csrc").rglob("*"), *(ROOT / "tests" / "acl").rglob("*"), *(ROOT / "tests" / "cpp").glob("*.h")]
+    for path in sorted(p for p in files if p.is_file()):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    version = subprocess.run([CXX, "--version"], capture_output=True, text=True, timeout=60).stdout
+    digest.update(f"{version}\0{torch.__version__}\0{torch.__file__}".encode())
+    return digest.hexdigest()
+
+
+def _compile_cached(sources):
+    """Compile `sources` ({name: (source, extra flags)}) to objects, side by side, reusing kept ones;
+    {name: (returncode, stderr tail, object path)}."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    inputs = _inputs_digest()
+    objects, jobs = {}, {}
+    for name, (source, extra) in sources.items():
+        argv = [CXX, *FLAGS, *extra, "-c", str(source)]
+        key = hashlib.sha256("\0".join([inputs, *argv]).encode()).hexdigest()[:20]
+        objects[name] = CACHE / f"{Path(source).stem}-{key}.o"
+        if not objects[name].exists():
+            jobs[name] = [*argv, "-o", f"{objects[name]}.{os.getpid()}.tmp"]
+    results = _compile_all(jobs)
+    for name, (rc, _) in results.items():
+        partial = f"{objects[name]}.{os.getpid()}.tmp"
+        if rc == 0:  # whole objects only: a compile cut short leaves no object under the final name
+            os.replace(partial, objects[name])
+        elif os.path.exists(partial):
+            os.remove(partial)
+    return {name: (*results.get(name, (0, "")), objects[name]) for name in sources}
+
+
+SCRIPTED = "test_npu_pinner_against_a_scripted_acl"
+
+
 @pytest.fixture(scope="module")
-def npu_objects(tmp_path_factory):
+def npu_objects(request, tmp_path_factory):
     """Each NPU source compiled to an object against the stub, and compiled again as an older
-    CANN would see it; {source name: object path}."""
+    CANN would see it; when the scripted-ACL test is selected, its own objects too, in the same
+    batch. {"results": {name: (returncode, stderr)}, "objects"/"older"/"scripted": {name: path}}."""
     _compiler_or_skip()
     assert NPU_SOURCES, "csrc/core/npu holds no sources"
-    out = tmp_path_factory.mktemp("npu_build")
-    jobs = {}
+    sources = {}
     for source in NPU_SOURCES:
-        jobs[source.name] = [CXX, *FLAGS, "-c", str(source), "-o", str(out / f"{source.stem}.o")]
-        jobs[f"{source.name} (older CANN)"] = [CXX, *FLAGS, *WITHOUT_PINNED, "-c", str(source),
-                                               "-o", str(out / f"{source.stem}.older.o")]
-    results = _compile_all(jobs)
-    return {"dir": out, "results": results,
-            "objects": {source.name: out / f"{source.stem}.o" for source in NPU_SOURCES},
-            "older": {source.name: out / f"{source.stem}.older.o" for source in NPU_SOURCES}}
+        sources[source.name] = (source, [])
+        sources[f"{source.name} (older CANN)"] = (source, WITHOUT_PINNED)
+    scripted = {"host_memory.cpp": (ROOT / "csrc" / "core" / "host_memory.cpp", []),
+                "test_npu_pinner.cpp": (ROOT / "tests" / "acl" / "test_npu_pinner.cpp", [f"-I{ROOT / 'tests' / 'cpp'}"])}
+    if any(item.name == SCRIPTED for item in request.session.items):
+        sources.update(scripted)
+    compiled = _compile_cached(sources)
+    return {"dir": tmp_path_factory.mktemp("npu_build"),
+            "results": {name: compiled[name][:2] for name in sources if name not in scripted},
+            "objects": {source.name: compiled[source.name][2] for source in NPU_SOURCES},
+            "older": {source.name: compiled[f"{source.name} (older CANN)"][2] for source in NPU_SOURCES},
+            "scripted": {name: compiled[name] for name in scripted if name in compiled}}
 
 
 def test_npu_sources_compile_against_the_acl_stub(npu_objects):
@@ -92,17 +139,12 @@ def test_npu_pinner_against_a_scripted_acl(npu_objects):
     if release <= (5, 10):
         pytest.skip(f"ACL registers pageable memory only on Linux after 5.10; this kernel is {platform.release()}")
     out = npu_objects["dir"]
-    jobs = {
-        "host_memory.cpp": [CXX, *FLAGS, "-c", str(ROOT / "csrc" / "core" / "host_memory.cpp"),
-                            "-o", str(out / "host_memory.o")],
-        "test_npu_pinner.cpp": [CXX, *FLAGS, f"-I{ROOT / 'tests' / 'cpp'}", "-c",
-                                str(ROOT / "tests" / "acl" / "test_npu_pinner.cpp"), "-o", str(out / "test.o")],
-    }
-    failed = {name: err for name, (rc, err) in _compile_all(jobs).items() if rc != 0}
+    built = npu_objects["scripted"]
+    failed = {name: err for name, (rc, err, _) in built.items() if rc != 0}
     assert not failed, "\n\n".join(f"{name}:\n{err}" for name, err in failed.items())
     torch_lib = Path(torch.__file__).resolve().parent / "lib"
     program = out / "test_npu_pinner"
-    linked = subprocess.run([CXX, "-pthread", str(out / "test.o"), str(out / "host_memory.o"),
+    linked = subprocess.run([CXX, "-pthread", str(built["test_npu_pinner.cpp"][2]), str(built["host_memory.cpp"][2]),
                              str(npu_objects["objects"]["host_memory_npu.cpp"]), f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
                              f"-Wl,-rpath,{torch_lib}", "-o", str(program)], capture_output=True, text=True,
                             timeout=600)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
-from _workers import leave_passed_worker, run_ranks, watch_for_aborts
+from _workers import context, leave_passed_worker, run_ranks, watch_for_aborts
 
 SRC = 0
 _INIT_TIMEOUT = datetime.timedelta(seconds=120)
@@ -187,7 +187,7 @@ def _pipe_receiver(conn, mode, result):
 
 
 def _with_receiver(mode):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     here, there = ctx.Pipe()
     result = ctx.SimpleQueue()
     proc = ctx.Process(target=_pipe_receiver, args=(there, mode, result))
@@ -248,7 +248,7 @@ def test_weight_sync_ipc_unknown_plan_refused():
 
 
 def test_weight_sync_ipc_sender_dies_receiver_times_out():
-    ctx = mp.get_context("spawn")
+    ctx = context()
     here, there = ctx.Pipe()
     result = ctx.SimpleQueue()
     proc = ctx.Process(target=_pipe_receiver, args=(there, "sender_dies", result))
