@@ -1,4 +1,5 @@
-"""What the multi-process tests' worker processes share (spawned ranks of a torch.distributed world)."""
+"""What the torch.distributed tests share: spawned ranks of a world (their worker processes,
+the rendezvous, a comparison of weights), and a one-rank gloo world in this process."""
 
 import datetime
 import faulthandler
@@ -8,6 +9,7 @@ import sys
 import tempfile
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -109,3 +111,15 @@ def assert_equal_weights(got: dict, want: dict, what: str) -> None:
     assert got.keys() == want.keys(), what
     for n in want:
         assert got[n].dtype == want[n].dtype and torch.equal(got[n].cpu(), want[n].cpu()), f"{what}: {n}"
+
+
+@pytest.fixture
+def gloo_world():
+    """A one-rank gloo world in this process, for the calls that need a process group."""
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -8,6 +8,7 @@ import torch.distributed.checkpoint as dcp
 
 import offload
 from _staging_helpers import assert_same, model_and_optimizer, rich_state, snapshot, tensors_in, train_step
+from _workers import gloo_world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -122,19 +123,6 @@ def test_staging_dcp_structure_change_round_trip(tmp_path, backend, device):
         _dcp_round_trip(stager, s, tmp_path / f"s{number}", zeros_like_state(s))
     assert [r["replanned"] for r in stager.metrics()] == [True, True, True, True]
     stager.close()
-
-
-@pytest.fixture
-def gloo_world():
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("needs torch.distributed")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_staging_dtensor_keeps_placement(tmp_path, gloo_world):
