@@ -1,7 +1,7 @@
 """Deferred refills (copy_to_host(..., out=<CopyHandle>, defer=True)), queued by the core's
 worker thread: bitwise, checked before the call returns, in call order, holding no source
 once seen complete; and the timing of a copy (copy_seconds, copy_timer).
-Each test runs on the compiled core and on the pure-PyTorch path (`backend`)."""
+A test that takes `backend` runs on the compiled core and on the pure-PyTorch path."""
 
 import pytest
 import torch

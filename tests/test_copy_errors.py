@@ -1,7 +1,7 @@
 """The errors a user of copy_to_host / copy_to_device can hit: non-tensors, meta and sparse
-tensors, a wrong destination, bad sizes and options, tensors on the wrong device or in
-unpinned memory.
-Each test runs on the compiled core and on the pure-PyTorch path (`backend`)."""
+tensors, a wrong destination, bad sizes and options, tensors on the wrong device (host
+sources, which only a CPU-only torch copies) or in unpinned memory.
+A test that takes `backend` runs on the compiled core and on the pure-PyTorch path."""
 
 import pytest
 import torch

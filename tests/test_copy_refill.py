@@ -1,7 +1,7 @@
 """Copies into given or reused host buffers: out= a list of tensors or an earlier
 CopyHandle, packed groups kept by a refill, the checks a refill makes (shapes, strides,
 same_sources).
-Each test runs on the compiled core and on the pure-PyTorch path (`backend`)."""
+A test that takes `backend` runs on the compiled core and on the pure-PyTorch path."""
 
 import pytest
 import torch

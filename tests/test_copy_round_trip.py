@@ -1,7 +1,7 @@
 """copy_to_host / copy_to_device round trips: bitwise for every dtype and layout (lazy
 conj/neg views, no autograd graph), many small tensors batched with large ones, large
 tensors in chunks, and the handle's waits.
-Each test runs on the compiled core and on the pure-PyTorch path (`backend`)."""
+A test that takes `backend` runs on the compiled core and on the pure-PyTorch path."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """copy_spans_to_host: byte spans of device storages copied to given offsets of one host
 block (given, or acquired from the pool by the call), and the spans it refuses.
-Each test runs on the compiled core and on the pure-PyTorch path (`backend`)."""
+A test that takes `backend` runs on the compiled core and on the pure-PyTorch path."""
 
 import pytest
 import torch

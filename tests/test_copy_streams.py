@@ -1,7 +1,7 @@
 """Stream order of the copies on an accelerator: a copy sees work queued before the call,
 sources freed or released early are not reused mid-copy, a consumer waits on the device,
 both directions run at once; and the device layer's current stream.
-Each test runs on the compiled core and on the pure-PyTorch path (`backend`)."""
+A test that takes `backend` runs on the compiled core and on the pure-PyTorch path."""
 
 import pytest
 import torch
