@@ -11,12 +11,17 @@
 source "$(dirname "$0")/_env.sh" --need pytest hypothesis --want transformers accelerate
 
 selection=(tests)
-fallback=(tests/test_package.py tests/test_pool.py tests/test_copy.py tests/test_buckets.py tests/test_staging.py)
+copy_tests=(tests/test_copy_round_trip.py tests/test_copy_spans.py tests/test_copy_refill.py tests/test_copy_errors.py
+            tests/test_copy_streams.py tests/test_copy_defer.py)
+staging_tests=(tests/test_staging_dcp.py tests/test_staging_values.py tests/test_staging_replan.py
+               tests/test_staging_object_scan.py tests/test_staging_ring.py tests/test_staging_host_memory.py
+               tests/test_staging_streams.py tests/test_staging_metrics.py tests/test_staging_errors.py)
+fallback=(tests/test_package.py tests/test_pool.py "${copy_tests[@]}" tests/test_buckets.py "${staging_tests[@]}")
 for file in tests/test_activation*.py; do
   case "$file" in *_cuda.py) ;; *) fallback+=("$file") ;; esac
 done
-standin=(tests/test_npu_standin.py tests/test_activation_device.py tests/test_pool.py tests/test_copy.py tests/test_buckets.py tests/test_staging.py
-         tests/test_staging_degrade.py tests/test_param_offload.py tests/test_faults_memory.py
+standin=(tests/test_npu_standin.py tests/test_activation_device.py tests/test_pool.py "${copy_tests[@]}" tests/test_buckets.py
+         "${staging_tests[@]}" tests/test_staging_degrade.py tests/test_param_offload.py tests/test_faults_memory.py
          tests/test_saved_tensor_hooks.py tests/test_faults_weight_sync.py)
 for arg in "$@"; do
   if [ -e "${arg%%::*}" ]; then  # a path (or path::test) names the selection

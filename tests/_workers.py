@@ -1,10 +1,23 @@
-"""What the multi-process tests' worker processes share (spawned ranks of a torch.distributed world)."""
+"""What the torch.distributed tests share: spawned ranks of a world (their worker processes,
+the rendezvous, a comparison of weights), and a one-rank gloo world in this process."""
 
+import datetime
 import faulthandler
 import os
+import shutil
 import sys
+import tempfile
+import traceback
 
+import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import offload
+
+_INIT_TIMEOUT = datetime.timedelta(seconds=120)
+_JOIN_TIMEOUT_S = 240
 
 
 def context():
@@ -68,3 +81,61 @@ def run_ranks(target, args, world: int, timeout_s: float) -> None:
         errors.append(failures.get())
     codes = [p.exitcode for p in procs]
     assert not errors and codes == [0] * world, "\n".join(errors) or f"a rank hung or crashed (exit codes {codes})"
+
+
+def _run_scenario(rank, world, init_method, scenario, device_type, colocated, failures):
+    watch_for_aborts()
+    try:
+        # Colocated ranks share one device and talk over a gloo group; otherwise each rank
+        # takes the accelerator of its number and, on CUDA, an NCCL group.
+        if device_type == "cuda" and not colocated:
+            offload.core._device._module("cuda").set_device(rank)
+        backend = "nccl" if device_type == "cuda" and not colocated else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_INIT_TIMEOUT)
+        torch.set_num_threads(1)
+        device = offload.core._device.current_device() if device_type == "cuda" else torch.device("cpu")
+        scenario(rank, device)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        failures.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    leave_passed_worker()
+
+
+# Rendezvous through a file in a fresh directory, not a TCP port: a port picked
+# free in the parent (bind to 0, close) stays free only until some other process
+# on the machine takes it, and spawning two interpreters that import torch and
+# transformers takes seconds on a loaded machine. Then rank 0's store fails with
+# EADDRINUSE (or rank 1 joins another test's store) and the other rank waits until
+# the join timeout: a failure seen only when many tests run at once. Gloo's own
+# connections bind ports chosen by the OS and exchange them through the store.
+def spawn_world(scenario, device_type: str = "cpu", world: int = 2, colocated: bool = False) -> None:
+    """Run scenario(rank, device) on every rank of a `world`-process torch.distributed world
+    (rendezvous through a file) and check them as run_ranks does. `scenario` is a module-level
+    function (spawn pickles it). `colocated`: every rank on the one device, over gloo."""
+    rendezvous = tempfile.mkdtemp(prefix="offload-world-")
+    init_method = "file://" + os.path.join(rendezvous, "store")
+    try:
+        run_ranks(_run_scenario, (world, init_method, scenario, device_type, colocated), world, _JOIN_TIMEOUT_S)
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def assert_equal_weights(got: dict, want: dict, what: str) -> None:
+    """Same names, and per name the same dtype and values (compared on the host)."""
+    assert got.keys() == want.keys(), what
+    for n in want:
+        assert got[n].dtype == want[n].dtype and torch.equal(got[n].cpu(), want[n].cpu()), f"{what}: {n}"
+
+
+@pytest.fixture
+def gloo_world():
+    """A one-rank gloo world in this process, for the calls that need a process group."""
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

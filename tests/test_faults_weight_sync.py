@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
-from _workers import context, watch_for_aborts
+from _workers import context, gloo_world, watch_for_aborts  # noqa: F401 (fixture: gloo_world)
 
 TIMEOUT_S = 4.0
 # How much later than `timeout_s` the error may come on a loaded shared machine (spawned
@@ -263,17 +263,6 @@ def test_faults_peer_killed_mid_sync_survivor_errors_then_syncs_anew(tmp_path, v
 
 
 # ------------------------------------------------------------ in one process
-
-
-@pytest.fixture
-def gloo_world():
-    if not dist.is_available():
-        pytest.skip("needs torch.distributed")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_faults_weight_sync_timeout_s_bad_values(gloo_world):

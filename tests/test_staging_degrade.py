@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import offload
+from _staging_helpers import assert_same, snapshot, tensors_in
 
 KiB = 1 << 10
 
@@ -36,18 +37,10 @@ def _state(device, scale=1):
     }
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-
-
 def _change(state):
     """Change every tensor of `state` once (tied ones once, broadcasts through their one row)."""
     seen = set()
-    for t in _tensors(state):
+    for t in tensors_in(state):
         if t.data_ptr() in seen or not t.numel():
             continue
         seen.add(t.data_ptr())
@@ -56,32 +49,9 @@ def _change(state):
         t.add_(1)
 
 
-def _snapshot(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
-    return obj
-
-
-def _assert_same(actual, expected, path="sd"):
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), path
-        assert actual.shape == expected.shape and actual.dtype == expected.dtype, path
-        assert torch.equal(actual.cpu().contiguous().view(-1).view(torch.uint8),
-                           expected.cpu().contiguous().view(-1).view(torch.uint8)), path
-        return
-    if isinstance(expected, dict):
-        assert set(actual) == set(expected), path
-        for k in expected:
-            _assert_same(actual[k], expected[k], f"{path}[{k!r}]")
-        return
-    assert actual == expected, path
-
-
 def _tensor_bytes(state) -> int:
     seen, total = set(), 0
-    for t in _tensors(state):
+    for t in tensors_in(state):
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
@@ -105,10 +75,10 @@ def test_staging_degrade_stages_past_the_limit_bit_exact(backend, device, fracti
     total = _tensor_bytes(state)
     limit = max(1, int(total * fraction))
     stager = offload.AsyncStager(pool=pool, limit_bytes=limit)
-    expected = _snapshot(state)
+    expected = snapshot(state)
     staged, warned = _stage_recording(stager, state)
     _change(state)  # after the call: not in the staged copy
-    _assert_same(staged, expected)
+    assert_same(staged, expected)
     assert len(warned) == 1
     assert stager.host_bytes() <= limit and pool.stats()["in_use_bytes"] <= limit
     assert stager.pageable_bytes() > 0
@@ -132,15 +102,15 @@ def test_staging_degrade_warns_once_per_stager(backend, device):
     counts = []
     for step in range(4):
         _change(state)
-        expected = _snapshot(state)
+        expected = snapshot(state)
         staged, warned = _stage_recording(stager, state)
-        _assert_same(staged, expected)
+        assert_same(staged, expected)
         counts.append(len(warned))
         assert stager.host_bytes() <= limit
         del staged
     renamed = {"renamed": state["model"], "step": 4}
     staged, warned = _stage_recording(stager, renamed)
-    _assert_same(staged, _snapshot(renamed))
+    assert_same(staged, snapshot(renamed))
     counts.append(len(warned))
     assert counts == [1, 0, 0, 0, 0]
     assert [r["buffers_allocated"] for r in stager.metrics()][1:4] == [0, 0, 0]  # refilled, pageable ones too
@@ -160,7 +130,7 @@ def test_staging_degrade_no_warning_when_it_fits(backend, device):
     state = _state(device)
     stager = offload.AsyncStager(limit_bytes=4 * _tensor_bytes(state))
     staged, warned = _stage_recording(stager, state)
-    _assert_same(staged, _snapshot(state))
+    assert_same(staged, snapshot(state))
     assert warned == [] and stager.pageable_bytes() == 0 and stager.metrics()[-1]["pageable_bytes"] == 0
     del staged
     stager.close()
@@ -172,7 +142,7 @@ def test_staging_degrade_forward_buffers_stay_pooled(backend, device):
     state["model"]["running_mean"] = torch.randn(64, device=device)
     stager = offload.AsyncStager(limit_bytes=4 * KiB, forward_buffers=["model.running_mean"])
     staged, warned = _stage_recording(stager, state)
-    _assert_same(staged, _snapshot(state))
+    assert_same(staged, snapshot(state))
     assert len(warned) == 1 and 0 < stager.host_bytes() <= 4 * KiB
     del staged
     stager.close()
@@ -196,8 +166,8 @@ def test_staging_degrade_second_set_refit_while_the_first_is_read(backend, devic
     del first  # set 0 free, set 1 read
     bigger = _state(device, scale=2)
     staged, warned = _stage_recording(stager, bigger)
-    _assert_same(staged, _snapshot(bigger))
-    _assert_same(second, _snapshot(state))
+    assert_same(staged, snapshot(bigger))
+    assert_same(second, snapshot(state))
     assert len(warned) == 1 and stager.host_bytes() <= limit
     assert pool.stats()["in_use_bytes"] <= limit
     del staged, second
@@ -211,15 +181,15 @@ def test_staging_degrade_dcp_round_trip(tmp_path, backend, device):
     limit = _tensor_bytes(state) // 2
     stager = offload.AsyncStager(limit_bytes=limit)
     for step in range(2):
-        expected = _snapshot(state)
+        expected = snapshot(state)
         with pytest.warns(UserWarning, match="pageable host memory") if step == 0 else warnings.catch_warnings():
             response = dcp.async_save(state, checkpoint_id=str(tmp_path / f"ckpt{step}"), async_stager=stager)
         _change(state)
         getattr(response, "upload_completion", response).result(timeout=120)
-        target = _snapshot(state)
-        for t in _tensors(target):
+        target = snapshot(state)
+        for t in tensors_in(target):
             t.zero_()
         dcp.load(target, checkpoint_id=str(tmp_path / f"ckpt{step}"))
-        _assert_same(target, expected)
+        assert_same(target, expected)
         assert stager.host_bytes() <= limit
     stager.close()

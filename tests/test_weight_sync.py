@@ -5,32 +5,16 @@ rebuilds the same model with the same seed and the same edits, so it knows what
 must arrive, and checks bit for bit after every sync.
 """
 
-import datetime
-import os
-import shutil
 import sys
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import offload
-from _workers import leave_passed_worker, run_ranks, watch_for_aborts
+from _workers import assert_equal_weights, spawn_world
 
 SRC = 0
-
-
-# Rendezvous through a file in a fresh directory, not a TCP port: a port picked
-# free in the parent (bind to 0, close) stays free only until some other process
-# on the machine takes it, and spawning two interpreters that import torch and
-# transformers takes seconds on a loaded machine. Then rank 0's store fails with
-# EADDRINUSE (or rank 1 joins another test's store) and the other rank waits until
-# the join timeout: a failure seen only when many tests run at once. Gloo's own
-# connections bind ports chosen by the OS and exchange them through the store.
-_INIT_TIMEOUT = datetime.timedelta(seconds=120)
-_JOIN_TIMEOUT_S = 240
 
 
 def _llama(seed: int, device="cpu"):
@@ -52,39 +36,6 @@ def _train_step(model, step: int) -> None:
 
 def _sd(model):
     return {n: t.detach().clone() for n, t in model.state_dict().items()}
-
-
-def _assert_equal(got, want, what):
-    assert got.keys() == want.keys(), what
-    for n in want:
-        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{what}: {n}"
-
-
-def _run(rank, world, init_method, scenario, device_type, failures):
-    watch_for_aborts()
-    try:
-        if device_type == "cuda":
-            offload.core._device._module("cuda").set_device(rank)
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_INIT_TIMEOUT)
-        torch.set_num_threads(1)
-        device = offload.core._device.current_device() if device_type == "cuda" else torch.device("cpu")
-        scenario(rank, device)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        failures.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    leave_passed_worker()
-
-
-def _spawn(scenario, device_type="cpu", world=2):
-    rendezvous = tempfile.mkdtemp(prefix="offload-weight-sync-")
-    init_method = "file://" + os.path.join(rendezvous, "store")
-    try:
-        run_ranks(_run, (world, init_method, scenario, device_type), world, _JOIN_TIMEOUT_S)
-    finally:
-        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- scenarios (module level: spawn pickles them)
@@ -113,7 +64,7 @@ def _scenario_syncs(rank, device):
         _train_step(replica, step)
         t = receiver.load(mine)
         assert receiver.version == step and t["unpack_ms"] > 0 and t["gather_ms"] == 0.0 and t["transfer_ms"] > 0
-        _assert_equal(_sd(mine), _sd(replica), f"sync {step}")
+        assert_equal_weights(_sd(mine), _sd(replica), f"sync {step}")
     # bf16 except the norms, which keep fp32
     low = _llama(1, device).to(torch.bfloat16)
     for name, mod in low.named_modules():
@@ -121,9 +72,9 @@ def _scenario_syncs(rank, device):
             mod.weight.data = mod.weight.data.float()
     receiver.load(low)
     want = {n: (t if n.endswith("norm.weight") else t.to(torch.bfloat16)) for n, t in _sd(replica).items()}
-    _assert_equal(_sd(low), want, "cast")
+    assert_equal_weights(_sd(low), want, "cast")
     got = dict(receiver.receive(copy=True))  # lm_head and embed_tokens are split over 16 KiB buckets
-    _assert_equal(got, _sd(replica), "receive")
+    assert_equal_weights(got, _sd(replica), "receive")
     assert receiver.timings["transfer_ms"] > 0
 
 
@@ -151,14 +102,14 @@ def _scenario_host_cache(rank, device):
     mine = _llama(1, device)
     receiver.load(mine)
     assert receiver.version == 0
-    _assert_equal(_sd(mine), _sd(replica), "version 0")
+    assert_equal_weights(_sd(mine), _sd(replica), "version 0")
     _train_step(replica, 0)
     receiver.load(mine)
-    _assert_equal(_sd(mine), _sd(replica), "version 1")
+    assert_equal_weights(_sd(mine), _sd(replica), "version 1")
     _train_step(replica, 1)
     receiver.load(mine)
     assert receiver.version == 2
-    _assert_equal(_sd(mine), _sd(replica), "version 2")
+    assert_equal_weights(_sd(mine), _sd(replica), "version 2")
 
 
 def _scenario_bad_receiver(rank, device):
@@ -184,7 +135,7 @@ def _scenario_bad_receiver(rank, device):
     with pytest.raises(ValueError, match="received tensor 'model.norm.weight' but the target has no tensor"):
         receiver.load(missing)
     receiver.load(wrong)  # and the next sync works
-    _assert_equal(_sd(wrong), _sd(model), "after errors")
+    assert_equal_weights(_sd(wrong), _sd(model), "after errors")
 
 
 def _scenario_bad_source(rank, device):
@@ -225,13 +176,13 @@ def _scenario_bad_source(rank, device):
     receiver = offload.WeightReceiver(src=SRC)
     mine = {n: torch.zeros_like(t) for n, t in good.items()}
     receiver.load(mine)
-    _assert_equal(mine, good, "after refused sources")
+    assert_equal_weights(mine, good, "after refused sources")
     mine = {n: torch.zeros_like(t) for n, t in good.items()}
     with pytest.raises(ValueError, match=r"WeightReceiver: the plan from rank 0: tensor 'b' has shape \[40\] "
                                          r"\(40 elements\) but holds elements \[0, 100\)"):
         receiver.load(mine)
     receiver.load(mine)
-    _assert_equal(mine, good, "after a refused plan")
+    assert_equal_weights(mine, good, "after a refused plan")
 
 
 def _scenario_subgroup(rank, device):
@@ -265,7 +216,7 @@ def _scenario_subgroup(rank, device):
     for step in range(2):
         _train_step(model, step)
         receiver.load(mine)
-        _assert_equal(_sd(mine), _sd(model), f"subgroup sync {step}")
+        assert_equal_weights(_sd(mine), _sd(model), f"subgroup sync {step}")
 
 
 def _shard(model, device):
@@ -320,7 +271,7 @@ def _scenario_fsdp2_host_cache(rank, device):
         assert receiver.version == step
         _train_step(replica, step)
         want = {n: (t if n.endswith("norm.weight") else t.to(torch.bfloat16)) for n, t in _sd(replica).items()}
-        _assert_equal(_sd(mine), want, f"FSDP2 sync {step}")
+        assert_equal_weights(_sd(mine), want, f"FSDP2 sync {step}")
 
 
 class _GatherRecorder:
@@ -389,7 +340,7 @@ def _scenario_fsdp2_host_cache_per_layer(rank, device):
                 assert sender.send(version=v)["bytes"] == 0
                 receiver.load(mine)
                 assert receiver.version == v
-                _assert_equal(_sd(mine), want, f"FSDP2 version {v}")
+                assert_equal_weights(_sd(mine), want, f"FSDP2 version {v}")
         assert sender.versions == versions
     assert recorder.calls == 6 * len(sizes)  # every snapshot gathered every tensor once, on both ranks
     if rank == SRC:  # a version's host buffers are those of the version it evicted
@@ -398,7 +349,7 @@ def _scenario_fsdp2_host_cache_per_layer(rank, device):
 
 @pytest.mark.slow
 def test_weight_sync_gloo_device_mode_consecutive_syncs():
-    _spawn(_scenario_syncs)
+    spawn_world(_scenario_syncs)
 
 
 @pytest.mark.slow
@@ -406,22 +357,22 @@ def test_weight_sync_gloo_device_mode_consecutive_syncs():
                     reason="host_cache snapshots copy from the accelerator; a CPU model on a GPU host is refused "
                            "by copy_to_host (the NCCL test covers host_cache there)")
 def test_weight_sync_gloo_host_cache_versions():
-    _spawn(_scenario_host_cache)
+    spawn_world(_scenario_host_cache)
 
 
 @pytest.mark.slow
 def test_weight_sync_gloo_bad_receiver_names_tensor():
-    _spawn(_scenario_bad_receiver)
+    spawn_world(_scenario_bad_receiver)
 
 
 @pytest.mark.slow
 def test_weight_sync_gloo_bad_source_and_bad_plan_refused():
-    _spawn(_scenario_bad_source)
+    spawn_world(_scenario_bad_source)
 
 
 @pytest.mark.slow
 def test_weight_sync_gloo_rank_outside_group_is_gather_only():
-    _spawn(_scenario_subgroup, world=3)
+    spawn_world(_scenario_subgroup, world=3)
 
 
 def test_weight_sync_rejects_bad_keep_versions():
@@ -444,32 +395,32 @@ def test_weight_sync_needs_initialized_group():
 @pytest.mark.skipif(offload.core._device.accelerator_type() is not None,
                     reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
 def test_weight_sync_gloo_fsdp2_host_cache():
-    _spawn(_scenario_fsdp2_host_cache)
+    spawn_world(_scenario_fsdp2_host_cache)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(offload.core._device.accelerator_type() is not None,
                     reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
 def test_weight_sync_gloo_fsdp2_host_cache_gathers_per_group():
-    _spawn(_scenario_fsdp2_host_cache_per_layer)
+    spawn_world(_scenario_fsdp2_host_cache_per_layer)
 
 
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
 def test_weight_sync_nccl_fsdp2_host_cache():
-    _spawn(_scenario_fsdp2_host_cache, "cuda")
+    spawn_world(_scenario_fsdp2_host_cache, "cuda")
 
 
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
 def test_weight_sync_nccl_device_mode():
-    _spawn(_scenario_syncs, "cuda")
+    spawn_world(_scenario_syncs, "cuda")
 
 
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
 def test_weight_sync_nccl_host_cache():
-    _spawn(_scenario_host_cache, "cuda")
+    spawn_world(_scenario_host_cache, "cuda")
 
 
 if __name__ == "__main__":  # pragma: no cover

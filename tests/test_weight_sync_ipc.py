@@ -6,11 +6,8 @@ two-slot pipeline, buffer reuse and the error paths run as on a device. The
 `cuda` test runs the same syncs between two processes on one GPU.
 """
 
-import datetime
 import multiprocessing
 import os
-import shutil
-import tempfile
 import time
 import traceback
 
@@ -20,11 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
-from _workers import context, leave_passed_worker, run_ranks, watch_for_aborts
+from _workers import assert_equal_weights, context, spawn_world
 
 SRC = 0
-_INIT_TIMEOUT = datetime.timedelta(seconds=120)
-_JOIN_TIMEOUT_S = 240
 TIMING_KEYS = {"gather_ms", "pack_ms", "host_copy_ms", "transfer_ms", "unpack_ms", "total_ms", "bytes", "buckets",
                "version"}
 
@@ -47,37 +42,6 @@ def _change(weights, step: int) -> None:
             t.add_(torch.randn(t.shape, generator=gen).to(t.device, t.dtype))
         else:
             t.add_(step + 1)
-
-
-def _assert_equal(got, want, what):
-    assert got.keys() == want.keys(), what
-    for n in want:
-        assert got[n].dtype == want[n].dtype and torch.equal(got[n].cpu(), want[n].cpu()), f"{what}: {n}"
-
-
-def _run(rank, world, init_method, scenario, device_type, failures):
-    watch_for_aborts()
-    try:
-        # Both ranks on the same device: colocated. The control channel is a gloo group.
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=_INIT_TIMEOUT)
-        torch.set_num_threads(1)
-        device = offload.core._device.current_device() if device_type == "cuda" else torch.device("cpu")
-        scenario(rank, device)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        failures.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    leave_passed_worker()
-
-
-def _spawn(scenario, device_type="cpu", world=2):
-    rendezvous = tempfile.mkdtemp(prefix="offload-weight-sync-ipc-")
-    init_method = "file://" + os.path.join(rendezvous, "store")
-    try:
-        run_ranks(_run, (world, init_method, scenario, device_type), world, _JOIN_TIMEOUT_S)
-    finally:
-        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- scenarios (module level: spawn pickles them)
@@ -111,7 +75,7 @@ def _scenario_three_syncs(rank, device):
         _change(replica, step)
         t = receiver.load(mine)
         assert set(t) == TIMING_KEYS and receiver.version == step and t["unpack_ms"] > 0 and t["transfer_ms"] > 0
-        _assert_equal(mine, replica, f"sync {step}")
+        assert_equal_weights(mine, replica, f"sync {step}")
     cast_receiver = offload.WeightReceiver(src=SRC, transport="ipc")
     for _ in range(2):
         low = {n: (t.clone() if n.endswith(".norm") or not t.is_floating_point() else t.to(torch.bfloat16))
@@ -119,9 +83,9 @@ def _scenario_three_syncs(rank, device):
         cast_receiver.load(low)
         want = {n: (t if n.endswith(".norm") or not t.is_floating_point() else t.to(torch.bfloat16))
                 for n, t in replica.items()}
-        _assert_equal(low, want, "cast")
+        assert_equal_weights(low, want, "cast")
     got = dict(receiver.receive(copy=True))
-    _assert_equal(got, replica, "receive")
+    assert_equal_weights(got, replica, "receive")
     assert set(receiver.timings) == TIMING_KEYS
 
 
@@ -143,7 +107,7 @@ def _scenario_bad_destination(rank, device):
     receiver.load(mine)
     replica = _weights(0, device)
     _change(replica, 0)
-    _assert_equal(mine, replica, "after a refused sync")
+    assert_equal_weights(mine, replica, "after a refused sync")
 
 
 # ---------------------------------------------------------------- pipe channel: peers that die or fail
@@ -180,7 +144,7 @@ def _pipe_receiver(conn, mode, result):
             replica = _weights(0, "cpu")
             for s in range(step + 1):
                 _change(replica, s)
-            _assert_equal(mine, replica, f"sync {step}")
+            assert_equal_weights(mine, replica, f"sync {step}")
         result.put("ok")
     except BaseException:
         result.put(traceback.format_exc())
@@ -205,11 +169,11 @@ def _finish(proc, timeout=60):
 
 
 def test_weight_sync_ipc_cpu_standin_three_syncs_bitwise():
-    _spawn(_scenario_three_syncs)
+    spawn_world(_scenario_three_syncs, colocated=True)
 
 
 def test_weight_sync_ipc_bad_destination_names_tensor_and_sender_completes():
-    _spawn(_scenario_bad_destination)
+    spawn_world(_scenario_bad_destination, colocated=True)
 
 
 def test_weight_sync_ipc_pipe_channel_three_syncs():
@@ -311,12 +275,12 @@ def test_weight_sync_ipc_rejects_bad_arguments():
 
 @pytest.mark.cuda
 def test_weight_sync_ipc_cuda_two_processes_one_gpu():
-    _spawn(_scenario_three_syncs, device_type="cuda")
+    spawn_world(_scenario_three_syncs, device_type="cuda", colocated=True)
 
 
 @pytest.mark.cuda
 def test_weight_sync_ipc_cuda_bad_destination():
-    _spawn(_scenario_bad_destination, device_type="cuda")
+    spawn_world(_scenario_bad_destination, device_type="cuda", colocated=True)
 
 
 @pytest.mark.cuda
