@@ -65,6 +65,15 @@ def test_package_public_api_is_importable():
         assert hasattr(offload, name), name
 
 
+def test_package_import_leaves_dynamo_unimported_until_an_engine_is_made():
+    # dynamo costs over a second per process; offload needs it only to keep its hooks out of a
+    # compiled layer's graph (Note [not traced, lazily]).
+    result = run_python("import sys, torch, offload; before = 'torch._dynamo' in sys.modules; "
+                        "offload.activation_offload(); print(before, 'torch._dynamo' in sys.modules)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+
+
 def test_package_imports_when_the_fallback_is_forced():
     result = run_python("import offload; from offload.core import _backend; "
                         "print(offload.native_available(), _backend.why_not())", OFFLOAD_FORCE_FALLBACK="1")

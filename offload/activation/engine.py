@@ -27,7 +27,7 @@ from ..core.pool import HostPool, check_pool, default_host_pool
 from .groups import (COPYING, HOST, KEPT, OPEN, SPAN_ALIGN, AutoState, Group, Packed, aligned_layout,
                      on_host_only, with_earlier_parts)
 from .backward import BackwardSide
-from .saved_tensors import drop_held, not_traced, offload_extent, storage_ptrs, top_pack_hook
+from .saved_tensors import drop_held, make_not_traced, not_traced, offload_extent, storage_ptrs, top_pack_hook
 from .schedule import PROFILE_POINTS, SPLIT_PARTS, TAIL_POINT
 from .step_stats import StepTimings, new_counters
 
@@ -168,6 +168,7 @@ class ActivationEngine(BackwardSide):
         min_group_bytes: Optional[int] = None,
     ):
         check_options(fn, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx)
+        make_not_traced()  # before any forward of this engine can be traced (Note [not traced, lazily])
         if min_group_bytes is None:
             min_group_bytes = GROUP_BYTES_PER_TENSOR_BYTE * min_tensor_bytes
         self.mode = mode

@@ -258,8 +258,33 @@ def storage_ptrs(tensors) -> set:
     return ptrs
 
 
-def not_traced(fn):
-    """`fn` opaque to dynamo: inside a compiled layer it runs eagerly at a graph break, so the
-    copies, events and pool stay out of the traced graph."""
+# Note [not traced, lazily]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.compiler.disable imports dynamo, over a second of every process's `import offload` (each
+# rank, each worker) though most never compile. So a `not_traced` method is wrapped when the first
+# activation engine is made (make_not_traced), before any forward could be traced: until then it
+# is the plain method, and nothing can call it, as only an engine's forward does.
+_NOT_YET_WRAPPED: list = []  # (class, name, function) of the not_traced methods defined so far
+
+
+class not_traced:
+    """Method decorator: the method opaque to dynamo (Note [not traced, lazily]). Inside a compiled
+    layer it runs eagerly at a graph break, so the copies, events and pool stay out of the traced
+    graph."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __set_name__(self, owner, name):
+        _NOT_YET_WRAPPED.append((owner, name, self.fn))
+
+    def __get__(self, obj, objtype=None):
+        return self.fn.__get__(obj, objtype)
+
+
+def make_not_traced() -> None:
+    """Wrap the not_traced methods with torch.compiler.disable (once per method)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+    while _NOT_YET_WRAPPED:
+        owner, name, fn = _NOT_YET_WRAPPED.pop()
+        setattr(owner, name, disable(fn) if disable is not None else fn)
