@@ -32,8 +32,24 @@ for arg in "$@"; do
   fi
 done
 
-"$OFFLOAD_PYTHON" -m pytest ${selection[@]+"${selection[@]}"} -q -p no:cacheprovider "$@"
-OFFLOAD_FORCE_FALLBACK=1 "$OFFLOAD_PYTHON" -m pytest ${fallback[@]+"${fallback[@]}"} -q -p no:cacheprovider -m "not slow" "$@"
+# Test files side by side (pytest-xdist, where installed) on hosts with cores to spare: a GPU host's
+# suite is mostly compiles, spawned ranks and small model steps that leave its cores idle. One file
+# per worker (--dist loadfile), so a file's module fixtures and cached builds stay in one process.
+# The stand-in pass stays in one process: each worker would load the stand-in build at start.
+# OFFLOAD_TEST_WORKERS=N sets the count; 1 runs every pass in one process.
+workers="${OFFLOAD_TEST_WORKERS:-}"
+if [ -z "$workers" ]; then
+  cores="$(nproc 2>/dev/null || echo 1)"
+  workers=$(( cores >= 8 ? cores / 4 : 1 ))
+fi
+side_by_side=()
+if [ "$workers" -gt 1 ] && "$OFFLOAD_PYTHON" -c "import xdist" >/dev/null 2>&1; then
+  side_by_side=(-n "$workers" --dist loadfile)
+fi
+
+"$OFFLOAD_PYTHON" -m pytest ${selection[@]+"${selection[@]}"} -q -p no:cacheprovider ${side_by_side[@]+"${side_by_side[@]}"} "$@"
+OFFLOAD_FORCE_FALLBACK=1 "$OFFLOAD_PYTHON" -m pytest ${fallback[@]+"${fallback[@]}"} -q -p no:cacheprovider -m "not slow" \
+  ${side_by_side[@]+"${side_by_side[@]}"} "$@"
 if [ ${#standin[@]} -gt 0 ]; then
   OFFLOAD_TEST_DEVICE=npu "$OFFLOAD_PYTHON" -m pytest "${standin[@]}" -q -p no:cacheprovider -m "not slow" "$@"
 fi
