@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--activation-offload", choices=("off", "async", "auto"), default="off")
     p.add_argument("--offload-min-tensor-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay on the device")
+    p.add_argument("--offload-keep-last", type=int, default=1,
+                   help="last layers whose activations stay on the device (with async: the rest are offloaded)")
     p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of the gathered parameters in forward and backward (FSDP2 mixed precision; the "
                         "sharded weights, gradient reduction and optimizer stay fp32)")
@@ -215,7 +217,8 @@ def main(argv=None):
     handle = None
     if args.activation_offload != "off":
         handle = offload.enable_activation_offload(model, args.activation_offload,
-                                                   min_tensor_bytes=args.offload_min_tensor_bytes)
+                                                   min_tensor_bytes=args.offload_min_tensor_bytes,
+                                                   keep_last=args.offload_keep_last)
     stager, pending = None, None
     if args.checkpoint_every:
         os.makedirs(args.checkpoint_dir, exist_ok=True)

@@ -203,7 +203,7 @@ def test_examples_train_fsdp2_auto_settles_only_on_a_settled_plan():
     assert train.plan_settled(_Handle({"tuning": {"settled": True}}), "auto")
     assert train.plan_settled(_Handle(None), "async")
     args = train.parse_args(["--profile-steps", "3,5"])
-    assert args.profile_steps == {3, 5}
+    assert args.profile_steps == {3, 5} and args.offload_keep_last == 1
     assert train.profiled(args, 3, 0) is not None and train.profiled(args, 3, 1) is None
     assert train.profiled(args, 4, 0) is None
     with pytest.raises(SystemExit):
