@@ -22,7 +22,8 @@ done
 TORCH_PREFIX="$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 if [ -z "${MAX_JOBS:-}" ]; then
   mem_gb=$(awk '/^MemTotal:/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 8)
-  MAX_JOBS=$(( $(nproc 2>/dev/null || echo 1) < mem_gb / 3 ? $(nproc 2>/dev/null || echo 1) : mem_gb / 3 ))
+  cores=$(nproc 2>/dev/null || echo 1)
+  MAX_JOBS=$(( cores < mem_gb / 3 ? cores : mem_gb / 3 ))
   MAX_JOBS=$(( MAX_JOBS > 0 ? MAX_JOBS : 1 ))
 fi
 
