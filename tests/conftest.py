@@ -56,6 +56,14 @@ _TIMES = os.environ.get("OFFLOAD_TEST_TIMES", "")
 _phases: dict = {}
 
 
+def pytest_configure(config):
+    global _TIMES
+    # Under pytest-xdist each worker writes its own tests' lines; the controller, which sees
+    # the same reports relayed, writes none (each test would be logged twice).
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        _TIMES = ""
+
+
 def _log_time(line: str) -> None:
     # Opened per line: each line reaches the file before the next test starts.
     with open(_TIMES, "a") as f:

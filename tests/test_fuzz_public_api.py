@@ -374,7 +374,7 @@ def test_fuzz_enable_activation_offload(drawn):
 @FUZZ
 @given(_args(model={"model": _model}, memory_budget_bytes={"None": lambda: None, "'1GiB'": lambda: "1GiB",
                                                            "65536": lambda: 65536},
-             keep_last=COUNTS, verbose={"False": lambda: False}))
+             keep_last=COUNTS, verbose={"False": lambda: False}, process_group={"None": lambda: None}))
 def test_fuzz_enable_activation_offload_auto(drawn):
     """mode='auto', the one mode that takes a memory budget."""
     values = _values(drawn)

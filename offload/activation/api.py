@@ -19,6 +19,7 @@ from ..core.checks import check_bool, check_int, parse_bytes
 from ..core.pool import HostPool
 from . import layers as _layers
 from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
+from .ranks import check_process_group
 from .saved_tensors import input_tensors, module_tensors, not_traced, other_hooks_active
 
 # Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
@@ -65,7 +66,7 @@ class ActivationOffload:
     planner (None in the other modes).
     """
 
-    def __init__(self, model, layers, engine, keep, memory_budget_bytes, verbose):
+    def __init__(self, model, layers, engine, keep, memory_budget_bytes, verbose, process_group=None):
         # The model and its layers are held weakly: their wrapped forwards hold this handle, so
         # strong references back would make a cycle that keeps a dropped model's memory alive
         # until the cyclic collector runs.
@@ -84,8 +85,9 @@ class ActivationOffload:
         self._auto = None
         if engine.mode == "auto":
             from .planner import AutoPlanner
+            from .ranks import Ranks
 
-            self._auto = AutoPlanner(self, memory_budget_bytes, verbose)
+            self._auto = AutoPlanner(self, memory_budget_bytes, verbose, Ranks(process_group))
         self._wrapped = []  # weak references to the modules whose forward is wrapped
         self._layer_targets = [weakref.ref(_wrap_target(module)) for _, module in layers]
         self._layers_wrapped = False
@@ -365,6 +367,7 @@ def enable_activation_offload(
     timing: bool = True,
     nvtx: bool = False,
     verbose: bool = True,
+    process_group=None,
 ) -> ActivationOffload:
     """Offload the activations autograd saves in `model`'s layers to pinned host memory.
 
@@ -388,6 +391,10 @@ def enable_activation_offload(
         memory_budget_bytes: device-memory budget for mode='auto' (int or '20GiB').
         keep_first, keep_last: how many of the first and last layers stay on the device (the
             last layer's activations are needed at once when backward starts).
+        process_group: for mode='auto' under FSDP or DDP (e.g. `dist.group.WORLD`): the ranks
+            plan from their combined measurements and settle on the same plan at the same step,
+            since a copy one rank does not hide stalls them all at the next collective. Every
+            rank must then run the same input shapes in the same order (docs/activation.md).
 
     Forwards under no_grad, inference_mode or in eval mode pass through untouched.
 
@@ -401,6 +408,7 @@ def enable_activation_offload(
     engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
                               pool=pool, timing=timing, nvtx=nvtx, fn=fn, min_group_bytes=min_group_bytes)
     memory_budget_bytes = _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes)
+    process_group = check_process_group(fn, process_group, mode)
     found = _layers.find_layers(model, layers, fn)
     check_int(fn, "keep_first", keep_first, 0)
     check_int(fn, "keep_last", keep_last, 0)
@@ -415,7 +423,7 @@ def enable_activation_offload(
             stacklevel=2,
         )
     # Compiled layers are supported, a compiled model is passed through (Note [torch.compile]).
-    return ActivationOffload(model, found, engine, keep, memory_budget_bytes, verbose)
+    return ActivationOffload(model, found, engine, keep, memory_budget_bytes, verbose, process_group)
 
 
 class activation_offload:  # noqa: N801 - used as a context manager, like torch's save_on_cpu

@@ -28,6 +28,7 @@ from ..core.copy import copy_to_device, copy_to_host
 from .saved_tensors import tensor_leaves
 from . import budget as _budget
 from .budget_run import BudgetRun, costs as _costs
+from .ranks import Ranks, largest_flag, smallest_value
 from .schedule import COPY_MARGIN, planned_bytes, schedule
 from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 
@@ -197,11 +198,14 @@ class AutoPlanner:
     come from the engine while this planner is its observer (Note [engine interface]).
     """
 
-    def __init__(self, handle, budget: Optional[int], verbose: bool):
+    def __init__(self, handle, budget: Optional[int], verbose: bool, ranks: Optional[Ranks] = None):
         self.handle = handle
         self.engine = handle.engine
         self.budget = budget
-        self.verbose = verbose
+        # The ranks whose measurements every decision combines (Note [ranks agree] in ranks.py);
+        # their plans are the same, so one of them reports it.
+        self.ranks = ranks if ranks is not None else Ranks()
+        self.verbose = verbose and self.ranks.first
         self.clock = _Clock(self.engine.device)
         self.plans = {}
         self.key = None
@@ -245,7 +249,7 @@ class AutoPlanner:
         if self.measuring is not None and self.engine.backward_seen:
             measured_key, steps = self.measuring
             steps += 1
-            if self._measured_enough(steps):
+            if self._measured_enough(measured_key, steps):
                 self.plans[measured_key] = self._plan(measured_key)
                 self.measuring = None
             else:
@@ -287,22 +291,27 @@ class AutoPlanner:
         self.reserved = _device.memory_reserved(self.engine.device)
         return False
 
-    def _measured_enough(self, steps: int) -> bool:
-        """After measuring step `steps` of the current shape: whether to plan now.
+    def _measured_enough(self, key, steps: int) -> bool:
+        """After measuring step `steps` of shape `key`: whether to plan now.
 
         See Note [measuring without offload].
         """
         device = self.engine.device
         if steps == 1:
             stats = self.engine.stats()
-            self.bus = (stats["d2h_gbps"], stats["h2d_gbps"])
             _, total = _device.mem_get_info(device)
-            without_offload = stats["peak_device_bytes"] + stats["d2h_bytes"]  # at most
+            measured = self.ranks.agree(
+                key, "first measured step",
+                {"d2h": stats["d2h_gbps"], "h2d": stats["h2d_gbps"], "total": total,
+                 "without_offload": stats["peak_device_bytes"] + stats["d2h_bytes"]},  # at most
+                largest=("without_offload",), smallest=("d2h", "h2d", "total"))
+            self.bus = (measured["d2h"], measured["h2d"])
+            total = measured["total"]
             self.measure_without_offload = self.budget is None and (
-                not total or without_offload <= FIT_FRACTION * total)
+                not total or measured["without_offload"] <= FIT_FRACTION * total)
             return MEASURE_STEPS <= 1
         if self.measure_without_offload:
-            grew = _device.memory_reserved(device) > self.reserved
+            grew = largest_flag(self.ranks, key, "measured step", _device.memory_reserved(device) > self.reserved)
             return not grew or steps >= 1 + MEASURE_WITHOUT_OFFLOAD_STEPS
         return steps >= MEASURE_STEPS
 
@@ -331,13 +340,19 @@ class AutoPlanner:
             probe.steps = 0
             probe.pending = []
         # Read, oldest first, the timed steps the device has finished; wait only past PROBE_PENDING.
+        # Ranks that agree read each step at the same point whatever their devices' progress: a
+        # probe is judged at a step all of them reach with the same samples (Note [ranks agree]).
         clock = self.clock
-        while probe.pending and (len(probe.pending) > PROBE_PENDING or clock.done(probe.pending[0][1])):
+        covered = all(len(probe.samples[ran]) + sum(p[2] == ran for p in probe.pending) >= probe.target
+                      for ran in (True, False))  # no more steps join this round: read what it has
+        while probe.pending and (len(probe.pending) > PROBE_PENDING or covered
+                                 or (not self.ranks.many and clock.done(probe.pending[0][1]))):
             start, end, ran = probe.pending.pop(0)
             probe.samples[ran].append(clock.seconds(start, end) * 1e3)
         search = probe.search
         k = search.probe
         if min(len(samples) for samples in probe.samples.values()) >= probe.target:
+            probe.samples = self.ranks.agree(key, f"probe of {k} layers", probe.samples, largest=(True, False))
             if self._rescheduled(key, probe) or search.judge(
                     k, probe.samples[True], probe.samples[False], probe.target >= PROBE_STEPS * PROBE_ROUNDS,
                     lambda: self._model_count(probe)) is not None:
@@ -387,10 +402,12 @@ class AutoPlanner:
         copies, probe.copies = probe.copies, []
         if replan is None:
             return False
-        rate = self._copy_rate(copies)
+        measured = self.ranks.agree(key, "first probe's copies", {"rate": self._copy_rate(copies),
+                                                                  "late": _copies_late(copies)},
+                                    largest=("late",), smallest=("rate",))
+        rate, late = measured["rate"], measured["late"]
         if rate is None:
             return False
-        late = _copies_late(copies)
         # Late copies are worth a new schedule only where their waits cost the probe its
         # check: a plan that passes with them keeps its bytes (what the 3% is for).
         missed = statistics.median(probe.samples[True]) > (1 + probe.search.tolerance) * statistics.median(
@@ -423,7 +440,7 @@ class AutoPlanner:
         which the schedule's margin already covers (Note [verdicts under noise])."""
         if probe.schedule_at is None or probe.d2h is None:
             return None
-        rate = self._copy_rate(probe.all_copies)
+        rate = smallest_value(self.ranks, self.key, "probes' copies", self._copy_rate(probe.all_copies))
         if rate is None or rate >= probe.d2h / (1 + COPY_MARGIN):
             return None
         return len(probe.schedule_at(rate)[1])
@@ -544,20 +561,30 @@ class AutoPlanner:
                 d2h, h2d = d2h or idle_d2h, h2d or idle_h2d
         eligible = [not k for k in handle.keep]
         peak = stats["peak_device_bytes"]
+        _, total = _device.mem_get_info(self.engine.device)
+        m = self.ranks.agree(key, "plan", {
+            "nbytes": nbytes, "inputs": [self.inputs.get(i, 0) for i in range(n)], "peak": peak,
+            # What the head and the loss hold on top of the layers as backward starts.
+            "tail_bytes": max(0, peak - self.tail_marks[0][2]) if self.tail_marks else 0,
+            "fwd": fwd, "bwd": bwd, "tail": tail, "head_bwd": head_bwd, "d2h": d2h, "h2d": h2d, "total": total,
+            "before_peak": self._before_peak(last_close, peak) if self.budget is None else None,
+            "saved": saved, "spans": spans,
+        }, largest=("nbytes", "inputs", "peak", "tail_bytes"),
+            smallest=("fwd", "bwd", "tail", "head_bwd", "d2h", "h2d", "total"))
+        nbytes, inputs, peak, tail_bytes = m["nbytes"], m["inputs"], m["peak"], m["tail_bytes"]
+        fwd, bwd, tail, head_bwd, d2h, h2d, total = (m[name] for name in ("fwd", "bwd", "tail", "head_bwd", "d2h",
+                                                                           "h2d", "total"))
+        saved, spans, before_peak = m["saved"], m["spans"], m["before_peak"]
         run = None
-        plan_schedule = caps = before_peak = None
+        plan_schedule = caps = None
         if self.budget is None:
             # Hide the copies: what the bus moves before backward starts, freed at planned points.
-            before_peak = self._before_peak(last_close, peak)
             plan_schedule, order, exposed = schedule(eligible, nbytes, fwd, bwd, tail, head_bwd, d2h, h2d,
                                                      before_peak, saved, spans)
             caps = plan_schedule.caps
             mask = [i in order for i in range(n)]
             step = sum(fwd) + tail + head_bwd + sum(bwd) + exposed
         else:  # keep, offload or recompute each layer: the least step that fits (budget.py)
-            inputs = [self.inputs.get(i, 0) for i in range(n)]
-            # What the head and the loss hold on top of the layers as backward starts.
-            tail_bytes = max(0, peak - self.tail_marks[0][2]) if self.tail_marks else 0
             run = BudgetRun(_costs(nbytes, inputs, fwd, bwd, eligible, handle.checkpointed),
                             _budget.Bus(d2h, h2d, self.engine.resident_groups), self.budget, peak, tail + head_bwd,
                             tail_bytes)
@@ -594,7 +621,6 @@ class AutoPlanner:
             "tuning": {"settled": True, "tolerance": STEP_OVERHEAD_TOLERANCE, "step_ms": {}, "model_layers": sum(mask),
                        "checked": False},
         }
-        _, total = _device.mem_get_info(self.engine.device)
         fits = self.measure_without_offload or not total or peak + eligible_bytes <= FIT_FRACTION * total
         if self.budget is None and fits and any(mask):
             # Timed against the step without offload (see the module docstring); the plan in
@@ -673,7 +699,11 @@ class AutoPlanner:
         if last is not None and last[1] == key and run.step_ended(
                 self.clock.seconds(last[0], mark) * 1e3, _device.max_memory_allocated(device), self.engine.counters):
             plan = self.plans[key]
-            verdict = run.verdict(self._copy_rate(run.copies))
+            measured = self.ranks.agree(key, "budget plan's steps", {"samples": run.samples, "peaks": run.peaks,
+                                                                     "rate": self._copy_rate(run.copies)},
+                                        largest=("samples", "peaks"), smallest=("rate",))
+            run.samples, run.peaks = measured["samples"], measured["peaks"]
+            verdict = run.verdict(measured["rate"])
             plan["check"].update(measured_step_ms=verdict["measured_step_ms"],
                                  measured_peak_bytes=verdict["measured_peak_bytes"], replans=verdict["replans"])
             if verdict["replan"]:

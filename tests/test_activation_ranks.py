@@ -1,0 +1,125 @@
+"""Auto mode across ranks (`process_group`): ranks whose measurements differ settle on one plan at
+the same step, gradients stay bitwise; ranks that run different shapes fail on every rank with
+a message instead of hanging; bad arguments are refused at the call."""
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import offload
+from offload.activation.planner import max_tuning_steps
+from offload.core import _device
+from _activation_helpers import StepClock, assert_bitwise_equal, small_model, train_step
+from _workers import gloo_world, spawn_world  # noqa: F401 (fixture)
+
+# CPU models: with an accelerator present its engine leaves host tensors alone (as test_activation_auto.py).
+pytestmark = pytest.mark.skipif(
+    _device.accelerator_type() is not None,
+    reason="CPU engine tests; with an accelerator present, test_activation_cuda.py covers the engine",
+)
+
+# Per offloaded layer, what a step costs on each rank once the plan exists: within the 3%
+# tolerance on rank 0, far over it on rank 1. Alone, rank 0 would keep a layer and rank 1 none.
+RANK_OVERHEAD = (0.02, 1.0)
+
+
+def _everyone(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _plan_fields(plan):
+    """What must match across ranks: the plan's choice, its inputs and its verdicts."""
+    tuning = plan["tuning"]
+    return {"mask": plan["mask"], "layer_bytes": plan["layer_bytes"], "forward_ms": plan["forward_ms"],
+            "backward_ms": plan["backward_ms"], "d2h_gbps": plan["d2h_gbps"], "settled": tuning["settled"],
+            "verdicts": tuning["verdicts"], "step_ms": tuning["step_ms"], "baseline_ms": tuning["baseline_ms"]}
+
+
+def _scenario_ranks_settle_alike(rank, device):
+    torch.set_num_threads(1)
+    ref = small_model()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=offload.HostPool(),
+                                               process_group=dist.group.WORLD, verbose=False)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    loss_ref, grads_ref = train_step(ref, x)
+    # The ranks' own layer times differ: rank 1's layers run slower while measuring.
+    if rank == 1:
+        for block in model.blocks:
+            block.register_forward_hook(lambda *args: time.sleep(0.002))
+    settled_at = None
+    for step in range(max_tuning_steps(len(handle.layers))):
+        if step == 3:  # the plan exists (two measured steps); from here each rank times its own cost
+            assert handle.plan["tuning"]["checked"]
+            handle.planner.clock = StepClock(handle, RANK_OVERHEAD[rank])
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        if settled_at is None and handle.plan is not None and handle.plan["tuning"]["settled"]:
+            settled_at = step
+    plans = _everyone(_plan_fields(handle.plan))
+    assert plans[0] == plans[1], plans
+    assert plans[0]["settled"] and sum(plans[0]["mask"]) == 0, plans[0]  # the slower rank's steps decided
+    assert _everyone(settled_at) == [settled_at] * 2 and settled_at is not None
+    handle.disable()
+
+
+def test_activation_ranks_settle_on_one_plan():
+    spawn_world(_scenario_ranks_settle_alike)
+
+
+def _scenario_ranks_with_other_shapes(rank, device):
+    torch.set_num_threads(1)
+    model = small_model()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=offload.HostPool(),
+                                               process_group=dist.group.WORLD, verbose=False)
+    x = torch.randn(8 + rank, 16)
+    with pytest.raises(RuntimeError, match=r"ranks reached different points.*rank 0.*8, 16.*rank 1.*9, 16"):
+        for _ in range(4):
+            train_step(model, x)
+    handle.disable()
+
+
+def test_activation_ranks_with_other_shapes_raise_on_every_rank():
+    spawn_world(_scenario_ranks_with_other_shapes)
+
+
+def test_activation_ranks_bad_process_group(gloo_world):  # noqa: F811 (fixture)
+    model = small_model()
+    with pytest.raises(TypeError, match=r"^offload.enable_activation_offload: process_group must be a "
+                                        r"torch.distributed ProcessGroup.*got int"):
+        offload.enable_activation_offload(model, "auto", process_group=1)
+    with pytest.raises(ValueError, match=r"^offload.enable_activation_offload: process_group is used by "
+                                         r"mode='auto'.*got mode='async'"):
+        offload.enable_activation_offload(model, "async", process_group=dist.group.WORLD)
+
+
+def test_activation_ranks_process_group_needs_torch_distributed():
+    with pytest.raises(RuntimeError, match=r"^offload.enable_activation_offload: process_group was given but "
+                                           r"torch.distributed is not initialized"):
+        offload.enable_activation_offload(small_model(), "auto", process_group=object())
+
+
+def test_activation_ranks_one_rank_group_exchanges_nothing(gloo_world, monkeypatch):  # noqa: F811 (fixture)
+    """A world of one plans as a rank alone: no collective on the training path."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a one-rank group exchanged measurements")
+
+    monkeypatch.setattr(dist, "all_gather_object", refuse)
+    model = small_model()
+    ref = copy.deepcopy(model)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, verbose=False,
+                                               process_group=dist.group.WORLD)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(6):  # measured, planned, probing
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    assert handle.plan is not None and not handle.planner.ranks.many
+    handle.disable()
