@@ -77,9 +77,9 @@ def parse_run(stdout: str, warmup: int) -> dict:
     return {"tokens_per_s": [t for _, t in steps[skip:]] or [t for _, t in steps], "summary": summary}
 
 
-def order(round_index: int):
+def order(round_index: int, configs=CONFIGS):
     """The configurations of one round: forward on even rounds, reversed on odd ones."""
-    return CONFIGS if round_index % 2 == 0 else tuple(reversed(CONFIGS))
+    return tuple(configs) if round_index % 2 == 0 else tuple(reversed(configs))
 
 
 def launch(config: str, shapes: dict, device: str, extra, checkpoint_root: str, timeout_s: float) -> str:
@@ -104,16 +104,16 @@ def launch(config: str, shapes: dict, device: str, extra, checkpoint_root: str, 
 
 
 def measure(shapes: dict, device: str = "auto", extra=(), checkpoint_root=None, progress=print,
-            timeout_s: float = 600, log_dir=None) -> dict:
-    """Every configuration over the rounds: {config: {'tokens_per_s', 'step_ms', 'peak_memory_bytes', ...}}.
+            timeout_s: float = 600, log_dir=None, configs=CONFIGS) -> dict:
+    """Each of `configs` over the rounds: {config: {'tokens_per_s', 'step_ms', 'peak_memory_bytes', ...}}.
     `log_dir`: where each run's output (rank 0's step lines, auto mode's plan) is kept, if given."""
     root = checkpoint_root or tempfile.mkdtemp(prefix="offload-bench-fsdp2-")
     os.makedirs(root, exist_ok=True)
-    pooled = {c: [] for c in CONFIGS}
-    summaries = {c: [] for c in CONFIGS}
+    pooled = {c: [] for c in configs}
+    summaries = {c: [] for c in configs}
     try:
         for r in range(shapes["rounds"]):
-            for config in order(r):
+            for config in order(r, configs):
                 t0 = time.perf_counter()
                 stdout = launch(config, shapes, device, list(extra), root, timeout_s)
                 if log_dir is not None:
@@ -129,7 +129,7 @@ def measure(shapes: dict, device: str = "auto", extra=(), checkpoint_root=None, 
         if checkpoint_root is None:
             shutil.rmtree(root, ignore_errors=True)
     out = {}
-    for config in CONFIGS:
+    for config in configs:
         s = summaries[config]
         out[config] = {
             "tokens_per_s": statistics.median(pooled[config]),
@@ -149,7 +149,7 @@ def verdicts(results: dict) -> dict:
     """Ratios against `off` and whether each target is met."""
     base = results["off"]
     out = {}
-    for config in ("auto", "checkpoint"):
+    for config in (c for c in ("auto", "checkpoint") if c in results):
         ratio = results[config]["tokens_per_s"] / base["tokens_per_s"]
         memory = (results[config]["peak_memory_bytes"] / base["peak_memory_bytes"]
                   if base["peak_memory_bytes"] else None)
@@ -162,7 +162,7 @@ def verdicts(results: dict) -> dict:
 def table(results: dict, verdict: dict) -> str:
     lines = [f"{'config':<11} {'tokens/s':>10} {'(min-max)':>19} {'peak GiB':>9} {'vs off':>8} {'mem vs off':>10} "
              f"{'ckpt ms':>8} {'target':>8}"]
-    for config in CONFIGS:
+    for config in (c for c in CONFIGS if c in results):
         r, v = results[config], verdict.get(config)
         lines.append(
             f"{config:<11} {r['tokens_per_s']:>10.0f} {r['tokens_per_s_min']:>9.0f}-{r['tokens_per_s_max']:<9.0f} "
@@ -218,6 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per torchrun")
     p.add_argument("--logs", default=None, help="keep each run's output in this folder")
+    p.add_argument("--configs", nargs="+", choices=CONFIGS[1:], default=list(CONFIGS[1:]),
+                   help="configurations to run beside off (the baseline, always run)")
     p.add_argument("extra", nargs="*", help="further train_fsdp2.py flags, after --, e.g. -- --param-dtype bf16")
     args = p.parse_args(argv)
     shapes = dict(QUICK if args.quick else FULL)
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
         return 2
     t0 = time.perf_counter()
     results = measure(shapes, args.device, args.extra, args.checkpoint_root, timeout_s=args.timeout,
-                      log_dir=args.logs)
+                      log_dir=args.logs, configs=("off", *dict.fromkeys(args.configs)))
     verdict = verdicts(results)
     print(f"train_fsdp2.py, 2 ranks, {args.device}: {json.dumps({k: v for k, v in shapes.items()})} "
           f"{' '.join(args.extra)} ({time.perf_counter() - t0:.0f} s)")

@@ -216,9 +216,13 @@ def main(argv=None):
 
     handle = None
     if args.activation_offload != "off":
+        # Auto mode plans with every rank's measurements (a copy one rank does not hide stalls all
+        # of them at the next collective) and settles on one plan everywhere: this script's ranks
+        # run the same shapes in the same order, as process_group asks.
+        group = {"process_group": dist.group.WORLD} if args.activation_offload == "auto" else {}
         handle = offload.enable_activation_offload(model, args.activation_offload,
                                                    min_tensor_bytes=args.offload_min_tensor_bytes,
-                                                   keep_last=args.offload_keep_last)
+                                                   keep_last=args.offload_keep_last, **group)
     stager, pending = None, None
     if args.checkpoint_every:
         os.makedirs(args.checkpoint_dir, exist_ok=True)

@@ -45,6 +45,13 @@ def test_bench_train_fsdp2_alternates_and_judges_against_off():
     assert not v["checkpoint"]["met"] and v["checkpoint"]["tokens_ratio"] == 0.94
     results["auto"]["peak_memory_bytes"] = 100  # as fast, but no memory saved: missed
     assert not bench_train_fsdp2.verdicts(results)["auto"]["met"]
+    # --configs auto: off and auto only, judged and tabled alike.
+    assert bench_train_fsdp2.order(1, ("off", "auto")) == ("auto", "off")
+    del results["checkpoint"]
+    assert set(bench_train_fsdp2.verdicts(results)) == {"auto"}
+    assert "checkpoint" not in bench_train_fsdp2.table(
+        {c: {**r, "tokens_per_s_min": 1.0, "tokens_per_s_max": 2.0, "checkpoint_ms": 0.0} for c, r in results.items()},
+        bench_train_fsdp2.verdicts(results))
 
 
 @pytest.mark.slow
