@@ -60,8 +60,11 @@ def user_venv(tmp_path_factory):
     clone.mkdir()
     _copy_checkout(clone)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PIP_") and k not in ("PYTHONPATH", "PYTHON", "OFFLOAD_FORCE_FALLBACK", "MAX_JOBS")}
+           if not k.startswith("PIP_") and k not in ("PYTHONPATH", "PYTHON", "OFFLOAD_FORCE_FALLBACK", "MAX_JOBS",
+                                                      "OFFLOAD_TEST_TIMES")}  # the inner tests are not this run's
     env.update(
+        # Two test files' worth of tests: worker processes would cost more than they save.
+        OFFLOAD_TEST_WORKERS="1",
         PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
         VIRTUAL_ENV=str(venv),
         PIP_NO_INDEX="1",  # no registry
