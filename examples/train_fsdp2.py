@@ -11,7 +11,8 @@ would. One accelerator per rank with NCCL (`--device auto`, the default, when
 the host has one), or the CPU with gloo. Checkpoints are DCP `async_save`s staged
 by `offload.AsyncStager`, whose `protect(optimizer)` makes the optimizer step
 wait (on the device) for the staging copy. Each step prints its loss, tokens/s,
-peak device memory and, with offload on, the bytes offloaded and the exposed wait;
+peak device memory, the host's time to issue it and the caching allocator's retries
+and new device allocations, and, with offload on, the bytes offloaded and the exposed wait;
 the last line rank 0 prints is `summary {...}`, the run's medians after the
 warm-up steps as JSON (benchmarks/bench_train_fsdp2.py reads it).
 """
@@ -153,6 +154,19 @@ def reset_peak_memory(device) -> None:
         reset(device)
 
 
+def allocator_counts(device) -> tuple:
+    """(retries, device allocations) of the caching allocator so far. A retry frees every cached
+    block after an allocation failed and synchronizes the device; a device allocation takes new
+    memory from the driver. Both stall the host's launches, so a step that makes them runs slower
+    than its kernels and copies alone say."""
+    accel = getattr(torch, "accelerator", None)
+    read = getattr(accel, "memory_stats", None)
+    if device.type == "cpu" or read is None:
+        return 0, 0
+    stats = read(device)
+    return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_alloc", 0))
+
+
 def plan_settled(handle, mode: str) -> bool:
     """Whether activation offload runs its final plan: always in the fixed modes; in auto mode once
     its tuning has settled (before its first plan the step measures, then probe steps alternate
@@ -251,14 +265,17 @@ def main(argv=None):
                                      async_stager=stager, process_group=checkpoint_group)
         checkpoint_seconds = time.perf_counter() - t0
         prof = profiled(args, step, rank)
+        retries, mallocs = allocator_counts(device)
         with prof if prof is not None else contextlib.nullcontext():
             ids = batch_for(args, step, rank, device)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            host_seconds = time.perf_counter() - t0  # the host has issued the step; near the step's time: host-bound
             value = loss.item()  # waits for the step: the time below is the step's
         seconds = time.perf_counter() - t0
+        retries_after, mallocs_after = allocator_counts(device)
         if prof is not None:
             os.makedirs(args.profile_dir, exist_ok=True)
             prof.export_chrome_trace(os.path.join(args.profile_dir, f"step{step}.json"))
@@ -268,7 +285,8 @@ def main(argv=None):
             reset_peak_memory(device)  # the tuning's steps without offload do not set the steady peak
         if rank == 0:
             line = (f"step {step} loss {value!r} tokens/s {tokens / seconds:.0f} "
-                    f"peak_memory_gib {peak_memory_bytes(device) / 2**30:.2f}")
+                    f"peak_memory_gib {peak_memory_bytes(device) / 2**30:.2f} host_ms {host_seconds * 1e3:.1f} "
+                    f"alloc_retries {retries_after - retries} device_allocs {mallocs_after - mallocs}")
             if stager is not None:
                 line += f" checkpoint_ms {checkpoint_seconds * 1e3:.1f}"
             if handle is not None:
