@@ -39,7 +39,8 @@ class ActivationOffloadCallback(TrainerCallback):
             compute) or "auto" (only what the bus hides under compute, or as little as
             meets `memory_budget_bytes`); see docs/activation.md.
         **options: passed to `offload.enable_activation_offload` (`layers`,
-            `memory_budget_bytes`, `keep_last`, `min_tensor_bytes`, ...).
+            `memory_budget_bytes`, `keep_last`, `min_tensor_bytes`, ...; with "auto" on
+            several ranks whose batches share one shape, `process_group=dist.group.WORLD`).
 
     `handle` is the `offload.ActivationOffload` while training runs (None before and
     after); `stats()` gives its figures. On each `on_log` the keys of `LOG_FIGURES` are
