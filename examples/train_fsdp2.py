@@ -12,7 +12,8 @@ the host has one), or the CPU with gloo. Checkpoints are DCP `async_save`s stage
 by `offload.AsyncStager`, whose `protect(optimizer)` makes the optimizer step
 wait (on the device) for the staging copy. Each step prints its loss, tokens/s,
 peak device memory, the host's time to issue it and the caching allocator's retries
-and new device allocations, and, with offload on, the bytes offloaded and the exposed wait;
+and new device allocations, and, with offload on, the bytes offloaded and the exposed wait
+(rank 0's, and the largest of any rank's);
 the last line rank 0 prints is `summary {...}`, the run's medians after the
 warm-up steps as JSON (benchmarks/bench_train_fsdp2.py reads it).
 """
@@ -283,6 +284,13 @@ def main(argv=None):
         if settled_at is None and plan_settled(handle, args.activation_offload):
             settled_at = step
             reset_peak_memory(device)  # the tuning's steps without offload do not set the steady peak
+        slowest_wait = None
+        if handle is not None:
+            # The step waits for the rank whose copies were the most exposed (its collectives are
+            # late for every rank): every rank's exposed wait, the largest.
+            slowest_wait = torch.tensor([handle.stats()["exposed_seconds"]], dtype=torch.float64,
+                                        device=device if dist.get_backend() != "gloo" else "cpu")
+            dist.all_reduce(slowest_wait, op=dist.ReduceOp.MAX)
         if rank == 0:
             line = (f"step {step} loss {value!r} tokens/s {tokens / seconds:.0f} "
                     f"peak_memory_gib {peak_memory_bytes(device) / 2**30:.2f} host_ms {host_seconds * 1e3:.1f} "
@@ -292,7 +300,8 @@ def main(argv=None):
             if handle is not None:
                 s = handle.stats()
                 line += (f" offloaded_mib {s['d2h_bytes'] / 2**20:.3f} exposed_wait_ms "
-                         f"{s['exposed_seconds'] * 1e3:.2f} layers_offloaded {s['layers_offloaded']}")
+                         f"{s['exposed_seconds'] * 1e3:.2f} layers_offloaded {s['layers_offloaded']} "
+                         f"exposed_wait_ms_slowest_rank {slowest_wait.item() * 1e3:.2f}")
             print(line, flush=True)
     if pending is not None:
         wait_saved(pending)

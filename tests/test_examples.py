@@ -60,6 +60,7 @@ def test_examples_train_fsdp2_checkpoint_resume_same_loss(runs):
     first = _losses(whole)
     assert sorted(first) == [0, 1, 2, 3]
     assert "tokens/s" in whole and "offloaded_mib" in whole and "exposed_wait_ms" in whole
+    assert re.search(r"^step 3 .* exposed_wait_ms_slowest_rank \d+\.\d\d$", whole, re.M), whole[-2000:]
     # What a slow step's time went to on the host (the CPU keeps no allocator statistics: 0).
     assert re.search(r"^step 3 .* host_ms \d+\.\d alloc_retries 0 device_allocs 0 ", whole, re.M), whole[-2000:]
     assert step_2_saved
