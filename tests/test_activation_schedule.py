@@ -3,6 +3,8 @@
 import copy
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import offload
 from offload.core import _device
@@ -38,8 +40,9 @@ def test_activation_planner_hides_copies():
 def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     """Auto mode's schedule: earliest layers first, the last one that fits in part, the first
     copied in parts while it runs; each copy planned complete (with its margin) before its
-    release point and before the last layer ends; each group fetched back at the latest layer
-    start that leaves time for its copy."""
+    release point and before the last layer ends; each group fetched back as soon as backward
+    has let go of the bytes it brings back, or at the latest layer start that leaves time for
+    its copy where that is earlier."""
     from offload.activation.schedule import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
 
     n = 8
@@ -60,19 +63,28 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     # the rest when it ends (point 8).
     assert plan.release_at == {0: [1, 2, 2, 3], 1: 5, 2: 7, 3: [7, 8]}
     # Backward: layer 7 starts at 1, then every 2 s; layer i is needed at 15 - 2 i. A layer's
-    # copy back takes 1 s (with FETCH_MARGIN 1.3 s): each is fetched one layer ahead.
+    # copy back takes 1 s (with FETCH_MARGIN 1.3 s): one layer ahead would do, but each group
+    # comes back as soon as backward has let go of as many bytes as the groups back and still
+    # needed hold (Note [memory-neutral fetch]): layer 3's 69 bytes once layer 7's 100 are
+    # gone (layer 6's start), layer 2's once 200 are (169 held), then 269 of 300, 369 of 400.
     assert FETCH_MARGIN == 0.3
-    assert plan.fetch_at == {4: [3], 3: [2], 2: [1], 1: [0]} and plan.fetch_at_start == []
+    assert plan.fetch_at == {6: [3], 5: [2], 4: [1], 3: [0]} and plan.fetch_at_start == []
     # A slower way back (2.6 s a layer, 2 s of backward each): the copies queue on one stream,
     # so the latest starts count back from layer 0's need (15 s): 12.4, 9.8, 7.2, and 5.41 for
-    # layer 3 (69 bytes); each is fetched at the latest layer start before that, and nothing
-    # is exposed (fetched each at its own latest start, layers 2, 1 and 0 came 2.98 s late).
+    # layer 3 (69 bytes), reached at layer starts 5, 4, 3 and 2; backward has let go of the
+    # bytes earlier (6, 5, 4 and 3), so the groups come then.
     slow_back, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)
-    assert slow_back.fetch_at == {5: [3], 4: [2], 3: [1], 2: [0]} and exposed == 0
+    assert slow_back.fetch_at == plan.fetch_at and exposed == 0
     # Slower still (13 s a layer): what cannot be hidden is fetched as backward starts, in
-    # the order backward needs it, and its lateness is predicted.
+    # the order backward needs it, and its lateness is predicted; layer 0's latest start is
+    # the first layer's (7), earlier than backward lets go of its bytes.
     slowest, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 10.0)
-    assert slowest.fetch_at_start == [3, 2, 1] and exposed > 0
+    assert slowest.fetch_at_start == [3, 2, 1] and slowest.fetch_at == {7: [0]} and exposed > 0
+    # Layers kept on the device that save little: backward lets go of too few bytes before
+    # the offloaded layers' own backward, so each group comes at its latest start, one layer ahead.
+    small_kept = [100] * 4 + [10] * 4
+    jit = schedule([True] * 4 + [False] * 4, small_kept, fwd, bwd, 2.0, 1.0, 50.0, 100.0)[0]
+    assert jit.fetch_at == {4: [3], 3: [2], 2: [1], 1: [0]}
     # A slow bus: not even one layer fits before the last one ends, and a part of one does
     # (from 0.25 s: 7.75 s / 1.05 at 5 bytes/s = 36 bytes), copied in parts that end at 5.5,
     # 6.97 (the 32 bytes copied by the last layer's open) and 7.81 s.
@@ -149,3 +161,36 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     faster, order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 55.0, 100.0, None, None, [[30, 60, 100]] * n)
     assert order == [0, 1, 2, 3] and faster.caps[3] is None
     assert faster.split_at[3] == [30] and faster.release_at[3] == [7, 8]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.floats(0.1, 4.0), st.floats(0.1, 8.0)), min_size=2, max_size=12),
+       st.integers(0, 3), st.floats(5.0, 500.0), st.floats(5.0, 500.0))
+def test_activation_schedule_fetches_in_backward_order_within_memory_or_in_time(layers, kept, d2h, h2d):
+    """Whatever the layers: groups come back in the order backward needs them; each at a layer
+    start after its own layer's, where backward has let go of the bytes it and the groups back
+    before it still need (Note [memory-neutral fetch]), or else no earlier than its copy needs."""
+    from offload.activation.schedule import _freed_before, schedule
+
+    nbytes, fwd, bwd = ([layer[k] for layer in layers] for k in range(3))
+    n = len(layers)
+    eligible = [i < n - 1 - kept for i in range(n)]
+    plan, order, _ = schedule(eligible, nbytes, fwd, bwd, 0.5, 0.5, d2h, h2d)
+    sizes = {i: nbytes[i] if plan.caps[i] is None else plan.caps[i] for i in order}
+    freed = _freed_before(nbytes, sizes)
+    trigger = {i: j for j, groups in plan.fetch_at.items() for i in groups}
+    assert sorted(list(trigger) + plan.fetch_at_start) == sorted(order)  # each group fetched once
+    fetched, previous = list(plan.fetch_at_start), n
+    for i in sorted(trigger, reverse=True):  # the order backward needs them
+        j = trigger[i]
+        assert i < j <= previous
+        held = sizes[i] + sum(sizes[g] for g in fetched if g <= j)
+        # Within the memory backward let go of, or at the latest start that leaves time (a
+        # layer start later than the memory allows would be no earlier than that one).
+        assert held <= freed[j] or all(sizes[i] + sum(sizes[g] for g in fetched if g <= k) > freed[k]
+                                       for k in range(j, previous + 1) if k < n and k > i)
+        # And no earlier layer start (up to the group before's) was within the memory.
+        assert all(sizes[i] + sum(sizes[g] for g in fetched if g <= k) > freed[k]
+                   for k in range(j + 1, min(previous, n - 1) + 1))
+        fetched.append(i)
+        previous = j

@@ -207,29 +207,37 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
     # Backward: layer j starts at begins[j]. The groups come back in the order backward needs
     # them, through one host-to-device stream: a copy must end before its layer starts and
     # before the next copy's latest start, so latest starts are found from the group needed
-    # last, and each group is fetched at the latest layer start before its own (the least
-    # memory held early); a group's own latest start alone would ignore the copies queued
-    # behind it and leave those too late.
+    # last (a group's own latest start alone would ignore the copies queued behind it and
+    # leave those too late). Each group is fetched at the earlier of that latest start and
+    # Note [memory-neutral fetch].
     begins, t = [0.0] * n, head_bwd
     for j in reversed(range(n)):
         begins[j] = t
         t += bwd[j]
-    durations = {i: (nbytes[i] if caps[i] is None else caps[i]) / h2d_bps * (1 + FETCH_MARGIN) for i in order}
+    sizes = {i: nbytes[i] if caps[i] is None else caps[i] for i in order}
+    durations = {i: sizes[i] / h2d_bps * (1 + FETCH_MARGIN) for i in order}
     latest, bound = {}, math.inf
     for i in order:  # forward order: the group needed last first
         bound = latest[i] = min(begins[i], bound) - durations[i]
+    freed = _freed_before(nbytes, sizes)
     fetch_at: dict = {}
     fetch_at_start: List[int] = []
     exposed, h2d_free = 0.0, 0.0
+    fetched: List[int] = []  # groups fetched so far, the one needed first first
+    previous = n - 1  # the last group's trigger: triggers never move earlier, so copies keep backward's order
     for i in reversed(order):
         triggers = [j for j in range(i + 1, n) if begins[j] <= latest[i]]
         if triggers:
-            j = triggers[0]  # the latest such layer start
+            # The latest layer start that leaves time for the copy, or an earlier one where
+            # backward has let go of the bytes it brings back.
+            j = max(triggers[0], _neutral_trigger(i, previous, sizes, fetched, freed))
             fetch_at.setdefault(j, []).append(i)
             at = begins[j]
+            previous = j
         else:
             fetch_at_start.append(i)
             at = 0.0
+        fetched.append(i)
         end = max(at, h2d_free) + durations[i]
         h2d_free = end
         exposed += max(0.0, end - begins[i])
@@ -237,6 +245,38 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
     points = [p for i in order for p in (release_at[i] if isinstance(release_at[i], list) else [release_at[i]])]
     tail_save = tail_save if any(p > n for p in points) else None
     return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at, tail_save), order, exposed
+
+
+# Note [memory-neutral fetch]: a group fetched back at the latest layer start that leaves time
+# for its copy holds the least memory, but leaves the chain of copies back no slack: the fetch
+# starts when the compute stream reaches its trigger, so a stall of the compute stream delays
+# every copy after it. Under data parallelism and FSDP such stalls are common (a copy back late
+# on one rank makes every rank wait at its next collective) and they compound: the wait delays
+# the next triggers, whose copies then come late in turn. Fetching earlier costs no memory at
+# the step's peak as long as backward has already let go of as many bytes as the fetched groups
+# still needed hold (the step's memory stays below what it held as backward started, its peak):
+# so each group is fetched at the earliest layer start where that holds, or at its latest start
+# where that is earlier.
+
+
+def _freed_before(nbytes, sizes: dict) -> List[int]:
+    """Per layer j, the saved bytes on the device that backward has let go of when layer j's
+    backward starts: those of the layers after it, less what their groups offloaded (`sizes`)."""
+    freed, acc = [0] * len(nbytes), 0
+    for j in reversed(range(len(nbytes))):
+        freed[j] = acc
+        acc += max(0, nbytes[j] - sizes.get(j, 0))
+    return freed
+
+
+def _neutral_trigger(i: int, previous: int, sizes: dict, fetched: List[int], freed: List[int]) -> int:
+    """The earliest layer start, at most `previous`, from which fetching group `i` holds no more
+    than backward has let go of (Note [memory-neutral fetch]); -1 if none."""
+    for j in range(previous, i, -1):  # from the earliest backward position
+        held = sizes[i] + sum(sizes[g] for g in fetched if g <= j)  # fetched groups still needed at j
+        if held <= freed[j]:
+            return j
+    return -1
 
 
 def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: float, window: int):
