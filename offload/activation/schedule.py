@@ -208,8 +208,8 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
     # them, through one host-to-device stream: a copy must end before its layer starts and
     # before the next copy's latest start, so latest starts are found from the group needed
     # last (a group's own latest start alone would ignore the copies queued behind it and
-    # leave those too late). Each group is fetched at the earlier of that latest start and
-    # Note [memory-neutral fetch].
+    # leave those too late). Each group is fetched at that latest start, or earlier where
+    # backward has let go of the bytes it brings back (Note [memory-neutral fetch]).
     begins, t = [0.0] * n, head_bwd
     for j in reversed(range(n)):
         begins[j] = t
