@@ -155,3 +155,16 @@ def test_activation_ranks_one_rank_group_exchanges_nothing(gloo_world, monkeypat
         assert_bitwise_equal(grads, grads_ref)
     assert handle.plan is not None and not handle.planner.ranks.many
     handle.disable()
+
+
+def test_activation_ranks_combine_element_by_element():
+    """How measurements combine: element by element through lists and tuples, None where no
+    rank has a value, the smallest or largest of those that have; lists of other lengths refused."""
+    from offload.activation.ranks import _each
+
+    assert _each(max, [[1, None, 3], [2, None, 1]], "nbytes") == [2, None, 3]
+    assert _each(min, [(0.5, 2.0), (1.0, None)], "before_peak") == (0.5, 2.0)
+    assert _each(min, [None, 4.0], "d2h") == 4.0
+    assert _each(max, [[[1, 2]], [[3, 0]]], "samples") == [[3, 2]]
+    with pytest.raises(RuntimeError, match=r"measured fwd of different lengths \(\[2, 3\]\)"):
+        _each(min, [[1.0, 2.0], [1.0, 2.0, 3.0]], "fwd")
