@@ -284,11 +284,12 @@ def main(argv=None):
         if settled_at is None and plan_settled(handle, args.activation_offload):
             settled_at = step
             reset_peak_memory(device)  # the tuning's steps without offload do not set the steady peak
-        slowest_wait = None
+        stats = slowest_wait = None
         if handle is not None:
+            stats = handle.stats()
             # The step waits for the rank whose copies were the most exposed (its collectives are
             # late for every rank): every rank's exposed wait, the largest.
-            slowest_wait = torch.tensor([handle.stats()["exposed_seconds"]], dtype=torch.float64,
+            slowest_wait = torch.tensor([stats["exposed_seconds"]], dtype=torch.float64,
                                         device=device if dist.get_backend() != "gloo" else "cpu")
             dist.all_reduce(slowest_wait, op=dist.ReduceOp.MAX)
         if rank == 0:
@@ -297,10 +298,9 @@ def main(argv=None):
                     f"alloc_retries {retries_after - retries} device_allocs {mallocs_after - mallocs}")
             if stager is not None:
                 line += f" checkpoint_ms {checkpoint_seconds * 1e3:.1f}"
-            if handle is not None:
-                s = handle.stats()
-                line += (f" offloaded_mib {s['d2h_bytes'] / 2**20:.3f} exposed_wait_ms "
-                         f"{s['exposed_seconds'] * 1e3:.2f} layers_offloaded {s['layers_offloaded']} "
+            if stats is not None:
+                line += (f" offloaded_mib {stats['d2h_bytes'] / 2**20:.3f} exposed_wait_ms "
+                         f"{stats['exposed_seconds'] * 1e3:.2f} layers_offloaded {stats['layers_offloaded']} "
                          f"exposed_wait_ms_slowest_rank {slowest_wait.item() * 1e3:.2f}")
             print(line, flush=True)
     if pending is not None:

@@ -19,7 +19,7 @@ from ..core.checks import check_bool, check_int, parse_bytes
 from ..core.pool import HostPool
 from . import layers as _layers
 from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
-from .ranks import check_process_group
+from .ranks import Ranks, check_process_group
 from .saved_tensors import input_tensors, module_tensors, not_traced, other_hooks_active
 
 # Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
@@ -85,7 +85,6 @@ class ActivationOffload:
         self._auto = None
         if engine.mode == "auto":
             from .planner import AutoPlanner
-            from .ranks import Ranks
 
             self._auto = AutoPlanner(self, memory_budget_bytes, verbose, Ranks(process_group))
         self._wrapped = []  # weak references to the modules whose forward is wrapped

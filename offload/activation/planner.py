@@ -188,6 +188,10 @@ class _Probe:
         self.target = PROBE_STEPS  # timed steps of each side this round of the probe ends at
         self.pending: list = []  # (start, end, offloading) of timed steps the device may not have finished
 
+    def taken(self, offloading: bool) -> int:
+        """Timed steps of one side this round: read, and not yet read."""
+        return len(self.samples[offloading]) + sum(p[2] == offloading for p in self.pending)
+
 
 class AutoPlanner:
     """The engine's observer while measuring; keeps one plan per input shape.
@@ -333,8 +337,7 @@ class AutoPlanner:
                 probe.all_copies.append(self.engine.counters)
                 if probe.replan is not None:
                     probe.copies.append(self.engine.counters)
-            if probe.steps > PROBE_WARMUP_STEPS and len(probe.samples[ran]) + sum(
-                    p[2] == ran for p in probe.pending) < probe.target:
+            if probe.steps > PROBE_WARMUP_STEPS and probe.taken(ran) < probe.target:
                 probe.pending.append((last[0], mark, ran))
         else:  # a new probe, or the shape changed in between: warm up again
             probe.steps = 0
@@ -343,8 +346,7 @@ class AutoPlanner:
         # Ranks that agree read each step at the same point whatever their devices' progress: a
         # probe is judged at a step all of them reach with the same samples (Note [ranks agree]).
         clock = self.clock
-        covered = all(len(probe.samples[ran]) + sum(p[2] == ran for p in probe.pending) >= probe.target
-                      for ran in (True, False))  # no more steps join this round: read what it has
+        covered = all(probe.taken(ran) >= probe.target for ran in (True, False))  # no more steps join this round
         while probe.pending and (len(probe.pending) > PROBE_PENDING or covered
                                  or (not self.ranks.many and clock.done(probe.pending[0][1]))):
             start, end, ran = probe.pending.pop(0)
