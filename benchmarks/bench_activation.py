@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -219,21 +220,45 @@ def _columns(ctx, name, model, loss_fn, bandwidth):
 
 
 def _alternated(ctx, model, loss_fn, rounds, ours, theirs):
-    """(ours, theirs) median step ms, the two taken in alternation: each round times a step
-    inside the context `ours()` and one inside `theirs()`, each after an untimed one of its
-    kind, so that drift between the columns (3-5% within a run on these hosts) lands on both
-    alike."""
+    """(ours, theirs) median step ms, the two taken in alternation: each round runs a step
+    inside the context `ours()` and one inside `theirs()`, so that drift between the columns
+    (3-5% within a run on these hosts) lands on both alike.
+
+    The steps run back to back, as a training loop runs them: the host issues the next step
+    while the device still runs this one, and each step's time is the device's, from an event
+    at its start to one at the next step's start. Synchronizing before each timed step instead
+    starts every step on an idle device, waiting for the host's first launches, and so counts
+    host work of the hooks that a training loop hides behind the previous step's backward.
+    The first round is not counted (it starts on an idle device).
+    """
 
     def step():
         model.zero_grad(set_to_none=False)
         loss_fn().backward()
 
-    times = ([], [])
-    for _ in range(rounds):
-        for context, out in zip((ours, theirs), times):
+    accelerator = _device.is_accelerator(ctx.device)
+
+    def mark():
+        if not accelerator:
+            return time.perf_counter()
+        event = _device.new_event(ctx.device, timing=True)
+        event.record(_device.current_stream(ctx.device))
+        return event
+
+    _device.synchronize(ctx.device)
+    marks = [mark()]
+    for _ in range(rounds + 1):
+        for context in (ours, theirs):
             with context():
-                out.append(time_ms(step, ctx.device, warmup=1, iters=1)["median_ms"])
-    return statistics.median(times[0]), statistics.median(times[1])
+                step()
+            marks.append(mark())
+    _device.synchronize(ctx.device)
+    if accelerator:
+        spans = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    else:
+        spans = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+    spans = spans[2:]  # the first round
+    return statistics.median(spans[0::2]), statistics.median(spans[1::2])
 
 
 def _alternated_paused(ctx, model, loss_fn, handle, rounds):
@@ -249,8 +274,7 @@ def _alternated_checkpoint(ctx, model, loss_fn, rounds):
     model's steps drift between columns by more than the difference sought (Llama at seq
     2048: checkpointing alone 37-63 ms in different columns of one process). Here each round
     times a step of each, one handle active for one and paused for the other (a paused step
-    runs as without offload), so drift lands on both alike; each step follows an untimed one
-    of the same kind. (A handle enabled and disabled every round put the wrapping's garbage,
+    runs as without offload), so drift lands on both alike (see `_alternated`). (A handle enabled and disabled every round put the wrapping's garbage,
     and the collector runs it brings, into the offloaded side only.)
     """
     model.set_checkpointing(True)
