@@ -110,7 +110,8 @@ def _model_frontier(ctx, name, model, loss_fn):
     for family, points in curves.items():
         for k, ms, peak in points:
             rows.append(row(SECTION, f"{name} {family} first {k}", offload=ms, baseline=none_ms, unit="ms",
-                            baseline_name="no offload", higher_is_better=False, peak_bytes=peak, family=family, k=k))
+                            baseline_name="no offload", higher_is_better=False, peak_bytes=peak, family=family, k=k,
+                            figure="frontier", model=name))
     steps = 3 if ctx.quick else BUDGETS
     for j in range(steps):
         budget = int(keep_all - (keep_all - least) * j / (steps - 1))
@@ -135,7 +136,7 @@ def _model_frontier(ctx, name, model, loss_fn):
                         predicted_recompute_ms=plan.get("predicted_recompute_ms"),
                         measured_step_ms=plan.get("check", {}).get("measured_step_ms"),
                         kinds=plan.get("kinds"), budget_met=plan.get("budget_met"),
-                        baseline_family=best[1], baseline_k=best[2]))
+                        baseline_family=best[1], baseline_k=best[2], figure="frontier", model=name))
     rows += _checkpoint_memory(ctx, name, model, loss_fn, iters, curves["checkpoint"][n], idle, least)
     rows += _auto_runs(ctx, name, model, loss_fn, curves["checkpoint"][0])
     return rows

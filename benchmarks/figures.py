@@ -1,11 +1,13 @@
-"""The main job's three figures, drawn from the rows' figure fields (see common.py):
+"""The main job's figures, drawn from the rows' figure fields (see common.py):
 
 - activation_memory_time.png: peak activation memory against step time, one point per
   way of saving activations, one panel per model, the Pareto frontier drawn;
 - transfer_bandwidth.png: GB/s against bytes per tensor, one tensor and many, offload
   against PyTorch's copies, the measured bus peak as a line;
 - staging_weight_sync.png: caller-blocked time and GB/s of checkpoint staging and weight
-  sync against DCP's DefaultStager and per-tensor loops.
+  sync against DCP's DefaultStager and per-tensor loops;
+- activation_frontier.png: auto mode's plan at each memory budget against checkpointing or
+  offloading the first k layers, peak activation memory against step time, one panel per model.
 
 Each is skipped when its rows are absent (a section skipped) or matplotlib is not installed.
 """
@@ -19,6 +21,7 @@ from benchmarks.runner import missing
 ACTIVATION = "activation_memory_time.png"
 TRANSFER = "transfer_bandwidth.png"
 STAGING = "staging_weight_sync.png"
+FRONTIER = "activation_frontier.png"
 OFFLOAD_COLOR = "tab:blue"
 # Ways of saving activations: (label in the legend, marker, PyTorch's own way?)
 WAYS = {
@@ -195,12 +198,58 @@ def staging(rows, meta, path: Path) -> bool:
     return True
 
 
+# The frontier's hand-written plans: (label, marker, colour) per family.
+FAMILIES = {
+    "checkpoint": ("PyTorch: checkpoint the first k layers", "s", "tab:gray"),
+    "offload": ("offload the first k layers (async)", "D", "tab:orange"),
+}
+
+
+def frontier(rows, meta, path: Path) -> bool:
+    rows = [r for r in rows if r.get("figure") == "frontier"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    if not models:
+        return False
+    plt = _pyplot()
+    cols = min(2, len(models))  # two panels a row: four in one row are too narrow to read
+    nrows = -(-len(models) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models):
+        mine = [r for r in rows if r["model"] == model]
+        for family, (label, marker, color) in FAMILIES.items():
+            points = sorted((r["k"], r["offload"], r["peak_bytes"] / 2**30) for r in mine if r.get("family") == family)
+            if not points:
+                continue
+            ax.plot([p[1] for p in points], [p[2] for p in points], marker=marker, color=color, label=label,
+                    linewidth=1, markersize=5, zorder=2)
+            for k, x, y in points:
+                ax.annotate(str(k), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6, color=color)
+        plans = sorted(((r["offload"], r["peak_bytes"] / 2**30) for r in mine if "budget_bytes" in r),
+                       key=lambda p: p[1])
+        if plans:
+            ax.scatter([p[0] for p in plans], [p[1] for p in plans], marker="v", s=70, color=OFFLOAD_COLOR,
+                       edgecolors="black", linewidths=0.5, label="offload: auto with a memory budget", zorder=3)
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("training step time (ms)")
+        ax.set_ylabel("peak activation memory (GiB)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="best")
+    fig.suptitle(_title("Activation memory budget frontier: the planner against checkpointing or offloading the "
+                        "first k layers (lower left is better; k beside each point)", meta), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def draw_all(rows, meta: dict, out: Path):
     """Paths of the figures drawn into `out`."""
     if matplotlib_missing():
         return []
     drawn = []
-    for name, draw in ((ACTIVATION, activation), (TRANSFER, transfer), (STAGING, staging)):
+    for name, draw in ((ACTIVATION, activation), (TRANSFER, transfer), (STAGING, staging), (FRONTIER, frontier)):
         if draw(rows, meta, out / name):
             drawn.append(out / name)
     return drawn

@@ -4,7 +4,7 @@ Each section compares offload with PyTorch's own way of doing the same thing, in
 same process. The report leads with one headline row per capability, then a table per
 section; `<out>/results.json` records every row and, per section, whether it ran, was
 skipped (and why) or failed (and the error); `<out>/report.md` holds the tables and,
-where matplotlib is installed, three figures go beside it. The exit status is 0 unless
+where matplotlib is installed, the figures go beside it. The exit status is 0 unless
 a section failed.
 """
 

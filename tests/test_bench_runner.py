@@ -171,3 +171,33 @@ def test_bench_figures_pareto_frontier():
 
     points = [(10, 4.0), (12, 2.0), (11, 5.0), (20, 1.0), (25, 1.5)]
     assert figures.pareto(points) == [(10, 4.0), (12, 2.0), (20, 1.0)]
+
+
+def _frontier_rows():
+    rows = []
+    for model in ("stack", "llama"):
+        for family in ("checkpoint", "offload"):
+            for k in range(3):
+                rows.append({"figure": "frontier", "model": model, "family": family, "k": k,
+                             "offload": 100.0 + 10 * k, "peak_bytes": (3 - k) << 30})
+        rows.append({"figure": "frontier", "model": model, "budget_bytes": 2 << 30, "offload": 105.0,
+                     "peak_bytes": 1 << 30})
+    return rows
+
+
+def test_bench_figures_frontier_draws_a_panel_per_model(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import figures
+
+    meta = {"device": "cpu", "date": "today", "performance_result": False}
+    path = tmp_path / figures.FRONTIER
+    assert figures.frontier(_frontier_rows(), meta, path)
+    assert path.stat().st_size > 0
+
+
+def test_bench_figures_frontier_skipped_without_its_rows(tmp_path):
+    from benchmarks import figures
+
+    rows = [r for r in _frontier_rows() if r["model"] == "none"] + [{"figure": "activation"}]
+    assert not figures.frontier(rows, {}, tmp_path / figures.FRONTIER)
+    assert not (tmp_path / figures.FRONTIER).exists()
