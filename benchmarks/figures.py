@@ -54,6 +54,22 @@ def _title(what: str, meta: dict) -> str:
     return title
 
 
+def _finish(plt, fig, what: str, meta: dict, path: Path) -> bool:
+    """Title the figure, lay it out and write it to `path`."""
+    fig.suptitle(_title(what, meta), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _memory_time_axes(ax, title: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("training step time (ms)")
+    ax.set_ylabel("peak activation memory (GiB)")
+    ax.grid(True, alpha=0.3)
+
+
 def pareto(points):
     """The points no other point beats on both step time and memory, by step time."""
     front, best = [], float("inf")
@@ -82,16 +98,9 @@ def activation(rows, meta, path: Path) -> bool:
         front = pareto(points)
         ax.plot([p[0] for p in front], [p[1] for p in front], linestyle="--", color="tab:green", linewidth=1,
                 label="Pareto frontier", zorder=2)
-        ax.set_title(model, fontsize=10)
-        ax.set_xlabel("training step time (ms)")
-        ax.set_ylabel("peak activation memory (GiB)")
-        ax.grid(True, alpha=0.3)
+        _memory_time_axes(ax, model)
     axes[0][0].legend(fontsize=7, loc="best")
-    fig.suptitle(_title("Activation memory against step time (lower left is better)", meta), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, "Activation memory against step time (lower left is better)", meta, path)
 
 
 def _size_label(nbytes: float) -> str:
@@ -136,11 +145,7 @@ def transfer(rows, meta, path: Path) -> bool:
         ax.set_title(f"{direction} ({'device to host' if direction == 'D2H' else 'host to device'})", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle(_title("Transfer bandwidth: offload against PyTorch's copies", meta), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, "Transfer bandwidth: offload against PyTorch's copies", meta, path)
 
 
 def _panel_value(r):
@@ -190,12 +195,8 @@ def staging(rows, meta, path: Path) -> bool:
             ax.set_title("Bytes moved per second", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=6, loc="best")
-    fig.suptitle(_title("Checkpoint staging and weight sync: offload against DCP's DefaultStager and per-tensor "
-                        "loops", meta), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, "Checkpoint staging and weight sync: offload against DCP's DefaultStager and "
+                   "per-tensor loops", meta, path)
 
 
 # The frontier's hand-written plans: (label, marker, colour) per family.
@@ -231,17 +232,10 @@ def frontier(rows, meta, path: Path) -> bool:
         if plans:
             ax.scatter([p[0] for p in plans], [p[1] for p in plans], marker="v", s=70, color=OFFLOAD_COLOR,
                        edgecolors="black", linewidths=0.5, label="offload: auto with a memory budget", zorder=3)
-        ax.set_title(model, fontsize=10)
-        ax.set_xlabel("training step time (ms)")
-        ax.set_ylabel("peak activation memory (GiB)")
-        ax.grid(True, alpha=0.3)
+        _memory_time_axes(ax, model)
     axes[0][0].legend(fontsize=7, loc="best")
-    fig.suptitle(_title("Activation memory budget frontier: the planner against checkpointing or offloading the "
-                        "first k layers (lower left is better; k beside each point)", meta), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, "Activation memory budget frontier: the planner against checkpointing or offloading "
+                   "the first k layers (lower left is better; k beside each point)", meta, path)
 
 
 def draw_all(rows, meta: dict, out: Path):
