@@ -274,8 +274,9 @@ def _alternated_checkpoint(ctx, model, loss_fn, rounds):
     model's steps drift between columns by more than the difference sought (Llama at seq
     2048: checkpointing alone 37-63 ms in different columns of one process). Here each round
     times a step of each, one handle active for one and paused for the other (a paused step
-    runs as without offload), so drift lands on both alike (see `_alternated`). (A handle enabled and disabled every round put the wrapping's garbage,
-    and the collector runs it brings, into the offloaded side only.)
+    runs as without offload), so drift lands on both alike (see `_alternated`). (A handle
+    enabled and disabled every round put the wrapping's garbage, and the collector runs it
+    brings, into the offloaded side only.)
     """
     model.set_checkpointing(True)
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0 if ctx.quick else (1 << 20),
