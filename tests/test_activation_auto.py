@@ -515,3 +515,32 @@ def test_activation_auto_keeps_one_group_a_layer(pool):
     plan = handle.plan
     assert plan is not None and all(b > 0 for b in plan["layer_bytes"][:3])
     handle.disable()
+
+
+def test_activation_schedule_fetches_after_other_hooks_on_the_layer_output(monkeypatch, pool):
+    """A hook that another library registers on a layer's output after the layer's forward
+    (as FSDP2 does to unshard the layer for its backward) runs before the engine fetches the
+    groups the schedule brings back at that layer, and gradients stay bitwise."""
+    ref = small_model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    use_schedule(handle.engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]})
+    log = []
+
+    def library_hook(index):
+        def after_forward(module, args, out):
+            out.register_hook(lambda grad: log.append(("library", index)))
+        return after_forward
+
+    for index, block in enumerate(model.blocks):
+        block.register_forward_hook(library_hook(index))
+    log_fetch_and_restore(monkeypatch, handle.engine, log, key=lambda group: group.layer)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(2):
+        log.clear()
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        for fetched, at in ((2, 3), (1, 2), (0, 1)):
+            assert log.index(("library", at)) < log.index(("fetch", fetched)) < log.index(("library", at - 1))

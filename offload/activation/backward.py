@@ -19,6 +19,17 @@ from .groups import COPYING, KEPT, OPEN, Group, Packed, on_host_only, with_earli
 from .saved_tensors import describe, modified_error, not_traced, when_gradient_of
 
 
+# Note [after FSDP2's hook]: FSDP2 hooks the gradient of each unit's output too, and there
+# unshards the unit for its backward: it copies the all-gathered parameters out on the compute
+# stream, with a small host-to-device copy of their sizes among them. Host-to-device copies
+# run in the order they reach the device's copy engine, whatever stream queued them, so a copy
+# back queued before that small copy holds the compute stream up until the whole copy back is
+# done. FSDP2 registers its hook after the layer's forward returns, later than the engine can,
+# so the engine's fetch runs as a pre-hook of the gradient's node, after every tensor hook: the
+# small copy goes first. (A copy back that outlasts the layer's backward still delays the next
+# layer's small copy by what is left of it.)
+
+
 class BackwardSide:
     """Unpack hook and the fetches of the activation engine (see `ActivationEngine`)."""
 
@@ -125,10 +136,11 @@ class BackwardSide:
     def fetch_when_backward_reaches(self, output, layers) -> None:
         """Fetch the groups of `layers` when backward reaches `output` (a layer's output): a
         hook on its gradient, the first thing computed in that layer's backward. Layers that
-        stay on the device save no tensor of the engine's, so nothing else marks that point."""
+        stay on the device save no tensor of the engine's, so nothing else marks that point.
+        The hook runs after the others on that gradient (Note [after FSDP2's hook])."""
         refs = self._groups_of(layers)
         if refs:  # else each is fetched at its first unpack
-            when_gradient_of(output, self, lambda engine: engine._fetch_groups(refs))
+            when_gradient_of(output, self, lambda engine: engine._fetch_groups(refs), after_tensor_hooks=True)
 
     def _fetch(self, group: Group) -> None:
         with _device.nvtx_range(f"offload.h2d {group.name}") if self.nvtx else contextlib.nullcontext():

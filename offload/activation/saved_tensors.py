@@ -93,20 +93,25 @@ def other_hooks_active() -> bool:
         return top() is not None
 
 
-def when_gradient_of(output, target, call) -> None:
+def when_gradient_of(output, target, call, after_tensor_hooks: bool = False) -> None:
     """Run call(target) when backward computes the gradient of the first tensor in `output`
-    that needs one (a hook on it; nothing if there is none)."""
+    that needs one (a hook on it; nothing if there is none). `after_tensor_hooks`: after every
+    hook registered on that tensor, even those registered later (Note [after FSDP2's hook])."""
     anchor = first_grad_tensor(output)
     if anchor is None:
         return
     ref = weakref.ref(target)  # the hook lives as long as the graph: no cycle through it
 
-    def hook(grad):
+    def hook(*_):
         this = ref()
         if this is not None:
             call(this)
 
-    anchor.register_hook(hook)
+    if after_tensor_hooks and anchor.grad_fn is not None:
+        # The autograd engine runs a node's tensor hooks, then its own pre-hooks.
+        anchor.grad_fn.register_prehook(hook)
+    else:
+        anchor.register_hook(hook)
 
 
 def first_grad_tensor(value, depth: int = 0):
