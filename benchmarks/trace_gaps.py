@@ -87,11 +87,16 @@ def compute_stream(streams: Dict[object, list]):
     return max(candidates, key=lambda s: sum(op["dur"] for op in streams[s]))
 
 
+def _launches(events) -> dict:
+    """The runtime calls that queued device ops, by the correlation id they share with their op."""
+    return {e["args"]["correlation"]: e for e in events
+            if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+
+
 def host_lead(events, ops) -> List[float]:
     """Per op of `ops`: ms from its launch call's start to the op's start (how far ahead the
     host was); ops whose launch is not in the trace are left out."""
-    launches = {e["args"].get("correlation"): e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = _launches(events)
     lead = []
     for op in ops:
         launch = launches.get(op.get("args", {}).get("correlation"))
@@ -113,8 +118,7 @@ def gaps(events, streams: Dict[object, list], stream, min_ms: float) -> List[Gap
     """The gaps of `stream` longer than `min_ms`, with what ended each (see `Gap`)."""
     ops = streams[stream]
     t0 = min(op["ts"] for s in streams.values() for op in s)
-    launches = {e["args"].get("correlation"): e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = _launches(events)
     others = [op for s, o in streams.items() if s != stream for op in o]
     found = []
     for a, b in zip(ops, ops[1:]):
