@@ -139,7 +139,8 @@ class PairModel(nn.Module):
 def log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
     """Append ("fetch", key(group)) and ("restore", key(group)) to `log` as the engine does them."""
     fetch, restore = engine._fetch, engine._restore
-    monkeypatch.setattr(engine, "_fetch", lambda group: (log.append(("fetch", key(group))), fetch(group))[1])
+    monkeypatch.setattr(engine, "_fetch",
+                        lambda group, upto=None: (log.append(("fetch", key(group))), fetch(group, upto))[1])
     monkeypatch.setattr(engine, "_restore",
                         lambda group, p: (log.append(("restore", key(group))), restore(group, p))[1])
 
@@ -148,7 +149,8 @@ def use_schedule(engine, n, **kw):
     from offload.activation.schedule import Schedule
 
     engine.use_plan(Schedule(n, kw.get("caps", [None] * n), kw.get("release_at", {}), kw.get("fetch_at", {}),
-                             kw.get("fetch_at_start", []), kw.get("split_at", {})))
+                             kw.get("fetch_at_start", []), kw.get("split_at", {}),
+                             fetch_share=kw.get("fetch_share", {})))
 
 
 class StepClock:

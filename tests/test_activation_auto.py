@@ -205,6 +205,62 @@ def test_activation_schedule_caps_and_fetch_points_bitwise(pool):
     assert stats["groups_prefetched"] == 3 and stats["groups_fetched"] == 3
 
 
+def test_activation_schedule_fetches_a_layer_in_pieces_at_several_points(monkeypatch, pool):
+    """A schedule that brings layer 1 back in two pieces (at layers 3 and 2) and layer 0 in
+    three (as backward starts, at 2 and at 1): each piece is queued at its point, in the order
+    backward needs the groups, the pieces of a group cover its block once, in order, into one
+    device block, and gradients stay bitwise."""
+    ref = small_model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    engine = handle.engine
+    use_schedule(engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2, 1], 2: [1, 0], 1: [0]},
+                 fetch_at_start=[0], fetch_share={(3, 1): 0.5, (5, 0): 0.25, (2, 0): 0.6})
+    log, blocks = [], {}
+    fetch = engine._fetch
+
+    def logged(group, upto=None):
+        before = group.fetched
+        fetch(group, upto)
+        blocks.setdefault(group.layer, set()).add(group.device_block.data_ptr())
+        log.append((group.layer, before, group.fetched, group.nbytes_aligned))
+
+    monkeypatch.setattr(engine, "_fetch", logged)
+    def mark_backward(index):
+        def after_forward(module, args, out):
+            out.register_hook(lambda grad: log.append(("backward", index)))
+        return after_forward
+
+    for index, block in enumerate(model.blocks):
+        block.register_forward_hook(mark_backward(index))
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(2):
+        log.clear()
+        blocks.clear()
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        pieces = [entry for entry in log if entry[0] != "backward"]
+        for layer in (0, 1, 2):  # contiguous pieces from 0 to the whole block, one block
+            own = [(lo, hi, size) for g, lo, hi, size in pieces if g == layer]
+            assert own[0][0] == 0 and own[-1][1] == own[-1][2]
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(own, own[1:]))
+            assert len(blocks[layer]) == 1
+        layer_1 = [(lo, hi) for g, lo, hi, size in pieces if g == 1]
+        assert len(layer_1) == 2 and layer_1[0][1] == -(-layer_1[0][1] // 512) * 512  # at a span boundary
+        assert len([p for p in pieces if p[0] == 0]) == 3
+        # Each at its point: layer 0's first piece before backward reaches layer 3, layer 1's
+        # first at layer 3, its rest and layer 0's second at 2, layer 0's rest at 1.
+        order = [(entry[1] if entry[0] == "backward" else entry[0]) for entry in log]
+        kinds = ["b" if entry[0] == "backward" else "f" for entry in log]
+        assert list(zip(kinds, order)) == [("f", 0), ("b", 3), ("f", 2), ("f", 1), ("b", 2), ("f", 1), ("f", 0),
+                                           ("b", 1), ("f", 0), ("b", 0)]
+        stats = handle.stats()
+        assert stats["h2d_bytes"] == stats["d2h_bytes"] and stats["groups_fetched"] == 3
+    handle.disable()
+
+
 @pytest.mark.parametrize("split_bytes", [256, 4096])
 def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, split_bytes, pool):
     """A layer the schedule splits: its first part's copy is queued before the layer ends,

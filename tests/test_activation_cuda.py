@@ -140,12 +140,14 @@ def test_activation_cuda_resident_window_bounds_peak(resident):
     assert offloaded < plain
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 @pytest.mark.parametrize("split", [False, True])
-def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(deterministic, split):
+def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(deterministic, split, pieces):
     """Auto mode's schedule lets a group's memory go at its planned point by a wait on the
     device, so a sparse plan lowers the peak even when the host runs far ahead of the device
     (here a spin kernel holds the device back) and so never sees a copy done in forward.
-    `split`: the layers are copied in parts while they run, with the same result."""
+    `split`: the layers are copied in parts while they run, with the same result. `pieces`:
+    the layers come back in pieces over several layers' backward, bitwise."""
     from offload.activation.schedule import Schedule
 
     ref = _stack(torch.bfloat16, d=512, heads=8, n=8)
@@ -163,7 +165,11 @@ def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(dete
     handle.set_offloaded([i in (0, 1) for i in range(8)])
     ends = [int(per_layer) * k // 4 for k in (1, 2, 3)]
     parts = {0: ends, 1: ends} if split else {}
-    handle.engine.use_plan(Schedule(8, [None] * 8, {0: 4, 1: 6}, {3: [1], 2: [0]}, [], parts))
+    if pieces:
+        fetch_at, shares = {5: [1], 3: [1, 0], 2: [0]}, {(5, 1): 0.4, (3, 0): 0.5}
+    else:
+        fetch_at, shares = {3: [1], 2: [0]}, {}
+    handle.engine.use_plan(Schedule(8, [None] * 8, {0: 4, 1: 6}, fetch_at, [], parts, fetch_share=shares))
 
     _activation_peak(model, x, hold_device_cycles=200_000_000)  # ~0.1 s: the host runs ahead of the device
     offloaded = _activation_peak(model, x, hold_device_cycles=200_000_000)

@@ -69,17 +69,21 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     # gone (layer 6's start), layer 2's once 200 are (169 held), then 269 of 300, 369 of 400.
     assert FETCH_MARGIN == 0.3
     assert plan.fetch_at == {6: [3], 5: [2], 4: [1], 3: [0]} and plan.fetch_at_start == []
-    # A slower way back (2.6 s a layer, 2 s of backward each): the copies queue on one stream,
-    # so the latest starts count back from layer 0's need (15 s): 12.4, 9.8, 7.2, and 5.41 for
-    # layer 3 (69 bytes), reached at layer starts 5, 4, 3 and 2; backward has let go of the
-    # bytes earlier (6, 5, 4 and 3), so the groups come then.
+    # A slower way back (2.6 s a layer with its margin, 2 s of backward each): no layer start
+    # queues more than its layer's backward carries, 76 bytes (Note [fetch in pieces]), so the
+    # groups come in pieces; each begins where backward has let go of its bytes (layer 3's 69
+    # at layer 6, layer 2's at 5: 169 of 200 held, ...), and its rest follows at the next start.
     slow_back, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)
-    assert slow_back.fetch_at == plan.fetch_at and exposed == 0
-    # Slower still (13 s a layer): what cannot be hidden is fetched as backward starts, in
-    # the order backward needs it, and its lateness is predicted; layer 0's latest start is
-    # the first layer's (7), earlier than backward lets go of its bytes.
+    assert slow_back.fetch_at == {6: [3], 5: [2], 4: [2, 1], 3: [1, 0], 2: [0]} and exposed == 0
+    assert slow_back.fetch_share == {(5, 2): 0.76, (4, 1): 0.52, (3, 0): 0.28}
+    assert slow_back.shares_at(4) == {1: 0.52} and slow_back.shares_at(6) == {}
+    # Slower still (13 s a layer): each layer's backward carries 15 bytes, and the latest
+    # pieces that still make each need leave 264 bytes for backward's start (point 9): layers
+    # 3 and 2 and 95 of layer 1's bytes, in the order backward needs them; its lateness is
+    # predicted.
     slowest, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 10.0)
-    assert slowest.fetch_at_start == [3, 2, 1] and slowest.fetch_at == {7: [0]} and exposed > 0
+    assert slowest.fetch_at_start == [3, 2, 1] and slowest.fetch_share[(9, 1)] == 0.95 and exposed > 0
+    assert slowest.fetch_at == {7: [1, 0], 6: [0], 5: [0], 4: [0], 3: [0], 2: [0], 1: [0]}
     # Layers kept on the device that save little: backward lets go of too few bytes before
     # the offloaded layers' own backward, so each group comes at its latest start, one layer ahead.
     small_kept = [100] * 4 + [10] * 4
@@ -167,10 +171,12 @@ def test_activation_schedule_counts_bytes_at_span_ends():
 @given(st.lists(st.tuples(st.integers(1, 400), st.floats(0.1, 4.0), st.floats(0.1, 8.0)), min_size=2, max_size=12),
        st.integers(0, 3), st.floats(5.0, 500.0), st.floats(5.0, 500.0))
 def test_activation_schedule_fetches_in_backward_order_within_memory_or_in_time(layers, kept, d2h, h2d):
-    """Whatever the layers: groups come back in the order backward needs them; each at a layer
-    start after its own layer's, where backward has let go of the bytes it and the groups back
-    before it still need (Note [memory-neutral fetch]), or else no earlier than its copy needs."""
-    from offload.activation.schedule import _freed_before, schedule
+    """Whatever the layers: the bus copies the groups back in the order backward needs them,
+    each whole before its need; no layer start queues more than its layer's backward carries
+    (Note [fetch in pieces]); and a group begins where backward has let go of the bytes it and
+    the groups back before it still need (Note [memory-neutral fetch]), or else no more is
+    queued than the later layer starts could not carry in time."""
+    from offload.activation.schedule import FETCH_MARGIN, _freed_before, schedule
 
     nbytes, fwd, bwd = ([layer[k] for layer in layers] for k in range(3))
     n = len(layers)
@@ -178,19 +184,36 @@ def test_activation_schedule_fetches_in_backward_order_within_memory_or_in_time(
     plan, order, _ = schedule(eligible, nbytes, fwd, bwd, 0.5, 0.5, d2h, h2d)
     sizes = {i: nbytes[i] if plan.caps[i] is None else plan.caps[i] for i in order}
     freed = _freed_before(nbytes, sizes)
-    trigger = {i: j for j, groups in plan.fetch_at.items() for i in groups}
-    assert sorted(list(trigger) + plan.fetch_at_start) == sorted(order)  # each group fetched once
-    fetched, previous = list(plan.fetch_at_start), n
-    for i in sorted(trigger, reverse=True):  # the order backward needs them
-        j = trigger[i]
-        assert i < j <= previous
-        held = sizes[i] + sum(sizes[g] for g in fetched if g <= j)
-        # Within the memory backward let go of, or at the latest start that leaves time (a
-        # layer start later than the memory allows would be no earlier than that one).
-        assert held <= freed[j] or all(sizes[i] + sum(sizes[g] for g in fetched if g <= k) > freed[k]
-                                       for k in range(j, previous + 1) if k < n and k > i)
-        # And no earlier layer start (up to the group before's) was within the memory.
-        assert all(sizes[i] + sum(sizes[g] for g in fetched if g <= k) > freed[k]
-                   for k in range(j + 1, min(previous, n - 1) + 1))
-        fetched.append(i)
-        previous = j
+    room = [int(b * h2d / (1 + FETCH_MARGIN)) for b in bwd]
+    end, at = {}, 0
+    for i in sorted(order, reverse=True):  # the order backward needs them
+        at = end[i] = at + sizes[i]
+
+    def due(j):  # what must be queued by layer start j for every group to come whole before its need
+        return max([0] + [end[h] - sum(room[h + 1:j]) for h in order if h < j])
+
+    points = [n + 1] + list(range(n - 1, 0, -1))  # the order backward reaches them
+    assert set(plan.fetch_at) <= set(points)
+    share = dict.fromkeys(order, 0.0)
+    issued = 0.0
+    for j in points:
+        before = issued
+        held = [g for g in order if share[g] > 0 and g <= j]  # groups after j were let go
+        listed = plan.fetch_at_start if j == n + 1 else plan.fetch_at.get(j, [])
+        beyond = False
+        for i in listed:
+            assert i < j and share[i] < 1.0  # before its need, and never queued twice
+            assert all(share[g] == 1.0 for g in order if g > i)  # those needed before it: whole
+            begins = share[i] == 0.0
+            new = plan.fetch_share.get((j, i), 1.0)
+            assert share[i] < new <= 1.0
+            issued += (new - share[i]) * sizes[i]
+            share[i] = new
+            if begins and j < n:
+                held.append(i)
+                beyond = beyond or sum(sizes[g] for g in held) > freed[j]
+        if j < n:
+            assert issued - before <= room[j] + 1e-6 * issued
+            if beyond:  # a group begun beyond the bytes let go: only what is due
+                assert issued == pytest.approx(due(j))
+    assert all(share[i] == 1.0 for i in order)

@@ -221,7 +221,7 @@ class ActivationOffload:
                 out = original(*args, **kwargs)
             schedule = engine.schedule
             if schedule is not None and index in schedule.fetch_at:
-                engine.fetch_when_backward_reaches(out, schedule.fetch_at[index])
+                engine.fetch_when_backward_reaches(out, schedule.fetch_at[index], schedule.shares_at(index))
             if index == last:
                 engine.boundary(None, layer=last + 1)  # the point after the last layer (auto mode's schedule)
             return out

@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
+from typing import Optional
 
 import torch
 
 from ..core import _device
 from ..core.copy import copy_to_device
-from .groups import COPYING, KEPT, OPEN, Group, Packed, on_host_only, with_earlier_parts
+from .groups import COPYING, KEPT, OPEN, SPAN_ALIGN, Group, Packed, on_host_only, with_earlier_parts
 from .saved_tensors import describe, modified_error, not_traced, when_gradient_of
 
 
@@ -26,8 +27,9 @@ from .saved_tensors import describe, modified_error, not_traced, when_gradient_o
 # back queued before that small copy holds the compute stream up until the whole copy back is
 # done. FSDP2 registers its hook after the layer's forward returns, later than the engine can,
 # so the engine's fetch runs as a pre-hook of the gradient's node, after every tensor hook: the
-# small copy goes first. (A copy back that outlasts the layer's backward still delays the next
-# layer's small copy by what is left of it.)
+# small copy goes first; and no layer start queues more copies back than the bus moves in that
+# layer's backward (Note [fetch in pieces] in schedule.py), so none is left to delay the next
+# layer's small copy.
 
 
 class BackwardSide:
@@ -116,70 +118,107 @@ class BackwardSide:
 
     def _backward_start_scheduled(self) -> None:
         """Backward starts (auto mode): release what the schedule lets go here, fetch what it fetches."""
-        self._release_due(self.schedule.n + 1)
-        self._fetch_groups(self._groups_of(self.schedule.fetch_at_start))
+        schedule = self.schedule
+        self._release_due(schedule.n + 1)
+        shares = schedule.shares_at(schedule.n + 1)
+        for layer in schedule.fetch_at_start:
+            self._fetch_groups(self._groups_of([layer]), shares.get(layer))
 
     def _groups_of(self, layers) -> list:
         """Weak references to the offloaded groups of `layers` in this forward, each layer's
         last part first: backward needs the tensors a layer saved last first."""
         return [ref for layer in layers for ref in reversed(self._layer_groups.get(layer, ()))]
 
-    def _fetch_groups(self, refs) -> None:
-        """Fetch the groups (weak references, or None) that are on the host only."""
-        for ref in refs:
-            group = ref() if ref is not None else None
-            if group is not None and on_host_only(group):
-                self._fetch(group)
-                self.counters["groups_prefetched"] += 1
+    def _fetch_groups(self, refs, share: Optional[float] = None) -> None:
+        """Fetch the groups (weak references, or None) that are on the host; with `share`, the
+        groups of one layer up to that share of their bytes, in the order given (a piece,
+        Note [fetch in pieces] in schedule.py)."""
+        groups = [g for g in (ref() if ref is not None else None for ref in refs) if g is not None]
+        wanted = None if share is None else share * sum(g.nbytes_aligned for g in groups)
+        for group in groups:
+            upto = None if wanted is None or wanted >= group.nbytes_aligned else int(wanted)
+            if wanted is not None:
+                wanted = max(0.0, wanted - group.nbytes_aligned)
+            if on_host_only(group) and upto != 0:
+                self._fetch(group, upto)
+                if group.fetched == group.nbytes_aligned:
+                    self.counters["groups_prefetched"] += 1
 
     @not_traced
-    def fetch_when_backward_reaches(self, output, layers) -> None:
+    def fetch_when_backward_reaches(self, output, layers, shares=None) -> None:
         """Fetch the groups of `layers` when backward reaches `output` (a layer's output): a
         hook on its gradient, the first thing computed in that layer's backward. Layers that
         stay on the device save no tensor of the engine's, so nothing else marks that point.
+        `shares`: layer -> the share of its bytes to fetch there, for layers fetched in pieces.
         The hook runs after the others on that gradient (Note [after FSDP2's hook])."""
-        refs = self._groups_of(layers)
-        if refs:  # else each is fetched at its first unpack
-            when_gradient_of(output, self, lambda engine: engine._fetch_groups(refs), after_tensor_hooks=True)
+        shares = shares or {}
+        fetches = [(refs, shares.get(layer)) for layer in layers for refs in [self._groups_of([layer])] if refs]
+        if fetches:  # else each is fetched at its first unpack
 
-    def _fetch(self, group: Group) -> None:
+            def fetch(engine):
+                for refs, share in fetches:
+                    engine._fetch_groups(refs, share)
+
+            when_gradient_of(output, self, fetch, after_tensor_hooks=True)
+
+    def _fetch(self, group: Group, upto: Optional[int] = None) -> None:
+        """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in
+        pieces] in schedule.py; None: all that is left)."""
+        end = group.nbytes_aligned if upto is None else min(group.nbytes_aligned, -(-upto // SPAN_ALIGN) * SPAN_ALIGN)
+        if end <= group.fetched:
+            return
         with _device.nvtx_range(f"offload.h2d {group.name}") if self.nvtx else contextlib.nullcontext():
-            # One device block per group (allocated on the consumer stream, its owner) laid out
-            # as the host block: one DMA of the whole block (the core would stage a group's
-            # adjacent spans and scatter them with a kernel competing with backward for the
-            # SMs), and each restored view keeps the original's 512-byte alignment. Copied from
-            # the D2H handle, the core makes the copy stream wait for that copy too (a group let
-            # go at a release point was seen complete on the device only), and times the copy
-            # after both waits.
-            block = torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device)
-            group.fetch_stream = _device.current_stream(self.device) if self.on_accel else None
-            group.h2d = copy_to_device(group.d2h, self.device, out=[block], pool=self.pool, timing=self.timing)
+            if group.device_block is None:
+                # One device block per group (allocated on the consumer stream, its owner) laid
+                # out as the host block: DMAs of the block (the core would stage a group's
+                # adjacent spans and scatter them with a kernel competing with backward for the
+                # SMs), and each restored view keeps the original's 512-byte alignment.
+                group.device_block = torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device)
+                group.fetch_stream = _device.current_stream(self.device) if self.on_accel else None
+                group.typed_blocks = {}
+                group.waited = set()
+            if group.fetched == 0 and end == group.nbytes_aligned:
+                # Copied from the D2H handle, the core makes the copy stream wait for that copy
+                # too (a group let go at a release point was seen complete on the device only),
+                # and times the copy after both waits.
+                source, out = group.d2h, [group.device_block]
+            else:
+                if group.fetched == 0:  # the first piece: the copy stream waits for the copy out
+                    if self.on_accel:
+                        group.d2h.wait_stream(_device.copy_streams(self.device)[1])
+                    else:
+                        group.d2h.synchronize()
+                source = [group.d2h.tensors[0][group.fetched:end]]
+                out = [group.device_block[group.fetched:end]]
+            # Pieces queue on one copy stream in order: the last one done means all are.
+            group.h2d.append(copy_to_device(source, self.device, out=out, pool=self.pool, timing=self.timing))
         if self.timing:
-            self._timings.copy(self.counters, "h2d_seconds", group.h2d.copy_timer())
-        group.device_block = block
-        group.typed_blocks = {}
-        group.waited = set()
-        self.counters["h2d_bytes"] += group.nbytes
-        self.counters["groups_fetched"] += 1
+            self._timings.copy(self.counters, "h2d_seconds", group.h2d[-1].copy_timer())
+        share = min(end, group.nbytes) - min(group.fetched, group.nbytes)  # of the group's bytes (not its padding)
+        group.fetched = end
+        self.counters["h2d_bytes"] += share
+        if end == group.nbytes_aligned:
+            self.counters["groups_fetched"] += 1
 
     def _restore(self, group: Group, packed: Packed) -> torch.Tensor:
-        if group.device_block is None:
-            self._fetch(group)
+        if group.fetched < group.nbytes_aligned:
+            self._fetch(group)  # what no planned point fetched
         stream = _device.current_stream(self.device) if self.on_accel else None
         if stream not in group.waited:
             if self.mode == "sync" or not self.on_accel:
                 t0 = time.perf_counter()
-                group.h2d.synchronize()
+                group.h2d[-1].synchronize()
                 self.counters["backward_wait_seconds"] += time.perf_counter() - t0
             else:
                 start = self._timed_start(stream)
-                if stream == group.fetch_stream:
-                    # The block's owner waits for the copy: the core need not hold it until the
-                    # host sees the copy done (else it would hold the last group fetched in a
-                    # step until the next step's first copy).
-                    group.h2d.release_sources(stream)
-                else:
-                    group.h2d.wait_stream(stream)
+                for h2d in group.h2d:
+                    if stream == group.fetch_stream:
+                        # The block's owner waits for the copy: the core need not hold it until
+                        # the host sees the copy done (else it would hold the last group fetched
+                        # in a step until the next step's first copy).
+                        h2d.release_sources(stream)
+                    else:
+                        h2d.wait_stream(stream)
                 self._timed_end("backward_wait_seconds", start, stream)
             group.waited.add(stream)
         key = (packed.entry, packed.dtype, packed.size, packed.stride, packed.offset)
@@ -213,7 +252,8 @@ class BackwardSide:
             self._mark_copied(group)
         group.device_block = None
         group.typed_blocks = {}
-        group.h2d = None
+        group.h2d = []
+        group.fetched = 0
         group.views = {}
         group.waited = set()
         group.n_unpacked = 0

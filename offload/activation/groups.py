@@ -39,7 +39,7 @@ class Group:
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_block",
         "typed_blocks", "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "span_starts",
         "nbytes_aligned", "stream", "capped", "split", "part", "continued", "fetch_stream", "offsets",
-        "new_spans", "n_layers", "auto", "__weakref__",
+        "new_spans", "n_layers", "auto", "fetched", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -51,7 +51,8 @@ class Group:
         self.watch = None  # per slot, once held is dropped: (tensor sharing its version counter, version) or None
         self.spans: list = []  # per entry: [tensor, lo, hi] (bytes of its storage to copy); + version when closed
         self.d2h = None  # CopyHandle of the group's spans to host; its one tensor is their pooled host block
-        self.h2d = None  # CopyHandle of the spans back to the device (backward)
+        self.h2d: list = []  # CopyHandles of the block back to the device (backward): one, or a piece each
+        self.fetched = 0  # bytes of the block copied back so far (or queued to be)
         self.device_block = None  # the restored uint8 block on the device, laid out as the host block
         self.typed_blocks: dict = {}  # dtype -> device_block viewed as that dtype (views are made from it)
         self.views: dict = {}  # (entry, dtype, size, stride, offset) -> restored tensor
@@ -101,8 +102,8 @@ def with_earlier_parts(ref) -> list:
 
 
 def on_host_only(group: Group) -> bool:
-    """Its copy is complete and nothing brought it back to the device yet."""
-    return group.state == HOST and group.device_block is None and group.d2h is not None
+    """Its copy is complete and not all of it was brought back to the device yet."""
+    return group.state == HOST and group.d2h is not None and group.fetched < group.nbytes_aligned
 
 
 def aligned_layout(sizes):

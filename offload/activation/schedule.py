@@ -68,8 +68,10 @@ class Schedule:
       copy is planned to be complete by then, so the wait costs nothing); a list for a layer
       copied in parts: a point per part (Note [planned release points]).
     - fetch_at: layer j -> layers whose groups are copied back when backward reaches layer
-      j (the gradient of its output is computed), so each arrives just before it is needed;
-      fetch_at_start: those fetched as backward starts.
+      j (the gradient of its output is computed), so each arrives before it is needed;
+      fetch_at_start: those fetched as backward starts. A layer listed at several points is
+      fetched in pieces: fetch_share: (point, layer) -> the share of its bytes fetched by that
+      point (n + 1: backward's start), for each point but its last (Note [fetch in pieces]).
     - split_at: layer -> the layer's bytes of new spans, ascending, at which its group is
       closed (its copy starts) and the layer goes on in a new group (part): the copy runs
       while the layer still saves tensors, and each part is let go at its own point. The
@@ -83,6 +85,12 @@ class Schedule:
     fetch_at_start: List[int]
     split_at: dict = dataclasses.field(default_factory=dict)
     tail_save: Optional[int] = None
+    fetch_share: dict = dataclasses.field(default_factory=dict)
+
+    def shares_at(self, point: int) -> dict:
+        """Layer -> the share of its bytes fetched by `point` (a layer, or n + 1 for backward's
+        start), for the layers fetched there in part (Note [fetch in pieces])."""
+        return {i: share for (at, i), share in self.fetch_share.items() if at == point}
 
 
 def saved_by(marks, fwd: float, share: float) -> float:
@@ -204,47 +212,12 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
             release_at[i] = points
         else:
             release_at[i] = points[0]
-    # Backward: layer j starts at begins[j]. The groups come back in the order backward needs
-    # them, through one host-to-device stream: a copy must end before its layer starts and
-    # before the next copy's latest start, so latest starts are found from the group needed
-    # last (a group's own latest start alone would ignore the copies queued behind it and
-    # leave those too late). Each group is fetched at that latest start, or earlier where
-    # backward has let go of the bytes it brings back (Note [memory-neutral fetch]).
-    begins, t = [0.0] * n, head_bwd
-    for j in reversed(range(n)):
-        begins[j] = t
-        t += bwd[j]
-    sizes = {i: nbytes[i] if caps[i] is None else caps[i] for i in order}
-    durations = {i: sizes[i] / h2d_bps * (1 + FETCH_MARGIN) for i in order}
-    latest, bound = {}, math.inf
-    for i in order:  # forward order: the group needed last first
-        bound = latest[i] = min(begins[i], bound) - durations[i]
-    freed = _freed_before(nbytes, sizes)
-    fetch_at: dict = {}
-    fetch_at_start: List[int] = []
-    exposed, h2d_free = 0.0, 0.0
-    fetched: List[int] = []  # groups fetched so far, the one needed first first
-    previous = n - 1  # the last group's trigger: triggers never move earlier, so copies keep backward's order
-    for i in reversed(order):
-        triggers = [j for j in range(i + 1, n) if begins[j] <= latest[i]]
-        if triggers:
-            # The latest layer start that leaves time for the copy, or an earlier one where
-            # backward has let go of the bytes it brings back.
-            j = max(triggers[0], _neutral_trigger(i, previous, sizes, fetched, freed))
-            fetch_at.setdefault(j, []).append(i)
-            at = begins[j]
-            previous = j
-        else:
-            fetch_at_start.append(i)
-            at = 0.0
-        fetched.append(i)
-        end = max(at, h2d_free) + durations[i]
-        h2d_free = end
-        exposed += max(0.0, end - begins[i])
+    fetch_at, fetch_at_start, fetch_share, exposed = fetch_plan(order, sizes_of(nbytes, caps, order), nbytes, bwd,
+                                                                head_bwd, h2d_bps)
     # The point after the last layer is kept only if some part is let go there.
     points = [p for i in order for p in (release_at[i] if isinstance(release_at[i], list) else [release_at[i]])]
     tail_save = tail_save if any(p > n for p in points) else None
-    return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at, tail_save), order, exposed
+    return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at, tail_save, fetch_share), order, exposed
 
 
 # Note [memory-neutral fetch]: a group fetched back at the latest layer start that leaves time
@@ -255,8 +228,8 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
 # the next triggers, whose copies then come late in turn. Fetching earlier costs no memory at
 # the step's peak as long as backward has already let go of as many bytes as the fetched groups
 # still needed hold (the step's memory stays below what it held as backward started, its peak):
-# so each group is fetched at the earliest layer start where that holds, or at its latest start
-# where that is earlier.
+# so a group's first piece (Note [fetch in pieces]) goes at the earliest layer start where that
+# holds and the bus has room, or where its need makes it due, if that is earlier.
 
 
 def _freed_before(nbytes, sizes: dict) -> List[int]:
@@ -269,14 +242,100 @@ def _freed_before(nbytes, sizes: dict) -> List[int]:
     return freed
 
 
-def _neutral_trigger(i: int, previous: int, sizes: dict, fetched: List[int], freed: List[int]) -> int:
-    """The earliest layer start, at most `previous`, from which fetching group `i` holds no more
-    than backward has let go of (Note [memory-neutral fetch]); -1 if none."""
-    for j in range(previous, i, -1):  # from the earliest backward position
-        held = sizes[i] + sum(sizes[g] for g in fetched if g <= j)  # fetched groups still needed at j
-        if held <= freed[j]:
-            return j
-    return -1
+def sizes_of(nbytes, caps, order) -> dict:
+    """Per offloaded layer, the bytes its groups copy back: all of its own, or its cap."""
+    return {i: nbytes[i] if caps[i] is None else caps[i] for i in order}
+
+
+# Note [fetch in pieces]: copies back run on the device's host-to-device copy engine, which
+# serves them in the order they reach it, whatever stream queued them. Another library's small
+# host-to-device copy on the compute stream at a layer's start (FSDP2 copies its unsharded
+# parameters' sizes in at each unit's backward) waits behind every copy back queued before it,
+# and the compute stream with it. So each layer start queues no more than the bus moves in that
+# layer's backward (less FETCH_MARGIN): a group whose copy is longer comes back in pieces over
+# the backward of several layers, into one device block allocated at its first piece. Pieces go
+# as late as the groups' needs allow, or earlier where backward has let go of the bytes a group
+# brings back (Note [memory-neutral fetch]); what the layers' backward cannot carry goes as
+# backward starts.
+
+
+def fetch_plan(order, sizes: dict, nbytes, bwd, head_bwd: float, h2d_bps: float):
+    """Which layer starts fetch which groups back, and how much of each (Note [fetch in pieces]).
+
+    `order`: the offloaded layers, forward order; `sizes`: the bytes each copies back; layer j's
+    backward starts `head_bwd` plus the backward of the layers after it into backward and takes
+    bwd[j]. Slot j (a layer start, or n: backward's start) may queue what the bus moves in the
+    time to the next layer start; a piece queued at slot j ends by layer j - 1's start, so group
+    i's pieces go at slots above i.
+
+    Returns (fetch_at, fetch_at_start, fetch_share, predicted exposed seconds): fetch_at maps a
+    layer to the layers whose groups it fetches (in the order backward needs them), and
+    fetch_share maps (layer, or n + 1 for backward's start; layer fetched) to the share of its
+    bytes fetched by then where that is less than all of them.
+    """
+    n = len(nbytes)
+    begins, t = [0.0] * n, head_bwd
+    for j in reversed(range(n)):
+        begins[j] = t
+        t += bwd[j]
+    slots = [n] + list(range(n - 1, 0, -1))  # in the order backward reaches them
+    per_second = h2d_bps / (1 + FETCH_MARGIN)
+    room = {j: int((head_bwd if j == n else bwd[j]) * per_second) for j in slots}
+    # The latest slots each byte can go in: the group needed last into the last slot before its
+    # need, each slot filled to its room, what is left as backward starts.
+    latest = dict.fromkeys(slots, 0)
+    left, s = dict(room), 1
+    for i in order:  # needed last first
+        rest, s = sizes[i], max(s, i + 1)
+        while rest > 0:
+            if s >= n:
+                latest[n] += rest
+                break
+            take = min(rest, left[s])
+            latest[s] += take
+            left[s] -= take
+            rest -= take
+            if rest > 0:
+                s += 1
+    total = sum(sizes[i] for i in order)
+    need = list(reversed(order))  # the order backward needs the groups in, and the bus copies them
+    ends, at = {}, 0
+    for i in need:
+        at = ends[i] = at + sizes[i]
+    freed = _freed_before(nbytes, sizes)
+    fetch_at: dict = {}
+    fetch_at_start: List[int] = []
+    fetch_share: dict = {}
+    issued, started, done_at, free = 0, [], {}, 0.0
+    for j in slots:
+        due = total - sum(latest[k] for k in slots if k < j)  # bytes that must be queued by now
+        limit, held = issued, [g for g in started if g <= j]  # groups after j were let go
+        for i in need:  # a group already begun goes on; a new one within the bytes let go (not at n)
+            if ends[i] <= issued:
+                continue
+            if i not in started:
+                if j == n or sizes[i] + sum(sizes[g] for g in held) > freed[j]:
+                    break
+                held.append(i)
+            limit = ends[i]
+        upto = max(due, min(issued + room[j], limit))
+        if upto <= issued:
+            continue
+        at = 0.0 if j == n else begins[j]
+        for i in need:
+            lo = ends[i] - sizes[i]
+            if lo >= upto or ends[i] <= issued:
+                continue
+            (fetch_at_start if j == n else fetch_at.setdefault(j, [])).append(i)
+            if i not in started:
+                started.append(i)
+            got = min(upto, ends[i]) - max(issued, lo)
+            free = done_at[i] = max(at, free) + got / per_second
+            if upto < ends[i]:
+                fetch_share[(n + 1 if j == n else j, i)] = (upto - lo) / sizes[i]
+        issued = upto
+    exposed = sum(max(0.0, done_at[i] - begins[i]) for i in order)
+    return fetch_at, fetch_at_start, fetch_share, exposed
 
 
 def simulate(offload: List[bool], nbytes, fwd, bwd, d2h_bps: float, h2d_bps: float, window: int):
