@@ -79,9 +79,23 @@ def test_activation_planner_mixes_recompute_and_offload_for_a_tight_budget():
         assert result.chosen.step_s <= _best_first_k(costs, SLOW, budget) + 1e-9
 
 
+def test_activation_planner_recomputes_a_layer_it_may_not_offload():
+    """The last layer (keep_last) is never offloaded, but may be recomputed with its inputs kept:
+    at full checkpointing's peak the plan recomputes every layer, as full checkpointing does,
+    where recomputing all but the last would hold that layer's activations above it."""
+    costs = _costs()
+    full = predict([RECOMPUTE] * N, costs, SLOW, tail_bytes=TAIL)
+    all_but_last = predict(_first_k(RECOMPUTE, N - 1), costs, SLOW, tail_bytes=TAIL)
+    assert full.peak_bytes < all_but_last.peak_bytes
+    result = plan(costs, SLOW, full.peak_bytes, tail_bytes=TAIL)
+    assert result.feasible and result.chosen.peak_bytes <= full.peak_bytes
+    assert result.chosen.kinds[-1] == RECOMPUTE
+    assert all(kind != OFFLOAD or cost.eligible for kind, cost in zip(result.chosen.kinds, costs))
+
+
 def test_activation_planner_says_when_the_budget_cannot_be_met():
     costs = _costs()
-    checkpointed = predict(_first_k(RECOMPUTE, N - 1), costs, SLOW, tail_bytes=TAIL)
+    checkpointed = predict([RECOMPUTE] * N, costs, SLOW, tail_bytes=TAIL)
     result = plan(costs, SLOW, checkpointed.peak_bytes - 60, tail_bytes=TAIL)
     assert not result.feasible
     assert result.least_peak_bytes == result.chosen.peak_bytes <= checkpointed.peak_bytes

@@ -189,6 +189,25 @@ def test_activation_auto_budget_mixes_recompute_bitwise(pool):
     assert check["settled"] and check["measured_step_ms"] > 0 and check["predicted_step_ms"] > 0
 
 
+def test_activation_recomputes_the_kept_last_layer_bitwise(pool):
+    """A budget plan may recompute the last layer (never offloaded, keep_last), as full
+    checkpointing does: its inputs stay on the device, the others' go to the host; gradients
+    bitwise (budget.py's allowed() gives the planner that choice)."""
+    ref = small_model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    handle.set_recomputed([True] * 4)
+    x = torch.randn(8, 16)
+    loss_ref, grads_ref = train_step(ref, x)
+    for _ in range(2):
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+    assert handle.recomputed_layers() == handle.layers and handle.offloaded_layers() == handle.layers[:3]
+    assert handle.stats()["layers_offloaded"] == 3
+    handle.disable()
+
+
 def test_activation_auto_budget_replans_on_a_measured_peak_miss(pool, monkeypatch):
     """A measured peak over the budget (fragmentation the model does not see) adds the excess to
     the model's fixed bytes and plans again, with more recomputed or offloaded."""

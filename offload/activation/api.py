@@ -389,7 +389,8 @@ def enable_activation_offload(
             may have their activations on the device at once (>= 1).
         memory_budget_bytes: device-memory budget for mode='auto' (int or '20GiB').
         keep_first, keep_last: how many of the first and last layers stay on the device (the
-            last layer's activations are needed at once when backward starts).
+            last layer's activations are needed at once when backward starts); a budget plan
+            may still recompute them, their inputs kept on the device.
         process_group: for mode='auto' under FSDP or DDP (e.g. `dist.group.WORLD`): the ranks
             plan from their combined measurements and settle on the same plan at the same step,
             since a copy one rank does not hide stalls them all at the next collective. Every

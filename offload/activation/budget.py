@@ -49,8 +49,8 @@ class LayerCost:
 
     saved_bytes: bytes its group saves for backward; input_bytes: what a checkpoint of it
     saves instead (its tensor inputs); forward_s, backward_s: its times (backward_s includes
-    the recomputation where the user checkpoints it already); eligible: it may be offloaded or
-    recomputed (keep_first / keep_last layers may not); checkpointed: the user checkpoints it
+    the recomputation where the user checkpoints it already); eligible: it may be offloaded
+    (keep_first / keep_last layers may not, but may be recomputed); checkpointed: the user checkpoints it
     already, so it is recomputed whatever the plan and `full_bytes` (what its recomputation
     saves, when known) stands for its saved bytes during its backward.
     """
@@ -100,11 +100,14 @@ class BudgetPlan:
 
 
 def allowed(cost: LayerCost) -> Sequence[str]:
-    """The kinds a layer may take: a layer the user checkpoints is recomputed in any plan."""
+    """The kinds a layer may take: a layer the user checkpoints is recomputed in any plan; one
+    that may not be offloaded (keep_first, keep_last) may still be recomputed, its inputs kept on
+    the device (`_copied`): full checkpointing recomputes the last layer too, and a plan that
+    could not would hold that layer's activations above checkpointing's peak."""
     if cost.checkpointed:
         return (RECOMPUTE,)
     if not cost.eligible:
-        return (KEEP,)
+        return (KEEP, RECOMPUTE)
     return (KEEP, OFFLOAD, RECOMPUTE)
 
 
@@ -217,6 +220,7 @@ def _families(costs: Sequence[LayerCost]):
     others, either after or before the offloaded ones (Note [budget plan search])."""
     base = [allowed(c)[0] for c in costs]
     free = [i for i, c in enumerate(costs) if len(allowed(c)) > 1]
+    offloadable = [i for i in free if OFFLOAD in allowed(costs[i])]
     m = len(free)
 
     def make(offloaded, recomputed):
@@ -229,13 +233,13 @@ def _families(costs: Sequence[LayerCost]):
 
     for stride in OFFLOAD_STRIDES:
         for b in range(m + 1):
-            # Recompute the first b, offload every stride-th of the rest.
-            rest = free[b:][::stride]
+            # Recompute the first b, offload every stride-th of the rest that may be offloaded.
+            rest = [i for i in free[b:] if i in offloadable][::stride]
             for a in range(len(rest) + 1):
                 yield make(rest[:a], free[:b])
-        for a in range(1, len(free[::stride]) + 1):
+        for a in range(1, len(offloadable[::stride]) + 1):
             # Offload every stride-th from the first, recompute the earliest b of the others.
-            offloaded = free[::stride][:a]
+            offloaded = offloadable[::stride][:a]
             others = [i for i in free if i not in offloaded]
             for b in range(1, len(others) + 1):
                 yield make(offloaded, others[:b])
