@@ -54,14 +54,17 @@ class Span:
 
     def ms(self, wait: bool = True) -> Optional[float]:
         """Milliseconds from start to end (0.0 if never stopped). `wait=False`: None while
-        the device has not reached the end, never blocking; else the host waits for it."""
+        the device has not reached both, never blocking; else the host waits for them."""
         if self._end is None:
             return 0.0
         if not self.on_accel:
             return (self._end - self._start) * 1e3
-        if not wait and not self._end.query():
+        # Both events: a span started on one stream and stopped on another can see its end
+        # complete before its start (the start's stream still has earlier work queued).
+        if not wait and not (self._end.query() and self._start.query()):
             return None
         self._end.synchronize()
+        self._start.synchronize()
         return self._start.elapsed_time(self._end)
 
 
