@@ -83,6 +83,25 @@ def train_step(model, *inputs):
     return loss.detach(), grads_of(model)
 
 
+def log_layer_backward(model, log, tag):
+    """Append (tag, i) to `log` when backward reaches block i's output (a hook on its gradient,
+    registered after each forward, as FSDP2 registers its own)."""
+    def after_forward(index):
+        def hook(module, args, out):
+            out.register_hook(lambda grad: log.append((tag, index)))
+        return hook
+
+    for index, block in enumerate(model.blocks):
+        block.register_forward_hook(after_forward(index))
+
+
+def assert_step_matches(model, x, reference):
+    """One training step of `model` on `x`: loss and gradients bitwise `reference`'s (a train_step result)."""
+    loss, grads = train_step(model, x)
+    assert torch.equal(loss, reference[0])
+    assert_bitwise_equal(grads, reference[1])
+
+
 @pytest.fixture
 def pool():
     return offload.HostPool()

@@ -10,8 +10,8 @@ import offload
 from offload.core import _device
 from offload.activation.planner import max_tuning_steps
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
-    FakeEvent, FakeStream, Model, StepClock, assert_bitwise_equal, log_fetch_and_restore, one_thread, pool,
-    small_model, train_step, use_schedule,
+    FakeEvent, FakeStream, Model, StepClock, assert_bitwise_equal, assert_step_matches, log_fetch_and_restore,
+    log_layer_backward, one_thread, pool, small_model, train_step, use_schedule,
 )
 
 # These tests run models on the CPU, whose activations are host memory already:
@@ -226,21 +226,13 @@ def test_activation_schedule_fetches_a_layer_in_pieces_at_several_points(monkeyp
         log.append((group.layer, before, group.fetched, group.nbytes_aligned))
 
     monkeypatch.setattr(engine, "_fetch", logged)
-    def mark_backward(index):
-        def after_forward(module, args, out):
-            out.register_hook(lambda grad: log.append(("backward", index)))
-        return after_forward
-
-    for index, block in enumerate(model.blocks):
-        block.register_forward_hook(mark_backward(index))
+    log_layer_backward(model, log, "backward")
     x = torch.randn(8, 16)
-    loss_ref, grads_ref = train_step(ref, x)
+    reference = train_step(ref, x)
     for _ in range(2):
         log.clear()
         blocks.clear()
-        loss, grads = train_step(model, x)
-        assert torch.equal(loss, loss_ref)
-        assert_bitwise_equal(grads, grads_ref)
+        assert_step_matches(model, x, reference)
         pieces = [entry for entry in log if entry[0] != "backward"]
         for layer in (0, 1, 2):  # contiguous pieces from 0 to the whole block, one block
             own = [(lo, hi, size) for g, lo, hi, size in pieces if g == layer]
@@ -582,14 +574,7 @@ def test_activation_schedule_fetches_after_other_hooks_on_the_layer_output(monke
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
     use_schedule(handle.engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]})
     log = []
-
-    def library_hook(index):
-        def after_forward(module, args, out):
-            out.register_hook(lambda grad: log.append(("library", index)))
-        return after_forward
-
-    for index, block in enumerate(model.blocks):
-        block.register_forward_hook(library_hook(index))
+    log_layer_backward(model, log, "library")
     log_fetch_and_restore(monkeypatch, handle.engine, log, key=lambda group: group.layer)
     x = torch.randn(8, 16)
     loss_ref, grads_ref = train_step(ref, x)
