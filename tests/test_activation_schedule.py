@@ -77,13 +77,15 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     assert slow_back.fetch_at == {6: [3], 5: [2], 4: [2, 1], 3: [1, 0], 2: [0]} and exposed == 0
     assert slow_back.fetch_share == {(5, 2): 0.76, (4, 1): 0.52, (3, 0): 0.28}
     assert slow_back.shares_at(4) == {1: 0.52} and slow_back.shares_at(6) == {}
-    # Slower still (13 s a layer): each layer's backward carries 15 bytes, and the latest
-    # pieces that still make each need leave 264 bytes for backward's start (point 9): layers
-    # 3 and 2 and 95 of layer 1's bytes, in the order backward needs them; its lateness is
-    # predicted.
-    slowest, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 10.0)
-    assert slowest.fetch_at_start == [3, 2, 1] and slowest.fetch_share[(9, 1)] == 0.95 and exposed > 0
-    assert slowest.fetch_at == {7: [1, 0], 6: [0], 5: [0], 4: [0], 3: [0], 2: [0], 1: [0]}
+    # Slower still (13 s a layer): the backward of layers 1-6, before the last, carries 15 bytes
+    # each, 90 in all, so only 90 bytes are offloaded (Note [backward's room]): layer 0's first
+    # three quarters and 15 bytes more, its parts let go as before, fetched in six pieces from
+    # layer 6's start, where backward has let go of layer 7's bytes; nothing waits for them.
+    slowest, slowest_order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 10.0)
+    assert slowest_order == [0] and slowest.caps[0] == 90 and exposed == 0
+    assert slowest.split_at == {0: [25, 50, 75]} and slowest.release_at == {0: [1, 2, 2, 3]}
+    assert slowest.fetch_at == {j: [0] for j in range(1, 7)} and slowest.fetch_at_start == []
+    assert slowest.fetch_share[(6, 0)] == pytest.approx(1 / 6)
     # Layers kept on the device that save little: backward lets go of too few bytes before
     # the offloaded layers' own backward, so each group comes at its latest start, one layer ahead.
     small_kept = [100] * 4 + [10] * 4
@@ -172,8 +174,8 @@ def test_activation_schedule_counts_bytes_at_span_ends():
        st.integers(0, 3), st.floats(5.0, 500.0), st.floats(5.0, 500.0))
 def test_activation_schedule_fetches_in_backward_order_within_memory_or_in_time(layers, kept, d2h, h2d):
     """Whatever the layers: the bus copies the groups back in the order backward needs them,
-    each whole before its need; no layer start queues more than its layer's backward carries
-    (Note [fetch in pieces]); and a group begins where backward has let go of the bytes it and
+    each whole before its need and after the last layer's backward; no layer start queues more
+    than its layer's backward carries (Note [fetch in pieces]); and a group begins where backward has let go of the bytes it and
     the groups back before it still need (Note [memory-neutral fetch]), or else no more is
     queued than the later layer starts could not carry in time."""
     from offload.activation.schedule import FETCH_MARGIN, _freed_before, schedule
@@ -217,3 +219,10 @@ def test_activation_schedule_fetches_in_backward_order_within_memory_or_in_time(
             if beyond:  # a group begun beyond the bytes let go: only what is due
                 assert issued == pytest.approx(due(j))
     assert all(share[i] == 1.0 for i in order)
+    # Nothing comes back as backward starts or in the last layer's backward, near the step's
+    # peak (Note [backward's room]); a trimmed layer's parts end below its cap, one point each.
+    assert not plan.fetch_at_start and n - 1 not in plan.fetch_at
+    for i in order:
+        ends = plan.split_at.get(i, [])
+        points = plan.release_at[i] if isinstance(plan.release_at[i], list) else [plan.release_at[i]]
+        assert len(points) == len(ends) + 1 and all(e < sizes[i] for e in ends)

@@ -212,6 +212,7 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
             release_at[i] = points
         else:
             release_at[i] = points[0]
+    _within_backward_room(order, caps, release_at, split_at, nbytes, bwd, h2d_bps, spans)
     fetch_at, fetch_at_start, fetch_share, exposed = fetch_plan(order, sizes_of(nbytes, caps, order), nbytes, bwd,
                                                                 head_bwd, h2d_bps)
     # The point after the last layer is kept only if some part is let go there.
@@ -242,6 +243,48 @@ def _freed_before(nbytes, sizes: dict) -> List[int]:
     return freed
 
 
+# Note [backward's room]: a group lowers the step's peak only if it comes back after it, and the
+# peak lies at or soon after backward's start: the head's and the loss's gradients on top of every
+# activation, or the last layer's backward. A group's device block is allocated at its first
+# piece (Note [fetch in pieces]), so a plan whose groups the backward of the layers before the
+# last cannot carry would bring one back as backward starts or in the last layer's backward, and
+# lower the peak by less than it offloads, by nothing for a plan of one group. So the schedule
+# offloads no more than those layers' backward carries (what the bus moves in it, less
+# FETCH_MARGIN), trimming the layers copied last: in a model of a few layers with large
+# activations that is less than forward could hide, and each byte offloaded then lowers the peak.
+
+
+def _within_backward_room(order, caps, release_at, split_at, nbytes, bwd, h2d_bps, spans) -> None:
+    """Trim the plan (in place) to what the backward of the layers before the last carries back
+    (Note [backward's room]): the layers copied last are capped at a span end, or dropped where
+    less than MIN_PART of them would stay."""
+    n = len(nbytes)
+    while order:
+        sizes = sizes_of(nbytes, caps, order)
+        over = _latest_slots(order, sizes, _rooms(bwd, h2d_bps), n - 1)[1]
+        if over <= 0:
+            return
+        i = order[-1]
+        bounds = spans[i] if spans is not None else None
+        size = bounds[-1] if bounds else nbytes[i]
+        keep = span_end_at_or_below(bounds, sizes[i] - over)
+        if keep < MIN_PART * size:
+            order.pop()
+            caps[i] = None
+            release_at.pop(i)
+            split_at.pop(i, None)
+            continue
+        # The part that now ends the layer is let go where the part it ends in was.
+        ends = [e for e in split_at.get(i, []) if e < keep]
+        points = release_at[i] if isinstance(release_at[i], list) else [release_at[i]]
+        caps[i] = keep
+        release_at[i] = points[:len(ends) + 1] if ends else points[0]
+        if ends:
+            split_at[i] = ends
+        else:
+            split_at.pop(i, None)
+
+
 def sizes_of(nbytes, caps, order) -> dict:
     """Per offloaded layer, the bytes its groups copy back: all of its own, or its cap."""
     return {i: nbytes[i] if caps[i] is None else caps[i] for i in order}
@@ -257,6 +300,32 @@ def sizes_of(nbytes, caps, order) -> dict:
 # as late as the groups' needs allow, or earlier where backward has let go of the bytes a group
 # brings back (Note [memory-neutral fetch]); what the layers' backward cannot carry goes as
 # backward starts.
+
+
+def _rooms(bwd, h2d_bps: float) -> dict:
+    """Per layer j > 0, the bytes the bus moves back in its backward (less FETCH_MARGIN): what
+    a piece queued as it starts may hold (Note [fetch in pieces])."""
+    return {j: int(bwd[j] * h2d_bps / (1 + FETCH_MARGIN)) for j in range(1, len(bwd))}
+
+
+def _latest_slots(order, sizes: dict, room: dict, top: int):
+    """The latest layer starts below `top` each byte can be queued at: the group needed last
+    (order's first) into the last layer start before its need, each filled to its room.
+    Returns (layer start -> bytes, the bytes left over, due at `top` or earlier)."""
+    latest = dict.fromkeys(range(1, top), 0)
+    left, s = dict(room), 1
+    for i in order:  # needed last first
+        rest, s = sizes[i], max(s, i + 1)
+        while rest > 0 and s < top:
+            take = min(rest, left[s])
+            latest[s] += take
+            left[s] -= take
+            rest -= take
+            if rest > 0:
+                s += 1
+        if rest > 0:
+            return latest, rest + sum(sizes[g] for g in order[order.index(i) + 1:])
+    return latest, 0
 
 
 def fetch_plan(order, sizes: dict, nbytes, bwd, head_bwd: float, h2d_bps: float):
@@ -280,23 +349,10 @@ def fetch_plan(order, sizes: dict, nbytes, bwd, head_bwd: float, h2d_bps: float)
         t += bwd[j]
     slots = [n] + list(range(n - 1, 0, -1))  # in the order backward reaches them
     per_second = h2d_bps / (1 + FETCH_MARGIN)
-    room = {j: int((head_bwd if j == n else bwd[j]) * per_second) for j in slots}
-    # The latest slots each byte can go in: the group needed last into the last slot before its
-    # need, each slot filled to its room, what is left as backward starts.
-    latest = dict.fromkeys(slots, 0)
-    left, s = dict(room), 1
-    for i in order:  # needed last first
-        rest, s = sizes[i], max(s, i + 1)
-        while rest > 0:
-            if s >= n:
-                latest[n] += rest
-                break
-            take = min(rest, left[s])
-            latest[s] += take
-            left[s] -= take
-            rest -= take
-            if rest > 0:
-                s += 1
+    room = _rooms(bwd, h2d_bps)
+    room[n] = int(head_bwd * per_second)
+    latest, left_over = _latest_slots(order, sizes, room, n)
+    latest[n] = left_over  # what the layers' backward cannot carry goes as backward starts
     total = sum(sizes[i] for i in order)
     need = list(reversed(order))  # the order backward needs the groups in, and the bus copies them
     ends, at = {}, 0
