@@ -37,9 +37,12 @@ def test_activation_blocks_bitwise(mode, backend, pool):
         assert_bitwise_equal(grads, grads_ref)
     stats = handle.stats()
     # The last of 4 layers stays by default; auto mode's schedule copies the first in parts,
-    # and so does async mode once a forward has shown the first layer's size.
-    assert stats["offloaded_layers"] == ["blocks.0", "blocks.1", "blocks.2"]
-    assert stats["layers_offloaded"] == 3
+    # and so does async mode once a forward has shown the first layer's size. Auto mode keeps
+    # the layer before the last too: its group could come back only in the last layer's
+    # backward, before the step's peak (Note [backward's room]).
+    offloaded = ["blocks.0", "blocks.1"] if mode == "auto" else ["blocks.0", "blocks.1", "blocks.2"]
+    assert stats["offloaded_layers"] == offloaded
+    assert stats["layers_offloaded"] == len(offloaded)
     assert stats["groups_offloaded"] == 3 if mode == "sync" else stats["groups_offloaded"] > 3
     assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] == stats["d2h_bytes"]
     assert stats["tensors_offloaded"] > 20
