@@ -175,9 +175,10 @@ def test_activation_schedule_counts_bytes_at_span_ends():
 def test_activation_schedule_fetches_in_backward_order_within_memory_or_in_time(layers, kept, d2h, h2d):
     """Whatever the layers: the bus copies the groups back in the order backward needs them,
     each whole before its need and after the last layer's backward; no layer start queues more
-    than its layer's backward carries (Note [fetch in pieces]); and a group begins where backward has let go of the bytes it and
-    the groups back before it still need (Note [memory-neutral fetch]), or else no more is
-    queued than the later layer starts could not carry in time."""
+    than its layer's backward carries (Note [fetch in pieces]); and a group begins where
+    backward has let go of the bytes it and the groups back before it still need (Note
+    [memory-neutral fetch]), or else no more is queued than the later layer starts could not
+    carry in time."""
     from offload.activation.schedule import FETCH_MARGIN, _freed_before, schedule
 
     nbytes, fwd, bwd = ([layer[k] for layer in layers] for k in range(3))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from typing import List, Optional
 
 # Predicted exposed copy time allowed in a budget plan, as a fraction of the predicted step.
