@@ -227,8 +227,7 @@ def frontier(rows, meta, path: Path) -> bool:
                     linewidth=1, markersize=5, zorder=2)
             for k, x, y in points:
                 ax.annotate(str(k), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6, color=color)
-        plans = sorted(((r["offload"], r["peak_bytes"] / 2**30) for r in mine if "budget_bytes" in r),
-                       key=lambda p: p[1])
+        plans = [(r["offload"], r["peak_bytes"] / 2**30) for r in mine if "budget_bytes" in r]
         if plans:
             ax.scatter([p[0] for p in plans], [p[1] for p in plans], marker="v", s=70, color=OFFLOAD_COLOR,
                        edgecolors="black", linewidths=0.5, label="offload: auto with a memory budget", zorder=3)

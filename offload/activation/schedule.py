@@ -257,10 +257,10 @@ def _within_backward_room(order, caps, release_at, split_at, nbytes, bwd, h2d_bp
     """Trim the plan (in place) to what the backward of the layers before the last carries back
     (Note [backward's room]): the layers copied last are capped at a span end, or dropped where
     less than MIN_PART of them would stay."""
-    n = len(nbytes)
+    n, room = len(nbytes), _rooms(bwd, h2d_bps)
     while order:
         sizes = sizes_of(nbytes, caps, order)
-        over = _latest_slots(order, sizes, _rooms(bwd, h2d_bps), n - 1)[1]
+        over = _latest_slots(order, sizes, room, n - 1)[1]
         if over <= 0:
             return
         i = order[-1]
