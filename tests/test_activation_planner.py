@@ -1,10 +1,12 @@
-"""Auto mode's budget planner (offload/activation/budget.py) as pure functions of hand-made measurements."""
+"""Auto mode's budget planner (offload/activation/budget.py) and its check against timed steps
+(budget_run.py) as pure functions of hand-made measurements."""
 
 import random
 
 import pytest
 
 from offload.activation.budget import (KEEP, OFFLOAD, RECOMPUTE, Bus, LayerCost, fixed_bytes, plan, predict)
+from offload.activation.budget_run import BudgetRun
 
 # 8 layers of 100 bytes (10 of them inputs), forward 1 s, backward 2 s; the last layer kept
 # (keep_last); the head and the loss hold 150 bytes as backward starts.
@@ -124,3 +126,50 @@ def test_activation_planner_same_plan_under_measurement_noise(budget):
         kinds = plan(costs, FAST, budget, tail_bytes=TAIL).chosen.kinds
         first = first or kinds
         assert kinds == first
+
+
+def test_activation_planner_names_the_fastest_plan_without_offload_beside_an_offloading_one():
+    costs = _costs()
+    result = plan(costs, SLOW, 500, tail_bytes=TAIL)
+    assert OFFLOAD in result.chosen.kinds
+    rival = result.without_offload
+    assert rival is not None and OFFLOAD not in rival.kinds and rival.peak_bytes <= 500
+    # The fastest of its kind: no "checkpoint the first k" that fits is faster.
+    ckpt = [predict(_first_k(RECOMPUTE, k), costs, SLOW, tail_bytes=TAIL) for k in range(N + 1)]
+    assert rival.step_s <= min(p.step_s for p in ckpt if p.peak_bytes <= 500) + 1e-9
+    # A plan without offload has no rival.
+    assert plan(costs, SLOW, 800 + TAIL, tail_bytes=TAIL).without_offload is None
+
+
+def _timed(run, ms, peak):
+    """Feed `run` steps of `ms` and `peak` until it has enough to judge; its verdict."""
+    while not run.step_ended(ms, peak, None):
+        pass
+    return run.verdict(None)
+
+
+@pytest.mark.parametrize("case", ["rival_faster", "offload_faster", "offload_by_too_little", "rival_over_budget"])
+def test_activation_budget_run_times_an_offloading_plan_against_its_rival(case):
+    """Note [measured rival]: an offloading plan, once checked, is timed against the fastest plan
+    without offload and kept only when measured faster by half the recomputation it avoids."""
+    budget = 500
+    run = BudgetRun(_costs(), SLOW, budget, measured_peak=0, tail_s=0.0, tail_bytes=TAIL)
+    offloading = run.make().chosen
+    assert OFFLOAD in offloading.kinds
+    verdict = _timed(run, 30.0, budget)
+    assert verdict["rival"] and not verdict["replan"]
+    rival = run.result.chosen
+    assert OFFLOAD not in rival.kinds and run.fields(["l"] * N)["kinds"] == rival.kinds
+    margin = 0.5 * (rival.recompute_s - offloading.recompute_s) * 1e3
+    assert margin > 0
+    rival_ms, rival_peak = {"rival_faster": (29.0, budget), "offload_faster": (30.0 + margin + 1, budget),
+                            "offload_by_too_little": (30.0 + margin / 2, budget),
+                            "rival_over_budget": (40.0, budget * 2)}[case]
+    verdict = _timed(run, rival_ms, rival_peak)
+    offload_kept = case in ("offload_faster", "rival_over_budget")
+    assert not verdict["rival"] and not verdict["replan"] and verdict["switched"] == offload_kept
+    assert run.result.chosen.kinds == (offloading.kinds if offload_kept else rival.kinds)
+    assert verdict["kept"]["measured_step_ms"] == (30.0 if offload_kept else rival_ms)
+    check = run.fields(["l"] * N)["check"]["rival"]
+    assert check["kinds"] == rival.kinds and check["won"] is not offload_kept
+    assert check["measured_step_ms"] == rival_ms and check["margin_ms"] == pytest.approx(margin)

@@ -189,6 +189,39 @@ def test_activation_auto_budget_mixes_recompute_bitwise(pool):
     assert check["settled"] and check["measured_step_ms"] > 0 and check["predicted_step_ms"] > 0
 
 
+def test_activation_auto_budget_times_an_offloading_plan_against_its_rival_bitwise(pool):
+    """A budget plan that offloads is timed against the fastest plan without offload (Note
+    [measured rival] in budget_run.py): the handle runs each in turn, gradients stay bitwise
+    through both, and the settled plan is whichever the measurement kept."""
+    ref = small_model(n=6)
+    probe_model = copy.deepcopy(ref)
+    probe = offload.enable_activation_offload(probe_model, "auto", min_tensor_bytes=0, pool=pool,
+                                              memory_budget_bytes=1 << 40, verbose=False)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        train_step(probe_model, x)
+    keep_all = probe.plan["predicted_peak_bytes"]
+    probe.disable()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool,
+                                               memory_budget_bytes=keep_all // 2, verbose=False)
+    reference = train_step(ref, x)
+    kinds_run = []
+    for _ in range(14):
+        assert_step_matches(model, x, reference)
+        kinds_run.append(list(handle.plan["kinds"]) if handle.plan else None)
+    check = handle.plan["check"]
+    assert check["settled"] and check["rival"] is not None
+    rival = check["rival"]
+    assert "offload" not in rival["kinds"] and rival["measured_step_ms"] > 0
+    offloading = [k for k in kinds_run if k and "offload" in k]
+    assert offloading and rival["kinds"] in kinds_run  # both ran
+    assert handle.plan["kinds"] == (rival["kinds"] if rival["won"] else offloading[0])
+    # The check's history holds the offloading plan's steps and the rival's.
+    assert [h["measured_step_ms"] for h in check["history"]][-1] == rival["measured_step_ms"]
+    handle.disable()
+
+
 def test_activation_recomputes_the_kept_last_layer_bitwise(pool):
     """A budget plan may recompute the last layer (never offloaded, keep_last), as full
     checkpointing does: its inputs stay on the device, the others' go to the host; gradients

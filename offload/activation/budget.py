@@ -90,13 +90,16 @@ class Prediction:
 
 @dataclasses.dataclass
 class BudgetPlan:
-    """`plan`'s answer: the chosen prediction, whether it meets the budget, and the least peak
-    any plan reaches (what the budget must be at least)."""
+    """`plan`'s answer: the chosen prediction, whether it meets the budget, the least peak any
+    plan reaches (what the budget must be at least), and, where the chosen plan offloads, the
+    fastest plan that fits without offloading (its measured rival, Note [measured rival] in
+    budget_run.py)."""
 
     chosen: Prediction
     feasible: bool
     least_peak_bytes: int
     candidates: int
+    without_offload: Optional[Prediction] = None
 
 
 def allowed(cost: LayerCost) -> Sequence[str]:
@@ -299,5 +302,10 @@ def plan(costs: Sequence[LayerCost], bus: Bus, budget: Optional[int], fixed: int
     least = min(seen.values(), key=lambda p: (p.peak_bytes, p.step_s))
     if best is None:
         return BudgetPlan(least, False, least.peak_bytes, len(seen))
-    chosen = _pick([p for p in seen.values()], budget)
-    return BudgetPlan(chosen, True, least.peak_bytes, len(seen))
+    chosen = _pick(list(seen.values()), budget)
+    rival = None
+    if OFFLOAD in chosen.kinds:
+        # The families hold "recompute the first b" for every b, so a plan without offload is
+        # among those evaluated whenever one fits.
+        rival = _pick([p for p in seen.values() if OFFLOAD not in p.kinds], budget)
+    return BudgetPlan(chosen, True, least.peak_bytes, len(seen), rival)

@@ -7,17 +7,30 @@ the plan was made from, makes it (`make`), and checks it (`step_ended` per step,
 against its prediction. A peak over the budget (with `PEAK_SLACK` for fragmentation) raises
 the bytes the model adds to every plan by the excess and plans again; copies slower than
 assumed with a step over its prediction by `STEP_MISS` plan again at the rate seen; at most
-`MAX_REPLANS` times (Note [budget check]).
+`MAX_REPLANS` times (Note [budget check]). A plan that offloads is then timed against its
+rival, the fastest plan that fits without offloading, and kept only when measured faster by
+enough (Note [measured rival]).
 
 Note [budget check]: the model sees the activations its measuring step saw and the bus at
 the rate measured then; allocator fragmentation, workspaces and copies slowed by the plan's
 own compute are not in it. Measured misses are added back to the model's inputs (a fixed
 byte excess, a lower rate), never to its result, so the plan made again is still the least
 predicted step that fits.
+
+Note [measured rival]: what offloading costs is the model's least sure part. Copies run
+slower beside the plan's own compute, compute runs slower beside the copies (both use the
+device's memory), and the measuring step's times move by several percent from run to run:
+enough to choose a plan that offloads a layer and runs slower than one that recomputes it.
+Recomputing and keeping cost what the layers' own times say, so the fastest plan without
+offload is predicted well. An offloading plan, once checked, is therefore timed against that
+rival over as many steps, and kept only when measured faster by at least `RIVAL_MARGIN` of
+the recomputation it avoids: a smaller gain is within a few steps' noise, and the rival needs
+neither the bus nor host memory. A rival whose measured peak misses the budget loses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Optional
 
@@ -30,6 +43,9 @@ CHECK_STEPS = 3
 PEAK_SLACK = 0.05  # a measured peak this far over the budget is a miss (allocator fragmentation)
 STEP_MISS = 0.10  # a measured step this far over its prediction, with copies slower than assumed, is a miss
 MAX_REPLANS = 2
+# An offloading plan is kept against its rival without offload when measured faster by at
+# least this share of the recomputation it avoids (Note [measured rival]).
+RIVAL_MARGIN = 0.5
 # A layer whose measured saved bytes are at most this many times its input bytes is taken as
 # checkpointed by the user (a checkpoint saves its inputs only).
 CHECKPOINTED_SAVES = 1.5
@@ -66,6 +82,9 @@ class BudgetRun:
         self.fixed = _budget.fixed_bytes(measured_peak, measured, layer_costs, bus, tail_bytes)
         self.replans = 0
         self.result: Optional[_budget.BudgetPlan] = None
+        # While the rival is timed: the offloading plan's prediction and its measured step.
+        self.challenged: Optional[dict] = None
+        self.rival: Optional[dict] = None  # the rival's prediction and measurement, once compared
         self._reset()
 
     def _reset(self):
@@ -76,6 +95,7 @@ class BudgetRun:
 
     def make(self) -> _budget.BudgetPlan:
         self.result = _budget.plan(self.costs, self.bus, self.budget, self.fixed, self.tail_s, self.tail_bytes)
+        self.challenged = self.rival = None
         self._reset()
         return self.result
 
@@ -98,7 +118,7 @@ class BudgetRun:
             "fixed_bytes": self.fixed,
             "budget_met": self.result.feasible,
             "check": {"settled": False, "replans": self.replans, "measured_step_ms": None,
-                      "measured_peak_bytes": None},
+                      "measured_peak_bytes": None, "rival": self.rival},
         }
 
     def step_ended(self, ms: float, peak: int, counters) -> bool:
@@ -111,24 +131,58 @@ class BudgetRun:
         return len(self.samples) >= CHECK_STEPS
 
     def verdict(self, d2h_bps: Optional[float]) -> dict:
-        """Compare the timed steps with the prediction; on a miss (Note [budget check]) correct the
-        model's inputs and return with `replan` True (then call `make` again)."""
+        """Compare the timed steps with the prediction. On a miss (Note [budget check]) correct
+        the model's inputs and return with `replan` True (then call `make` again); when an
+        offloading plan is to be timed against its rival (Note [measured rival]), return with
+        `rival` True, the rival now the plan; once the rival is timed, return with `switched`
+        True if the offloading plan won it back, and `kept` the measurement of the plan kept."""
         chosen = self.result.chosen
         step_ms = statistics.median(self.samples)
         peak = max(self.peaks) if self.peaks else 0
         out = {"measured_step_ms": step_ms, "measured_peak_bytes": peak or None, "replan": False,
-               "replans": self.replans}
-        if self.replans >= MAX_REPLANS:
-            return out
-        if peak > 0 and self.result.feasible and peak > self.budget * (1 + PEAK_SLACK):
-            self.fixed += peak - chosen.peak_bytes
-            out["replan"] = True
-        if (d2h_bps is not None and d2h_bps < self.bus.d2h_bps / (1 + COPY_MARGIN)
-                and step_ms > chosen.step_s * 1e3 * (1 + STEP_MISS)):
-            self.bus = _budget.Bus(d2h_bps, self.bus.h2d_bps, self.bus.window)
-            out["replan"] = True
-        if out["replan"]:
-            self.replans += 1
-            out["replans"] = self.replans
+               "rival": False, "switched": False, "replans": self.replans}
+        if self.challenged is not None:
+            return self._rival_verdict(out)
+        if self.replans < MAX_REPLANS:
+            if peak > 0 and self.result.feasible and peak > self.budget * (1 + PEAK_SLACK):
+                self.fixed += peak - chosen.peak_bytes
+                out["replan"] = True
+            if (d2h_bps is not None and d2h_bps < self.bus.d2h_bps / (1 + COPY_MARGIN)
+                    and step_ms > chosen.step_s * 1e3 * (1 + STEP_MISS)):
+                self.bus = _budget.Bus(d2h_bps, self.bus.h2d_bps, self.bus.window)
+                out["replan"] = True
+            if out["replan"]:
+                self.replans += 1
+                out["replans"] = self.replans
+                return out
+        rival = self.result.without_offload
+        if rival is not None and self.result.feasible:
+            self.challenged = {"prediction": chosen, "measured_step_ms": step_ms, "measured_peak_bytes": peak or None}
+            self.result = dataclasses.replace(self.result, chosen=rival)
+            self._reset()
+            out["rival"] = True
         return out
 
+    def _within_budget(self, peak: Optional[int]) -> bool:
+        return not peak or peak <= self.budget * (1 + PEAK_SLACK)
+
+    def _rival_verdict(self, out: dict) -> dict:
+        """The rival's steps are timed: keep the offloading plan only when it is measured faster
+        by `RIVAL_MARGIN` of the recomputation it avoids, and the rival's peak is not the one
+        missing the budget (Note [measured rival])."""
+        challenged, rival = self.challenged, self.result.chosen
+        self.challenged = None
+        margin_ms = RIVAL_MARGIN * max(0.0, rival.recompute_s - challenged["prediction"].recompute_s) * 1e3
+        offloading_wins = not self._within_budget(out["measured_peak_bytes"]) or (
+            self._within_budget(challenged["measured_peak_bytes"])
+            and challenged["measured_step_ms"] <= out["measured_step_ms"] - margin_ms)
+        self.rival = {"kinds": list(rival.kinds), "predicted_step_ms": rival.step_s * 1e3,
+                      "measured_step_ms": out["measured_step_ms"], "measured_peak_bytes": out["measured_peak_bytes"],
+                      "margin_ms": margin_ms, "won": not offloading_wins}
+        if offloading_wins:
+            self.result = dataclasses.replace(self.result, chosen=challenged["prediction"])
+            out["switched"] = True
+            out["kept"] = {k: challenged[k] for k in ("measured_step_ms", "measured_peak_bytes")}
+        else:
+            out["kept"] = {k: out[k] for k in ("measured_step_ms", "measured_peak_bytes")}
+        return out

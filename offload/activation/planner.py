@@ -690,7 +690,8 @@ class AutoPlanner:
 
     def _check_budget(self, key) -> None:
         """Time the step that just ended if it ran this shape's budget plan under check; once
-        enough are, compare with the prediction and plan again on a miss (budget_run.py)."""
+        enough are, compare with the prediction and plan again on a miss, or time an offloading
+        plan's rival without offload and keep the faster (budget_run.py)."""
         run = self.budget_runs.get(key)
         if run is None:
             self.budget_start = None
@@ -708,18 +709,24 @@ class AutoPlanner:
             verdict = run.verdict(measured["rate"])
             plan["check"].update(measured_step_ms=verdict["measured_step_ms"],
                                  measured_peak_bytes=verdict["measured_peak_bytes"], replans=verdict["replans"])
+            took = (f"offload.activation auto: inputs {plan['input_shapes']}: the plan's steps took "
+                    f"{verdict['measured_step_ms']:.2f} ms, peak {(verdict['measured_peak_bytes'] or 0) / 2**20:.1f} MiB")
             if verdict["replan"]:
                 run.make()
-                self._use_budget_plan(key, plan, run)
-                missed = self._budget_missed(plan)
+            if verdict["replan"] or verdict["rival"] or verdict["switched"]:
+                self._use_budget_plan(key, plan, run)  # the check's history keeps the plan just timed
+            if verdict["replan"] or verdict["rival"]:
+                missed = self._budget_missed(plan) if verdict["replan"] else ""
                 if self.verbose:
-                    print(f"offload.activation auto: inputs {plan['input_shapes']}: the plan's steps took "
-                          f"{verdict['measured_step_ms']:.2f} ms, peak {(verdict['measured_peak_bytes'] or 0) / 2**20:.1f}"
-                          f" MiB; planned again: offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}, "
+                    what = "planned again" if verdict["replan"] else "timing against it the fastest plan without offload"
+                    print(f"{took}; {what}: offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}, "
                           f"predicted {plan['predicted_step_ms']:.2f} ms, {plan['predicted_peak_bytes'] / 2**20:.1f} MiB"
                           + missed, flush=True)
             else:
-                plan["check"]["settled"] = True
+                plan["check"].update(verdict.get("kept", {}), settled=True, replans=verdict["replans"], rival=run.rival)
+                if self.verbose and plan["check"]["rival"] is not None:
+                    print(f"{took}; kept the plan {'without' if plan['check']['rival']['won'] else 'with'} offload: "
+                          f"offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}", flush=True)
                 del self.budget_runs[key]
                 return
         if self.engine.on_accel:
