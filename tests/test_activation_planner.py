@@ -173,3 +173,30 @@ def test_activation_budget_run_times_an_offloading_plan_against_its_rival(case):
     check = run.fields(["l"] * N)["check"]["rival"]
     assert check["kinds"] == rival.kinds and check["won"] is not offload_kept
     assert check["measured_step_ms"] == rival_ms and check["margin_ms"] == pytest.approx(margin)
+
+
+def test_activation_planner_keeps_recomputed_inputs_where_the_budget_has_room():
+    """Note [recomputed inputs kept]: a plan's recomputed layers keep their inputs on the device
+    while the budget fits, the latest first; at full checkpointing's own peak they go to the host."""
+    costs = _costs()
+    copied = predict([RECOMPUTE] * N, costs, SLOW, tail_bytes=TAIL)
+    kept = predict([RECOMPUTE] * N, costs, SLOW, tail_bytes=TAIL, inputs_kept=[True] * N)
+    assert kept.peak_bytes > copied.peak_bytes and kept.step_s == copied.step_s
+    # Room for every input: the plan is hand-written full checkpointing, nothing copied.
+    result = plan(costs, SLOW, kept.peak_bytes, tail_bytes=TAIL)
+    assert result.chosen.kinds == [RECOMPUTE] * N and result.chosen.inputs_kept == [True] * (N - 1) + [False]
+    run = BudgetRun(costs, SLOW, kept.peak_bytes, measured_peak=0, tail_s=0.0, tail_bytes=TAIL)
+    run.make()
+    fields = run.fields(["l"] * N)
+    assert fields["inputs_kept"] == [True] * N and fields["mask"] == [False] * N
+    assert fields["recompute"] == [True] * N
+    # No room: every input goes to the host.
+    result = plan(costs, SLOW, copied.peak_bytes, tail_bytes=TAIL)
+    assert result.chosen.inputs_kept == [False] * N and result.chosen.peak_bytes <= copied.peak_bytes
+    # Room for some: the latest recomputed layers keep theirs, and the plan still fits.
+    for budget in (300, 400, 500):
+        chosen = plan(costs, SLOW, budget, tail_bytes=TAIL).chosen
+        recomputed = [i for i, k in enumerate(chosen.kinds) if k == RECOMPUTE and costs[i].eligible]
+        flags = [chosen.inputs_kept[i] for i in recomputed]
+        assert chosen.peak_bytes <= budget and any(flags)
+        assert flags == sorted(flags)  # a run of copied layers, then a run of kept ones

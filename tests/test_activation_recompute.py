@@ -239,6 +239,24 @@ def test_activation_recomputes_the_kept_last_layer_bitwise(pool):
     handle.disable()
 
 
+def test_activation_recomputed_layers_with_inputs_kept_or_offloaded_bitwise(pool):
+    """Every layer recomputed; some keep their inputs on the device, the others' go to the host
+    (a budget plan's recomputed inputs kept, Note [recomputed inputs kept] in budget.py);
+    gradients bitwise, and only the offloaded ones' tensors are copied."""
+    ref = small_model(n=4)
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
+    handle.set_recomputed([True] * 4)
+    handle.set_offloaded([True, False, True, False])
+    x = torch.randn(8, 16)
+    reference = train_step(ref, x)
+    for _ in range(2):
+        assert_step_matches(model, x, reference)
+    assert handle.offloaded_layers() == [handle.layers[0], handle.layers[2]]
+    assert handle.stats()["layers_offloaded"] == 2
+    handle.disable()
+
+
 def test_activation_auto_budget_replans_on_a_measured_peak_miss(pool, monkeypatch):
     """A measured peak over the budget (fragmentation the model does not see) adds the excess to
     the model's fixed bytes and plans again, with more recomputed or offloaded."""

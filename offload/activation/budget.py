@@ -18,6 +18,14 @@ at a time while a change lowers the predicted step and still fits. Offloading ea
 first is what the bus favours: their memory is freed longest and backward needs them last,
 with the most time to bring them back.
 
+Note [recomputed inputs kept]: the model takes a recomputed layer's input copy as free when
+the bus hides it, but each copied group also costs hooks, events and a fetch that the layer's
+recomputation must wait for in backward, none of which it sees, and what such a copy saves is
+one layer's inputs. So once a plan is chosen, its recomputed layers keep their inputs on the
+device while the predicted peak still fits, the latest layers first: their copies come back
+earliest in backward, with the least compute to hide behind. A plan then differs from
+hand-written checkpointing only where the budget needs it to.
+
 Note [stable plans]: measured times move by a few percent from run to run; two plans whose
 predicted steps differ by less than that would otherwise be chosen at random. Among the plans
 that fit and are predicted within `TIE_TOLERANCE` of the fastest, the simplest is chosen:
@@ -83,6 +91,8 @@ class Prediction:
     peak_bytes: int
     exposed_s: float
     recompute_s: float
+    # Per layer: a recomputed layer whose inputs stay on the device (Note [recomputed inputs kept]).
+    inputs_kept: List[bool] = dataclasses.field(default_factory=list)
 
     def fits(self, budget: Optional[int]) -> bool:
         return budget is None or self.peak_bytes <= budget
@@ -124,8 +134,9 @@ def _copied(kind: str, cost: LayerCost) -> int:
 
 
 def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_bytes: int = 0,
-            tail_s: float = 0.0, tail_bytes: int = 0) -> Prediction:
-    """Replay one step of the plan `kinds` (one per layer) with the resident window.
+            tail_s: float = 0.0, tail_bytes: int = 0, inputs_kept: Sequence[bool] = ()) -> Prediction:
+    """Replay one step of the plan `kinds` (one per layer) with the resident window; a
+    recomputed layer flagged in `inputs_kept` holds its inputs on the device instead of copying them.
 
     Forward: layer i runs `forward_s` after layer i-1; a copied group's copy starts when its
     layer ends (or when the copy before it ends) and takes its bytes over `d2h_bps`; when more
@@ -143,7 +154,8 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
     """
     n = len(costs)
     held = [_held(k, c) for k, c in zip(kinds, costs)]
-    copied = [_copied(k, c) for k, c in zip(kinds, costs)]
+    kept = list(inputs_kept) or [False] * n
+    copied = [0 if kept[i] and k == RECOMPUTE else _copied(k, c) for i, (k, c) in enumerate(zip(kinds, costs))]
     t = exposed = recompute = 0.0
     d2h_free = 0.0
     inflight: collections.deque = collections.deque()  # (copy end, layer)
@@ -204,7 +216,8 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
             t += cost.forward_s
             recompute += cost.forward_s
         memory -= held[i]
-    return Prediction(list(kinds), t, int(peak + fixed_bytes), exposed, recompute)
+    return Prediction(list(kinds), t, int(peak + fixed_bytes), exposed, recompute,
+                      [kept[i] and kinds[i] == RECOMPUTE for i in range(n)])
 
 
 def fixed_bytes(measured_peak: int, kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus,
@@ -308,4 +321,18 @@ def plan(costs: Sequence[LayerCost], bus: Bus, budget: Optional[int], fixed: int
         # The families hold "recompute the first b" for every b, so a plan without offload is
         # among those evaluated whenever one fits.
         rival = _pick([p for p in seen.values() if OFFLOAD not in p.kinds], budget)
-    return BudgetPlan(chosen, True, least.peak_bytes, len(seen), rival)
+
+    def keep_inputs(p: Prediction) -> Prediction:
+        """Note [recomputed inputs kept]: the latest recomputed layers' inputs first."""
+        kept = [False] * len(costs)
+        for i in reversed(range(len(costs))):
+            if p.kinds[i] == RECOMPUTE and _copied(RECOMPUTE, costs[i]):
+                kept[i] = True
+                trial = predict(p.kinds, costs, bus, fixed, tail_s, tail_bytes, kept)
+                if trial.fits(budget) and trial.step_s <= p.step_s * (1 + 1e-9):
+                    p = trial
+                else:
+                    kept[i] = False
+        return p
+
+    return BudgetPlan(keep_inputs(chosen), True, least.peak_bytes, len(seen), rival and keep_inputs(rival))

@@ -102,9 +102,13 @@ class BudgetRun:
     def fields(self, names) -> dict:
         """The plan's entries for `handle.plan`: per layer what was chosen and why, and the prediction."""
         chosen = self.result.chosen
+        kept = chosen.inputs_kept or [False] * len(self.costs)
         return {
             "kinds": list(chosen.kinds),
-            "mask": [k != _budget.KEEP and c.eligible for k, c in zip(chosen.kinds, self.costs)],
+            # Recomputed layers whose inputs stay on the device (keep_first / keep_last ones always).
+            "inputs_kept": [k == _budget.RECOMPUTE and (on or not c.eligible)
+                            for k, c, on in zip(chosen.kinds, self.costs, kept)],
+            "mask": [k != _budget.KEEP and c.eligible and not on for k, c, on in zip(chosen.kinds, self.costs, kept)],
             "recompute": [k == _budget.RECOMPUTE and not c.checkpointed for k, c in zip(chosen.kinds, self.costs)],
             "layers": [{"name": name, "kind": k, "saved_bytes": c.saved_bytes, "input_bytes": c.input_bytes,
                         "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3,
