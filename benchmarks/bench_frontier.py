@@ -125,7 +125,9 @@ def _model_frontier(ctx, name, model, loss_fn):
             best = (_point(ctx, model, loss_fn, iters, _hand_written(ctx, model, n, best[1], best[2]))[0],
                     best[1], best[2])
         rival = (plan.get("check") or {}).get("rival")
-        line = (f"  budget {budget / GiB:.3f} GiB: plan {plan.get('kinds')} {ms:.1f} ms peak {own_peak / GiB:.3f} GiB "
+        kept = sum(plan.get("inputs_kept") or [])
+        line = (f"  budget {budget / GiB:.3f} GiB: plan {plan.get('kinds')} (inputs kept {kept}) {ms:.1f} ms peak "
+                f"{own_peak / GiB:.3f} GiB "
                 f"(predicted {plan.get('predicted_step_ms', 0):.1f} ms, {plan.get('predicted_peak_bytes', 0) / GiB:.3f}"
                 f" GiB); best hand-written at or below its peak: {best[1]} first {best[2]} {best[0]} (in the sweep "
                 f"{swept}); rival without offload: "
@@ -140,7 +142,8 @@ def _model_frontier(ctx, name, model, loss_fn):
                         predicted_peak_bytes=plan.get("predicted_peak_bytes"),
                         predicted_recompute_ms=plan.get("predicted_recompute_ms"),
                         measured_step_ms=plan.get("check", {}).get("measured_step_ms"),
-                        kinds=plan.get("kinds"), budget_met=plan.get("budget_met"), rival=rival,
+                        kinds=plan.get("kinds"), inputs_kept=plan.get("inputs_kept"),
+                        budget_met=plan.get("budget_met"), rival=rival,
                         baseline_family=best[1], baseline_k=best[2], baseline_in_sweep_ms=swept,
                         figure="frontier", model=name))
     rows += _checkpoint_memory(ctx, name, model, loss_fn, iters, n, curves["checkpoint"][n][2], idle, least)
@@ -179,7 +182,8 @@ def _checkpoint_memory(ctx, name, model, loss_fn, iters, n, ckpt_peak, idle, lea
         predicted_ckpt_ms = (plan["predicted_step_ms"] - plan["predicted_recompute_ms"] - plan["predicted_exposed_ms"]
                              + sum(layer["forward_ms"] for layer in plan["layers"] if not layer["user_checkpointed"]))
     predicted_saving = None if predicted_ckpt_ms is None else predicted_ckpt_ms - plan["predicted_step_ms"]
-    print(f"  checkpointing's memory +10% ({budget / GiB:.3f} GiB): plan {plan.get('kinds')} {ms:.1f} ms, peak "
+    print(f"  checkpointing's memory +10% ({budget / GiB:.3f} GiB): plan {plan.get('kinds')} (inputs kept "
+          f"{sum(plan.get('inputs_kept') or [])}) {ms:.1f} ms, peak "
           f"{peak / GiB:.3f} GiB; full checkpointing {ckpt_ms:.1f} ms, peak {ckpt_peak / GiB:.3f} GiB; saving "
           f"measured {ckpt_ms - ms:.1f} ms, predicted "
           f"{'-' if predicted_saving is None else f'{predicted_saving:.1f}'} ms", flush=True)
