@@ -585,3 +585,40 @@ def test_activation_schedule_fetches_after_other_hooks_on_the_layer_output(monke
         assert_bitwise_equal(grads, grads_ref)
         for fetched, at in ((2, 3), (1, 2), (0, 1)):
             assert log.index(("library", at)) < log.index(("fetch", fetched)) < log.index(("library", at - 1))
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 40, "quarter"])
+def test_activation_auto_frees_the_allocator_cache_once_as_the_plan_settles(pool, monkeypatch, budget):
+    """Note [fresh segments] in planner.py: the device allocator's cached blocks are given back
+    once, at the step the plan settles, never while it is measured, probed or checked; a budget
+    plan that keeps every layer is checked against timed steps like any other."""
+    model = small_model(n=6)
+    x = torch.randn(8, 16)
+    if budget == "quarter":
+        probe_model = copy.deepcopy(model)
+        probe = offload.enable_activation_offload(probe_model, "auto", min_tensor_bytes=0, pool=pool,
+                                                  verbose=False, memory_budget_bytes=1 << 40)
+        for _ in range(3):
+            train_step(probe_model, x)
+        budget = probe.plan["predicted_peak_bytes"] // 4
+        probe.disable()
+    freed = []
+    monkeypatch.setattr(_device, "empty_cache", lambda: freed.append(settled(handle.plan)))
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
+                                               memory_budget_bytes=budget)
+
+    def settled(plan):
+        if plan is None:
+            return False
+        return plan["check"]["settled"] if budget is not None else plan["tuning"]["settled"]
+
+    steps = 0
+    while not settled(handle.plan):
+        assert not freed and steps < max_tuning_steps(6) + 20
+        train_step(model, x)
+        steps += 1
+    assert freed == [True]
+    for _ in range(3):
+        train_step(model, x)
+    assert freed == [True]
+    handle.disable()

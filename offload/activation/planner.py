@@ -58,6 +58,13 @@ from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 # the measured steps after the first run without offload, with kept groups that still
 # record each layer's bytes and times.
 
+# Note [fresh segments]: the steps before a plan settles (measuring with every layer offloaded,
+# probes, a budget plan's checks and its rival) leave the device allocator's cache cut into
+# blocks sized for those plans, and the settled plan's own allocations then split and merge
+# them every step: the same plan runs measurably slower than when started on a fresh cache. So
+# the cached blocks are given back once, as a shape's plan settles (the next step's first
+# allocations go to the driver again, as in any first step).
+
 # Measuring steps of a new input shape: the first offloads every eligible layer (kernels and
 # the pool warm up, the bus is measured under compute, and the peak shows whether a step
 # without offload fits); the rest are measured, then the plan is made.
@@ -254,8 +261,10 @@ class AutoPlanner:
             measured_key, steps = self.measuring
             steps += 1
             if self._measured_enough(measured_key, steps):
-                self.plans[measured_key] = self._plan(measured_key)
+                self.plans[measured_key] = plan = self._plan(measured_key)
                 self.measuring = None
+                if plan["tuning"]["settled"] and measured_key not in self.budget_runs:
+                    _device.empty_cache()  # Note [fresh segments]
             else:
                 self.measuring = (measured_key, steps)
         self.key = key
@@ -271,7 +280,8 @@ class AutoPlanner:
             # Nothing offloaded: a settled plan, or a probe's step without offload (the baseline
             # the probed count is timed against is the step exactly as without offload).
             unhooked = not any(mask) and not any(recompute)
-            self.unhooked_shape = key if unhooked and key not in self.tuning else None
+            # A budget plan still under check goes through here each step to be timed.
+            self.unhooked_shape = key if unhooked and key not in self.tuning and key not in self.budget_runs else None
             handle.set_layers_wrapped(not unhooked)
             return unhooked
         self.unhooked_shape = None
@@ -374,6 +384,7 @@ class AutoPlanner:
             self._apply(key, probe.order, k)
             del self.tuning[key]
             plan["tuning"]["settled"] = True
+            _device.empty_cache()  # Note [fresh segments]
             if self.verbose:
                 base = search.baseline_ms.get(k)
                 mine = search.step_ms.get(k)
@@ -728,6 +739,7 @@ class AutoPlanner:
                     print(f"{took}; kept the plan {'without' if plan['check']['rival']['won'] else 'with'} offload: "
                           f"offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}", flush=True)
                 del self.budget_runs[key]
+                _device.empty_cache()  # Note [fresh segments]
                 return
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(device)
