@@ -15,6 +15,7 @@ The planner drives the engine and the handle only through their documented inter
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -63,7 +64,9 @@ from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 # blocks sized for those plans, and the settled plan's own allocations then split and merge
 # them every step: the same plan runs measurably slower than when started on a fresh cache. So
 # the cached blocks are given back once, as a shape's plan settles (the next step's first
-# allocations go to the driver again, as in any first step).
+# allocations go to the driver again, as in any first step). Garbage is collected first:
+# blocks still held by reference cycles of those steps would otherwise stay as segments of
+# their own and cut up the new ones the same way.
 
 # Measuring steps of a new input shape: the first offloads every eligible layer (kernels and
 # the pool warm up, the bus is measured under compute, and the peak shows whether a step
@@ -264,7 +267,7 @@ class AutoPlanner:
                 self.plans[measured_key] = plan = self._plan(measured_key)
                 self.measuring = None
                 if plan["tuning"]["settled"] and measured_key not in self.budget_runs:
-                    _device.empty_cache()  # Note [fresh segments]
+                    self._fresh_segments()
             else:
                 self.measuring = (measured_key, steps)
         self.key = key
@@ -304,6 +307,12 @@ class AutoPlanner:
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
         return False
+
+    def _fresh_segments(self) -> None:
+        """A shape's plan settled: give the allocator's cached blocks back (Note [fresh segments])."""
+        if self.engine.on_accel:
+            gc.collect()
+        _device.empty_cache()
 
     def _measured_enough(self, key, steps: int) -> bool:
         """After measuring step `steps` of shape `key`: whether to plan now.
@@ -384,7 +393,7 @@ class AutoPlanner:
             self._apply(key, probe.order, k)
             del self.tuning[key]
             plan["tuning"]["settled"] = True
-            _device.empty_cache()  # Note [fresh segments]
+            self._fresh_segments()
             if self.verbose:
                 base = search.baseline_ms.get(k)
                 mine = search.step_ms.get(k)
@@ -739,7 +748,7 @@ class AutoPlanner:
                     print(f"{took}; kept the plan {'without' if plan['check']['rival']['won'] else 'with'} offload: "
                           f"offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}", flush=True)
                 del self.budget_runs[key]
-                _device.empty_cache()  # Note [fresh segments]
+                self._fresh_segments()
                 return
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(device)
