@@ -745,7 +745,8 @@ class AutoPlanner:
             else:
                 plan["check"].update(verdict.get("kept", {}), settled=True, replans=verdict["replans"], rival=run.rival)
                 if self.verbose and plan["check"]["rival"] is not None:
-                    print(f"{took}; kept the plan {'without' if plan['check']['rival']['won'] else 'with'} offload: "
+                    won = plan["check"]["rival"]["won"]
+                    print(f"{took}; kept the plan {'that recomputes instead' if won else 'that offloads layers'}: "
                           f"offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}", flush=True)
                 del self.budget_runs[key]
                 self._fresh_segments()
