@@ -6,9 +6,10 @@ plan's (peak, step time) against the hand-written plans: "checkpoint the first k
 (torch's non-reentrant checkpoint, as the planner's recompute) and "offload the first k
 layers" (mode async). Each budget row compares the plan's step with the fastest hand-written
 plan whose measured peak is at or below the plan's own measured peak, timed again right after
-the plan (ratio > 1: the planner is faster). One more budget row per shape sits at full checkpointing's measured activation
-peak plus 10% ("checkpointing's memory"): the plan's step against full checkpointing's, with
-the plan's own predicted saving beside the measured one.
+the plan (ratio > 1: the planner is faster). One more budget row per shape sits at full
+checkpointing's measured activation peak plus 10% ("checkpointing's memory"): the plan's step
+against full checkpointing's, timed right after it, with the plan's own predicted saving beside
+the measured one.
 
 Auto mode without a budget is enabled three times afresh on each shape and settled: the rows
 say whether the three chose the same layers, the last one's step against steps without offload
@@ -125,14 +126,15 @@ def _model_frontier(ctx, name, model, loss_fn):
             best = (_point(ctx, model, loss_fn, iters, _hand_written(ctx, model, n, best[1], best[2]))[0],
                     best[1], best[2])
         rival = (plan.get("check") or {}).get("rival")
+        verdict = "none" if rival is None else (
+            f"{rival['kinds']} {rival['measured_step_ms']:.1f} ms, {'won' if rival['won'] else 'lost'} "
+            f"(margin {rival['margin_ms']:.1f} ms)")
         kept = sum(plan.get("inputs_kept") or [])
         line = (f"  budget {budget / GiB:.3f} GiB: plan {plan.get('kinds')} (inputs kept {kept}) {ms:.1f} ms peak "
                 f"{own_peak / GiB:.3f} GiB "
                 f"(predicted {plan.get('predicted_step_ms', 0):.1f} ms, {plan.get('predicted_peak_bytes', 0) / GiB:.3f}"
                 f" GiB); best hand-written at or below its peak: {best[1]} first {best[2]} {best[0]} (in the sweep "
-                f"{swept}); rival without offload: "
-                + ("none" if rival is None else f"{rival['kinds']} {rival['measured_step_ms']:.1f} ms, "
-                                                f"{'won' if rival['won'] else 'lost'} (margin {rival['margin_ms']:.1f} ms)"))
+                f"{swept}); rival without offload: {verdict}")
         print(line, flush=True)
         label = f"{budget / GiB:.2f} GiB" if budget >= GiB / 8 else f"{budget / 2**20:.2f} MiB"
         rows.append(row(SECTION, f"{name} budget {label}", offload=ms, baseline=best[0], unit="ms",

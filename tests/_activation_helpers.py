@@ -83,6 +83,20 @@ def train_step(model, *inputs):
     return loss.detach(), grads_of(model)
 
 
+def predicted_peak_keeping_all(model, x, pool):
+    """The peak device memory auto mode predicts for `model` keeping every layer (a budget
+    above it), measured on a copy: the yardstick the budget tests scale their budgets by."""
+    probe_model = copy.deepcopy(model)
+    probe = offload.enable_activation_offload(probe_model, "auto", min_tensor_bytes=0, pool=pool,
+                                              memory_budget_bytes=1 << 40, verbose=False)
+    for _ in range(3):
+        train_step(probe_model, x)
+    plan = probe.plan
+    probe.disable()
+    assert plan["kinds"] == ["keep"] * len(plan["kinds"]) and plan["budget_met"]
+    return plan["predicted_peak_bytes"]
+
+
 def log_layer_backward(model, log, tag):
     """Append (tag, i) to `log` when backward reaches block i's output (a hook on its gradient,
     registered after each forward, as FSDP2 registers its own)."""

@@ -11,7 +11,7 @@ from offload.core import _device
 from offload.activation.planner import max_tuning_steps
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     FakeEvent, FakeStream, Model, StepClock, assert_bitwise_equal, assert_step_matches, log_fetch_and_restore,
-    log_layer_backward, one_thread, pool, small_model, train_step, use_schedule,
+    log_layer_backward, one_thread, pool, predicted_peak_keeping_all, small_model, train_step, use_schedule,
 )
 
 # These tests run models on the CPU, whose activations are host memory already:
@@ -595,13 +595,7 @@ def test_activation_auto_frees_the_allocator_cache_once_as_the_plan_settles(pool
     model = small_model(n=6)
     x = torch.randn(8, 16)
     if budget == "quarter":
-        probe_model = copy.deepcopy(model)
-        probe = offload.enable_activation_offload(probe_model, "auto", min_tensor_bytes=0, pool=pool,
-                                                  verbose=False, memory_budget_bytes=1 << 40)
-        for _ in range(3):
-            train_step(probe_model, x)
-        budget = probe.plan["predicted_peak_bytes"] // 4
-        probe.disable()
+        budget = predicted_peak_keeping_all(model, x, pool) // 4
     freed = []
     monkeypatch.setattr(_device, "empty_cache", lambda: freed.append(settled(handle.plan)))
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,

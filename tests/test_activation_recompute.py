@@ -10,7 +10,8 @@ from torch import nn
 import offload
 from offload.core import _device
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
-    assert_bitwise_equal, assert_step_matches, grads_of, one_thread, pool, small_model, train_step,
+    assert_bitwise_equal, assert_step_matches, grads_of, one_thread, pool, predicted_peak_keeping_all, small_model,
+    train_step,
 )
 from test_activation_models import _full_grads, _llama, _shard
 
@@ -166,14 +167,8 @@ def test_activation_auto_budget_mixes_recompute_bitwise(pool):
     gradients stay bitwise, and the plan says per layer what it chose and its prediction."""
     ref = small_model(n=6)
     model = copy.deepcopy(ref)
-    probe_model = copy.deepcopy(ref)
-    probe = offload.enable_activation_offload(probe_model, "auto", min_tensor_bytes=0, pool=pool,
-                                              memory_budget_bytes=1 << 40, verbose=False)
     x = torch.randn(8, 16)
-    for _ in range(3):
-        train_step(probe_model, x)
-    keep_all = probe.plan["predicted_peak_bytes"]
-    assert probe.plan["kinds"] == ["keep"] * 6 and probe.plan["budget_met"]
+    keep_all = predicted_peak_keeping_all(ref, x, pool)
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool,
                                                memory_budget_bytes=keep_all // 4, verbose=False)
     loss_ref, grads_ref = train_step(ref, x)
@@ -194,14 +189,8 @@ def test_activation_auto_budget_times_an_offloading_plan_against_its_rival_bitwi
     [measured rival] in budget_run.py): the handle runs each in turn, gradients stay bitwise
     through both, and the settled plan is whichever the measurement kept."""
     ref = small_model(n=6)
-    probe_model = copy.deepcopy(ref)
-    probe = offload.enable_activation_offload(probe_model, "auto", min_tensor_bytes=0, pool=pool,
-                                              memory_budget_bytes=1 << 40, verbose=False)
     x = torch.randn(8, 16)
-    for _ in range(3):
-        train_step(probe_model, x)
-    keep_all = probe.plan["predicted_peak_bytes"]
-    probe.disable()
+    keep_all = predicted_peak_keeping_all(ref, x, pool)
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool,
                                                memory_budget_bytes=keep_all // 2, verbose=False)

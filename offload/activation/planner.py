@@ -729,8 +729,9 @@ class AutoPlanner:
             verdict = run.verdict(measured["rate"])
             plan["check"].update(measured_step_ms=verdict["measured_step_ms"],
                                  measured_peak_bytes=verdict["measured_peak_bytes"], replans=verdict["replans"])
+            peak_mib = (verdict["measured_peak_bytes"] or 0) / 2**20
             took = (f"offload.activation auto: inputs {plan['input_shapes']}: the plan's steps took "
-                    f"{verdict['measured_step_ms']:.2f} ms, peak {(verdict['measured_peak_bytes'] or 0) / 2**20:.1f} MiB")
+                    f"{verdict['measured_step_ms']:.2f} ms, peak {peak_mib:.1f} MiB")
             if verdict["replan"]:
                 run.make()
             if verdict["replan"] or verdict["rival"] or verdict["switched"]:
@@ -738,10 +739,11 @@ class AutoPlanner:
             if verdict["replan"] or verdict["rival"]:
                 missed = self._budget_missed(plan) if verdict["replan"] else ""
                 if self.verbose:
-                    what = "planned again" if verdict["replan"] else "timing against it the fastest plan without offload"
+                    what = ("planned again" if verdict["replan"]
+                            else "timing against it the fastest plan without offload")
                     print(f"{took}; {what}: offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}, "
-                          f"predicted {plan['predicted_step_ms']:.2f} ms, {plan['predicted_peak_bytes'] / 2**20:.1f} MiB"
-                          + missed, flush=True)
+                          f"predicted {plan['predicted_step_ms']:.2f} ms, "
+                          f"{plan['predicted_peak_bytes'] / 2**20:.1f} MiB" + missed, flush=True)
             else:
                 plan["check"].update(verdict.get("kept", {}), settled=True, replans=verdict["replans"], rival=run.rival)
                 if self.verbose and plan["check"]["rival"] is not None:
