@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import offload
+from offload.activation import budget_run
 from offload.core import _device
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     assert_bitwise_equal, assert_step_matches, grads_of, one_thread, pool, predicted_peak_keeping_all, small_model,
@@ -184,10 +185,13 @@ def test_activation_auto_budget_mixes_recompute_bitwise(pool):
     assert check["settled"] and check["measured_step_ms"] > 0 and check["predicted_step_ms"] > 0
 
 
-def test_activation_auto_budget_times_an_offloading_plan_against_its_rival_bitwise(pool):
+@pytest.mark.parametrize("winner", ["rival", "offloading"])
+def test_activation_auto_budget_times_an_offloading_plan_against_its_rival_bitwise(pool, monkeypatch, winner):
     """A budget plan that offloads is timed against the fastest plan without offload (Note
     [measured rival] in budget_run.py): the handle runs each in turn, gradients stay bitwise
-    through both, and the settled plan is whichever the measurement kept."""
+    through both, and the settled plan is the one the verdict kept (the margin set so that
+    either wins whatever the steps measure)."""
+    monkeypatch.setattr(budget_run, "RIVAL_MARGIN", 1e9 if winner == "rival" else -1e9)
     ref = small_model(n=6)
     x = torch.randn(8, 16)
     keep_all = predicted_peak_keeping_all(ref, x, pool)
@@ -202,12 +206,17 @@ def test_activation_auto_budget_times_an_offloading_plan_against_its_rival_bitwi
     check = handle.plan["check"]
     assert check["settled"] and check["rival"] is not None
     rival = check["rival"]
+    assert rival["won"] is (winner == "rival")
     assert "offload" not in rival["kinds"] and rival["measured_step_ms"] > 0
     offloading = [k for k in kinds_run if k and "offload" in k]
     assert offloading and rival["kinds"] in kinds_run  # both ran
     assert handle.plan["kinds"] == (rival["kinds"] if rival["won"] else offloading[0])
-    # The check's history holds the offloading plan's steps and the rival's.
-    assert [h["measured_step_ms"] for h in check["history"]][-1] == rival["measured_step_ms"]
+    # The check's history holds the plans timed before the one kept, and the check that one's steps.
+    timed = [h["measured_step_ms"] for h in check["history"]]
+    if rival["won"]:
+        assert check["measured_step_ms"] == rival["measured_step_ms"] and timed[-1] > 0
+    else:
+        assert timed[-1] == rival["measured_step_ms"] and check["measured_step_ms"] == timed[-2]
     handle.disable()
 
 
