@@ -12,7 +12,7 @@ import torch.distributed as dist
 import offload
 from offload.activation.planner import max_tuning_steps
 from offload.core import _device
-from _activation_helpers import StepClock, assert_bitwise_equal, small_model, train_step
+from _activation_helpers import StepClock, assert_bitwise_equal, predicted_peak_keeping_all, small_model, train_step
 from _workers import gloo_world, spawn_world  # noqa: F401 (fixture)
 
 # CPU models: with an accelerator present its engine leaves host tensors alone (as test_activation_auto.py).
@@ -103,6 +103,62 @@ def _scenario_budget_plans_alike(rank, device):
 
 def test_activation_ranks_budget_plans_alike():
     spawn_world(_scenario_budget_plans_alike)
+
+
+class _KindClock:
+    """The planner's clock once the plan exists: a step takes 1 s, plus `offload_s` per layer whose
+    group goes to the host and 10 ms per recomputed layer."""
+
+    def __init__(self, handle, offload_s):
+        self.handle, self.offload_s = handle, offload_s
+
+    def mark(self):
+        return None
+
+    def done(self, mark):
+        return True
+
+    def seconds(self, a, b):
+        return 1.0 + self.offload_s * len(self.handle.offloaded_layers()) + 0.01 * len(self.handle.recomputed_layers())
+
+
+def _scenario_rival_verdict_alike(rank, device):
+    torch.set_num_threads(1)
+    ref = small_model(n=6)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    budget = predicted_peak_keeping_all(ref, x, offload.HostPool()) // 2
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=offload.HostPool(),
+                                               memory_budget_bytes=budget, process_group=dist.group.WORLD,
+                                               verbose=False)
+    loss_ref, grads_ref = train_step(ref, x)
+    offloading_plans = []
+    for _ in range(30):
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        plan = handle.plan
+        if plan is not None and not isinstance(handle.planner.clock, _KindClock):
+            # Copies cost nothing on rank 0 (the offloading plan wins there alone) and a second
+            # per layer on rank 1 (its rival wins there alone).
+            handle.planner.clock = _KindClock(handle, (0.0, 1.0)[rank])
+        if plan is not None and "offload" in plan["kinds"]:
+            offloading_plans.append(plan["kinds"])
+        if plan is not None and plan["check"]["settled"]:
+            break
+    check = handle.plan["check"]
+    assert offloading_plans and check["settled"] and check["rival"] is not None
+    # Each timed step is the slowest rank's: rank 1's decides for both.
+    assert check["rival"]["won"]
+    fields = {k: handle.plan[k] for k in ("kinds", "mask", "recompute", "inputs_kept")}
+    fields["rival"] = check["rival"]
+    plans = _everyone(fields)
+    assert plans[0] == plans[1], plans
+    handle.disable()
+
+
+def test_activation_ranks_rival_verdict_alike():
+    spawn_world(_scenario_rival_verdict_alike)
 
 
 def _scenario_ranks_with_other_shapes(rank, device):
