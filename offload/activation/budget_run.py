@@ -78,7 +78,10 @@ class BudgetRun:
         self.budget = budget
         self.tail_s = tail_s
         self.tail_bytes = tail_bytes
-        measured = [_budget.allowed(c)[0] if len(_budget.allowed(c)) == 1 else _budget.OFFLOAD for c in layer_costs]
+        # The plan the measuring step ran: the user's checkpointed layers recomputed, every layer
+        # that may be offloaded offloaded, the others (keep_first / keep_last) kept.
+        measured = [_budget.RECOMPUTE if c.checkpointed else _budget.OFFLOAD if c.eligible else _budget.KEEP
+                    for c in layer_costs]
         self.fixed = _budget.fixed_bytes(measured_peak, measured, layer_costs, bus, tail_bytes)
         self.replans = 0
         self.result: Optional[_budget.BudgetPlan] = None

@@ -745,7 +745,7 @@ class AutoPlanner:
                           f"predicted {plan['predicted_step_ms']:.2f} ms, "
                           f"{plan['predicted_peak_bytes'] / 2**20:.1f} MiB" + missed, flush=True)
             else:
-                plan["check"].update(verdict.get("kept", {}), settled=True, replans=verdict["replans"], rival=run.rival)
+                plan["check"].update(verdict.get("kept", {}), settled=True, rival=run.rival)
                 if self.verbose and plan["check"]["rival"] is not None:
                     won = plan["check"]["rival"]["won"]
                     print(f"{took}; kept the plan {'that recomputes instead' if won else 'that offloads layers'}: "
