@@ -120,14 +120,18 @@ class BackwardSide:
         """Backward starts (auto mode): release what the schedule lets go here, fetch what it fetches."""
         schedule = self.schedule
         self._release_due(schedule.n + 1)
-        shares = schedule.shares_at(schedule.n + 1)
-        for layer in schedule.fetch_at_start:
-            self._fetch_groups(self._groups_of([layer]), shares.get(layer))
+        for refs, share in self._layer_fetches(schedule.fetch_at_start, schedule.shares_at(schedule.n + 1)):
+            self._fetch_groups(refs, share)
 
     def _groups_of(self, layers) -> list:
         """Weak references to the offloaded groups of `layers` in this forward, each layer's
         last part first: backward needs the tensors a layer saved last first."""
         return [ref for layer in layers for ref in reversed(self._layer_groups.get(layer, ()))]
+
+    def _layer_fetches(self, layers, shares: dict) -> list:
+        """Per layer of `layers` with offloaded groups: (their weak references, the share of
+        their bytes to fetch, or None for all)."""
+        return [(refs, shares.get(layer)) for layer in layers for refs in [self._groups_of([layer])] if refs]
 
     def _fetch_groups(self, refs, share: Optional[float] = None) -> None:
         """Fetch the groups (weak references, or None) that are on the host; with `share`, the
@@ -151,8 +155,7 @@ class BackwardSide:
         stay on the device save no tensor of the engine's, so nothing else marks that point.
         `shares`: layer -> the share of its bytes to fetch there, for layers fetched in pieces.
         The hook runs after the others on that gradient (Note [after FSDP2's hook])."""
-        shares = shares or {}
-        fetches = [(refs, shares.get(layer)) for layer in layers for refs in [self._groups_of([layer])] if refs]
+        fetches = self._layer_fetches(layers, shares or {})
         if fetches:  # else each is fetched at its first unpack
 
             def fetch(engine):
