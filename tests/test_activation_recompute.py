@@ -261,14 +261,8 @@ def test_activation_auto_budget_replans_on_a_measured_peak_miss(pool, monkeypatc
     peak = [0]
     monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: peak[0])
     model = small_model(n=6)
-    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
-                                               memory_budget_bytes=1 << 40)
     x = torch.randn(8, 16)
-    for _ in range(3):
-        train_step(model, x)
-    keep_all = handle.plan["predicted_peak_bytes"]
-    handle.disable()
-    budget = keep_all * 3 // 4
+    budget = predicted_peak_keeping_all(model, x, pool) * 3 // 4
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
                                                memory_budget_bytes=budget)
     for _ in range(3):
