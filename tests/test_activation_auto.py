@@ -616,3 +616,90 @@ def test_activation_auto_frees_the_allocator_cache_once_as_the_plan_settles(pool
         train_step(model, x)
     assert freed == [True]
     handle.disable()
+
+
+class _Allocator:
+    """The device allocator's statistics as auto mode reads them, moved by the model's spikes."""
+
+    def __init__(self, held):
+        self.held = self.peak = held
+
+    def spike(self, nbytes):  # nbytes allocated and freed again
+        self.peak = max(self.peak, self.held + nbytes)
+
+    def max_memory_allocated(self, device=None):
+        return self.peak
+
+    def memory_allocated(self, device=None):
+        return self.held
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak = self.held
+
+
+class _SpikeInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, allocator, nbytes):
+        ctx.allocator, ctx.nbytes = allocator, nbytes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.allocator.spike(ctx.nbytes)
+        return grad, None, None
+
+
+class _SpikyBlock(torch.nn.Module):
+    """A block whose forward and backward each allocate and free a working buffer."""
+
+    def __init__(self, block, allocator, forward_bytes, backward_bytes):
+        super().__init__()
+        self.block, self.allocator = block, allocator
+        self.forward_bytes, self.backward_bytes = forward_bytes, backward_bytes
+
+    def forward(self, x):
+        self.allocator.spike(self.forward_bytes)
+        # Its backward runs after the block's: the last thing of this layer's backward.
+        return self.block(_SpikeInBackward.apply(x, self.allocator, self.backward_bytes))
+
+
+def test_activation_auto_budget_measures_memory_stretch_by_stretch(pool, monkeypatch):
+    """Note [memory beside the activations] in budget.py: the measuring step reads the
+    allocator's peak of each layer's forward, of the head and the loss with their backward, and
+    of each layer's backward, and the plan adds each where it was measured."""
+    allocator = _Allocator(10 ** 9)
+    for name in ("max_memory_allocated", "memory_allocated", "reset_peak_memory_stats"):
+        monkeypatch.setattr(_device, name, getattr(allocator, name))
+    forward, backward, tail = [3, 5, 2, 4], [40, 10, 30, 20], 25
+    model = small_model()
+    model.blocks = torch.nn.ModuleList(
+        _SpikyBlock(block, allocator, f << 20, b << 20) for block, f, b in zip(model.blocks, forward, backward))
+    head = model.head
+    model.head = torch.nn.Sequential(torch.nn.Identity(), head)
+    model.head[0].register_forward_hook(lambda *args: allocator.spike(tail << 20))
+    runs = []
+    from offload.activation import planner as _activation_plan
+
+    class Recorded(_activation_plan.BudgetRun):
+        def __init__(self, *args):
+            super().__init__(*args)
+            runs.append((args[-1], self))
+
+    monkeypatch.setattr(_activation_plan, "BudgetRun", Recorded)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
+                                               memory_budget_bytes=1 << 40)
+    for _ in range(3):
+        train_step(model, torch.randn(8, 16))
+    assert handle.layers == [f"blocks.{i}" for i in range(4)]
+    (memory, run), = runs
+    assert memory.at_start == 10 ** 9 and memory.tail == 10 ** 9 + (tail << 20)
+    assert list(memory.forward) == [10 ** 9 + (f << 20) for f in forward]
+    assert list(memory.backward) == [10 ** 9 + (b << 20) for b in backward]
+    assert memory.step_peak == 10 ** 9 + (max(backward) << 20)
+    # Less the layers' own activations (a few KiB here) where the plan's replay holds them.
+    layers = handle.plan["layers"]
+    for i, layer in enumerate(layers):
+        assert 0 <= (forward[i] << 20) - layer["forward_extra_bytes"] < 1 << 20
+        assert 0 <= (backward[i] << 20) - layer["backward_extra_bytes"] < 1 << 20
+    assert 0 <= (tail << 20) - handle.plan["tail_bytes"] < 1 << 20 and handle.plan["fixed_bytes"] == 10 ** 9
+    handle.disable()

@@ -5,7 +5,10 @@ import random
 
 import pytest
 
-from offload.activation.budget import (KEEP, OFFLOAD, RECOMPUTE, Bus, LayerCost, fixed_bytes, plan, predict)
+import dataclasses
+
+from offload.activation.budget import (KEEP, OFFLOAD, RECOMPUTE, Bus, LayerCost, StepMemory, calibrate, fixed_bytes,
+                                       plan, predict)
 from offload.activation.budget_run import BudgetRun
 
 # 8 layers of 100 bytes (10 of them inputs), forward 1 s, backward 2 s; the last layer kept
@@ -200,3 +203,56 @@ def test_activation_planner_keeps_recomputed_inputs_where_the_budget_has_room():
         flags = [chosen.inputs_kept[i] for i in recomputed]
         assert chosen.peak_bytes <= budget and any(flags)
         assert flags == sorted(flags)  # a run of copied layers, then a run of kept ones
+
+
+def _measured(kinds, truth, bus, at_start, tail):
+    """The allocator's stretch peaks of a step that ran `kinds` on layers costing `truth`."""
+    ran = predict(kinds, truth, bus, at_start, tail_bytes=tail)
+    return StepMemory(ran.peak_bytes, at_start,
+                      [at_start + b + c.forward_extra_bytes for b, c in zip(ran.forward_bytes, truth)],
+                      at_start + ran.start_bytes + tail,
+                      [at_start + b + c.backward_extra_bytes for b, c in zip(ran.backward_bytes, truth)])
+
+
+def test_activation_planner_places_memory_beside_the_activations_where_it_was_measured():
+    """Note [memory beside the activations]: the measuring step's stretch peaks give back each
+    layer's forward and backward working memory and the head's, so every plan's predicted peak
+    is the one its step reaches; one excess over the whole step would add a backward's working
+    memory to the start of backward, and leave it out of a recomputed layer's backward."""
+    truth = [LayerCost(100, 10, 1.0, 2.0, eligible=i < N - 1, forward_extra_bytes=20 + i,
+                       backward_extra_bytes=150 + 10 * i) for i in range(N)]
+    measured_kinds = [OFFLOAD] * (N - 1) + [KEEP]
+    memory = _measured(measured_kinds, truth, SLOW, 1000, TAIL)
+    plain = [dataclasses.replace(c, forward_extra_bytes=0, backward_extra_bytes=0) for c in truth]
+    costs, fixed, tail = calibrate(measured_kinds, plain, SLOW, memory)
+    assert costs == truth and fixed == 1000 and tail == TAIL
+    for kinds in ([KEEP] * N, [RECOMPUTE] * N, _first_k(RECOMPUTE, 3), measured_kinds):
+        expected = predict(kinds, truth, SLOW, 1000, tail_bytes=TAIL).peak_bytes
+        assert predict(kinds, costs, SLOW, fixed, tail_bytes=tail).peak_bytes == expected
+    # The whole step's excess as fixed bytes instead: wrong both ways.
+    whole = fixed_bytes(memory.step_peak, measured_kinds, plain, SLOW, TAIL)
+    keep_all, full = ([KEEP] * N, [RECOMPUTE] * N)
+    assert (predict(keep_all, plain, SLOW, whole, tail_bytes=TAIL).peak_bytes
+            > predict(keep_all, truth, SLOW, 1000, tail_bytes=TAIL).peak_bytes)
+    assert (predict(full, plain, SLOW, whole, tail_bytes=TAIL).peak_bytes
+            < predict(full, truth, SLOW, 1000, tail_bytes=TAIL).peak_bytes)
+
+
+def test_activation_planner_fills_in_stretches_not_measured():
+    truth = [LayerCost(100, 10, 1.0, 2.0, eligible=i < N - 1, backward_extra_bytes=100 + i) for i in range(N)]
+    kinds = [OFFLOAD] * (N - 1) + [KEEP]
+    memory = _measured(kinds, truth, SLOW, 500, TAIL)
+    plain = [dataclasses.replace(c, backward_extra_bytes=0) for c in truth]
+    # A layer whose backward was not measured (it unpacked nothing) takes the largest measured.
+    backward = list(memory.backward)
+    backward[2] = 0
+    costs, fixed, _ = calibrate(kinds, plain, SLOW, dataclasses.replace(memory, backward=backward))
+    assert [c.backward_extra_bytes for c in costs] == [100, 101, N + 99] + [100 + i for i in range(3, N)]
+    assert predict(kinds, costs, SLOW, fixed, tail_bytes=TAIL).peak_bytes >= memory.step_peak
+    # No stretch measured (no memory statistics, or only the whole step's): the whole step's excess.
+    costs, fixed, tail = calibrate(kinds, plain, SLOW, StepMemory(memory.step_peak), TAIL)
+    assert costs == plain and tail == TAIL and fixed == fixed_bytes(memory.step_peak, kinds, plain, SLOW, TAIL)
+    assert calibrate(kinds, plain, SLOW, StepMemory(0), TAIL) == (plain, 0, TAIL)
+    # What no stretch explains (a peak after them all) is added to every plan.
+    costs, fixed, _ = calibrate(kinds, plain, SLOW, dataclasses.replace(memory, step_peak=memory.step_peak + 77))
+    assert predict(kinds, costs, SLOW, fixed, tail_bytes=TAIL).peak_bytes == memory.step_peak + 77

@@ -26,6 +26,19 @@ device while the predicted peak still fits, the latest layers first: their copie
 earliest in backward, with the least compute to hide behind. A plan then differs from
 hand-written checkpointing only where the budget needs it to.
 
+Note [memory beside the activations]: the allocator's peak is more than the groups' saved
+bytes: a layer's forward holds its working tensors, the head's backward its logits' gradient, a
+layer's backward the gradients it computes (of its inputs, its intermediates and, where the
+optimizer frees them between steps, its parameters). These are measured in the measuring step,
+stretch by stretch (each layer's forward, the head and loss with their backward, each layer's
+backward), as the allocator's peak there less the activations the replay of that step's plan
+holds there and less what the step held as it started (parameters, optimizer state): a layer's
+`forward_extra_bytes` and `backward_extra_bytes`, and the tail's bytes. Every plan's replay adds
+them at the same stretch, so a plan whose peak falls in a recomputed layer's backward is not
+predicted below the one whose peak falls as backward starts for want of the backward's own
+working memory, nor the other way round. One fixed excess over the whole step would count
+whichever stretch held the measured peak at every other.
+
 Note [stable plans]: measured times move by a few percent from run to run; two plans whose
 predicted steps differ by less than that would otherwise be chosen at random. Among the plans
 that fit and are predicted within `TIE_TOLERANCE` of the fastest, the simplest is chosen:
@@ -70,6 +83,9 @@ class LayerCost:
     eligible: bool = True
     checkpointed: bool = False
     full_bytes: Optional[int] = None
+    # Bytes its forward and its backward hold besides the saved groups (Note [memory beside the activations]).
+    forward_extra_bytes: int = 0
+    backward_extra_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +109,11 @@ class Prediction:
     recompute_s: float
     # Per layer: a recomputed layer whose inputs stay on the device (Note [recomputed inputs kept]).
     inputs_kept: List[bool] = dataclasses.field(default_factory=list)
+    # The saved groups' bytes on the device (no fixed or extra bytes): during each layer's
+    # forward, as backward starts, and during each layer's backward.
+    forward_bytes: List[int] = dataclasses.field(default_factory=list)
+    start_bytes: int = 0
+    backward_bytes: List[int] = dataclasses.field(default_factory=list)
 
     def fits(self, budget: Optional[int]) -> bool:
         return budget is None or self.peak_bytes <= budget
@@ -149,8 +170,9 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
     starts, each other one when the group after it starts its backward; a layer's backward
     waits for its group, takes `backward_s` (plus `forward_s` when recomputed by the plan) and
     holds, while it runs, what it saved (again, when recomputed) besides the groups held and
-    fetched. Peak: the largest of those sums, plus `fixed_bytes` (what is not a layer's saved
-    activation: parameters, gradients, the head and the loss).
+    fetched. Each layer's forward and backward add its extra bytes (Note [memory beside the
+    activations]). Peak: the largest of those sums, plus `fixed_bytes` (what the step holds
+    throughout: parameters, gradients, optimizer state).
     """
     n = len(costs)
     held = [_held(k, c) for k, c in zip(kinds, costs)]
@@ -161,9 +183,11 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
     inflight: collections.deque = collections.deque()  # (copy end, layer)
     on_device = 0  # bytes of groups not copied out (kept, recomputed with their inputs kept)
     peak = 0
+    forward_bytes, backward_bytes = [0] * n, [0] * n
     for i, (kind, cost) in enumerate(zip(kinds, costs)):
         during = cost.input_bytes if kind == RECOMPUTE else cost.saved_bytes
-        peak = max(peak, on_device + sum(copied[j] for _, j in inflight) + during)
+        forward_bytes[i] = on_device + sum(copied[j] for _, j in inflight) + during
+        peak = max(peak, forward_bytes[i] + cost.forward_extra_bytes)
         t += cost.forward_s
         if not copied[i]:
             on_device += held[i]
@@ -181,7 +205,7 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
     while inflight and inflight[0][0] <= t:
         inflight.popleft()
     resident = {j for _, j in inflight}  # still copying as backward starts: served from the device
-    memory = on_device + sum(copied[j] for j in resident)
+    memory = start_bytes = on_device + sum(copied[j] for j in resident)
     peak = max(peak, memory + tail_bytes)
     t += tail_s
     chosen = [i for i in range(n) if copied[i] and i not in resident]
@@ -210,14 +234,15 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
         extra = 0
         if kind == RECOMPUTE:
             extra = cost.full_bytes if cost.checkpointed and cost.full_bytes is not None else cost.saved_bytes
-        peak = max(peak, memory + extra)
+        backward_bytes[i] = memory + extra
+        peak = max(peak, backward_bytes[i] + cost.backward_extra_bytes)
         t += cost.backward_s
         if kind == RECOMPUTE and not cost.checkpointed:
             t += cost.forward_s
             recompute += cost.forward_s
         memory -= held[i]
     return Prediction(list(kinds), t, int(peak + fixed_bytes), exposed, recompute,
-                      [kept[i] and kinds[i] == RECOMPUTE for i in range(n)])
+                      [kept[i] and kinds[i] == RECOMPUTE for i in range(n)], forward_bytes, start_bytes, backward_bytes)
 
 
 def fixed_bytes(measured_peak: int, kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus,
@@ -228,6 +253,58 @@ def fixed_bytes(measured_peak: int, kinds: Sequence[str], costs: Sequence[LayerC
     if measured_peak <= 0:
         return 0
     return max(0, measured_peak - predict(kinds, costs, bus, tail_bytes=tail_bytes).peak_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """The allocator's peaks in the measuring step, stretch by stretch (bytes; 0: not measured).
+
+    step_peak: the whole step's; at_start: what it held as it started; forward: per layer, from
+    its start to the next layer's (the first layer's from the step's start); tail: from the last
+    layer's end to backward's first unpack of it (the head, the loss and their backward);
+    backward: per layer, from its first unpack to the next layer's in backward (the first
+    layer's to the step's end, the optimizer's step included).
+    """
+
+    step_peak: int
+    at_start: int = 0
+    forward: Sequence[int] = ()
+    tail: int = 0
+    backward: Sequence[int] = ()
+
+
+def calibrate(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, memory: StepMemory,
+              tail_bytes: int = 0):
+    """(costs with their extra bytes, fixed bytes, tail bytes) from the measuring step that ran
+    `kinds` (Note [memory beside the activations]).
+
+    A stretch's extra is its measured peak less the groups the replay holds there and less
+    `at_start` (never below 0); a stretch not measured takes the largest measured of its kind.
+    Where no stretch is measured, every layer's extras are 0 and the fixed bytes are the whole
+    step's excess (`fixed_bytes`), `tail_bytes` as given. The fixed bytes then cover what the
+    stretches do not, so the replay of `kinds` peaks where the step did.
+    """
+    n = len(costs)
+    costs = [dataclasses.replace(c, forward_extra_bytes=0, backward_extra_bytes=0) for c in costs]
+    ran = predict(kinds, costs, bus)
+
+    def extras(peaks, held):
+        peaks = list(peaks) + [0] * (n - len(peaks))
+        measured = [max(0, p - h - memory.at_start) if p > 0 else None for p, h in zip(peaks, held)]
+        known = [e for e in measured if e is not None]
+        return [e if e is not None else max(known, default=0) for e in measured], bool(known)
+
+    forward, seen_forward = extras(memory.forward, ran.forward_bytes)
+    backward, seen_backward = extras(memory.backward, ran.backward_bytes)
+    if not (seen_forward or seen_backward or memory.tail > 0):
+        return costs, fixed_bytes(memory.step_peak, kinds, costs, bus, tail_bytes), tail_bytes
+    if memory.tail > 0:
+        tail_bytes = max(0, memory.tail - ran.start_bytes - memory.at_start)
+    costs = [dataclasses.replace(c, forward_extra_bytes=f, backward_extra_bytes=b)
+             for c, f, b in zip(costs, forward, backward)]
+    fixed = memory.at_start
+    fixed += max(0, memory.step_peak - predict(kinds, costs, bus, fixed, tail_bytes=tail_bytes).peak_bytes)
+    return costs, fixed, tail_bytes
 
 
 def _families(costs: Sequence[LayerCost]):

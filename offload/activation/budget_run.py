@@ -72,17 +72,17 @@ class BudgetRun:
     """One input shape's budget plan: what it was made from, and its check against timed steps."""
 
     def __init__(self, layer_costs, bus: _budget.Bus, budget: int, measured_peak: int, tail_s: float,
-                 tail_bytes: int):
-        self.costs = layer_costs
+                 tail_bytes: int, memory: Optional[_budget.StepMemory] = None):
         self.bus = bus
         self.budget = budget
         self.tail_s = tail_s
-        self.tail_bytes = tail_bytes
         # The plan the measuring step ran: the user's checkpointed layers recomputed, every layer
-        # that may be offloaded offloaded, the others (keep_first / keep_last) kept.
+        # that may be offloaded offloaded, the others (keep_first / keep_last) kept. Its
+        # stretches' peaks give each layer's extra bytes (Note [memory beside the activations]).
         measured = [_budget.RECOMPUTE if c.checkpointed else _budget.OFFLOAD if c.eligible else _budget.KEEP
                     for c in layer_costs]
-        self.fixed = _budget.fixed_bytes(measured_peak, measured, layer_costs, bus, tail_bytes)
+        self.costs, self.fixed, self.tail_bytes = _budget.calibrate(
+            measured, layer_costs, bus, memory or _budget.StepMemory(measured_peak), tail_bytes)
         self.replans = 0
         self.result: Optional[_budget.BudgetPlan] = None
         # While the rival is timed: the offloading plan's prediction and its measured step.
@@ -115,6 +115,7 @@ class BudgetRun:
             "recompute": [k == _budget.RECOMPUTE and not c.checkpointed for k, c in zip(chosen.kinds, self.costs)],
             "layers": [{"name": name, "kind": k, "saved_bytes": c.saved_bytes, "input_bytes": c.input_bytes,
                         "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3,
+                        "forward_extra_bytes": c.forward_extra_bytes, "backward_extra_bytes": c.backward_extra_bytes,
                         "user_checkpointed": c.checkpointed}
                        for name, k, c in zip(names, chosen.kinds, self.costs)],
             "predicted_step_ms": chosen.step_s * 1e3,
@@ -123,6 +124,7 @@ class BudgetRun:
             "predicted_peak_bytes": chosen.peak_bytes,
             "least_peak_bytes": self.result.least_peak_bytes,
             "fixed_bytes": self.fixed,
+            "tail_bytes": self.tail_bytes,
             "budget_met": self.result.feasible,
             "check": {"settled": False, "replans": self.replans, "measured_step_ms": None,
                       "measured_peak_bytes": None, "rival": self.rival},

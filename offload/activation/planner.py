@@ -241,6 +241,13 @@ class AutoPlanner:
         self.warned_budget = False  # a budget the plan cannot meet is warned about once per handle
         self.inputs = {}  # layer -> bytes of its tensor inputs in the measured step (what a checkpoint saves)
         self.budget_runs = {}  # key -> BudgetRun while a budget plan is checked against its steps
+        # The measured step's memory, stretch by stretch (Note [memory beside the activations] in
+        # budget.py): its peak so far, what it held as it started, the stretch running (kind,
+        # layer), and per kind ("forward", "tail", "backward") layer -> the allocator's peak there.
+        self.step_peak = 0
+        self.at_start = 0
+        self.stretch = None
+        self.stretch_peaks = {}
         self.budget_start = None  # (mark, key) of the last training forward of a budget plan being checked
 
     def current_plan(self):
@@ -261,6 +268,7 @@ class AutoPlanner:
         if key == self.unhooked_shape and self.measuring is None:
             return True
         if self.measuring is not None and self.engine.backward_seen:
+            self._end_stretch(None)  # the first layer's backward, to the step's end
             measured_key, steps = self.measuring
             steps += 1
             if self._measured_enough(measured_key, steps):
@@ -306,7 +314,23 @@ class AutoPlanner:
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
+        self.at_start = _device.memory_allocated(self.engine.device)
+        self.step_peak = 0
+        self.stretch = ("start", None)  # until the first layer opens, then part of its forward's
+        self.stretch_peaks = {"forward": {}, "tail": {}, "backward": {}}
         return False
+
+    def _end_stretch(self, following) -> None:
+        """The allocator's peak since the running stretch began is that stretch's; `following`
+        (kind, layer) begins (Note [memory beside the activations] in budget.py)."""
+        device = self.engine.device
+        peak = _device.max_memory_allocated(device)
+        self.step_peak = max(self.step_peak, peak)
+        ended, self.stretch = self.stretch, following
+        if ended is not None and ended[1] is not None:
+            peaks = self.stretch_peaks[ended[0]]
+            peaks[ended[1]] = max(peaks.get(ended[1], 0), peak)
+        _device.reset_peak_memory_stats(device)  # none off an accelerator
 
     def _fresh_segments(self) -> None:
         """A shape's plan settled: give the allocator's cached blocks back (Note [fresh segments])."""
@@ -326,7 +350,7 @@ class AutoPlanner:
             measured = self.ranks.agree(
                 key, "first measured step",
                 {"d2h": stats["d2h_gbps"], "h2d": stats["h2d_gbps"], "total": total,
-                 "without_offload": stats["peak_device_bytes"] + stats["d2h_bytes"]},  # at most
+                 "without_offload": self.step_peak + stats["d2h_bytes"]},  # at most
                 largest=("without_offload",), smallest=("d2h", "h2d", "total"))
             self.bus = (measured["d2h"], measured["h2d"])
             total = measured["total"]
@@ -489,8 +513,14 @@ class AutoPlanner:
 
     def opened(self, group) -> None:
         self.records.setdefault(group.layer, {})["open"] = self.clock.mark()
+        if self.stretch == ("start", None):  # what ran before the first layer counts as its forward's
+            self.stretch = ("forward", group.layer)
+        elif self.backward_mark is None:
+            self._end_stretch(("forward", group.layer))
 
     def closed(self, group) -> None:
+        if group.layer == len(self.handle.layers) - 1 and self.backward_mark is None:
+            self._end_stretch(("tail", group.layer))  # the head and the loss, to backward's first unpack
         record = self.records.setdefault(group.layer, {})
         record["close"] = self.clock.mark()
         record["bytes"] = group.nbytes
@@ -503,7 +533,9 @@ class AutoPlanner:
 
     def unpacked(self, group) -> None:
         record = self.records.setdefault(group.layer, {})
-        record.setdefault("unpack", self.clock.mark())
+        if "unpack" not in record:  # the layer's backward begins
+            record["unpack"] = self.clock.mark()
+            self._end_stretch(("backward", group.layer))
 
     def backward_started(self) -> None:
         self.backward_mark = self.clock.mark()
@@ -511,7 +543,8 @@ class AutoPlanner:
     def saved_after_layers(self, m: int) -> None:
         """The m-th tensor saved after the last layer: when, and the step's peak memory so far."""
         if m <= MAX_TAIL_SAVES:
-            self.tail_marks.append((m, self.clock.mark(), _device.max_memory_allocated(self.engine.device)))
+            so_far = max(self.step_peak, _device.max_memory_allocated(self.engine.device))
+            self.tail_marks.append((m, self.clock.mark(), so_far))
 
     # ---- planning
     def _saved_marks(self, record):
@@ -582,7 +615,7 @@ class AutoPlanner:
             else:  # the window's plans keep the rate measured under it where there is one
                 d2h, h2d = d2h or idle_d2h, h2d or idle_h2d
         eligible = [not k for k in handle.keep]
-        peak = stats["peak_device_bytes"]
+        peak = self.step_peak
         _, total = _device.mem_get_info(self.engine.device)
         m = self.ranks.agree(key, "plan", {
             "nbytes": nbytes, "inputs": [self.inputs.get(i, 0) for i in range(n)], "peak": peak,
@@ -590,8 +623,10 @@ class AutoPlanner:
             "tail_bytes": max(0, peak - self.tail_marks[0][2]) if self.tail_marks else 0,
             "fwd": fwd, "bwd": bwd, "tail": tail, "head_bwd": head_bwd, "d2h": d2h, "h2d": h2d, "total": total,
             "before_peak": self._before_peak(last_close, peak) if self.budget is None else None,
-            "saved": saved, "spans": spans,
-        }, largest=("nbytes", "inputs", "peak", "tail_bytes"),
+            "saved": saved, "spans": spans, "at_start": self.at_start,
+            **{f"{kind}_peaks": [peaks.get(i, 0) for i in range(n)] for kind, peaks in self.stretch_peaks.items()},
+        }, largest=("nbytes", "inputs", "peak", "tail_bytes", "at_start", "forward_peaks", "tail_peaks",
+                    "backward_peaks"),
             smallest=("fwd", "bwd", "tail", "head_bwd", "d2h", "h2d", "total"))
         nbytes, inputs, peak, tail_bytes = m["nbytes"], m["inputs"], m["peak"], m["tail_bytes"]
         fwd, bwd, tail, head_bwd, d2h, h2d, total = (m[name] for name in ("fwd", "bwd", "tail", "head_bwd", "d2h",
@@ -607,9 +642,11 @@ class AutoPlanner:
             mask = [i in order for i in range(n)]
             step = sum(fwd) + tail + head_bwd + sum(bwd) + exposed
         else:  # keep, offload or recompute each layer: the least step that fits (budget.py)
+            memory = _budget.StepMemory(peak, m["at_start"], m["forward_peaks"], m["tail_peaks"][n - 1],
+                                        m["backward_peaks"])
             run = BudgetRun(_costs(nbytes, inputs, fwd, bwd, eligible, handle.checkpointed),
                             _budget.Bus(d2h, h2d, self.engine.resident_groups), self.budget, peak, tail + head_bwd,
-                            tail_bytes)
+                            tail_bytes, memory)
             run.make()
             mask = run.fields(handle.layers)["mask"]
             exposed, step = run.result.chosen.exposed_s, run.result.chosen.step_s
