@@ -1,5 +1,5 @@
 """Activation offload on a GPU: bitwise gradients under deterministic algorithms, the
-resident window's memory bound, pool reuse and flat memory over 200 steps, FSDP2."""
+resident window's memory bound, pool reuse and flat memory over 200 steps, budget plans within their budget, FSDP2."""
 
 import copy
 import gc
@@ -233,6 +233,47 @@ def test_activation_cuda_checkpoint_inputs_offloaded_lower_peak():
     # Checkpointing alone holds 7 inputs while the last layer recomputes; offload about 2.
     assert offloaded <= plain - 3 * input_bytes, (offloaded, plain, input_bytes)
     handle.disable()
+
+
+def _settled_budget_handle(model, step, budget):
+    handle = offload.enable_activation_offload(model, "auto", memory_budget_bytes=budget, min_tensor_bytes=0,
+                                               verbose=False)
+    for _ in range(40):
+        plan = handle.plan
+        if plan is not None and plan["check"]["settled"]:
+            return handle
+        step()
+    raise AssertionError(f"the budget plan did not settle in 40 steps: {handle.plan}")
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_activation_cuda_budget_plan_stays_within_its_budget(set_to_none):
+    """A budget plan's step peaks (the allocator's peak, the whole step) within its budget plus
+    5%, whether the gradients stay allocated between steps or are freed and allocated again
+    in each backward (Note [memory beside the activations] in budget.py)."""
+    model = _stack(torch.bfloat16, d=512, heads=8, n=8)
+    x = torch.randn(2, 2048, 512, device=_device.current_device(), dtype=torch.bfloat16)
+
+    def step():
+        model.zero_grad(set_to_none=set_to_none)
+        model(x).backward()
+
+    probe = _settled_budget_handle(model, step, 1 << 50)
+    keep_all, least = probe.plan["predicted_peak_bytes"], probe.plan["least_peak_bytes"]
+    probe.disable()
+    assert least < keep_all
+    for share in (0.75, 0.5, 0.25):
+        budget = int(least + (keep_all - least) * share)
+        handle = _settled_budget_handle(model, step, budget)
+        gc.collect()
+        _device.synchronize()
+        _device.reset_peak_memory_stats()
+        step()
+        _device.synchronize()
+        peak, plan = _device.max_memory_allocated(), handle.plan
+        handle.disable()
+        assert plan["budget_met"], plan
+        assert peak <= budget * 1.05, (share, peak, budget, plan["kinds"], plan["predicted_peak_bytes"])
 
 
 def _rss_bytes():
