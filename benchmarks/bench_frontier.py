@@ -130,9 +130,11 @@ def _model_frontier(ctx, name, model, loss_fn):
             f"{rival['kinds']} {rival['measured_step_ms']:.1f} ms, {'won' if rival['won'] else 'lost'} "
             f"(margin {rival['margin_ms']:.1f} ms)")
         kept = sum(plan.get("inputs_kept") or [])
+        # The prediction is of the whole step's memory; the peaks here are above the idle model.
+        predicted_peak = plan.get("predicted_peak_bytes", 0) - (idle if stats_device else 0)
         line = (f"  budget {budget / GiB:.3f} GiB: plan {plan.get('kinds')} (inputs kept {kept}) {ms:.1f} ms peak "
                 f"{own_peak / GiB:.3f} GiB "
-                f"(predicted {plan.get('predicted_step_ms', 0):.1f} ms, {plan.get('predicted_peak_bytes', 0) / GiB:.3f}"
+                f"(predicted {plan.get('predicted_step_ms', 0):.1f} ms, {predicted_peak / GiB:.3f}"
                 f" GiB); best hand-written at or below its peak: {best[1]} first {best[2]} {best[0]} (in the sweep "
                 f"{swept}); rival without offload: {verdict}")
         print(line, flush=True)
@@ -142,6 +144,7 @@ def _model_frontier(ctx, name, model, loss_fn):
                         higher_is_better=False, budget_bytes=budget, peak_bytes=peak,
                         predicted_step_ms=plan.get("predicted_step_ms"),
                         predicted_peak_bytes=plan.get("predicted_peak_bytes"),
+                        predicted_activation_peak_bytes=predicted_peak,
                         predicted_recompute_ms=plan.get("predicted_recompute_ms"),
                         measured_step_ms=plan.get("check", {}).get("measured_step_ms"),
                         kinds=plan.get("kinds"), inputs_kept=plan.get("inputs_kept"),
