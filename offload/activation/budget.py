@@ -160,14 +160,16 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
     recomputed layer flagged in `inputs_kept` holds its inputs on the device instead of copying them.
 
     Forward: layer i runs `forward_s` after layer i-1; a copied group's copy starts when its
-    layer ends (or when the copy before it ends) and takes its bytes over `d2h_bps`; when more
-    than `window` - 1 groups are still copying, the compute stream waits for the oldest (the
-    window's wait), and a group whose copy is complete is let go. Memory during layer i: the
-    groups held on the device, those still copying, and what layer i saves (its inputs only
-    when recomputed). Backward starts `tail_s` after the last layer, the head and the loss
-    holding `tail_bytes` on top of every group still on the device until then; groups still
-    copying then are served from the device; the first group needed from the host is fetched as backward
-    starts, each other one when the group after it starts its backward; a layer's backward
+    layer ends (or when the copy before it ends) and takes its bytes over `d2h_bps`. A group
+    is let go when a later group's copy starts with `window` groups in the window, the
+    compute stream waiting for its copy if it is not complete (the engine's resident window:
+    the host, running ahead of the device, seldom sees a copy complete sooner). Memory during
+    layer i: the groups kept on the device, those in the window, and what layer i saves (its
+    inputs only when recomputed). The groups still in the window as backward starts are served
+    from the device; the first group needed from the host is fetched as backward starts (at
+    the model output's gradient, before the head's backward), each other one when the group
+    after it starts its backward. The head and the loss hold `tail_bytes` on top of what is on
+    the device then, `tail_s` from the last layer's end to the last layer's backward; a layer's backward
     waits for its group, takes `backward_s` (plus `forward_s` when recomputed by the plan) and
     holds, while it runs, what it saved (again, when recomputed) besides the groups held and
     fetched. Each layer's forward and backward add its extra bytes (Note [memory beside the
@@ -195,27 +197,25 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
         end = max(t, d2h_free) + copied[i] / bus.d2h_bps
         d2h_free = end
         inflight.append((end, i))
-        while inflight and inflight[0][0] <= t:
-            inflight.popleft()
         while len(inflight) > bus.window - 1:
             end_oldest, _ = inflight.popleft()
             if end_oldest > t:
                 exposed += end_oldest - t
                 t = end_oldest
-    while inflight and inflight[0][0] <= t:
-        inflight.popleft()
-    resident = {j for _, j in inflight}  # still copying as backward starts: served from the device
-    memory = start_bytes = on_device + sum(copied[j] for j in resident)
-    peak = max(peak, memory + tail_bytes)
-    t += tail_s
+    resident = {j for _, j in inflight}  # still in the window as backward starts: served from the device
+    memory = on_device + sum(copied[j] for j in resident)
     chosen = [i for i in range(n) if copied[i] and i not in resident]
     previous = {b: a for a, b in zip(chosen, chosen[1:])}
     ready: dict = {}
-    h2d_free = t
+    h2d_free = t + tail_s
     if chosen and len(resident) < bus.window:
+        # Fetched as backward starts, at the model output's gradient: before the head's backward.
         last = chosen[-1]
-        ready[last] = h2d_free = t + copied[last] / bus.h2d_bps
+        ready[last] = h2d_free = t + tail_s + copied[last] / bus.h2d_bps
         memory += copied[last]
+    start_bytes = memory
+    peak = max(peak, memory + tail_bytes)
+    t += tail_s
     for i in reversed(range(n)):
         kind, cost = kinds[i], costs[i]
         if copied[i] and i not in resident:
