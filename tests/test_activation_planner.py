@@ -22,6 +22,7 @@ def _costs(n=N, **kw):
 
 FAST = Bus(125.0, 125.0, 2)  # a layer's copy (0.8 s) hides under the next layer's forward
 SLOW = Bus(40.0, 40.0, 2)  # a layer's copy takes 2.5 layers' forward time
+CRAWL = Bus(10.0, 10.0, 2)  # a layer's copy takes 10 layers' forward time, an input's one
 
 
 def _first_k(kind, k, n=N):
@@ -72,7 +73,7 @@ def test_activation_planner_offloads_only_while_the_bus_hides_it():
 
 def test_activation_planner_mixes_recompute_and_offload_for_a_tight_budget():
     costs = _costs()
-    budget = 650
+    budget = 500
     result = plan(costs, SLOW, budget, tail_bytes=TAIL)
     kinds = result.chosen.kinds
     assert result.feasible and result.chosen.peak_bytes <= budget
@@ -184,23 +185,24 @@ def test_activation_planner_keeps_recomputed_inputs_where_the_budget_has_room():
     """Note [recomputed inputs kept]: a plan's recomputed layers keep their inputs on the device
     while the budget fits, the latest first; at full checkpointing's own peak they go to the host."""
     costs = _costs()
-    copied = predict([RECOMPUTE] * N, costs, SLOW, tail_bytes=TAIL)
-    kept = predict([RECOMPUTE] * N, costs, SLOW, tail_bytes=TAIL, inputs_kept=[True] * N)
+    # A bus so slow that offloading a layer never pays: the plans recompute.
+    copied = predict([RECOMPUTE] * N, costs, CRAWL, tail_bytes=TAIL)
+    kept = predict([RECOMPUTE] * N, costs, CRAWL, tail_bytes=TAIL, inputs_kept=[True] * N)
     assert kept.peak_bytes > copied.peak_bytes and kept.step_s == copied.step_s
     # Room for every input: the plan is hand-written full checkpointing, nothing copied.
-    result = plan(costs, SLOW, kept.peak_bytes, tail_bytes=TAIL)
+    result = plan(costs, CRAWL, kept.peak_bytes, tail_bytes=TAIL)
     assert result.chosen.kinds == [RECOMPUTE] * N and result.chosen.inputs_kept == [True] * (N - 1) + [False]
-    run = BudgetRun(costs, SLOW, kept.peak_bytes, measured_peak=0, tail_s=0.0, tail_bytes=TAIL)
+    run = BudgetRun(costs, CRAWL, kept.peak_bytes, measured_peak=0, tail_s=0.0, tail_bytes=TAIL)
     run.make()
     fields = run.fields(["l"] * N)
     assert fields["inputs_kept"] == [True] * N and fields["mask"] == [False] * N
     assert fields["recompute"] == [True] * N
     # No room: every input goes to the host.
-    result = plan(costs, SLOW, copied.peak_bytes, tail_bytes=TAIL)
+    result = plan(costs, CRAWL, copied.peak_bytes, tail_bytes=TAIL)
     assert result.chosen.inputs_kept == [False] * N and result.chosen.peak_bytes <= copied.peak_bytes
     # Room for some: the latest recomputed layers keep theirs, and the plan still fits.
     for budget in (300, 400, 500):
-        chosen = plan(costs, SLOW, budget, tail_bytes=TAIL).chosen
+        chosen = plan(costs, CRAWL, budget, tail_bytes=TAIL).chosen
         recomputed = [i for i, k in enumerate(chosen.kinds) if k == RECOMPUTE and costs[i].eligible]
         flags = [chosen.inputs_kept[i] for i in recomputed]
         assert chosen.peak_bytes <= budget and any(flags)
@@ -209,7 +211,7 @@ def test_activation_planner_keeps_recomputed_inputs_where_the_budget_has_room():
 
 def _measured(kinds, truth, bus, at_start, tail):
     """The allocator's stretch peaks of a step that ran `kinds` on layers costing `truth`."""
-    ran = predict(kinds, truth, bus, at_start, tail_bytes=tail)
+    ran = predict(kinds, truth, bus, at_start, tail_bytes=tail, window=True)
     return StepMemory(ran.peak_bytes, at_start,
                       [at_start + b + c.forward_extra_bytes for b, c in zip(ran.forward_bytes, truth)],
                       at_start + ran.start_bytes + tail,
@@ -251,29 +253,49 @@ def test_activation_planner_fills_in_stretches_not_measured():
     backward[2] = 0
     costs, fixed, _ = calibrate(kinds, plain, SLOW, dataclasses.replace(memory, backward=backward))
     assert [c.backward_extra_bytes for c in costs] == [100, 101, N + 99] + [100 + i for i in range(3, N)]
-    assert predict(kinds, costs, SLOW, fixed, tail_bytes=TAIL).peak_bytes >= memory.step_peak
+    assert predict(kinds, costs, SLOW, fixed, tail_bytes=TAIL, window=True).peak_bytes >= memory.step_peak
     # No stretch measured (no memory statistics, or only the whole step's): the whole step's excess.
     costs, fixed, tail = calibrate(kinds, plain, SLOW, StepMemory(memory.step_peak), TAIL)
     assert costs == plain and tail == TAIL and fixed == fixed_bytes(memory.step_peak, kinds, plain, SLOW, TAIL)
     assert calibrate(kinds, plain, SLOW, StepMemory(0), TAIL) == (plain, 0, TAIL)
     # What no stretch explains (a peak after them all) is added to every plan.
     costs, fixed, _ = calibrate(kinds, plain, SLOW, dataclasses.replace(memory, step_peak=memory.step_peak + 77))
-    assert predict(kinds, costs, SLOW, fixed, tail_bytes=TAIL).peak_bytes == memory.step_peak + 77
+    assert predict(kinds, costs, SLOW, fixed, tail_bytes=TAIL, window=True).peak_bytes == memory.step_peak + 77
 
 
 def test_activation_planner_replays_the_resident_window():
-    """A copied group is let go only when a later group's copy starts with the window full,
-    the last ones are served from the device in backward, and the first group needed from the
-    host comes back as backward starts: with a window of two, offloading the first k layers
-    lowers the peak as backward starts by k - 2 layers, however fast the bus."""
+    """In the resident window (the measuring step) a copied group is let go only when a later
+    group's copy starts with the window full, the last ones are served from the device in
+    backward, and the first group needed from the host comes back as backward starts: with a
+    window of two, offloading the first k layers lowers the peak as backward starts by k - 2
+    layers, however fast the bus (Note [budget points])."""
     costs = _costs()
     keep_all = predict([KEEP] * N, costs, FAST, tail_bytes=TAIL)
     for k in range(1, N):
-        offloaded = predict(_first_k(OFFLOAD, k), costs, FAST, tail_bytes=TAIL)
+        offloaded = predict(_first_k(OFFLOAD, k), costs, FAST, tail_bytes=TAIL, window=True)
         assert offloaded.start_bytes == keep_all.start_bytes - 100 * max(0, k - 2)
         assert offloaded.exposed_s == 0 and offloaded.step_s == keep_all.step_s
     # In forward, the group in the window is on the device beside the next layer's.
-    assert predict(_first_k(OFFLOAD, 1), costs, FAST).forward_bytes[1] == 200
+    assert predict(_first_k(OFFLOAD, 1), costs, FAST, window=True).forward_bytes[1] == 200
     # A window of three holds one more.
     wide = Bus(FAST.d2h_bps, FAST.h2d_bps, 3)
-    assert predict(_first_k(OFFLOAD, 5), costs, wide).start_bytes == keep_all.start_bytes - 200
+    assert predict(_first_k(OFFLOAD, 5), costs, wide, window=True).start_bytes == keep_all.start_bytes - 200
+
+
+def test_activation_planner_plans_points_that_free_what_is_offloaded():
+    """Note [budget points]: at planned points each offloaded layer is let go once its copy is
+    planned done and comes back when backward reaches the layer whose backward hides its copy,
+    so what a plan offloads is off the device as backward starts."""
+    costs = _costs()
+    keep_all = predict([KEEP] * N, costs, FAST, tail_bytes=TAIL)
+    for k in range(1, N):
+        p = predict(_first_k(OFFLOAD, k), costs, FAST, tail_bytes=TAIL)
+        assert p.start_bytes == keep_all.start_bytes - 100 * k and p.peak_bytes < keep_all.peak_bytes
+        # A copy of 0.8 s (0.84 s planned) is let go as the layer after next opens.
+        assert p.release_at == {i: i + 2 if i + 2 < N else N for i in range(k)}
+        # A copy back of 0.8 s (1.04 s planned) hides under one layer's backward of 2 s.
+        assert p.fetch_at == {i + 1: [i] for i in range(k)} and p.fetch_at_start == []
+        assert p.exposed_s == 0 and p.step_s == keep_all.step_s
+    # A copy that does not end with the forward: the compute stream waits for it at its end.
+    late = predict(_first_k(OFFLOAD, N - 1), costs, SLOW, tail_bytes=TAIL)
+    assert late.release_at[N - 2] == N and late.exposed_s > 0

@@ -39,6 +39,16 @@ predicted below the one whose peak falls as backward starts for want of the back
 working memory, nor the other way round. One fixed excess over the whole step would count
 whichever stretch held the measured peak at every other.
 
+Note [budget points]: a budget plan runs at points planned from its replay, as auto mode's
+schedule without a budget does (Note [planned release points] in schedule.py): each copied
+group is let go as the first layer opens after its copy is planned complete, the compute
+stream waiting for it there, and comes back when backward reaches the latest layer whose
+backward hides the copy. In the resident window the host lets a group go only when the
+window is full (it seldom sees a copy complete, running ahead of the device), the last groups
+of a forward stay on the device through backward's start, and the first group needed from the
+host comes back as backward starts, however much backward of kept layers lies before it: with
+a window of two, offloading k layers lowered the peak as backward starts by only k - 2.
+
 Note [stable plans]: measured times move by a few percent from run to run; two plans whose
 predicted steps differ by less than that would otherwise be chosen at random. Among the plans
 that fit and are predicted within `TIE_TOLERANCE` of the fastest, the simplest is chosen:
@@ -52,6 +62,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 from typing import List, Optional, Sequence
+
+from .schedule import COPY_MARGIN, FETCH_MARGIN
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 # Plans predicted within this share of the fastest one are taken as equally fast (Note [stable plans]).
@@ -114,6 +126,12 @@ class Prediction:
     forward_bytes: List[int] = dataclasses.field(default_factory=list)
     start_bytes: int = 0
     backward_bytes: List[int] = dataclasses.field(default_factory=list)
+    # At planned points (Note [budget points]): layer -> the point its group is let go at (a
+    # layer's open, n: the last layer's end), layer -> the layers fetched when backward reaches
+    # it, and the layers fetched as backward starts.
+    release_at: dict = dataclasses.field(default_factory=dict)
+    fetch_at: dict = dataclasses.field(default_factory=dict)
+    fetch_at_start: List[int] = dataclasses.field(default_factory=list)
 
     def fits(self, budget: Optional[int]) -> bool:
         return budget is None or self.peak_bytes <= budget
@@ -155,104 +173,142 @@ def _copied(kind: str, cost: LayerCost) -> int:
 
 
 def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_bytes: int = 0,
-            tail_s: float = 0.0, tail_bytes: int = 0, inputs_kept: Sequence[bool] = ()) -> Prediction:
-    """Replay one step of the plan `kinds` (one per layer) with the resident window; a
+            tail_s: float = 0.0, tail_bytes: int = 0, inputs_kept: Sequence[bool] = (),
+            window: bool = False) -> Prediction:
+    """Replay one step of the plan `kinds` (one per layer) at its planned points (Note [budget
+    points]), or with `window` as the engine's resident window runs it (the measuring step); a
     recomputed layer flagged in `inputs_kept` holds its inputs on the device instead of copying them.
 
     Forward: layer i runs `forward_s` after layer i-1; a copied group's copy starts when its
-    layer ends (or when the copy before it ends) and takes its bytes over `d2h_bps`. A group
-    is let go when a later group's copy starts with `window` groups in the window, the
-    compute stream waiting for its copy if it is not complete (the engine's resident window:
-    the host, running ahead of the device, seldom sees a copy complete sooner). Memory during
-    layer i: the groups kept on the device, those in the window, and what layer i saves (its
-    inputs only when recomputed). The groups still in the window as backward starts are served
-    from the device; the first group needed from the host is fetched as backward starts (at
-    the model output's gradient, before the head's backward), each other one when the group
-    after it starts its backward. The head and the loss hold `tail_bytes` on top of what is on
-    the device then, `tail_s` from the last layer's end to the last layer's backward; a layer's backward
-    waits for its group, takes `backward_s` (plus `forward_s` when recomputed by the plan) and
-    holds, while it runs, what it saved (again, when recomputed) besides the groups held and
-    fetched. Each layer's forward and backward add its extra bytes (Note [memory beside the
-    activations]). Peak: the largest of those sums, plus `fixed_bytes` (what the step holds
-    throughout: parameters, gradients, optimizer state).
+    layer ends (or when the copy before it ends) and takes its bytes over `d2h_bps`. At planned
+    points a group is let go as the first layer opens after its copy is planned complete
+    (`COPY_MARGIN` longer), at the latest as the last layer ends, where the compute stream
+    waits for copies still running. In the window a group is let go when a later group's copy
+    starts with `window` groups in it, the compute stream waiting for its copy if not complete
+    (the host, running ahead of the device, seldom sees a copy complete sooner), and the groups
+    still in it as backward starts are served from the device. Memory during layer i: the
+    groups kept on the device, those not let go, and what layer i saves (its inputs only when
+    recomputed).
+
+    Backward: at planned points each group is fetched when backward reaches the latest layer
+    whose backward, with those after it, hides its copy (`FETCH_MARGIN` longer), or as backward
+    starts; in the window the first group needed from the host is fetched as backward starts
+    and each other one when the group after it starts its backward. What is fetched as backward
+    starts (at the model output's gradient) is on the device during the head's backward: the
+    head and the loss hold `tail_bytes` on top of it, `tail_s` from the last layer's end to the
+    last layer's backward. A layer's backward waits for its group, takes `backward_s` (plus
+    `forward_s` when recomputed by the plan) and holds, while it runs, what it saved (again,
+    when recomputed) besides the groups held and fetched. Each layer's forward and backward
+    add its extra bytes (Note [memory beside the activations]). Peak: the largest of those
+    sums, plus `fixed_bytes` (what the step holds throughout: parameters, gradients,
+    optimizer state).
     """
     n = len(costs)
     held = [_held(k, c) for k, c in zip(kinds, costs)]
     kept = list(inputs_kept) or [False] * n
     copied = [0 if kept[i] and k == RECOMPUTE else _copied(k, c) for i, (k, c) in enumerate(zip(kinds, costs))]
+    recomputed = [k == RECOMPUTE and not c.checkpointed for k, c in zip(kinds, costs)]
     t = exposed = recompute = 0.0
     d2h_free = 0.0
-    inflight: collections.deque = collections.deque()  # (copy end, layer)
+    pending: collections.deque = collections.deque()  # (copy end, planned end, layer) of groups not let go
+    release_at: dict = {}
     on_device = 0  # bytes of groups not copied out (kept, recomputed with their inputs kept)
     peak = 0
     forward_bytes, backward_bytes = [0] * n, [0] * n
     for i, (kind, cost) in enumerate(zip(kinds, costs)):
+        while not window and pending and pending[0][1] <= t:  # point i: layer i opens
+            release_at[pending.popleft()[2]] = i
         during = cost.input_bytes if kind == RECOMPUTE else cost.saved_bytes
-        forward_bytes[i] = on_device + sum(copied[j] for _, j in inflight) + during
+        forward_bytes[i] = on_device + sum(copied[j] for *_, j in pending) + during
         peak = max(peak, forward_bytes[i] + cost.forward_extra_bytes)
         t += cost.forward_s
         if not copied[i]:
             on_device += held[i]
             continue
-        end = max(t, d2h_free) + copied[i] / bus.d2h_bps
-        d2h_free = end
-        inflight.append((end, i))
-        while len(inflight) > bus.window - 1:
-            end_oldest, _ = inflight.popleft()
+        start = max(t, d2h_free)
+        d2h_free = start + copied[i] / bus.d2h_bps
+        pending.append((d2h_free, start + copied[i] / bus.d2h_bps * (1 + COPY_MARGIN), i))
+        while window and len(pending) > bus.window - 1:
+            end_oldest = pending.popleft()[0]
             if end_oldest > t:
                 exposed += end_oldest - t
                 t = end_oldest
-    resident = {j for _, j in inflight}  # still in the window as backward starts: served from the device
+    resident = set()  # still in the window as backward starts: served from the device
+    if window:
+        resident = {j for *_, j in pending}
+    for end, _, j in pending if not window else ():  # point n: the last layer ends
+        release_at[j] = n
+        if end > t:
+            exposed += end - t
+            t = end
     memory = on_device + sum(copied[j] for j in resident)
     chosen = [i for i in range(n) if copied[i] and i not in resident]
-    previous = {b: a for a, b in zip(chosen, chosen[1:])}
+    fetch_at: dict = {}
+    fetch_at_start: List[int] = []
+    if window:
+        previous = {b: a for a, b in zip(chosen, chosen[1:])}
+        if chosen and len(resident) < bus.window:
+            fetch_at_start.append(chosen[-1])
+        for later, earlier in previous.items():
+            fetch_at.setdefault(later, []).append(earlier)
+    else:
+        # When each layer's backward starts, copies back waiting for none.
+        starts, s = [0.0] * n, t + tail_s
+        for j in reversed(range(n)):
+            starts[j] = s
+            s += costs[j].backward_s + (costs[j].forward_s if recomputed[j] else 0.0)
+        for g in reversed(chosen):
+            need = copied[g] / bus.h2d_bps * (1 + FETCH_MARGIN)
+            at = next((j for j in range(g + 1, n) if starts[g] - starts[j] >= need), None)
+            (fetch_at_start if at is None else fetch_at.setdefault(at, [])).append(g)
     ready: dict = {}
     h2d_free = t + tail_s
-    if chosen and len(resident) < bus.window:
-        # Fetched as backward starts, at the model output's gradient: before the head's backward.
-        last = chosen[-1]
-        ready[last] = h2d_free = t + tail_s + copied[last] / bus.h2d_bps
-        memory += copied[last]
+
+    def fetch(groups, now):
+        nonlocal h2d_free, memory
+        for g in groups:
+            if g not in ready:
+                ready[g] = h2d_free = max(now, h2d_free) + copied[g] / bus.h2d_bps
+                memory += copied[g]
+
+    fetch(fetch_at_start, t + tail_s)
     start_bytes = memory
     peak = max(peak, memory + tail_bytes)
     t += tail_s
     for i in reversed(range(n)):
         kind, cost = kinds[i], costs[i]
+        if not window:  # at the gradient of layer i's output
+            fetch(fetch_at.get(i, ()), t)
         if copied[i] and i not in resident:
-            if i not in ready:
-                ready[i] = max(t, h2d_free) + copied[i] / bus.h2d_bps
-                h2d_free = ready[i]
-                memory += copied[i]
+            fetch([i], t)
             if ready[i] > t:
                 exposed += ready[i] - t
                 t = ready[i]
-        p = previous.get(i)
-        if p is not None and p not in ready:
-            ready[p] = max(t, h2d_free) + copied[p] / bus.h2d_bps
-            h2d_free = ready[p]
-            memory += copied[p]
+        if window:  # at layer i's first unpack
+            fetch(fetch_at.get(i, ()), t)
         extra = 0
         if kind == RECOMPUTE:
             extra = cost.full_bytes if cost.checkpointed and cost.full_bytes is not None else cost.saved_bytes
         backward_bytes[i] = memory + extra
         peak = max(peak, backward_bytes[i] + cost.backward_extra_bytes)
         t += cost.backward_s
-        if kind == RECOMPUTE and not cost.checkpointed:
+        if recomputed[i]:
             t += cost.forward_s
             recompute += cost.forward_s
         memory -= held[i]
     return Prediction(list(kinds), t, int(peak + fixed_bytes), exposed, recompute,
-                      [kept[i] and kinds[i] == RECOMPUTE for i in range(n)], forward_bytes, start_bytes, backward_bytes)
+                      [kept[i] and kinds[i] == RECOMPUTE for i in range(n)], forward_bytes, start_bytes, backward_bytes,
+                      release_at, fetch_at, fetch_at_start)
 
 
 def fixed_bytes(measured_peak: int, kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus,
                 tail_bytes: int = 0) -> int:
     """What a step holds besides the layers' saved activations: the measured step's peak less
-    the activation peak `predict` gives for the plan it ran (0 where the device keeps no
-    memory statistics)."""
+    the activation peak `predict` gives for the plan it ran in the resident window (0 where the
+    device keeps no memory statistics)."""
     if measured_peak <= 0:
         return 0
-    return max(0, measured_peak - predict(kinds, costs, bus, tail_bytes=tail_bytes).peak_bytes)
+    return max(0, measured_peak - predict(kinds, costs, bus, tail_bytes=tail_bytes, window=True).peak_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +332,7 @@ class StepMemory:
 def calibrate(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, memory: StepMemory,
               tail_bytes: int = 0):
     """(costs with their extra bytes, fixed bytes, tail bytes) from the measuring step that ran
-    `kinds` (Note [memory beside the activations]).
+    `kinds` in the resident window (Note [memory beside the activations]).
 
     A stretch's extra is its measured peak less the groups the replay holds there and less
     `at_start` (never below 0); a stretch not measured takes the largest measured of its kind.
@@ -286,7 +342,7 @@ def calibrate(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, memory
     """
     n = len(costs)
     costs = [dataclasses.replace(c, forward_extra_bytes=0, backward_extra_bytes=0) for c in costs]
-    ran = predict(kinds, costs, bus)
+    ran = predict(kinds, costs, bus, window=True)
 
     def extras(peaks, held):
         peaks = list(peaks) + [0] * (n - len(peaks))
@@ -303,7 +359,8 @@ def calibrate(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, memory
     costs = [dataclasses.replace(c, forward_extra_bytes=f, backward_extra_bytes=b)
              for c, f, b in zip(costs, forward, backward)]
     fixed = memory.at_start
-    fixed += max(0, memory.step_peak - predict(kinds, costs, bus, fixed, tail_bytes=tail_bytes).peak_bytes)
+    ran = predict(kinds, costs, bus, fixed, tail_bytes=tail_bytes, window=True)
+    fixed += max(0, memory.step_peak - ran.peak_bytes)
     return costs, fixed, tail_bytes
 
 

@@ -35,7 +35,7 @@ import statistics
 from typing import Optional
 
 from . import budget as _budget
-from .schedule import COPY_MARGIN
+from .schedule import COPY_MARGIN, Schedule
 
 # Steps of a new budget plan not timed (first allocations of new block sizes), then timed.
 CHECK_WARMUP_STEPS = 1
@@ -118,6 +118,9 @@ class BudgetRun:
                         "forward_extra_bytes": c.forward_extra_bytes, "backward_extra_bytes": c.backward_extra_bytes,
                         "user_checkpointed": c.checkpointed}
                        for name, k, c in zip(names, chosen.kinds, self.costs)],
+            # The points the engine lets each copied group go and fetches it back at (Note [budget points]).
+            "schedule": Schedule(len(self.costs), [None] * len(self.costs), dict(chosen.release_at),
+                                 {k: list(v) for k, v in chosen.fetch_at.items()}, list(chosen.fetch_at_start)),
             "predicted_step_ms": chosen.step_s * 1e3,
             "predicted_exposed_ms": chosen.exposed_s * 1e3,
             "predicted_recompute_ms": chosen.recompute_s * 1e3,
