@@ -120,3 +120,20 @@ def test_npu_standin_checkpoint_preserves_rng_state():
     torch.manual_seed(1)
     torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False).backward()
     assert torch.equal(x.grad, want)
+
+
+def test_npu_standin_finished_copies_let_go_of_their_sources():
+    """The core holds a device-to-host copy's sources until a later copy or query sees it done
+    (Note [in-flight registry]); `release_finished_copies` lets go of them at once."""
+    from offload.core.copy import release_finished_copies
+
+    device = _device.current_device()
+    release_finished_copies()
+    before = _device.memory_allocated(device)
+    source = torch.ones(1 << 20, dtype=torch.uint8, device=device)
+    handle = offload.copy_to_host([source], pool=offload.HostPool())
+    _device.synchronize(device)
+    del source, handle
+    assert _device.memory_allocated(device) == before + (1 << 20)  # still held for the copy
+    release_finished_copies()
+    assert _device.memory_allocated(device) == before

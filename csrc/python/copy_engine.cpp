@@ -196,6 +196,10 @@ void bind_copy_engine(py::module_& m) {
     py::gil_scoped_release no_gil;
     wait_copy_worker();
   });
+  // Drops what the in-flight registry holds for copies already complete (Note
+  // [in-flight registry]): otherwise the sources of a process's last copies stay
+  // until its next copy or query.
+  m.def("release_finished_copies", [] { collect_with_gil(); });
   // out None: the core acquires a block of out_bytes from the pool.
   m.def("copy_spans_to_host",
         [make_options](const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& starts,

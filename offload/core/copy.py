@@ -352,6 +352,15 @@ def copy_to_device(
     return CopyHandle(fallback(sources, handle, device, pool, stream, out_list, require_pinned, chunk_bytes, timing))
 
 
+def release_finished_copies() -> None:
+    """Let go of the device tensors the native core still holds for device-to-host copies that
+    have completed (the sources of a process's last copies are otherwise held until its next
+    copy or query). The pure-PyTorch path holds none."""
+    core = _backend.loaded_core()
+    if core is not None:
+        core.release_finished_copies()
+
+
 def _pool_or_default(fn: str, pool) -> HostPool:
     check_pool(fn, pool)
     return default_host_pool() if pool is None else pool
