@@ -276,6 +276,30 @@ def test_activation_cuda_budget_plan_stays_within_its_budget(set_to_none):
         assert peak <= budget * 1.05, (share, peak, budget, plan["kinds"], plan["predicted_peak_bytes"])
 
 
+def test_activation_cuda_settled_plan_keeps_no_copy_sources():
+    """A plan that settles on offloading nothing holds no device memory for the measuring steps'
+    copies (the core holds a copy's sources until a later copy sees it done; Note [fresh
+    segments] in planner.py)."""
+    model = _stack(torch.bfloat16, d=512, heads=8, n=4)
+    x = torch.randn(2, 2048, 512, device=_device.current_device(), dtype=torch.bfloat16)
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        model(x).backward()
+
+    step()
+    gc.collect()
+    _device.synchronize()
+    before = _device.memory_allocated()
+    handle = _settled_budget_handle(model, step, 1 << 50)
+    assert handle.plan["kinds"] == ["keep"] * 4 and handle.stats()["plan"]["check"]["settled"]
+    step()
+    gc.collect()
+    _device.synchronize()
+    assert _device.memory_allocated() - before < (8 << 20), (before, _device.memory_allocated())
+    handle.disable()
+
+
 def _rss_bytes():
     with open("/proc/self/status") as f:
         for line in f:

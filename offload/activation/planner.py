@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..core import _device
-from ..core.copy import copy_to_device, copy_to_host
+from ..core.copy import copy_to_device, copy_to_host, release_finished_copies
 from .saved_tensors import tensor_leaves
 from . import budget as _budget
 from .budget_run import BudgetRun, costs as _costs
@@ -64,9 +64,11 @@ from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 # blocks sized for those plans, and the settled plan's own allocations then split and merge
 # them every step: the same plan runs measurably slower than when started on a fresh cache. So
 # the cached blocks are given back once, as a shape's plan settles (the next step's first
-# allocations go to the driver again, as in any first step). Garbage is collected first:
-# blocks still held by reference cycles of those steps would otherwise stay as segments of
-# their own and cut up the new ones the same way.
+# allocations go to the driver again, as in any first step). Garbage is collected first, and
+# the core lets go of the sources of the last copies (held until a later copy sees them done:
+# a plan that offloads nothing makes none, and would hold a layer's activations for good):
+# blocks still held would otherwise stay as segments of their own and cut up the new ones the
+# same way.
 
 # Measuring steps of a new input shape: the first offloads every eligible layer (kernels and
 # the pool warm up, the bus is measured under compute, and the peak shows whether a step
@@ -322,10 +324,13 @@ class AutoPlanner:
 
     def _end_stretch(self, following) -> None:
         """The allocator's peak since the running stretch began is that stretch's; `following`
-        (kind, layer) begins (Note [memory beside the activations] in budget.py)."""
+        (kind, layer) begins (Note [memory beside the activations] in budget.py). Without a
+        budget only the step's peak is kept (the schedule needs no stretch)."""
         device = self.engine.device
         peak = _device.max_memory_allocated(device)
         self.step_peak = max(self.step_peak, peak)
+        if self.budget is None:
+            return
         ended, self.stretch = self.stretch, following
         if ended is not None and ended[1] is not None:
             peaks = self.stretch_peaks[ended[0]]
@@ -336,6 +341,8 @@ class AutoPlanner:
         """A shape's plan settled: give the allocator's cached blocks back (Note [fresh segments])."""
         if self.engine.on_accel:
             gc.collect()
+            _device.synchronize(self.engine.device)
+            release_finished_copies()
         _device.empty_cache()
 
     def _measured_enough(self, key, steps: int) -> bool:
