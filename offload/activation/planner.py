@@ -316,12 +316,9 @@ class AutoPlanner:
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
-        # What the step holds throughout (Note [memory beside the activations] in budget.py),
-        # not the sources of the last step's copies, which the core holds until a later copy
-        # sees them done: the host waits for the device once, so that all of them are.
-        if self.engine.on_accel:
-            _device.synchronize(self.engine.device)
-            release_finished_copies()
+        # Not the sources of the last step's copies, done but still held by the core: the
+        # step's fixed bytes (Note [memory beside the activations] in budget.py).
+        release_finished_copies()
         self.at_start = _device.memory_allocated(self.engine.device)
         self.step_peak = 0
         self.stretch = ("start", None)  # until the first layer opens, then part of its forward's
