@@ -316,9 +316,6 @@ class AutoPlanner:
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
-        # Not the sources of the last step's copies, done but still held by the core: the
-        # step's fixed bytes (Note [memory beside the activations] in budget.py).
-        release_finished_copies()
         self.at_start = _device.memory_allocated(self.engine.device)
         self.step_peak = 0
         self.stretch = ("start", None)  # until the first layer opens, then part of its forward's
