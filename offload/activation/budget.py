@@ -1,7 +1,7 @@
 """Auto mode's plan for a memory budget, as pure functions of per-layer measurements.
 
 Each layer is kept (its saved tensors stay on the device), offloaded (its saved tensors go to
-the host in the resident window and come back ahead of its backward) or recomputed (its
+the host and come back ahead of its backward, at planned points) or recomputed (its
 forward runs under a non-reentrant checkpoint: only its inputs are saved, and they are
 offloaded like any other group; backward runs its forward again). `predict` replays one step
 of a plan on a timeline of the layers' measured times and the bus's rates and gives its step
@@ -47,7 +47,7 @@ backward hides the copy. In the resident window the host lets a group go only wh
 window is full (it seldom sees a copy complete, running ahead of the device), the last groups
 of a forward stay on the device through backward's start, and the first group needed from the
 host comes back as backward starts, however much backward of kept layers lies before it: with
-a window of two, offloading k layers lowered the peak as backward starts by only k - 2.
+a window of two, offloading k layers lowers the peak as backward starts by only k - 2.
 
 Note [stable plans]: measured times move by a few percent from run to run; two plans whose
 predicted steps differ by less than that would otherwise be chosen at random. Among the plans
@@ -71,8 +71,8 @@ TIE_TOLERANCE = 0.005
 # Rounds of one-layer changes after the families, at most (each round changes one layer).
 MAX_ROUNDS_PER_LAYER = 2
 # Strides of the offloaded layers the search tries (Note [budget plan search]): 1 is a run of
-# layers; with the resident window a copy longer than a layer's forward hides only when the
-# next offloaded layer is further on.
+# layers; copies queue on one stream, so where a copy is longer than a layer's forward, spacing
+# the offloaded layers leaves each one more compute to hide under.
 OFFLOAD_STRIDES = (1, 2, 3)
 
 
