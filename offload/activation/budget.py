@@ -236,11 +236,12 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
     resident = set()  # still in the window as backward starts: served from the device
     if window:
         resident = {j for *_, j in pending}
-    for end, _, j in pending if not window else ():  # point n: the last layer ends
-        release_at[j] = n
-        if end > t:
-            exposed += end - t
-            t = end
+    else:
+        for end, _, j in pending:  # point n: the last layer ends
+            release_at[j] = n
+            if end > t:
+                exposed += end - t
+                t = end
     memory = on_device + sum(copied[j] for j in resident)
     chosen = [i for i in range(n) if copied[i] and i not in resident]
     fetch_at: dict = {}
