@@ -355,10 +355,11 @@ def copy_to_device(
 def release_finished_copies() -> None:
     """Let go of the device tensors the native core still holds for device-to-host copies that
     have completed (the sources of a process's last copies are otherwise held until its next
-    copy or query). The pure-PyTorch path holds none."""
-    core = _backend.loaded_core()
-    if core is not None:
-        core.release_finished_copies()
+    copy or query). The pure-PyTorch path holds none; a core built before this call existed
+    lets go of them at its next copy, as before."""
+    release = getattr(_backend.loaded_core(), "release_finished_copies", None)
+    if release is not None:
+        release()
 
 
 def _pool_or_default(fn: str, pool) -> HostPool:
