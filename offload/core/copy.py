@@ -355,8 +355,8 @@ def copy_to_device(
 def release_finished_copies() -> None:
     """Let go of the device tensors the native core still holds for device-to-host copies that
     have completed (the sources of a process's last copies are otherwise held until its next
-    copy or query). The pure-PyTorch path holds none; a core built before this call existed
-    lets go of them at its next copy, as before."""
+    copy or query). The pure-PyTorch path holds none; a core built without this call lets go
+    of them at its next copy."""
     release = getattr(_backend.loaded_core(), "release_finished_copies", None)
     if release is not None:
         release()
