@@ -48,8 +48,9 @@ from .step_stats import StepTimings, new_counters
 # as soon as the layer's kernels are queued and runs under the next layer's compute.
 #
 # Note [resident window]: a group's device tensors are held (`Group.held`) from save until
-# its copy is seen complete (a non-blocking poll at every group boundary), or until more
-# than `resident_groups` groups would be on the device: then the compute stream waits on
+# its copy is seen complete (a non-blocking poll at every group boundary, but in auto mode's
+# measuring steps), or until more than `resident_groups` groups would be on the device:
+# then the compute stream waits on
 # the device for the oldest group's copy and its tensors go back to the allocator in stream
 # order, while the host goes on queueing kernels. The copy engine also record_streams them
 # on the device-to-host stream, so dropping them early could never corrupt the copy. A
@@ -455,7 +456,11 @@ class ActivationEngine(BackwardSide):
             self._mark_copied(group)
             return
         self._inflight.append(weakref.ref(group))
-        self._poll()
+        if self.observer is None:
+            # Not while auto mode measures: the budget model reads that step's memory where the
+            # window lets groups go (Note [memory beside the activations] in budget.py), and
+            # what the host sees done depends on how far it runs ahead of the device.
+            self._poll()
         stream = group.stream = _device.current_stream(self.device) if self.on_accel else None
         if self.schedule is not None:
             # Auto mode: the plan says at which point the copy is complete; no window.
