@@ -367,7 +367,7 @@ def calibrate(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, memory
 
 def _families(costs: Sequence[LayerCost]):
     """Plans of the hand-written kind: offload eligible layers (a run of them, or every s-th one,
-    which leaves the window's copies a layer's time more each) and recompute the earliest of the
+    which leaves each copy more layers' compute to hide under) and recompute the earliest of the
     others, either after or before the offloaded ones (Note [budget plan search])."""
     base = [allowed(c)[0] for c in costs]
     free = [i for i, c in enumerate(costs) if len(allowed(c)) > 1]

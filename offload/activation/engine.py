@@ -50,12 +50,11 @@ from .step_stats import StepTimings, new_counters
 # Note [resident window]: a group's device tensors are held (`Group.held`) from save until
 # its copy is seen complete (a non-blocking poll at every group boundary, but in auto mode's
 # measuring steps), or until more than `resident_groups` groups would be on the device:
-# then the compute stream waits on
-# the device for the oldest group's copy and its tensors go back to the allocator in stream
-# order, while the host goes on queueing kernels. The copy engine also record_streams them
-# on the device-to-host stream, so dropping them early could never corrupt the copy. A
-# group still copying when backward reaches it is served from those held tensors (no round
-# trip); so are the last groups of a forward. Auto mode's schedule replaces the window and
+# then the compute stream waits on the device for the oldest group's copy and its tensors go
+# back to the allocator in stream order, while the host goes on queueing kernels. The copy
+# engine also record_streams them on the device-to-host stream, so dropping them early could
+# never corrupt the copy. A group still copying when backward reaches it is served from those
+# held tensors (no round trip); so are the last groups of a forward. Auto mode's schedule replaces the window and
 # the one-ahead prefetch (Note [planned release points] in schedule.py).
 #
 # Note [backward]: a group's copy back allocates its device block on the consumer (current)

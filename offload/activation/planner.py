@@ -30,6 +30,7 @@ from .saved_tensors import tensor_leaves
 from . import budget as _budget
 from .budget_run import BudgetRun, costs as _costs
 from .ranks import Ranks, largest_flag, smallest_value
+from .stretch_peaks import StretchPeaks
 from .schedule import COPY_MARGIN, planned_bytes, schedule
 from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 
@@ -243,13 +244,9 @@ class AutoPlanner:
         self.warned_budget = False  # a budget the plan cannot meet is warned about once per handle
         self.inputs = {}  # layer -> bytes of its tensor inputs in the measured step (what a checkpoint saves)
         self.budget_runs = {}  # key -> BudgetRun while a budget plan is checked against its steps
-        # The measured step's memory, stretch by stretch (Note [memory beside the activations] in
-        # budget.py): its peak so far, what it held as it started, the stretch running (kind,
-        # layer), and per kind ("forward", "tail", "backward") layer -> the allocator's peak there.
-        self.step_peak = 0
-        self.at_start = 0
-        self.stretch = None
-        self.stretch_peaks = {}
+        # The measured step's memory, stretch by stretch with a budget (Note [memory beside the
+        # activations] in budget.py).
+        self.memory = StretchPeaks(self.engine.device, by_stretch=budget is not None)
         self.budget_start = None  # (mark, key) of the last training forward of a budget plan being checked
 
     def current_plan(self):
@@ -270,7 +267,7 @@ class AutoPlanner:
         if key == self.unhooked_shape and self.measuring is None:
             return True
         if self.measuring is not None and self.engine.backward_seen:
-            self._end_stretch(None)  # the first layer's backward, to the step's end
+            self.memory.end(None)  # the first layer's backward, to the step's end
             measured_key, steps = self.measuring
             steps += 1
             if self._measured_enough(measured_key, steps):
@@ -316,26 +313,8 @@ class AutoPlanner:
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
-        self.at_start = _device.memory_allocated(self.engine.device)
-        self.step_peak = 0
-        self.stretch = ("start", None)  # until the first layer opens, then part of its forward's
-        self.stretch_peaks = {"forward": {}, "tail": {}, "backward": {}}
+        self.memory.start()
         return False
-
-    def _end_stretch(self, following) -> None:
-        """The allocator's peak since the running stretch began is that stretch's; `following`
-        (kind, layer) begins (Note [memory beside the activations] in budget.py). Without a
-        budget only the step's peak is kept (the schedule needs no stretch)."""
-        device = self.engine.device
-        peak = _device.max_memory_allocated(device)
-        self.step_peak = max(self.step_peak, peak)
-        if self.budget is None:
-            return
-        ended, self.stretch = self.stretch, following
-        if ended is not None and ended[1] is not None:
-            peaks = self.stretch_peaks[ended[0]]
-            peaks[ended[1]] = max(peaks.get(ended[1], 0), peak)
-        _device.reset_peak_memory_stats(device)  # none off an accelerator
 
     def _fresh_segments(self) -> None:
         """A shape's plan settled: give the allocator's cached blocks back (Note [fresh segments])."""
@@ -357,7 +336,7 @@ class AutoPlanner:
             measured = self.ranks.agree(
                 key, "first measured step",
                 {"d2h": stats["d2h_gbps"], "h2d": stats["h2d_gbps"], "total": total,
-                 "without_offload": self.step_peak + stats["d2h_bytes"]},  # at most
+                 "without_offload": self.memory.step_peak + stats["d2h_bytes"]},  # at most
                 largest=("without_offload",), smallest=("d2h", "h2d", "total"))
             self.bus = (measured["d2h"], measured["h2d"])
             total = measured["total"]
@@ -520,14 +499,12 @@ class AutoPlanner:
 
     def opened(self, group) -> None:
         self.records.setdefault(group.layer, {})["open"] = self.clock.mark()
-        if self.stretch == ("start", None):  # what ran before the first layer counts as its forward's
-            self.stretch = ("forward", group.layer)
-        elif self.backward_mark is None:
-            self._end_stretch(("forward", group.layer))
+        if self.backward_mark is None:
+            self.memory.layer_opened(group.layer)
 
     def closed(self, group) -> None:
         if group.layer == len(self.handle.layers) - 1 and self.backward_mark is None:
-            self._end_stretch(("tail", group.layer))  # the head and the loss, to backward's first unpack
+            self.memory.end(("tail", group.layer))  # the head and the loss, to backward's first unpack
         record = self.records.setdefault(group.layer, {})
         record["close"] = self.clock.mark()
         record["bytes"] = group.nbytes
@@ -542,7 +519,7 @@ class AutoPlanner:
         record = self.records.setdefault(group.layer, {})
         if "unpack" not in record:  # the layer's backward begins
             record["unpack"] = self.clock.mark()
-            self._end_stretch(("backward", group.layer))
+            self.memory.end(("backward", group.layer))
 
     def backward_started(self) -> None:
         self.backward_mark = self.clock.mark()
@@ -550,8 +527,7 @@ class AutoPlanner:
     def saved_after_layers(self, m: int) -> None:
         """The m-th tensor saved after the last layer: when, and the step's peak memory so far."""
         if m <= MAX_TAIL_SAVES:
-            so_far = max(self.step_peak, _device.max_memory_allocated(self.engine.device))
-            self.tail_marks.append((m, self.clock.mark(), so_far))
+            self.tail_marks.append((m, self.clock.mark(), self.memory.so_far()))
 
     # ---- planning
     def _saved_marks(self, record):
@@ -622,7 +598,7 @@ class AutoPlanner:
             else:  # the window's plans keep the rate measured under it where there is one
                 d2h, h2d = d2h or idle_d2h, h2d or idle_h2d
         eligible = [not k for k in handle.keep]
-        peak = self.step_peak
+        peak = self.memory.step_peak
         _, total = _device.mem_get_info(self.engine.device)
         m = self.ranks.agree(key, "plan", {
             "nbytes": nbytes, "inputs": [self.inputs.get(i, 0) for i in range(n)], "peak": peak,
@@ -630,8 +606,7 @@ class AutoPlanner:
             "tail_bytes": max(0, peak - self.tail_marks[0][2]) if self.tail_marks else 0,
             "fwd": fwd, "bwd": bwd, "tail": tail, "head_bwd": head_bwd, "d2h": d2h, "h2d": h2d, "total": total,
             "before_peak": self._before_peak(last_close, peak) if self.budget is None else None,
-            "saved": saved, "spans": spans, "at_start": self.at_start,
-            **{f"{kind}_peaks": [peaks.get(i, 0) for i in range(n)] for kind, peaks in self.stretch_peaks.items()},
+            "saved": saved, "spans": spans, "at_start": self.memory.at_start, **self.memory.per_layer(n),
         }, largest=("nbytes", "inputs", "peak", "tail_bytes", "at_start", "forward_peaks", "tail_peaks",
                     "backward_peaks"),
             smallest=("fwd", "bwd", "tail", "head_bwd", "d2h", "h2d", "total"))
