@@ -245,12 +245,12 @@ class BackwardSide:
         """Every handle of the group was unpacked: drop its device copies (the host copy stays)."""
         if group.state in (OPEN,):
             return
-        if group.d2h is not None:
+        if group.held is not None and group.d2h is not None and not group.d2h.ready():
             # A query that finds the device-to-host copy done also completes it (the copy engine
-            # drops the sources it held then, not at the next step's first copy). Never a host
-            # wait: one here (a group served from the device while its copy still runs) would
-            # hold the host back in backward and open gaps in the compute stream.
-            group.d2h.ready()
+            # drops the sources it held then). Never a host wait: one here (a group served from the
+            # device while its copy still runs) would hold the host back in backward and open gaps
+            # in the compute stream; the next step's start lets them go (Note [served groups' sources]).
+            self._served.append((group.d2h, group.stream))
         if group.held is not None:
             self._mark_copied(group)
         group.device_block = None
