@@ -206,28 +206,40 @@ def test_activation_cuda_step_leaves_no_device_memory():
     handle.disable()
 
 
-def test_activation_cuda_next_step_starts_without_the_last_steps_copy_sources():
-    """Groups that backward served from the device while their copies were still queued (the
-    host far ahead of the device) are let go as the next step starts: the copy engine would
-    otherwise hold their sources into that step, until its first copy saw them done."""
-    model = _stack(torch.bfloat16, d=512, heads=8, n=6)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+def test_activation_cuda_served_groups_free_their_memory_as_backward_lets_them_go():
+    """Groups that backward serves from the device while their copies still run (the host far
+    ahead of the device, here held back by a spin kernel) free their memory as backward lets
+    them go, not when the copy engine next sees their copies done: once backward is queued, and
+    as the next step starts, the device holds what it held before the step; gradients bitwise."""
+    ref = _stack(torch.bfloat16, d=512, heads=8, n=6)
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
     x = torch.randn(2, 1024, 512, device=_device.current_device(), dtype=torch.bfloat16)
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, resident_groups=3)
-    at_first_layer = []
+    at_first_layer, after_backward = [], []
     model.blocks[0].register_forward_pre_hook(lambda module, args: at_first_layer.append(_device.memory_allocated()))
     gc.collect()
     _device.synchronize()
     base = _device.memory_allocated()
     for _ in range(3):
-        _device.spin(_device.current_device(), 200_000_000)  # ~0.1 s: no copy is done as backward ends
+        _device.spin(_device.current_device(), 200_000_000)  # ~0.1 s: no copy is done as backward is queued
         model(x).backward()
+        after_backward.append(_device.memory_allocated())
     _device.synchronize()
     stats = handle.stats()
     per_layer = stats["d2h_bytes"] / stats["groups_offloaded"]
-    # Each step's first layer opens with what the step before held only (slack: rounding).
-    assert max(at_first_layer) - base <= (4 << 20) < per_layer, (at_first_layer, base, per_layer)
+    slack = 4 << 20  # the allocator's rounding
+    assert max(after_backward) - base <= slack < per_layer, (after_backward, base, per_layer)
+    assert max(at_first_layer) - base <= slack, (at_first_layer, base, per_layer)
+    for m in (ref, model):
+        m.zero_grad(set_to_none=False)
+    ref(x).backward()
+    _device.spin(_device.current_device(), 200_000_000)
+    model(x).backward()
+    for a, b in zip(_grads(ref), _grads(model)):
+        assert torch.equal(a, b)
     handle.disable()
 
 

@@ -241,16 +241,25 @@ class BackwardSide:
             group.views[key] = view
         return view
 
+    def _let_sources_go(self, group: Group) -> None:
+        """The copy engine's references to a copying group's sources go now, the copy stream
+        protecting their memory until it has passed the copy (Note [served groups' sources])."""
+        if not self.on_accel or not group.spans:
+            return
+        stream = _device.copy_streams(self.device)[0]  # the one `copy_spans_to_host` copies on
+        for entry in group.spans:
+            entry[0].record_stream(stream)
+        group.d2h.release_sources(stream)
+
     def _release(self, group: Group) -> None:
         """Every handle of the group was unpacked: drop its device copies (the host copy stays)."""
         if group.state in (OPEN,):
             return
         if group.held is not None and group.d2h is not None and not group.d2h.ready():
-            # A query that finds the device-to-host copy done also completes it (the copy engine
-            # drops the sources it held then). Never a host wait: one here (a group served from the
-            # device while its copy still runs) would hold the host back in backward and open gaps
-            # in the compute stream; the next step's start lets them go (Note [served groups' sources]).
-            self._served.append((group.d2h, group.stream))
+            # Served from the device, its copy not seen done (a query that finds it done also lets
+            # the copy engine drop the sources). Never a wait for the copy: a host wait would hold
+            # the host back in backward and one on the compute stream would stall it.
+            self._let_sources_go(group)
         if group.held is not None:
             self._mark_copied(group)
         group.device_block = None

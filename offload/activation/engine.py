@@ -57,13 +57,15 @@ from .step_stats import StepTimings, new_counters
 # held tensors (no round trip); so are the last groups of a forward. Auto mode's schedule replaces the window and
 # the one-ahead prefetch (Note [planned release points] in schedule.py).
 #
-# Note [served groups' sources]: the copy engine holds a copy's sources until a query or a
-# later copy finds it done (Note [in-flight registry] in csrc/core/in_flight.h). A group
-# served from the device in backward is let go while the host, ahead of the device, may not
-# see its copy done yet; nothing then asks until the next step's first copy, and the sources
-# would sit on the device through the start of that step, where auto mode reads what a step
-# holds throughout. So each new step's start makes the compute stream wait for those copies
-# (long finished by then on the device) and lets their sources go in stream order.
+# Note [served groups' sources]: the copy engine holds a device-to-host copy's sources until a
+# query or a later copy finds it done (Note [in-flight registry] in csrc/core/in_flight.h). A
+# group served from the device in backward is let go while the host, ahead of the device, may
+# not see its copy done yet, and nothing may ask before the next step's first copy: its memory
+# would stay allocated through the rest of backward and into that step, where auto mode reads
+# what each stretch of a step holds. So when backward lets go of such a group, its sources are
+# record_stream'd on the copy stream and the core drops its references: the allocator counts the
+# memory free at once and reuses it only once the copy stream has passed the copy, with no wait
+# on the compute stream.
 #
 # Note [backward]: a group's copy back allocates its device block on the consumer (current)
 # stream, its owner; the consumer waits on that group's copy event once, never on the whole
@@ -211,9 +213,6 @@ class ActivationEngine(BackwardSide):
         # when a tensor big enough to offload is saved.
         self._param_pending: list = []
         self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
-        # (D2H transfer, the stream its sources were saved on) of groups backward served from the
-        # device and let go before the host saw their copies done (Note [served groups' sources]).
-        self._served: list = []
         self.backward_seen = False
         self._step = 0
         self.counters = new_counters()
@@ -278,22 +277,10 @@ class ActivationEngine(BackwardSide):
 
     def _start_step_after_backward(self) -> None:
         if self.backward_seen:  # a new step
-            self.release_served_sources()
             self.resolve_timing(block=False)
             self._step += 1
             self.counters = new_counters()
             self.backward_seen = False
-
-    def release_served_sources(self) -> None:
-        """As a step starts: let go of the sources the copy engine still holds for groups the
-        last backward served from the device (Note [served groups' sources]). Never a host wait."""
-        served, self._served = self._served, []
-        stream = _device.current_stream(self.device) if self.on_accel and served else None
-        for d2h, saved_on in served:
-            if stream is not None and saved_on == stream:
-                d2h.release_sources(stream)
-            else:  # saved on another stream: only a query that finds the copy done lets them go
-                d2h.ready()
 
     def pass_through_step(self) -> None:
         """A training forward run without hooks (auto mode offloading nothing) is a step of its own.

@@ -310,9 +310,6 @@ class AutoPlanner:
         self.inputs = {}
         self.backward_mark = None
         self.tail_marks = []
-        # What the step holds as it starts is what it holds throughout (Note [memory beside the
-        # activations] in budget.py), not the sources of the last step's copies the core still holds.
-        self.engine.release_served_sources()
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
