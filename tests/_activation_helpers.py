@@ -76,6 +76,16 @@ def assert_bitwise_equal(a, b):
         assert torch.equal(x, y)
 
 
+def settled_budget_plan(handle, step, steps: int = 40):
+    """`handle` (auto mode with a memory budget) once its plan's check has settled, running
+    `step` (one training step) until then; fails after `steps` steps."""
+    for _ in range(steps):
+        if handle.plan is not None and handle.plan["check"]["settled"]:
+            return handle
+        step()
+    raise AssertionError(f"the budget plan did not settle in {steps} steps: {handle.plan}")
+
+
 def train_step(model, *inputs):
     model.zero_grad(set_to_none=True)
     loss = sum(model(x) for x in inputs)

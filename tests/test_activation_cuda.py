@@ -13,6 +13,7 @@ from torch import nn
 import offload
 from offload.activation.groups import SPAN_ALIGN
 from offload.core import _device
+from _activation_helpers import settled_budget_plan
 
 pytestmark = pytest.mark.cuda
 
@@ -275,12 +276,7 @@ def test_activation_cuda_checkpoint_inputs_offloaded_lower_peak():
 def _settled_budget_handle(model, step, budget):
     handle = offload.enable_activation_offload(model, "auto", memory_budget_bytes=budget, min_tensor_bytes=0,
                                                verbose=False)
-    for _ in range(40):
-        plan = handle.plan
-        if plan is not None and plan["check"]["settled"]:
-            return handle
-        step()
-    raise AssertionError(f"the budget plan did not settle in 40 steps: {handle.plan}")
+    return settled_budget_plan(handle, step)
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import offload
-from _activation_helpers import assert_bitwise_equal, one_thread, small_model, train_step  # noqa: F401 (fixture)
+from _activation_helpers import (  # noqa: F401 (fixture)
+    assert_bitwise_equal, one_thread, settled_budget_plan, small_model, train_step)
 from test_activation_recompute import blocks_recompute_matches, dropout_recompute_matches
 
 
@@ -87,12 +88,8 @@ def test_activation_device_budget_plan_peaks_within_its_prediction(device, share
         model(x).backward()
 
     def settled(budget):
-        handle = _offloaded(model, device, "auto", offload.HostPool(), memory_budget_bytes=budget)
-        for _ in range(40):
-            if handle.plan is not None and handle.plan["check"]["settled"]:
-                return handle
-            step()
-        raise AssertionError(f"the budget plan did not settle in 40 steps: {handle.plan}")
+        return settled_budget_plan(_offloaded(model, device, "auto", offload.HostPool(), memory_budget_bytes=budget),
+                                   step)
 
     step()
     probe = settled(1 << 50)
