@@ -125,11 +125,14 @@ def _model_frontier(ctx, name, model, loss_fn):
         ctx.progress(f"{name}: budget {budget / GiB:.2f} GiB")
         handle = _handle(model, ctx, "auto", memory_budget_bytes=budget)
 
+        def own_peak_of(peak, stats):
+            """The plan's measured peak (its predicted one where the device keeps no statistics)."""
+            return peak if stats_device else (stats["plan"] or {}).get("predicted_peak_bytes", 0)
+
         def baseline(handle, ms, peak, stats):
             """The fastest hand-written plan at or below the plan's peak; where it checkpoints,
             its steps alternated with the plan's (torch's checkpoint, the handle paused)."""
-            plan = stats["plan"] or {}
-            own_peak = peak if stats_device else plan.get("predicted_peak_bytes", 0)
+            own_peak = own_peak_of(peak, stats)
             fitting = [(m, f, k) for f, points in curves.items() for k, m, p in points
                        if (p if stats_device else 0) <= own_peak]
             best = min(fitting) if fitting else (None, None, None)
@@ -138,7 +141,7 @@ def _model_frontier(ctx, name, model, loss_fn):
 
         ms, peak, stats, (best, alternated) = _point(ctx, model, loss_fn, iters, handle, settle=True, then=baseline)
         plan = stats["plan"] or {}
-        own_peak = peak if stats_device else plan.get("predicted_peak_bytes", 0)
+        own_peak = own_peak_of(peak, stats)
         swept = best[0]
         if best[0] is not None:
             # Timed again right after the plan: the sweep ran minutes earlier, and a device's
