@@ -54,8 +54,8 @@ from .step_stats import StepTimings, new_counters
 # back to the allocator in stream order, while the host goes on queueing kernels. The copy
 # engine also record_streams them on the device-to-host stream, so dropping them early could
 # never corrupt the copy. A group still copying when backward reaches it is served from those
-# held tensors (no round trip); so are the last groups of a forward. Auto mode's schedule replaces the window and
-# the one-ahead prefetch (Note [planned release points] in schedule.py).
+# held tensors (no round trip); so are the last groups of a forward. Auto mode's schedule
+# replaces the window and the one-ahead prefetch (Note [planned release points] in schedule.py).
 #
 # Note [served groups' sources]: the copy engine holds a device-to-host copy's sources until a
 # query or a later copy finds it done (Note [in-flight registry] in csrc/core/in_flight.h). A
