@@ -41,10 +41,10 @@ SCRIPT = ROOT / "examples" / "train_fsdp2.py"
 # Activation memory matters here (tens of GiB per rank) while a step stays around a second.
 # auto_steps: auto mode's runs take this many more steps, for its tuning (probes alternating with
 # steps without offload) to settle before the steps that are timed; on the CPU (quick) its plan offloads
-# nothing and settles at once, one step after its two measuring steps.
+# nothing and settles at once, one step after its three measuring steps.
 FULL = dict(hidden=2048, layers=16, heads=16, seq=4096, batch=2, vocab=32000, steps=14, warmup=4, rounds=2,
             auto_steps=90)
-QUICK = dict(hidden=64, layers=2, heads=4, seq=32, batch=2, vocab=256, steps=5, warmup=2, rounds=1, auto_steps=1)
+QUICK = dict(hidden=64, layers=2, heads=4, seq=32, batch=2, vocab=256, steps=5, warmup=2, rounds=1, auto_steps=2)
 CONFIGS = ("off", "auto", "checkpoint")
 TARGETS = {"auto": 0.97, "checkpoint": 0.95}  # tokens/s at least this share of off's
 

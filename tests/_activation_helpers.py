@@ -9,8 +9,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
+from offload.activation.planner import MIN_MEASURED_WITHOUT_OFFLOAD
 
 MODES = ["sync", "async", "auto"]
+# Steps auto mode measures a shape before its plan runs, where a step without offload fits: the
+# first offloads every eligible layer, the others offload nothing.
+AUTO_MEASURING_STEPS = 1 + MIN_MEASURED_WITHOUT_OFFLOAD
 
 
 class Block(nn.Module):

@@ -10,8 +10,8 @@ import offload
 from offload.core import _device
 from offload.activation.planner import max_tuning_steps
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
-    FakeEvent, FakeStream, Model, StepClock, assert_bitwise_equal, assert_step_matches, log_fetch_and_restore,
-    log_layer_backward, one_thread, pool, predicted_peak_keeping_all, small_model, train_step, use_schedule,
+    AUTO_MEASURING_STEPS, FakeEvent, FakeStream, Model, StepClock, assert_bitwise_equal, assert_step_matches,
+    log_fetch_and_restore, log_layer_backward, one_thread, pool, predicted_peak_keeping_all, small_model, train_step, use_schedule,
 )
 
 # These tests run models on the CPU, whose activations are host memory already:
@@ -27,7 +27,7 @@ def test_activation_auto_plans_and_replans(pool, capsys):
     ref = small_model()
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
-    for shape in ((8, 16), (8, 16), (8, 16), (6, 16), (6, 16), (6, 16)):
+    for shape in ((8, 16),) * (AUTO_MEASURING_STEPS + 1) + ((6, 16),) * (AUTO_MEASURING_STEPS + 1):
         x = torch.randn(*shape)
         loss_ref, grads_ref = train_step(ref, x)
         loss, grads = train_step(model, x)
@@ -43,8 +43,20 @@ def test_activation_auto_plans_and_replans(pool, capsys):
 @pytest.mark.parametrize("case", ["fits", "grows", "budget", "no_room"])
 def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool, monkeypatch):
     """The first measuring step offloads every eligible layer; if a step without offload fits
-    (and no budget is set) the measured ones offload nothing, one more while the allocator
-    grows; else one more offloads everything. Layer bytes are measured either way."""
+    (and no budget is set) the two measured ones offload nothing, three while the allocator
+    grows; else one more offloads everything. Layer bytes are measured either way. Each step
+    measured without offload starts with its stream held, longer than the host took to queue
+    the forward before it (Note [measured at the device's pace]); the others are not held."""
+    from offload.activation.planner import HOLD_CAP_S, HOLD_HOST_FACTOR
+
+    holds, queued = [], []  # each hold asked for, and the host's time to queue the forward before it
+
+    def hold(device, seconds):
+        holds.append(seconds)
+        queued.append(handle.planner.forward_host_s)
+        return True
+
+    monkeypatch.setattr(_device, "hold", hold)
     reserved = [0]
     if case == "grows":  # the allocator takes new device memory in every step
         monkeypatch.setattr(_device, "memory_reserved", lambda device=None: reserved[0])
@@ -63,13 +75,41 @@ def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool
         assert torch.equal(loss, loss_ref)
         assert_bitwise_equal(grads, grads_ref)
         offloaded.append(handle.stats()["layers_offloaded"])
-        assert len(offloaded) < 5
+        assert len(offloaded) < 6
     dry = case in ("fits", "grows")
     # The plan is made at the next forward: the last entry is the first step with it.
-    expected = {"fits": [3, 0], "grows": [3, 0, 0], "budget": [3, 3], "no_room": [3, 3]}[case]
+    expected = {"fits": [3, 0, 0], "grows": [3, 0, 0, 0], "budget": [3, 3], "no_room": [3, 3]}[case]
     assert offloaded[:-1] == expected and handle.planner.measure_without_offload is dry
     plan = handle.plan
     assert all(b > 0 for b in plan["layer_bytes"][:3]) and all(f > 0 for f in plan["forward_ms"][:3])
+    assert len(holds) == (len(expected) - 1 if dry else 0)
+    for seconds, host_s in zip(holds, queued):  # a CPU step's forward takes far less than the cap
+        assert host_s > 0 and seconds == HOLD_HOST_FACTOR * host_s < HOLD_CAP_S
+    assert plan["measured_hold_ms"] == pytest.approx(holds[-1] * 1e3 if dry else 0.0)
+
+
+def test_activation_auto_takes_each_layers_least_time_over_the_measured_steps(pool, monkeypatch):
+    """A stretch of one measured step slowed down (a shared device, the host falling behind) does
+    not reach the plan: each layer's forward and backward time, and the head's, is the least
+    over the steps measured without offload; a backward one step did not time takes the other's."""
+    from offload.activation import planner as _activation_plan
+
+    measured = iter([  # seconds, as `_step_times` reads them: the first measured step, then the last
+        {"fwd": [0.001, 0.005, 0.001, 0.001], "bwd": [None, 0.002, 0.005, 0.002], "tail": 0.004, "head_bwd": 0.001},
+        {"fwd": [0.004, 0.001, 0.001, 0.001], "bwd": [None, 0.005, 0.002, None], "tail": 0.001, "head_bwd": 0.003},
+    ])
+    monkeypatch.setattr(_activation_plan.AutoPlanner, "_step_times", lambda self: next(measured))
+    model = small_model(n=4)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    for _ in range(AUTO_MEASURING_STEPS + 1):
+        train_step(model, torch.randn(8, 16))
+    plan = handle.plan
+    assert next(measured, None) is None  # both steps were read
+    assert plan["forward_ms"] == pytest.approx([1.0] * 4)
+    # Layer 0's backward is never timed (it ends the step): the median ratio to its forward.
+    assert plan["backward_ms"] == pytest.approx([2.0] * 4)
+    assert (plan["tail_ms"], plan["head_backward_ms"]) == pytest.approx((1.0, 1.0))
+    handle.disable()
 
 
 class _PeakInLossModel(Model):
@@ -96,7 +136,7 @@ def test_activation_auto_finds_the_last_save_before_the_peak(pool, monkeypatch):
     torch.manual_seed(0)
     model = _PeakInLossModel(peak)
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
-    for _ in range(3):
+    for _ in range(AUTO_MEASURING_STEPS + 1):
         train_step(model, torch.randn(8, 16))
     m, ms = handle.plan["before_peak"]
     assert m == 2 and ms >= 0
@@ -104,7 +144,7 @@ def test_activation_auto_finds_the_last_save_before_the_peak(pool, monkeypatch):
     monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: 100)
     handle.disable()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
-    for _ in range(3):
+    for _ in range(AUTO_MEASURING_STEPS + 1):
         train_step(model, torch.randn(8, 16))
     assert handle.plan["before_peak"] is None
 
@@ -135,7 +175,7 @@ def test_activation_auto_replans_on_nested_input_shape(container, pool, capsys):
     ref = _NestedInputModel()
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
-    for n in (8, 8, 8, 6, 6, 6):
+    for n in (8,) * (AUTO_MEASURING_STEPS + 1) + (6,) * (AUTO_MEASURING_STEPS + 1):
         x = torch.randn(n, 16)
         loss_ref, grads_ref = train_step(ref, wrap(x))
         loss, grads = train_step(model, wrap(x))
@@ -382,7 +422,7 @@ def test_activation_auto_backs_off_on_measured_steps(overhead, slow, pool, capsy
     x = torch.randn(8, 16)
     loss_ref, grads_ref = train_step(ref, x)
     for step in range(max_tuning_steps(len(handle.layers))):
-        if step == 3:  # the plan was made at the start of step 2 (two measured steps)
+        if step == AUTO_MEASURING_STEPS + 1:  # the plan was made as the step before started
             plan = handle.plan
             assert plan["tuning"]["checked"] and not plan["tuning"]["settled"]
             model_k = plan["tuning"]["model_layers"]
@@ -527,7 +567,7 @@ def test_activation_auto_schedule_starts_from_the_faster_bus_reading(idle_gbps, 
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
     stats = handle.engine.stats
     monkeypatch.setattr(handle.engine, "stats", lambda: {**stats(), "d2h_gbps": 5.0, "h2d_gbps": 6.0})
-    for _ in range(3):
+    for _ in range(AUTO_MEASURING_STEPS + 1):
         train_step(model, torch.randn(8, 16))
     assert (handle.plan["d2h_gbps"], handle.plan["h2d_gbps"]) == pytest.approx(expected)
     handle.disable()
@@ -561,7 +601,7 @@ def test_activation_auto_keeps_one_group_a_layer(pool):
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, min_group_bytes=1 << 40,
                                                pool=pool, verbose=False)
     x = torch.randn(8, 16)
-    for _ in range(3):
+    for _ in range(AUTO_MEASURING_STEPS + 1):
         train_step(model, x)
     plan = handle.plan
     assert plan is not None and all(b > 0 for b in plan["layer_bytes"][:3])

@@ -12,7 +12,8 @@ import offload
 from offload.core import _device
 from offload.activation import engine as act
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
-    Block, MODES, assert_bitwise_equal, grads_of, one_thread, pool, small_model, steps_to_run, train_step,
+    AUTO_MEASURING_STEPS, Block, MODES, assert_bitwise_equal, grads_of, one_thread, pool, small_model, steps_to_run,
+    train_step,
 )
 
 # These tests run models on the CPU, whose activations are host memory already:
@@ -31,7 +32,7 @@ def test_activation_blocks_bitwise(mode, backend, pool):
     handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool, verbose=False)
     x = torch.randn(8, 16)
     loss_ref, grads_ref = train_step(ref, x)
-    for _ in range(3):  # auto measures two steps, then runs its plan
+    for _ in range(AUTO_MEASURING_STEPS + 1):  # auto measures, then runs its plan
         loss, grads = train_step(model, x)
         assert torch.equal(loss, loss_ref)
         assert_bitwise_equal(grads, grads_ref)

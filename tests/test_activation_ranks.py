@@ -12,7 +12,9 @@ import torch.distributed as dist
 import offload
 from offload.activation.planner import max_tuning_steps
 from offload.core import _device
-from _activation_helpers import StepClock, assert_bitwise_equal, predicted_peak_keeping_all, small_model, train_step
+from _activation_helpers import (
+    AUTO_MEASURING_STEPS, StepClock, assert_bitwise_equal, predicted_peak_keeping_all, small_model, train_step,
+)
 from _workers import gloo_world, spawn_world  # noqa: F401 (fixture)
 
 # CPU models: with an accelerator present its engine leaves host tensors alone (as test_activation_auto.py).
@@ -54,7 +56,7 @@ def _scenario_ranks_settle_alike(rank, device):
             block.register_forward_hook(lambda *args: time.sleep(0.002))
     settled_at = None
     for step in range(max_tuning_steps(len(handle.layers))):
-        if step == 3:  # the plan exists (two measured steps); from here each rank times its own cost
+        if step == AUTO_MEASURING_STEPS + 1:  # the plan exists; from here each rank times its own cost
             assert handle.plan["tuning"]["checked"]
             handle.planner.clock = StepClock(handle, RANK_OVERHEAD[rank])
         loss, grads = train_step(model, x)

@@ -94,3 +94,26 @@ def test_device_current_stream_follows_stream_contexts(device):
             assert _device.current_stream(device.index) == side  # the slow path agrees
             assert _device.current_stream(None) == side
         assert _device.current_stream(device) == default
+
+
+@pytest.mark.cuda
+def test_device_hold_delays_the_stream_not_the_host(device):
+    """`hold` queues the wait on the current stream: work queued after it starts about that
+    much later (timed by events), and an event recorded after it is still pending when the
+    call returns (the host did not wait)."""
+    stream = _device.current_stream(device)
+    _device.synchronize(device)
+    start, end = _device.new_event(device, timing=True), _device.new_event(device, timing=True)
+    start.record(stream)
+    assert _device.hold(device, 0.05)
+    end.record(stream)
+    pending = not end.query()
+    end.synchronize()
+    assert pending
+    assert 0.025 <= start.elapsed_time(end) / 1e3 <= 0.5
+
+
+def test_device_hold_queues_nothing_where_there_is_no_stream():
+    assert not _device.hold(torch.device("cpu"), 0.05)
+    if _device.is_accelerator(_device.current_device()):
+        assert not _device.hold(_device.current_device(), 0.0)

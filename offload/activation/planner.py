@@ -3,12 +3,13 @@
 Measuring: the first step of a new input shape offloads every eligible layer (a model that
 fits only with offload still fits while measured); it gives the bandwidth of the copies
 under compute, and its peak shows whether a step without offload fits. If it does (and no
-budget is set) the next steps run without offload (Note [measuring without offload]), else
-one more with everything offloaded; the last of them gives per layer its saved bytes, its
-forward time and its backward time. The plan is then made by `schedule.schedule` (no
-budget), and checked against timed steps (Note [probes]); or by `budget.plan` (a memory
-budget: keep, offload or recompute per layer), checked against its own timed steps
-(budget_check.py, budget_run.py).
+budget is set) the next two or three run without offload (Note [measuring without offload]),
+each held to run at the device's pace (Note [measured at the device's pace]): the last gives
+per layer its saved bytes, and the least of theirs its forward and backward times. Else one
+more runs with everything offloaded, and gives both. The plan is then made by
+`schedule.schedule` (no budget), and checked against timed steps (Note [probes]); or by
+`budget.plan` (a memory budget: keep, offload or recompute per layer), checked against its
+own timed steps (budget_check.py, budget_run.py).
 
 The planner drives the engine and the handle only through their documented interfaces
 (Note [engine interface] in engine.py, Note [handle interface] in api.py).
@@ -61,6 +62,18 @@ from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 # the measured steps after the first run without offload, with kept groups that still
 # record each layer's bytes and times.
 
+# Note [measured at the device's pace]: a layer's time is read from events on the compute
+# stream, which time the device's work only while the host has queued it ahead. A measuring
+# step often starts with the host caught up (the step before it waited for its copies, or
+# planning synchronized), and a forward whose layers the host launches barely faster than the
+# device runs them (a Hugging Face layer of a few milliseconds, the hooks' own work on top)
+# then runs at the host's pace: the measured layers came out up to twice their device time,
+# and a schedule made from them planned copies that the real forward could not hide. So a
+# step measured without offload starts with its stream held (`_device.hold`) for longer than
+# the host took to queue the last measured forward: the host queues the forward (and most of
+# backward) during the hold, and the events then time the device's work. Steps that offload
+# in the window are not held: their host waits for copies mid-step, which no hold outlasts.
+
 # Note [fresh segments]: the steps before a plan settles (measuring with every layer offloaded,
 # probes, a budget plan's checks and its rival) leave the device allocator's cache cut into
 # blocks sized for those plans, and the settled plan's own allocations then split and merge
@@ -76,9 +89,12 @@ from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 # the pool warm up, the bus is measured under compute, and the peak shows whether a step
 # without offload fits); the rest are measured, then the plan is made.
 MEASURE_STEPS = 2
-# Measured steps without offload at most: another follows a step in which the allocator took
-# new device memory (its times include those allocations).
-MEASURE_WITHOUT_OFFLOAD_STEPS = 2
+# Measured steps without offload: at least MIN_MEASURED_WITHOUT_OFFLOAD, each layer's times
+# the least of theirs (a shared device slows a stretch of one step now and then, and nothing
+# makes a step faster than its device's work); at most MEASURE_WITHOUT_OFFLOAD_STEPS while the
+# allocator takes new device memory in each (their times include those allocations).
+MIN_MEASURED_WITHOUT_OFFLOAD = 2
+MEASURE_WITHOUT_OFFLOAD_STEPS = 3
 # A probe alternates steps of the probed count and steps without offload: the first of
 # each are not timed (new block sizes in the allocators), then PROBE_STEPS of each are, and
 # PROBE_STEPS more of each while its verdict is unsure, PROBE_ROUNDS rounds at most.
@@ -97,6 +113,11 @@ BACKWARD_CAP = 3.0  # a layer's measured backward time is taken as at most this 
 RELEASE_WAIT_TOLERANCE = 0.02
 # Tensors saved after the last layer (head, loss) that the measuring step marks, at most.
 MAX_TAIL_SAVES = 64
+# A measured step's stream is held this many times the host's time to queue the last
+# measured forward, at most HOLD_CAP_S (a step measured for the first time is held HOLD_CAP_S):
+# Note [measured at the device's pace].
+HOLD_HOST_FACTOR = 1.5
+HOLD_CAP_S = 0.25
 
 
 def max_tuning_steps(layers: int) -> int:
@@ -105,7 +126,7 @@ def max_tuning_steps(layers: int) -> int:
     The first measuring step and at most MEASURE_WITHOUT_OFFLOAD_STEPS more; then probes of
     PROBE_WARMUP_STEPS + 2 x PROBE_STEPS x PROBE_ROUNDS steps each at most: the plan's, a
     bisection over the layers, the same again when the plan is made anew at the copies' rate,
-    and the confirmation of the count it settles on (3 + 20 x (3 + 2 x log2 layers) with the
+    and the confirmation of the count it settles on (4 + 26 x (3 + 2 x log2 layers) with the
     defaults; a probe whose verdict is clear takes 8).
     """
     probe = PROBE_WARMUP_STEPS + 2 * PROBE_STEPS * PROBE_ROUNDS
@@ -139,6 +160,19 @@ class _Clock:
         b.synchronize()
         return a.elapsed_time(b) / 1e3
 
+
+
+def _least_times(steps: list) -> dict:
+    """Per layer (and around the layers) the least of several measured steps' times
+    (`AutoPlanner._step_times`); a backward that one step did not time takes the others'."""
+    first = steps[0]
+    least = {"tail": min(t["tail"] for t in steps), "head_bwd": min(t["head_bwd"] for t in steps)}
+    least["fwd"] = [min(t["fwd"][i] for t in steps) for i in range(len(first["fwd"]))]
+    least["bwd"] = []
+    for i in range(len(first["bwd"])):
+        timed = [t["bwd"][i] for t in steps if t["bwd"][i] is not None]
+        least["bwd"].append(min(timed) if timed else None)
+    return least
 
 
 def _shape_key(args, kwargs):
@@ -249,6 +283,12 @@ class AutoPlanner(BudgetChecks):
         # activations] in budget.py).
         self.memory = StretchPeaks(self.engine.device, by_stretch=budget is not None)
         self.budget_start = None  # (mark, key) of the last training forward of a budget plan being checked
+        # Host seconds from a measured step's forward to its backward, and the hold its successor
+        # was given (Note [measured at the device's pace]).
+        self.forward_host_start = None
+        self.forward_host_s = None
+        self.held_s = 0.0
+        self.earlier_times: list = []  # `_step_times` of the shape's earlier steps measured without offload
 
     def current_plan(self):
         return self.plans.get(self.key)
@@ -277,6 +317,8 @@ class AutoPlanner(BudgetChecks):
                 if plan["tuning"]["settled"] and measured_key not in self.budget_runs:
                     self._fresh_segments()
             else:
+                if self.measure_without_offload and steps > 1:  # a step measured without offload ended
+                    self.earlier_times.append(self._step_times())
                 self.measuring = (measured_key, steps)
         self.key = key
         handle = self.handle
@@ -301,6 +343,8 @@ class AutoPlanner(BudgetChecks):
         if self.measuring is None or self.measuring[0] != key:
             self.measuring = (key, 0)
             self.measure_without_offload = False
+            self.held_s = 0.0
+            self.earlier_times = []
         # Every eligible layer offloaded, in the window; or, once a step without offload is
         # known to fit, none (kept groups: each layer's bytes and times are still recorded).
         keep = handle.keep
@@ -315,7 +359,17 @@ class AutoPlanner(BudgetChecks):
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
         self.memory.start()
+        if self.measure_without_offload:
+            self._hold()
+        self.forward_host_start = time.perf_counter()
         return False
+
+    def _hold(self) -> None:
+        """Hold the compute stream as a step measured without offload starts (Note [measured at
+        the device's pace]): longer than the host took to queue the last measured forward."""
+        queued = self.forward_host_s
+        seconds = HOLD_CAP_S if queued is None else min(HOLD_CAP_S, HOLD_HOST_FACTOR * queued)
+        self.held_s = seconds if _device.hold(self.engine.device, seconds) else 0.0
 
     def _fresh_segments(self) -> None:
         """A shape's plan settled: give the allocator's cached blocks back (Note [fresh segments])."""
@@ -346,7 +400,7 @@ class AutoPlanner(BudgetChecks):
             return MEASURE_STEPS <= 1
         if self.measure_without_offload:
             grew = largest_flag(self.ranks, key, "measured step", _device.memory_reserved(device) > self.reserved)
-            return not grew or steps >= 1 + MEASURE_WITHOUT_OFFLOAD_STEPS
+            return steps > MIN_MEASURED_WITHOUT_OFFLOAD and (not grew or steps > MEASURE_WITHOUT_OFFLOAD_STEPS)
         return steps >= MEASURE_STEPS
 
     # ---- checking the plan against measured steps
@@ -506,6 +560,10 @@ class AutoPlanner(BudgetChecks):
     def closed(self, group) -> None:
         if group.layer == len(self.handle.layers) - 1 and self.backward_mark is None:
             self.memory.end(("tail", group.layer))  # the head and the loss, to backward's first unpack
+            if self.forward_host_start is not None:
+                # To the layers' end only: a model may wait for the device after them (a loss
+                # read on the host), and that wait would count the hold itself.
+                self.forward_host_s = time.perf_counter() - self.forward_host_start
         record = self.records.setdefault(group.layer, {})
         record["close"] = self.clock.mark()
         record["bytes"] = group.nbytes
@@ -550,31 +608,41 @@ class AutoPlanner(BudgetChecks):
         m, mark = before[-1]
         return m, max(0.0, self.clock.seconds(last_close, mark))
 
-    def _plan(self, key) -> dict:
-        handle = self.handle
-        n = len(handle.layers)
-        nbytes, fwd, bwd = [0] * n, [0.0] * n, [None] * n
+    def _step_times(self) -> dict:
+        """The measured step's times in seconds: per layer its forward (`fwd`) and backward
+        (`bwd`, None where not timed), and around the layers the head and loss (`tail`: from
+        the last layer's end to backward's start) and their backward (`head_bwd`: from there
+        to the last layer's backward). Reads the step's events (the host waits for them)."""
+        n = len(self.handle.layers)
+        fwd, bwd = [0.0] * n, [None] * n
         first_unpack = {}
         for i in range(n):
             record = self.records.get(i, {})
-            nbytes[i] = record.get("bytes", 0)
             if "open" in record and "close" in record:
                 fwd[i] = self.clock.seconds(record["open"], record["close"])
             if "unpack" in record:
                 first_unpack[i] = record["unpack"]
-        saved = [self._saved_marks(self.records.get(i, {})) for i in range(n)]
-        spans = [self.records.get(i, {}).get("span_ends") or None for i in range(n)]
         for i in range(1, n):
             if i in first_unpack and i - 1 in first_unpack:
                 bwd[i] = max(0.0, self.clock.seconds(first_unpack[i], first_unpack[i - 1]))
-        # Around the layers: from the last one's end to backward's start (head, loss), and from
-        # there to the last layer's backward (their backward).
         last_close = self.records.get(n - 1, {}).get("close")
         tail = head_bwd = 0.0
         if last_close is not None and self.backward_mark is not None:
             tail = max(0.0, self.clock.seconds(last_close, self.backward_mark))
             if n - 1 in first_unpack:
                 head_bwd = max(0.0, self.clock.seconds(self.backward_mark, first_unpack[n - 1]))
+        return {"fwd": fwd, "bwd": bwd, "tail": tail, "head_bwd": head_bwd}
+
+    def _plan(self, key) -> dict:
+        handle = self.handle
+        n = len(handle.layers)
+        nbytes = [self.records.get(i, {}).get("bytes", 0) for i in range(n)]
+        times = _least_times([self._step_times()] + self.earlier_times)
+        self.earlier_times = []
+        fwd, bwd, tail, head_bwd = times["fwd"], times["bwd"], times["tail"], times["head_bwd"]
+        saved = [self._saved_marks(self.records.get(i, {})) for i in range(n)]
+        spans = [self.records.get(i, {}).get("span_ends") or None for i in range(n)]
+        last_close = self.records.get(n - 1, {}).get("close")
         # While measuring, backward waits for copies that everything-offloaded could not hide,
         # and that wait lands between two groups' first unpacks: cap at 3x forward (a layer's
         # backward is about 2x its forward, 3x with recomputation) so the plan does not count
@@ -658,6 +726,7 @@ class AutoPlanner(BudgetChecks):
             "h2d_gbps": h2d / 1e9,
             "predicted_exposed_ms": exposed * 1e3,
             "predicted_step_ms": step * 1e3,
+            "measured_hold_ms": self.held_s * 1e3,  # the measured step's stream held at its start
             "budget_bytes": self.budget,
             "measured_peak_bytes": peak,
             "tuning": {"settled": True, "tolerance": STEP_OVERHEAD_TOLERANCE, "step_ms": {}, "model_layers": sum(mask),

@@ -282,6 +282,40 @@ def spin(device, cycles: int) -> None:
             a @ a
 
 
+# Cycles of the backend's sleep kernel a hold's rate is timed over, once per device.
+_HOLD_CALIBRATION_CYCLES = 20_000_000
+
+
+@functools.lru_cache(maxsize=None)
+def _sleep_cycles_per_second(device: torch.device) -> float:
+    """The rate of the backend's sleep kernel on `device`, timed once with events (the host waits)."""
+    sleep = _module(device.type)._sleep
+    stream = current_stream(device)
+    sleep(1000)  # the first launch loads the kernel
+    start, end = new_event(device, timing=True), new_event(device, timing=True)
+    start.record(stream)
+    sleep(_HOLD_CALIBRATION_CYCLES)
+    end.record(stream)
+    end.synchronize()
+    return _HOLD_CALIBRATION_CYCLES / max(start.elapsed_time(end) / 1e3, 1e-6)
+
+
+def hold(device, seconds: float) -> bool:
+    """Queue about `seconds` of waiting on `device`'s current stream, without compute or
+    memory traffic; False where the backend has no sleep kernel (the CPU, or a backend
+    whose device module lacks `_sleep`) and nothing was queued.
+
+    Auto mode holds the stream as a measured step starts, so that the host queues the
+    step's work before the device runs it, and event timestamps then time the device's
+    work, not the host's pace (Note [measured at the device's pace] in planner.py).
+    """
+    device = normalize_device(device)
+    if seconds <= 0 or not is_accelerator(device) or getattr(_module(device.type), "_sleep", None) is None:
+        return False
+    _module(device.type)._sleep(max(1, int(seconds * _sleep_cycles_per_second(device))))
+    return True
+
+
 # ---------------------------------------------------------------- versions
 
 
