@@ -302,8 +302,8 @@ def _sleep_cycles_per_second(device: torch.device) -> float:
 
 def hold(device, seconds: float) -> bool:
     """Queue about `seconds` of waiting on `device`'s current stream, without compute or
-    memory traffic; False where the backend has no sleep kernel (the CPU, or a backend
-    whose device module lacks `_sleep`) and nothing was queued.
+    memory traffic; False where nothing was queued: the backend has no sleep kernel (the CPU,
+    or a backend whose device module lacks `_sleep`), or the stream is capturing a graph.
 
     Auto mode holds the stream as a measured step starts, so that the host queues the
     step's work before the device runs it, and event timestamps then time the device's
@@ -312,7 +312,11 @@ def hold(device, seconds: float) -> bool:
     device = normalize_device(device)
     if seconds <= 0 or not is_accelerator(device) or getattr(_module(device.type), "_sleep", None) is None:
         return False
-    _module(device.type)._sleep(max(1, int(seconds * _sleep_cycles_per_second(device))))
+    capturing = getattr(_module(device.type), "is_current_stream_capturing", None)
+    if capturing is not None and capturing():  # a graph would replay the wait every time
+        return False
+    with _module(device.type).device(device):  # the sleep kernel runs on the current device
+        _module(device.type)._sleep(max(1, int(seconds * _sleep_cycles_per_second(device))))
     return True
 
 
