@@ -70,7 +70,7 @@ from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 # then runs at the host's pace: the measured layers came out up to twice their device time,
 # and a schedule made from them planned copies that the real forward could not hide. So a
 # step measured without offload starts with its stream held (`_device.hold`) for longer than
-# the host took to queue the last measured forward: the host queues the forward (and most of
+# the host took to queue the last measured forward: the host queues the forward (and part of
 # backward) during the hold, and the events then time the device's work. Steps that offload
 # in the window are not held: their host waits for copies mid-step, which no hold outlasts.
 
@@ -159,7 +159,6 @@ class _Clock:
             return b - a
         b.synchronize()
         return a.elapsed_time(b) / 1e3
-
 
 
 def _least_times(steps: list) -> dict:
@@ -283,8 +282,8 @@ class AutoPlanner(BudgetChecks):
         # activations] in budget.py).
         self.memory = StretchPeaks(self.engine.device, by_stretch=budget is not None)
         self.budget_start = None  # (mark, key) of the last training forward of a budget plan being checked
-        # Host seconds from a measured step's forward to its backward, and the hold its successor
-        # was given (Note [measured at the device's pace]).
+        # When the host began a measured step's forward, the seconds it took to queue its layers,
+        # and the hold the last measured step was given (Note [measured at the device's pace]).
         self.forward_host_start = None
         self.forward_host_s = None
         self.held_s = 0.0
