@@ -174,6 +174,14 @@ def _least_times(steps: list) -> dict:
     return least
 
 
+def _rescaled(marks, least: float, measured: float):
+    """(share, seconds) marks taken in a stretch that lasted `measured` seconds, moved onto a
+    stretch of `least` seconds; None stays None."""
+    if marks is None or measured <= 0 or least >= measured:
+        return marks
+    return [(share, seconds * least / measured) for share, seconds in marks]
+
+
 def _shape_key(args, kwargs):
     """The shapes and dtypes of the tensors in a forward's inputs, nested ones included."""
     leaves: list = []
@@ -636,12 +644,20 @@ class AutoPlanner(BudgetChecks):
         handle = self.handle
         n = len(handle.layers)
         nbytes = [self.records.get(i, {}).get("bytes", 0) for i in range(n)]
-        times = _least_times([self._step_times()] + self.earlier_times)
+        last = self._step_times()
+        times = _least_times([last] + self.earlier_times)
         self.earlier_times = []
         fwd, bwd, tail, head_bwd = times["fwd"], times["bwd"], times["tail"], times["head_bwd"]
-        saved = [self._saved_marks(self.records.get(i, {})) for i in range(n)]
+        # The marks are the last step's: moved onto the least times, each at the same share of
+        # its stretch (a mark past the layer's end would close a part after the layer does).
+        saved = [_rescaled(self._saved_marks(self.records.get(i, {})), fwd[i], last["fwd"][i]) for i in range(n)]
         spans = [self.records.get(i, {}).get("span_ends") or None for i in range(n)]
         last_close = self.records.get(n - 1, {}).get("close")
+        before_peak = None
+        if self.budget is None:
+            before_peak = self._before_peak(last_close, self.memory.step_peak)
+            if before_peak is not None:
+                before_peak = (before_peak[0], _rescaled([(None, before_peak[1])], tail, last["tail"])[0][1])
         # While measuring, backward waits for copies that everything-offloaded could not hide,
         # and that wait lands between two groups' first unpacks: cap at 3x forward (a layer's
         # backward is about 2x its forward, 3x with recomputation) so the plan does not count
@@ -673,7 +689,7 @@ class AutoPlanner(BudgetChecks):
             # What the head and the loss hold on top of the layers as backward starts.
             "tail_bytes": max(0, peak - self.tail_marks[0][2]) if self.tail_marks else 0,
             "fwd": fwd, "bwd": bwd, "tail": tail, "head_bwd": head_bwd, "d2h": d2h, "h2d": h2d, "total": total,
-            "before_peak": self._before_peak(last_close, peak) if self.budget is None else None,
+            "before_peak": before_peak,
             "saved": saved, "spans": spans, "at_start": self.memory.at_start, **self.memory.per_layer(n),
         }, largest=("nbytes", "inputs", "peak", "tail_bytes", "at_start", "forward_peaks", "tail_peaks",
                     "backward_peaks"),
