@@ -270,12 +270,20 @@ def is_pinned(tensor: torch.Tensor) -> bool:
     return tensor.is_pinned()
 
 
+def _sleep_kernel(device: torch.device):
+    """The backend's sleep kernel (`_sleep(cycles)` of its device module), or None: the CPU,
+    or a backend without one."""
+    return getattr(_module(device.type), "_sleep", None) if is_accelerator(device) else None
+
+
 def spin(device, cycles: int) -> None:
     """Queue a kernel that busy-waits `cycles` clock cycles (tests and benchmarks
     use it to hold a stream so that ordering bugs show). A no-op on the CPU."""
     device = normalize_device(device)
-    if device.type == "cuda":
-        torch.cuda._sleep(int(cycles))
+    sleep = _sleep_kernel(device)
+    if sleep is not None:
+        with _module(device.type).device(device):  # the kernel runs on the current device
+            sleep(int(cycles))
     elif device.type == "npu":  # pragma: no cover - no sleep kernel; a large matmul holds the stream
         a = torch.empty(4096, 4096, device=device)
         for _ in range(max(1, int(cycles) // 50_000_000)):
@@ -289,12 +297,11 @@ _HOLD_CALIBRATION_CYCLES = 20_000_000
 @functools.lru_cache(maxsize=None)
 def _sleep_cycles_per_second(device: torch.device) -> float:
     """The rate of the backend's sleep kernel on `device`, timed once with events (the host waits)."""
-    sleep = _module(device.type)._sleep
     stream = current_stream(device)
-    sleep(1000)  # the first launch loads the kernel
+    spin(device, 1000)  # the first launch loads the kernel
     start, end = new_event(device, timing=True), new_event(device, timing=True)
     start.record(stream)
-    sleep(_HOLD_CALIBRATION_CYCLES)
+    spin(device, _HOLD_CALIBRATION_CYCLES)
     end.record(stream)
     end.synchronize()
     return _HOLD_CALIBRATION_CYCLES / max(start.elapsed_time(end) / 1e3, 1e-6)
@@ -310,13 +317,12 @@ def hold(device, seconds: float) -> bool:
     work, not the host's pace (Note [measured at the device's pace] in planner.py).
     """
     device = normalize_device(device)
-    if seconds <= 0 or not is_accelerator(device) or getattr(_module(device.type), "_sleep", None) is None:
+    if seconds <= 0 or _sleep_kernel(device) is None:
         return False
     capturing = getattr(_module(device.type), "is_current_stream_capturing", None)
     if capturing is not None and capturing():  # a graph would replay the wait every time
         return False
-    with _module(device.type).device(device):  # the sleep kernel runs on the current device
-        _module(device.type)._sleep(max(1, int(seconds * _sleep_cycles_per_second(device))))
+    spin(device, max(1, int(seconds * _sleep_cycles_per_second(device))))
     return True
 
 
