@@ -174,12 +174,19 @@ def _least_times(steps: list) -> dict:
     return least
 
 
+def _onto(least: float, measured: float) -> float:
+    """The factor that moves a time within a stretch that lasted `measured` seconds onto the
+    same share of a stretch of `least` seconds (1 where that one is not shorter)."""
+    return least / measured if 0 < least < measured else 1.0
+
+
 def _rescaled(marks, least: float, measured: float):
     """(share, seconds) marks taken in a stretch that lasted `measured` seconds, moved onto a
-    stretch of `least` seconds; None stays None."""
-    if marks is None or measured <= 0 or least >= measured:
-        return marks
-    return [(share, seconds * least / measured) for share, seconds in marks]
+    stretch of `least` seconds (`_onto`); None stays None."""
+    if marks is None:
+        return None
+    factor = _onto(least, measured)
+    return [(share, seconds * factor) for share, seconds in marks]
 
 
 def _shape_key(args, kwargs):
@@ -657,7 +664,7 @@ class AutoPlanner(BudgetChecks):
         if self.budget is None:
             before_peak = self._before_peak(last_close, self.memory.step_peak)
             if before_peak is not None:
-                before_peak = (before_peak[0], _rescaled([(None, before_peak[1])], tail, last["tail"])[0][1])
+                before_peak = (before_peak[0], before_peak[1] * _onto(tail, last["tail"]))
         # While measuring, backward waits for copies that everything-offloaded could not hide,
         # and that wait lands between two groups' first unpacks: cap at 3x forward (a layer's
         # backward is about 2x its forward, 3x with recomputation) so the plan does not count
