@@ -2,15 +2,17 @@
 
 import copy
 import dataclasses
+import time
 
 import pytest
 import torch
 
 import offload
 from offload.core import _device
+from offload.core import copy as copy_module
 from offload.activation.planner import max_tuning_steps
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
-    AUTO_MEASURING_STEPS, FakeEvent, FakeStream, Model, StepClock, assert_bitwise_equal, assert_step_matches,
+    AUTO_MEASURING_STEPS, Block, FakeEvent, FakeStream, Model, StepClock, assert_bitwise_equal, assert_step_matches,
     log_fetch_and_restore, log_layer_backward, one_thread, pool, predicted_peak_keeping_all, small_model, train_step,
     use_schedule,
 )
@@ -115,6 +117,50 @@ def test_activation_auto_takes_each_layers_least_time_over_the_measured_steps(po
     # Layer 0 took 4 ms in the last step and 1 ms at least: its marks at a quarter of their times.
     assert [t for _, t in plan["saved_ms"][0]] == pytest.approx([0.5, 1.0])
     assert [t for _, t in plan["saved_ms"][1]] == pytest.approx([2.0, 4.0])  # its least is the last step's
+    handle.disable()
+
+
+class _SlowBlock(Block):
+    """A block whose forward takes at least 5 ms of host time: its compute, on the CPU path."""
+
+    def forward(self, x):
+        time.sleep(0.005)
+        return super().forward(x)
+
+
+def test_activation_auto_budget_times_layers_without_their_copy_waits(pool, monkeypatch):
+    """A budget measures its steps with every layer offloaded in the window, where the step
+    waits for copies: for the oldest copy out as a layer closes, for a layer's copy back as its
+    backward starts. Those waits are the bus's time, not the layers': with each wait made to
+    take 30 ms, a layer's backward and the stretch from the layers' end to backward's start
+    are still measured at their compute (Note [copy waits are not compute])."""
+    wait_s = 0.03
+    synchronize = copy_module.CopyHandle.synchronize
+
+    def slow_synchronize(self):
+        time.sleep(wait_s)
+        synchronize(self)
+
+    monkeypatch.setattr(copy_module.CopyHandle, "synchronize", slow_synchronize)
+    model = small_model(n=4)
+    for block in model.blocks:
+        block.__class__ = _SlowBlock
+    x = torch.randn(8, 16)
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
+                                               memory_budget_bytes=predicted_peak_keeping_all(model, x, pool) // 2)
+    waits = []
+    wait_ended = handle.planner.wait_ended
+    monkeypatch.setattr(handle.planner, "wait_ended", lambda *a, **k: (waits.append(a[0]), wait_ended(*a, **k)))
+    for _ in range(3):
+        train_step(model, x)
+    plan = handle.plan
+    assert plan is not None and len(plan["backward_ms"]) == 4
+    assert waits, "the measured steps waited for no copy: the test measures nothing"
+    # Each layer's forward holds its 5 ms sleep; its backward has none, and the 30 ms wait for
+    # its copy back would have made it the cap of 3x the forward.
+    assert all(f >= 5.0 for f in plan["forward_ms"])
+    assert all(b < 5.0 for b in plan["backward_ms"]), plan["backward_ms"]
+    assert plan["tail_ms"] < wait_s * 1e3 / 2, plan["tail_ms"]
     handle.disable()
 
 

@@ -208,6 +208,7 @@ class BackwardSide:
             self._fetch(group)  # what no planned point fetched
         stream = _device.current_stream(self.device) if self.on_accel else None
         if stream not in group.waited:
+            begun = self.observer.wait_begins() if self.observer is not None else None
             if self.mode == "sync" or not self.on_accel:
                 t0 = time.perf_counter()
                 group.h2d[-1].synchronize()
@@ -223,6 +224,8 @@ class BackwardSide:
                     else:
                         h2d.wait_stream(stream)
                 self._timed_end("backward_wait_seconds", start, stream)
+            if begun is not None:
+                self.observer.wait_ended(group.layer, begun, backward=True)
             group.waited.add(stream)
         key = (packed.entry, packed.dtype, packed.size, packed.stride, packed.offset)
         view = group.views.get(key)

@@ -74,6 +74,18 @@ from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 # backward) during the hold, and the events then time the device's work. Steps that offload
 # in the window are not held: their host waits for copies mid-step, which no hold outlasts.
 
+# Note [copy waits are not compute]: a step measured with its layers offloaded in the window
+# (a budget's measuring, the first step of a shape) makes the compute stream wait for copies:
+# for the oldest copy out as a layer closes, and for a layer's copy back as its backward
+# starts. A layer's backward is timed from its first unpack to the next layer's, so its wait
+# for the copy back lands in it wherever the bus takes longer to bring a layer back than its
+# backward takes to run; the last layer's wait as it closes lands in the time from the layers'
+# end to backward's start. Either is the bus's time, not compute, and a plan priced from it
+# predicts its steps slower than they run (by the whole exposed copy time of the measured
+# step). So the engine brackets each such wait with marks of the planner's clock, and the
+# measured times are taken less the waits inside them. (The window's waits between two
+# layers lie outside every timed stretch.)
+
 # Note [fresh segments]: the steps before a plan settles (measuring with every layer offloaded,
 # probes, a budget plan's checks and its rival) leave the device allocator's cache cut into
 # blocks sized for those plans, and the settled plan's own allocations then split and merge
@@ -105,7 +117,9 @@ PROBE_STEPS = 3
 # other step); only beyond this many does the host wait for the oldest.
 PROBE_PENDING = 2
 FIT_FRACTION = 0.9  # a step without offload is tried only if its predicted peak is below this share of memory
-BACKWARD_CAP = 3.0  # a layer's measured backward time is taken as at most this times its forward
+# A layer's measured backward time is taken as at most this times its forward: a guard for a wait
+# no mark brackets (Note [copy waits are not compute]); a backward is about 2x its forward.
+BACKWARD_CAP = 3.0
 # A first probe over the step-time tolerance whose copies ended late at the plan's release
 # points (the compute stream waited there longer than this share of the copies' own time)
 # makes the schedule again at a rate lowered by that share. A plan made again keeps fewer
@@ -284,6 +298,7 @@ class AutoPlanner(BudgetChecks):
         self.records = {}
         self.backward_mark = None  # when the measured step's backward started
         self.tail_marks: list = []  # (m, mark, peak bytes so far) of the tensors saved after the last layer
+        self.waits: list = []  # (layer, in backward, begun, ended) of the compute stream's waits for copies
         self.bandwidth = None
         self.tuning = {}  # key -> _Probe while its plan is being checked against measured steps
         # (mark, key, probe serial, whether it offloaded) of the last training forward of a planned shape
@@ -369,6 +384,7 @@ class AutoPlanner(BudgetChecks):
         self.inputs = {}
         self.backward_mark = None
         self.tail_marks = []
+        self.waits = []
         if self.engine.on_accel:
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
@@ -597,6 +613,16 @@ class AutoPlanner(BudgetChecks):
     def backward_started(self) -> None:
         self.backward_mark = self.clock.mark()
 
+    def wait_begins(self):
+        """The compute stream is about to wait for a copy (the window's copy out, or a copy back
+        before a layer's backward): a mark where the wait starts."""
+        return self.clock.mark()
+
+    def wait_ended(self, layer, begun, backward: bool) -> None:
+        """The wait that began at `begun` ended: after layer `layer` closed (forward) or as its
+        backward started (Note [copy waits are not compute])."""
+        self.waits.append((layer, backward, begun, self.clock.mark()))
+
     def saved_after_layers(self, m: int) -> None:
         """The m-th tensor saved after the last layer: when, and the step's peak memory so far."""
         if m <= MAX_TAIL_SAVES:
@@ -645,6 +671,13 @@ class AutoPlanner(BudgetChecks):
             tail = max(0.0, self.clock.seconds(last_close, self.backward_mark))
             if n - 1 in first_unpack:
                 head_bwd = max(0.0, self.clock.seconds(self.backward_mark, first_unpack[n - 1]))
+        # Note [copy waits are not compute]
+        for layer, backward, begun, ended in self.waits:
+            waited = max(0.0, self.clock.seconds(begun, ended))
+            if backward and layer is not None and bwd[layer] is not None:
+                bwd[layer] = max(0.0, bwd[layer] - waited)
+            elif not backward and layer == n - 1:
+                tail = max(0.0, tail - waited)
         return {"fwd": fwd, "bwd": bwd, "tail": tail, "head_bwd": head_bwd}
 
     def _plan(self, key) -> dict:
@@ -665,10 +698,9 @@ class AutoPlanner(BudgetChecks):
             before_peak = self._before_peak(last_close, self.memory.step_peak)
             if before_peak is not None:
                 before_peak = (before_peak[0], before_peak[1] * _onto(tail, last["tail"]))
-        # While measuring, backward waits for copies that everything-offloaded could not hide,
-        # and that wait lands between two groups' first unpacks: cap at 3x forward (a layer's
-        # backward is about 2x its forward, 3x with recomputation) so the plan does not count
-        # exposed copy time as compute to hide copies under.
+        # Waits the engine bracketed are out of these times already; the cap at 3x forward (a
+        # layer's backward is about 2x its forward, 3x with recomputation) keeps any other
+        # stall out of the compute the plan hides copies under.
         bwd = [min(b, BACKWARD_CAP * f) if b is not None and f > 0 else b for b, f in zip(bwd, fwd)]
         ratios = [b / f for b, f in zip(bwd, fwd) if b is not None and f > 0]
         ratio = sorted(ratios)[len(ratios) // 2] if ratios else 2.0
