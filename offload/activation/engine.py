@@ -485,6 +485,7 @@ class ActivationEngine(BackwardSide):
             oldest = self._inflight.popleft()()
             if oldest is None or oldest.state != COPYING:
                 continue
+            begun = self.observer.wait_begins() if self.observer is not None else None
             if stream is not None and oldest.stream == stream:
                 # A full window makes the compute stream wait on the device, not the host: the
                 # host goes on queueing kernels while the copy finishes (a host wait here would
@@ -492,18 +493,14 @@ class ActivationEngine(BackwardSide):
                 # on this stream, so the core lets go of them at once: the allocator reuses
                 # their memory only for work queued on this stream after the wait.
                 start = self._timed_start(stream)
-                begun = self.observer.wait_begins() if self.observer is not None else None
                 oldest.d2h.release_sources(stream)
                 self._timed_end("forward_wait_seconds", start, stream)
-                if begun is not None:
-                    self.observer.wait_ended(group.layer, begun, backward=False)
             else:  # saved on another stream than the one running now: only the host can order it
-                begun = self.observer.wait_begins() if self.observer is not None else None
                 t0 = time.perf_counter()
                 oldest.d2h.synchronize()
                 c["forward_wait_seconds"] += time.perf_counter() - t0
-                if begun is not None:
-                    self.observer.wait_ended(group.layer, begun, backward=False)
+            if begun is not None:
+                self.observer.wait_ended(group.layer, begun, backward=False)
             self._mark_copied(oldest)
 
     def _keep_on_device(self, group: Group, exc: BaseException) -> None:
