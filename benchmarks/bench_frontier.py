@@ -19,6 +19,11 @@ say whether the three chose the same layers, the last one's step against steps w
 alternated with it (`handle.paused()`), and the share of what its own measurements say the bus
 can hide (forward time x device-to-host rate) that it offloads.
 
+What the copies alone cost each shape's step: the first one and two layers' saved bytes copied
+out and back with plain side-stream copies and no engine (`bare_copies.py`), and the first
+layer's copied out only, each against plain steps alternated. No plan of those layers costs
+less; what auto mode's probes of the same counts cost beyond it is the engine's own.
+
 Shapes: the activation section's stack of blocks and its Llama at seq 8192, and two that auto
 mode was not tuned on: a stack of fewer blocks with an MLP twice as wide, and a Qwen2 model
 (grouped-query attention, biased projections) built from a config with random weights (quick:
@@ -35,6 +40,7 @@ import functools
 import gc
 
 import torch
+from bare_copies import BareCopies
 from bench_activation import Block, Stack, _alternated, _alternated_paused, _llama, _measure, _stack
 from common import row
 
@@ -97,6 +103,7 @@ def _model_frontier(ctx, name, model, loss_fn):
     iters = 2 if ctx.quick else TIMED_STEPS
     probe = _handle(model, ctx, "auto", memory_budget_bytes=1 << 50)
     n = len(probe.layers)
+    layers = [model.get_submodule(layer) for layer in probe.layers]
     _point(ctx, model, loss_fn, iters, probe, settle=True)
     plan = probe.plan
     keep_all, least = plan["predicted_peak_bytes"], plan["least_peak_bytes"]
@@ -181,6 +188,7 @@ def _model_frontier(ctx, name, model, loss_fn):
                         figure="frontier", model=name))
     rows += _checkpoint_memory(ctx, name, model, loss_fn, iters, n, curves["checkpoint"][n][2], idle, least)
     rows += _auto_runs(ctx, name, model, loss_fn, curves["checkpoint"][0])
+    rows += _copy_floor(ctx, name, model, loss_fn, layers)
     return rows
 
 
@@ -318,6 +326,29 @@ def _auto_runs(ctx, name, model, loss_fn, none_point):
             share=offloaded / hideable if hideable else None, peak_removed_bytes=removed,
             layer_bytes=plan.get("layer_bytes")),
     ]
+
+
+def _copy_floor(ctx, name, model, loss_fn, layers):
+    """Bare copies of the first layers' saved bytes (`BareCopies`) against plain steps, alternated:
+    the step's cost of the copies alone, beside which auto mode's probes (the engine's plan at
+    one or two layers, against steps without offload) tell what the engine adds."""
+    rounds = 2 if ctx.quick else ALTERNATED_ROUNDS
+    min_tensor_bytes = 0 if ctx.quick else (1 << 20)
+    rows, costs = [], []
+    for count, back in ((1, False), (1, True), (2, True)):
+        count = min(count, len(layers))
+        way = "out and back" if back else "out"
+        bare = BareCopies(model, layers, count, back, min_tensor_bytes)
+        try:
+            mine, plain = _alternated(ctx, model, loss_fn, rounds, bare.active, contextlib.nullcontext)
+        finally:
+            bare.remove()
+        costs.append(f"{count} {way} {mine / plain:.3f}x ({bare.bytes_per_step / 2**20:.1f} MiB)")
+        rows.append(row(SECTION, f"{name} bare copies, {count} layer{'s' * (count > 1)} {way}", offload=mine,
+                        baseline=plain, unit="ms", baseline_name="no offload, steps alternated",
+                        higher_is_better=False, layers=count, back=back, copied_bytes=bare.bytes_per_step))
+    print(f"  bare copies with no engine, layers: {'; '.join(costs)}", flush=True)
+    return rows
 
 
 class WideBlock(Block):
