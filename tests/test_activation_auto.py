@@ -91,6 +91,41 @@ def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool
     assert plan["measured_hold_ms"] == pytest.approx(holds[-1] * 1e3 if dry else 0.0)
 
 
+def test_activation_auto_holds_the_stream_as_the_first_layer_opens(pool, monkeypatch):
+    """A step measured without offload holds its stream as its first layer opens, after what the
+    model does before its layers: a Hugging Face model reads its attention mask on the host
+    there, a wait for the device that would outlast a hold queued as the forward starts, and
+    leave the first layer timed at the host's pace (Note [measured at the device's pace])."""
+    order = []
+
+    def hold(device, seconds):
+        order.append("hold")
+        return True
+
+    monkeypatch.setattr(_device, "hold", hold)
+
+    class ReadsBeforeItsLayers(Model):
+        def forward(self, x):
+            order.append("read")  # where the host would wait for the device
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = ReadsBeforeItsLayers()
+    model.blocks[0].norm.register_forward_pre_hook(lambda module, args: order.append("layer 0"))
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
+    x = torch.randn(8, 16)
+    steps = []
+    while handle.plan is None:
+        order.clear()
+        train_step(model, x)
+        steps.append(list(order))
+        assert len(steps) < 6
+    held = [step for step in steps if "hold" in step]
+    assert len(held) == 2  # the two steps measured without offload (as in the test above)
+    for step in held:
+        assert step.count("hold") == 1 and step.index("read") < step.index("hold") < step.index("layer 0")
+
+
 def test_activation_auto_takes_each_layers_least_time_over_the_measured_steps(pool, monkeypatch):
     """A stretch of one measured step slowed down (a shared device, the host falling behind) does
     not reach the plan: each layer's forward and backward time, and the head's, is the least

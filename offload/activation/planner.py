@@ -68,11 +68,15 @@ from .step_search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 # planning synchronized), and a forward whose layers the host launches barely faster than the
 # device runs them (a Hugging Face layer of a few milliseconds, the hooks' own work on top)
 # then runs at the host's pace: the measured layers came out up to twice their device time,
-# and a schedule made from them planned copies that the real forward could not hide. So a
-# step measured without offload starts with its stream held (`_device.hold`) for longer than
-# the host took to queue the last measured forward: the host queues the forward (and part of
-# backward) during the hold, and the events then time the device's work. Steps that offload
-# in the window are not held: their host waits for copies mid-step, which no hold outlasts.
+# and a schedule made from them planned copies that the real forward could not hide. So in a
+# step measured without offload the stream is held (`_device.hold`) for longer than the host
+# took to queue the last measured forward: the host queues the forward (and part of backward)
+# during the hold, and the events then time the device's work. The hold is queued as the first
+# layer opens, not as the forward starts: a model may wait for the device before its layers
+# (Hugging Face's mask creation reads the attention mask, or the position ids, on the host),
+# and that wait would outlast a hold queued before it, leaving the host caught up as the first
+# layer starts, which then measured its host's pace. Steps that offload in the window are not
+# held: their host waits for copies mid-step, which no hold outlasts.
 
 # Note [copy waits are not compute]: a step measured with its layers offloaded in the window
 # (a budget's measuring, the first step of a shape) makes the compute stream wait for copies:
@@ -317,6 +321,7 @@ class AutoPlanner(BudgetChecks):
         self.forward_host_start = None
         self.forward_host_s = None
         self.held_s = 0.0
+        self.hold_pending = False  # the measured step's first layer has yet to open and hold
         self.earlier_times: list = []  # `_step_times` of the shape's earlier steps measured without offload
 
     def current_plan(self):
@@ -350,6 +355,7 @@ class AutoPlanner(BudgetChecks):
                     self.earlier_times.append(self._step_times())
                 self.measuring = (measured_key, steps)
         self.key = key
+        self.hold_pending = False
         handle = self.handle
         if key in self.plans:
             self._tune(key)
@@ -389,8 +395,7 @@ class AutoPlanner(BudgetChecks):
             _device.reset_peak_memory_stats(self.engine.device)
         self.reserved = _device.memory_reserved(self.engine.device)
         self.memory.start()
-        if self.measure_without_offload:
-            self._hold()
+        self.hold_pending = self.measure_without_offload  # held as the first layer opens
         self.forward_host_start = time.perf_counter()
         return False
 
@@ -583,6 +588,12 @@ class AutoPlanner(BudgetChecks):
         self.inputs[index] = nbytes
 
     def opened(self, group) -> None:
+        if self.hold_pending:  # the step's first layer (Note [measured at the device's pace])
+            self.hold_pending = False
+            begun = time.perf_counter()
+            self._hold()
+            if self.forward_host_start is not None:  # the host's time to queue the forward leaves the hold's out
+                self.forward_host_start += time.perf_counter() - begun
         self.records.setdefault(group.layer, {})["open"] = self.clock.mark()
         if self.backward_mark is None:
             self.memory.layer_opened(group.layer)
