@@ -592,8 +592,7 @@ class AutoPlanner(BudgetChecks):
             self.hold_pending = False
             begun = time.perf_counter()
             self._hold()
-            if self.forward_host_start is not None:  # the host's time to queue the forward leaves the hold's out
-                self.forward_host_start += time.perf_counter() - begun
+            self.forward_host_start += time.perf_counter() - begun  # the forward's queueing time leaves it out
         self.records.setdefault(group.layer, {})["open"] = self.clock.mark()
         if self.backward_mark is None:
             self.memory.layer_opened(group.layer)
