@@ -1,17 +1,17 @@
 """Plain side-stream copies of some layers' saved tensors, with no engine: what moving those
 bytes over the bus costs a model's step, the floor under any offload of the same layers.
 
-`BareCopies` copies what autograd saves in the forward of the chosen layers (tensors of at
-least `min_tensor_bytes`, each storage once, parameters left out, as the engine chooses) to
+`BareCopies` copies what autograd saves in the forward of the chosen layers (what the engine's
+`offload_extent` lets it offload, each storage once, parameters and buffers left out) to
 pinned host memory on a side stream, at each layer's forward end; with `back`, it copies them
 into scratch device memory from the start of the model's last layer's backward, and the
 compute stream waits for that copy before the chosen layer's backward, as an offload's
 restore would. Nothing is freed: the saved tensors stay on the device and backward reads
 them, so steps inside `active()` differ from plain steps only by the copies and that wait.
 
-The benchmark times these steps against plain ones, alternated, beside the engine offloading
-the same layers: where the bare copies cost as much as the engine, the cost is the bus
-contending with the model's compute, not the engine.
+The frontier benchmark times these steps against plain ones, alternated, beside auto mode's
+probes of the same layer counts: what the engine's plan costs beyond them is the engine's own,
+not the bus contending with the model's compute.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from offload.activation.saved_tensors import module_tensors, offload_extent, storage_ptrs
 from offload.core import _device
 
 
@@ -41,7 +42,7 @@ class BareCopies:
         self.device = next(model.parameters()).device
         self.count, self.back, self.min_tensor_bytes = count, back, min_tensor_bytes
         self.side = _device.new_stream(self.device)  # None on the CPU: the copies run in place
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._params = storage_ptrs(module_tensors(model))  # parameters' and buffers' storages
         self._on = False
         self._layer = None  # index of the chosen layer whose forward runs now
         self._saved: Dict[int, List[torch.Tensor]] = {}  # layer -> saved tensors of this forward
@@ -76,11 +77,13 @@ class BareCopies:
 
     # ---- forward
     def _pack(self, t):
-        if self._layer is None or t.device != self.device:
+        # The engine's own test of what it may offload (`offload_extent`), then its parameter check.
+        extent = None if self._layer is None or type(t) is not torch.Tensor else \
+            offload_extent(t, self.min_tensor_bytes, self.device)
+        if extent is None:
             return t
-        storage = t.untyped_storage().data_ptr()
-        if t.numel() * t.element_size() >= self.min_tensor_bytes and storage not in self._params \
-                and storage not in self._seen:
+        storage, _, _, may_share_a_parameter = extent
+        if not (may_share_a_parameter and storage in self._params) and storage not in self._seen:
             self._seen.add(storage)
             self._saved[self._layer].append(t)
         return t
