@@ -340,6 +340,44 @@ def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypa
     assert walks
 
 
+def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_needed_them(pool, monkeypatch):
+    """The model's input (no recorded op made it) needs the walk in the first layer. The first
+    forward walks there, at the saved input; later forwards walk before the first layer opens,
+    and keep the input and the weights on the device all the same."""
+    order = []
+    real = act.storage_ptrs
+
+    def counted(params):
+        ptrs = real(params)
+        order.append(("walk", len(ptrs)))
+        return ptrs
+
+    monkeypatch.setattr(act, "storage_ptrs", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
+    model[0].register_forward_pre_hook(lambda *_: order.append(("layer 0",)))
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    handle = offload.enable_activation_offload(model, layers=["0", "1", "2"], min_tensor_bytes=0, pool=pool)
+    params = len({p.untyped_storage().data_ptr() for p in model.parameters()})
+    def step_of(m):
+        m.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        return grads_of(m)
+
+    for step in range(3):
+        order.clear()
+        grads = step_of(model)
+        walks = [i for i, what in enumerate(order) if what[0] == "walk"]
+        first_layer = order.index(("layer 0",))
+        # The model's walk: its parameters and the input; later ones are a layer's own.
+        assert order[walks[0]][1] == params + 1
+        assert (walks[0] < first_layer) == (step > 0), (step, order)
+        assert handle.stats()["tensors_offloaded"] > 0
+        assert_bitwise_equal(grads, step_of(reference))
+    handle.disable()
+
+
 def test_activation_min_tensor_bytes_keeps_small(pool):
     model = small_model()
     handle = offload.enable_activation_offload(model, min_tensor_bytes=16 * 64 * 4 + 1, pool=pool)

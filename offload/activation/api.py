@@ -168,7 +168,7 @@ class ActivationOffload:
                 # per-tensor cost would otherwise be the only overhead left).
                 engine.pass_through_step()
                 return original(*args, **kwargs)
-            # Lazy: walked only if a saved tensor needs it (see ActivationEngine.add_params). The
+            # Walked only where a saved tensor needs it (Note [parameter walk] in engine.py). The
             # forward's own inputs stay too: the caller holds them through the forward, so a copy
             # would free nothing.
             with engine.capture(itertools.chain(module_tensors(model), input_tensors(args, kwargs))):

@@ -93,6 +93,17 @@ from .step_stats import StepTimings, new_counters
 # later view of a storage copied in an earlier part shares that copy if it lies in it
 # unchanged. Backward needs a layer's last part first; its parts are fetched together.
 #
+# Note [parameter walk]: which storages are parameters, buffers or the forward's inputs is read
+# by walking the model's tensors each forward (FSDP's parameters change storage between steps),
+# O(parameters) of host time. It is read only when a saved tensor may share such a storage (one
+# no recorded op made, see `pack_extent`): a forward without one never walks. A forward that needed
+# it has the next one walk as its capture begins, before the model's own host work. There the host
+# is ahead of the device, or about to wait for it: a Hugging Face model reads its attention mask
+# on the host before the first layer, so the host reaches the first layer with no lead over the
+# device, and a walk made there, at the first saved tensor that needs it, delays the device by
+# its whole time. A layer's own parameters (FSDP's unsharded ones exist only inside the layer)
+# are still read there.
+#
 # Note [pool full]: a group whose host block the pool cannot give (its `limit_bytes` reached)
 # stays on the device as a kept group: its tensors are served as they are in backward, the
 # step completes with exactly the gradients it would have had, and device memory holds what
@@ -209,9 +220,9 @@ class ActivationEngine(BackwardSide):
         self._storages: Dict[int, tuple] = {}  # storage data_ptr -> (group, entry, StorageWeakRef)
         self._param_ptrs: set = set()
         # Iterables of tensors whose storages join _param_ptrs when a saved tensor first needs the
-        # set: walking a model's parameters costs O(parameters) of host time per step, spent only
-        # when a tensor big enough to offload is saved.
+        # set (Note [parameter walk]).
         self._param_pending: list = []
+        self._params_needed = False  # a saved tensor of this forward needed _param_ptrs
         self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
         self.backward_seen = False
         self._step = 0
@@ -295,8 +306,13 @@ class ActivationEngine(BackwardSide):
         if self.capturing == 0:
             self._start_step_after_backward()
             self._poll()
-            self._param_ptrs = set()
-            self._param_pending = [params]
+            if self._params_needed:  # the last forward needed the walk: make it here (Note [parameter walk])
+                self._param_ptrs = storage_ptrs(params)
+                self._param_pending = []
+            else:
+                self._param_ptrs = set()
+                self._param_pending = [params]
+            self._params_needed = False
             self._last_offloaded = None
             self._due = []
             self._layer_groups = {}
@@ -588,6 +604,7 @@ class ActivationEngine(BackwardSide):
         """
         group = self.open_group
         if check_params:
+            self._params_needed = True
             if self._param_pending:
                 for params in self._param_pending:
                     self._param_ptrs |= storage_ptrs(params)
