@@ -9,7 +9,12 @@ of auto mode) next to the same step with the hooks in and nothing offloaded:
            stream's device-side waits (release points in forward, copies back in backward);
 - host:    host time per step inside the engine's entry points and the copy calls;
 - profile: the compute stream's kernel time against its span (gaps: the device waiting for
-           the host), and the kernels whose time changed.
+           the host), and the kernels whose time changed;
+- lead:    per layer of steps run back to back, the host's time to queue its forward, the
+           device's time to run it, and how far the host is ahead of the device as it opens
+           (0: the device waits for the host, and host time spent there is device time).
+
+`--model qwen2` runs the frontier section's Qwen2 instead of the Llama.
 
 benchmarks/RESULTS.md has the current figures of the sections these diagnose.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import os
@@ -30,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_activation  # noqa: E402
+import bench_frontier  # noqa: E402
 from common import Context  # noqa: E402
 
 import offload  # noqa: E402
@@ -195,20 +202,81 @@ def probe_profile(ctx, model, loss_fn, handle, n):
         print(f"   {delta:+.3f}  {name}")
 
 
+def probe_lead(ctx, model, loss_fn, handle, n):
+    device = ctx.device
+    layers = [model.get_submodule(name) for name in handle.layers]
+    marks = []  # (host seconds, event on the compute stream) at the model's start, each layer's, its end
+
+    def mark(*_):
+        event = _device.new_event(device, timing=True)
+        event.record(_device.current_stream(device))
+        marks.append((time.perf_counter(), event))
+
+    hooks = [model.register_forward_pre_hook(mark)] + [layer.register_forward_pre_hook(mark) for layer in layers]
+    hooks.append(model.register_forward_hook(mark))
+
+    def lead(label, paused=False, steps=8):
+        with handle.paused() if paused else contextlib.nullcontext():
+            for _ in range(3):
+                _step(model, loss_fn)
+            _device.synchronize(device)
+            origin = _device.new_event(device, timing=True)
+            origin.record(_device.current_stream(device))
+            t0 = time.perf_counter()
+            per_step = []
+            for _ in range(steps):  # back to back, as a training loop runs them
+                marks.clear()
+                _step(model, loss_fn)
+                per_step.append(list(marks))
+            _device.synchronize(device)
+        # ms since the origin, on the host and on the device, of each mark of each step
+        host = [[(t - t0) * 1e3 for t, _ in step] for step in per_step]
+        dev = [[origin.elapsed_time(e) for _, e in step] for step in per_step]
+
+        def median(f):
+            return statistics.median(f(h, d) for h, d in zip(host, dev))
+
+        cells = [f"before the layers host {median(lambda h, d: h[1] - h[0]):.2f} / device "
+                 f"{median(lambda h, d: d[1] - d[0]):.2f} ms"]
+        for i in range(1, min(n, 4) + 1):
+            cells.append(f"layer {i - 1} {median(lambda h, d: h[i + 1] - h[i]):.2f} / "
+                         f"{median(lambda h, d: d[i + 1] - d[i]):.2f}, lead {median(lambda h, d: d[i] - h[i]):.2f}")
+        cells.append(f"forward {median(lambda h, d: h[-1] - h[0]):.2f} / {median(lambda h, d: d[-1] - d[0]):.2f}")
+        print(f"{label} (host / device ms):\n   " + "; ".join(cells), flush=True)
+
+    try:
+        lead("paused", paused=True)
+        handle._offload = [False] * n
+        lead("hooks in, nothing offloaded")
+        label, layers_, caps, release_at, fetch_at, at_start = _plans(n)[0]
+        handle._offload = [i in layers_ for i in range(n)]
+        handle.engine.schedule = Schedule(n, caps, release_at, fetch_at, at_start)
+        lead(label)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("probe", choices=["plans", "host", "profile"])
-    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("probe", choices=["plans", "host", "profile", "lead"])
+    parser.add_argument("--seq", type=int, default=8192, help="the Llama's sequence length")
+    parser.add_argument("--model", choices=["llama", "qwen2"], default="llama")
     args = parser.parse_args()
     device = _device.current_device()
     if not _device.is_accelerator(device):
         sys.exit("probe_activation: needs an accelerator (the plans it compares move device memory)")
     ctx = Context(device=device, quick=False)
-    model, loss_fn = bench_activation._llama(ctx, args.seq)
+    if args.model == "qwen2":
+        model, loss_fn = bench_frontier._qwen2(ctx)
+    else:
+        model, loss_fn = bench_activation._llama(ctx, args.seq)
+    model.config.use_cache = False
     n = model.config.num_hidden_layers
     handle = offload.enable_activation_offload(model, "async", resident_groups=n, verbose=False)
     try:
-        {"plans": probe_plans, "host": probe_host, "profile": probe_profile}[args.probe](ctx, model, loss_fn, handle, n)
+        probes = {"plans": probe_plans, "host": probe_host, "profile": probe_profile, "lead": probe_lead}
+        probes[args.probe](ctx, model, loss_fn, handle, n)
     finally:
         handle.disable()
 
