@@ -65,6 +65,14 @@ def _plans(n):
     ]
 
 
+def _use_first_plan(handle, n) -> str:
+    """Run the first of `_plans` on the handle from the next step; its label."""
+    label, layers, caps, release_at, fetch_at, at_start = _plans(n)[0]
+    handle._offload = [i in layers for i in range(n)]
+    handle.engine.schedule = Schedule(n, caps, release_at, fetch_at, at_start)
+    return label
+
+
 def probe_plans(ctx, model, loss_fn, handle, n):
     device = ctx.device
 
@@ -143,9 +151,7 @@ def probe_host(ctx, model, loss_fn, handle, n):
 
     handle._offload = [False] * n
     run("hooks in, nothing offloaded")
-    label, layers, caps, release_at, fetch_at, at_start = _plans(n)[0]
-    handle._offload = [i in layers for i in range(n)]
-    handle.engine.schedule = Schedule(n, caps, release_at, fetch_at, at_start)
+    label = _use_first_plan(handle, n)
     run(label)
 
 
@@ -192,9 +198,7 @@ def probe_profile(ctx, model, loss_fn, handle, n):
 
     handle._offload = [False] * n
     base = kernels("hooks in, nothing offloaded")
-    label, layers, caps, release_at, fetch_at, at_start = _plans(n)[0]
-    handle._offload = [i in layers for i in range(n)]
-    handle.engine.schedule = Schedule(n, caps, release_at, fetch_at, at_start)
+    label = _use_first_plan(handle, n)
     mine = kernels(label)
     changed = sorted((mine[k] - base[k], k) for k in set(mine) | set(base))
     print("kernels whose time changed most (ms per step):")
@@ -248,10 +252,7 @@ def probe_lead(ctx, model, loss_fn, handle, n):
         lead("paused", paused=True)
         handle._offload = [False] * n
         lead("hooks in, nothing offloaded")
-        label, layers_, caps, release_at, fetch_at, at_start = _plans(n)[0]
-        handle._offload = [i in layers_ for i in range(n)]
-        handle.engine.schedule = Schedule(n, caps, release_at, fetch_at, at_start)
-        lead(label)
+        lead(_use_first_plan(handle, n))
     finally:
         for hook in hooks:
             hook.remove()
