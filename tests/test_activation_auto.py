@@ -50,7 +50,7 @@ def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool
     grows; else one more offloads everything. Layer bytes are measured either way. Each step
     measured without offload starts with its stream held, longer than the host took to queue
     the forward before it (Note [measured at the device's pace]); the others are not held."""
-    from offload.activation.planner import HOLD_CAP_S, HOLD_HOST_FACTOR
+    from offload.activation.step_measure import HOLD_CAP_S, HOLD_HOST_FACTOR
 
     holds, queued = [], []  # each hold asked for, and the host's time to queue the forward before it
 
@@ -558,7 +558,7 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
     over the tolerance whose copies, at the planned rate, the compute stream waited for at the
     release points (here 10,000 times their own time), make the schedule again at a lower
     rate, and the search starts over."""
-    from offload.activation import planner as _activation_plan
+    from offload.activation import probes as _activation_probes
     from offload.activation.planner import AutoPlanner
     from offload.activation.schedule import planned_bytes
 
@@ -570,7 +570,7 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
         return d2h / 1e4 if why == "slower" else d2h
 
     monkeypatch.setattr(AutoPlanner, "_copy_rate", rate)
-    monkeypatch.setattr(_activation_plan, "_copies_late", lambda copies: 0.0 if why == "slower" else 1e4)
+    monkeypatch.setattr(_activation_probes, "copies_late", lambda copies: 0.0 if why == "slower" else 1e4)
     model = small_model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
     x = torch.randn(8, 16)
@@ -605,7 +605,8 @@ def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
     """The copies' rate and lateness of a probe are those of its usual step (the median over
     its offloading steps): one step whose copies ran slow and waited does not make the plan
     again; steps without timed copies are left out."""
-    from offload.activation.planner import AutoPlanner, _copies_late
+    from offload.activation.planner import AutoPlanner
+    from offload.activation.probes import copies_late
 
     def step(moved, seconds, waited):
         return {"d2h_bytes": moved, "d2h_seconds": seconds, "forward_wait_seconds": waited}
@@ -613,8 +614,8 @@ def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
     usual = [step(100, 1.0, 0.01), step(100, 1.0, 0.0), step(100, 1.25, 0.02)]
     slow = step(100, 2.0, 1.0)  # half the rate, waiting half its copies' time
     untimed = step(0, 0.0, 0.0)
-    assert _copies_late(usual + [slow, untimed]) == pytest.approx((0.01 + 0.016) / 2)
-    assert _copies_late([untimed]) == 0.0
+    assert copies_late(usual + [slow, untimed]) == pytest.approx((0.01 + 0.016) / 2)
+    assert copies_late([untimed]) == 0.0
     handle = offload.enable_activation_offload(small_model(), "auto", min_tensor_bytes=0, pool=pool, verbose=False)
     rate = AutoPlanner._copy_rate(handle.planner, usual + [slow, untimed])
     assert rate == pytest.approx((100.0 + 80.0) / 2)  # between the 1.0 s and 1.25 s steps
@@ -627,12 +628,12 @@ def test_activation_auto_late_copies_keep_the_plan(late, overhead, pool, monkeyp
     """No new schedule for copies at the planned rate where the first probe is within the
     tolerance however late they ended (the waits fit in what the 3% is for), nor where it
     missed with waits within RELEASE_WAIT_TOLERANCE of their time (then the search backs off)."""
-    from offload.activation import planner as _activation_plan
+    from offload.activation import probes as _activation_probes
     from offload.activation.planner import AutoPlanner
 
-    late = _activation_plan.RELEASE_WAIT_TOLERANCE if late is None else late
+    late = _activation_probes.RELEASE_WAIT_TOLERANCE if late is None else late
     monkeypatch.setattr(AutoPlanner, "_copy_rate", lambda planner, copies: planner.tuning[planner.key].d2h)
-    monkeypatch.setattr(_activation_plan, "_copies_late", lambda copies: late)
+    monkeypatch.setattr(_activation_probes, "copies_late", lambda copies: late)
     model = small_model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
     x = torch.randn(8, 16)

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from offload.activation.planner import PROBE_STEPS
+from offload.activation.probes import PROBE_STEPS
 from offload.activation.step_search import (BAND_CAP, BAND_FLOOR, BAND_SIGMAS, MAD_SIGMA, MEDIAN_SE, MIN_PAIRS,
                                             MIN_SPREAD_STEPS, OVER, PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, UNSURE,
                                             WITHIN, StepSearch, deviations, noise_band, step_verdict)

@@ -160,7 +160,7 @@ class ActivationEngine(BackwardSide):
       that stay; `mark_backward_start(output)`; `fetch_when_backward_reaches(output, layers)`;
       `pass_through_step()`; `hooks_in_groups_only` (set by the handle); `stats()`;
       `capturing` (read: > 0 inside a capture); `schedule` (read: the plan in use, or None).
-    Auto mode (planner.py):
+    Auto mode (planner.py; the observer calls in step_measure.py):
       `use_plan(schedule, observer)` sets the plan and the observer for the next forwards;
       `backward_seen` (read: the step's backward has started); `counters` (read: the
       current step's counters, a dict replaced at each new step); `resolve_timing(block)`
