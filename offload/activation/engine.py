@@ -306,12 +306,10 @@ class ActivationEngine(BackwardSide):
         if self.capturing == 0:
             self._start_step_after_backward()
             self._poll()
+            self._param_ptrs = set()
+            self._param_pending = [params]
             if self._params_needed:  # the last forward needed the walk: make it here (Note [parameter walk])
-                self._param_ptrs = storage_ptrs(params)
-                self._param_pending = []
-            else:
-                self._param_ptrs = set()
-                self._param_pending = [params]
+                self._walk_params()
             self._params_needed = False
             self._last_offloaded = None
             self._due = []
@@ -606,9 +604,7 @@ class ActivationEngine(BackwardSide):
         if check_params:
             self._params_needed = True
             if self._param_pending:
-                for params in self._param_pending:
-                    self._param_ptrs |= storage_ptrs(params)
-                self._param_pending = []
+                self._walk_params()
             if ptr in self._param_ptrs:
                 return self._keep(t)
         hit = self._storages.get(ptr)
@@ -658,6 +654,12 @@ class ActivationEngine(BackwardSide):
         if split:
             self._split(group)
         return packed
+
+    def _walk_params(self) -> None:
+        """Add the storages of the pending iterables of tensors to `_param_ptrs` (Note [parameter walk])."""
+        for params in self._param_pending:
+            self._param_ptrs |= storage_ptrs(params)
+        self._param_pending = []
 
     def _profiled(self, group: Group) -> None:
         """Auto mode measuring: the layer has saved the next share of its bytes (see `AutoState.profile`)."""
