@@ -1,13 +1,15 @@
 """Weight sync under faults: a sender that raises or dies mid-sync, a receiver that dies mid-sync,
-and a host_cache snapshot that the pool cannot hold.
+a sync that times out (and the exit after it), and a host_cache snapshot that the pool cannot hold.
 
 Each side that survives gets a RuntimeError within its `timeout_s` (not a hang), refuses further
-syncs on the broken group, and then syncs bitwise with a new peer on a new group. Every process
-runs under a join timeout, so a hang fails the test instead of blocking the run.
+syncs on the broken group, and then syncs bitwise with a new peer on a new group; a process whose
+sync timed out destroys its process group and exits within `timeout_s` plus a few seconds. Every
+process runs under a join timeout, so a hang fails the test instead of blocking the run.
 """
 
 import datetime
 import gc
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -139,7 +141,7 @@ def _raising_sender_world(rank, init_file, results):
         return elapsed
 
     _report(results, rank, body)
-    os._exit(0)  # the broken group's worker thread still waits for the bucket never sent
+    os._exit(0)  # the results are out; the exit after a failed sync is test_faults_timed_out_sync_...'s
 
 
 def test_faults_sender_raises_mid_sync_receiver_times_out(tmp_path):
@@ -260,6 +262,103 @@ def test_faults_peer_killed_mid_sync_survivor_errors_then_syncs_anew(tmp_path, v
     assert elapsed < TIMEOUT_S + SLACK_S, f"the survivor's error came after {elapsed:.1f} s"
     assert procs[victim].exitcode == -signal.SIGKILL
     assert procs[survivor].exitcode == 0 and procs[2].exitcode == 0
+
+
+# ------------------------------------------------------------ a timed-out sync, then exit
+
+EXIT_TIMEOUT_S = 2.0
+# How long after `timeout_s` a rank may take to raise, destroy its process group and exit (the
+# interpreter's own teardown included). The group's own timeout (_INIT_TIMEOUT) is far beyond it:
+# a collective left posted on the group would hold the exit until then.
+EXIT_SLACK_S = 8.0
+
+
+def _timed_out_world(rank, scenario, init_file, release, results):
+    """One sync that times out, then `destroy_process_group()` and the process's exit.
+    "wrong_src": the receiver names itself as the sender, so both sides broadcast as the root and
+    both time out. "never_sent": the sender constructs but never sends, and stays alive (until
+    `release`) while the receiver times out."""
+    watch_for_aborts()
+    try:
+        _init(rank, init_file)
+        start = time.monotonic()  # system-wide on Linux: the parent measures the exit against it
+        error = None
+        if rank == 0:
+            held = offload.WeightSender(bucket_bytes=BUCKET_BYTES, timeout_s=EXIT_TIMEOUT_S)
+            if scenario == "wrong_src":
+                error, _ = _timed_failure(lambda: held.send(_weights(0)))
+            else:
+                release.wait(_JOIN_TIMEOUT_S)  # alive and silent until the receiver is gone
+        else:
+            held = offload.WeightReceiver(src=1 if scenario == "wrong_src" else 0, timeout_s=EXIT_TIMEOUT_S)
+            error, _ = _timed_failure(lambda: held.load(_zeros_like(_weights(0))))
+        results.put(("sync_over", rank, (start, None if error is None else str(error))))
+        dist.destroy_process_group()
+        # What the interpreter's teardown does at exit, done here since multiprocessing ends a
+        # worker with os._exit, which skips it: the last references to the group go (the error's
+        # traceback holds the sender or receiver), and with them its backend and its threads.
+        del held, error
+        gc.collect()
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+        raise
+    finally:
+        results.close()
+        results.join_thread()
+
+
+@pytest.mark.parametrize("scenario", ["wrong_src", "never_sent"])
+def test_faults_timed_out_sync_processes_destroy_group_and_exit(tmp_path, scenario):
+    """After a sync that timed out, both processes destroy the process group and exit within
+    `timeout_s` plus a few seconds of the sync's start (not at the group's own timeout)."""
+    ctx = context()
+    results, release = ctx.Queue(), ctx.Event()
+    init_file = str(tmp_path / "init")
+    procs = [ctx.Process(target=_timed_out_world, args=(rank, scenario, init_file, release, results))
+             for rank in (0, 1)]
+    outcome, exited = {}, {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S  # spawning and the rendezvous, on a loaded machine
+        while len(exited) < 2 and time.monotonic() < deadline:
+            try:
+                kind, rank, value = results.get(timeout=0.2)
+                outcome[rank] = (kind, value)
+                if kind == "sync_over":  # from here on the bound is the sync's own
+                    deadline = min(deadline, value[0] + EXIT_TIMEOUT_S + EXIT_SLACK_S)
+            except queue.Empty:
+                pass
+            sentinels = [p.sentinel for k, p in enumerate(procs) if k not in exited]
+            for ready in multiprocessing.connection.wait(sentinels, timeout=0):
+                exited[next(k for k, p in enumerate(procs) if p.sentinel == ready)] = time.monotonic()
+            if 1 in exited:
+                release.set()  # the never-sending sender may go now
+    finally:
+        release.set()
+        for p in procs:
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    while not results.empty():
+        kind, rank, value = results.get()
+        outcome.setdefault(rank, (kind, value))
+    errors = [value for kind, value in outcome.values() if kind == "error"]
+    assert not errors, "\n".join(errors)
+    raised = [0, 1] if scenario == "wrong_src" else [1]
+    for rank in raised:
+        assert outcome.get(rank, ("",))[0] == "sync_over", f"rank {rank} did not raise: {outcome}"
+        took = exited.get(rank, float("inf")) - outcome[rank][1][0]
+        assert took < EXIT_TIMEOUT_S + EXIT_SLACK_S, (
+            f"rank {rank} exited {took:.1f} s after its sync began (timeout_s={EXIT_TIMEOUT_S:g}); exit codes "
+            f"{[p.exitcode for p in procs]}")
+    assert [p.exitcode for p in procs] == [0, 0]
+    for rank in raised:
+        message = outcome[rank][1][1]
+        side = "offload.WeightSender" if rank == 0 else "offload.WeightReceiver"
+        assert side in message and f"timeout_s={EXIT_TIMEOUT_S:g}" in message, message
+        assert "aborted" in message and "destroy_process_group" in message and "new group" in message, message
 
 
 # ------------------------------------------------------------ in one process

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 
 #include "offload/buckets.h"
+#include "offload/checks.h"
 
 namespace offload {
 
@@ -79,6 +80,7 @@ void check_lists(const char* fn, const at::Tensor& bucket, const std::vector<at:
     TORCH_CHECK_VALUE(t.layout() == at::kStrided && !t.is_meta(), fn, ": ", what, "[", i,
                       "] must be a strided tensor with data");
     TORCH_CHECK_VALUE(t.is_contiguous(), fn, ": ", what, "[", i, "] must be contiguous");
+    check_has_data(t, fn, what, "[", i, "]");
     TORCH_CHECK_VALUE(t.device() == bucket.device(), fn, ": ", what, "[", i, "] is on ", t.device(),
                       " but the bucket is on ", bucket.device());
     TORCH_CHECK_VALUE(starts[i] >= 0 && numels[i] >= 0 && starts[i] + numels[i] <= t.numel(), fn, ": elements [",

@@ -50,7 +50,7 @@ void CopyEngine::check_source(const char* fn, size_t i, const at::Tensor& t, c10
   // The common case in one pass (runs per tensor per call); the checks below
   // name what is wrong.
   if (C10_LIKELY(t.defined() && t.layout() == at::kStrided && t.device() == first.device() &&
-                 t.device().type() == expected && !t.is_meta())) {
+                 t.device().type() == expected && !t.is_meta() && has_data(t))) {
     return;
   }
   TORCH_CHECK_VALUE(t.defined(), fn, ": tensors[", i, "] is an undefined tensor");
@@ -62,6 +62,7 @@ void CopyEngine::check_source(const char* fn, size_t i, const at::Tensor& t, c10
                     expected == c10::DeviceType::CPU ? "the host" : "an accelerator", ")");
   TORCH_CHECK_VALUE(t.device() == first.device(), fn, ": tensors[", i, "] is on ", t.device(),
                     " but tensors[0] is on ", first.device(), "; all tensors must share one device");
+  check_has_data(t, fn, "tensors[", i, "]");
 }
 
 void CopyEngine::check_out(const char* fn, size_t i, const at::Tensor& src, const at::Tensor& dst,

@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..core.checks import check_bool, check_int, parse_bytes
+from ..core.checks import check_bool, check_int, is_int, parse_bytes
 from ..core.pool import HostPool
 from . import layers as _layers
 from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
@@ -120,17 +120,11 @@ class ActivationOffload:
 
     def set_offloaded(self, mask) -> None:
         """Per layer: whether the next forwards offload it (auto mode's plan, a probe's choice)."""
-        if len(mask) != len(self._keep):
-            raise ValueError(f"offload.ActivationOffload.set_offloaded: one entry per layer ({len(self._keep)}), "
-                             f"got {len(mask)}")
-        self._offload = [bool(on) for on in mask]
+        self._offload = _check_mask("offload.ActivationOffload.set_offloaded", mask, len(self._keep))
 
     def set_recomputed(self, mask) -> None:
         """Per layer: whether the next forwards run it under a checkpoint (auto mode's budget plan)."""
-        if len(mask) != len(self._keep):
-            raise ValueError(f"offload.ActivationOffload.set_recomputed: one entry per layer ({len(self._keep)}), "
-                             f"got {len(mask)}")
-        self._recompute = [bool(on) for on in mask]
+        self._recompute = _check_mask("offload.ActivationOffload.set_recomputed", mask, len(self._keep))
 
     @property
     def checkpointed(self) -> List[bool]:
@@ -182,6 +176,7 @@ class ActivationOffload:
     def set_layers_wrapped(self, on: bool) -> None:
         """Wrap the layers' forwards (group boundaries), or restore them while auto mode's plan
         for the current shape offloads nothing (then a step runs the layers' own forwards)."""
+        check_bool("offload.ActivationOffload.set_layers_wrapped", "on", on)
         if on == self._layers_wrapped or not self._enabled:
             return
         self._layers_wrapped = on
@@ -278,6 +273,23 @@ class ActivationOffload:
                 f"{len(self.layers)} layers offloaded, enabled={self._enabled})")
 
 
+def _check_mask(fn: str, mask, count: int) -> List[bool]:
+    """`mask` as a list of `count` flags, one per layer: True/False (a bool tensor's too)."""
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 1:
+        mask = mask.tolist()
+    if isinstance(mask, (str, bytes, dict, torch.Tensor)) or not hasattr(mask, "__len__"):
+        raise TypeError(f"{fn}: mask must be a list of True/False, one per layer ({count}), "
+                        f"got {type(mask).__name__}")
+    if len(mask) != count:
+        raise ValueError(f"{fn}: mask must have one entry per layer ({count}), got {len(mask)}")
+    flags = []
+    for i, on in enumerate(mask):
+        if not (isinstance(on, bool) or (is_int(on) and on in (0, 1))):
+            raise TypeError(f"{fn}: mask[{i}] must be True or False, got {type(on).__name__} {on!r}")
+        flags.append(bool(on))
+    return flags
+
+
 # Keyword arguments through which a Hugging Face layer reads and writes its key/value cache.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -351,6 +363,20 @@ def _wrap_target(module):
     return _layers.forward_target(module)
 
 
+def _check_not_enabled(fn: str, model, layers) -> None:
+    """RuntimeError where a handle already offloads `model`, or one of its `layers` (a handle of
+    a model nested in this one, or of one that shares the layer): one handle per forward."""
+    if _layers.forward_wrapped(model):
+        raise RuntimeError(f"{fn}: model ({type(model).__name__}) already has activation offload enabled; call "
+                           ".disable() on the handle the first enable_activation_offload(model) returned, then "
+                           "enable it again (with other options)")
+    for name, module in layers:
+        if _layers.forward_wrapped(_wrap_target(module)):
+            raise RuntimeError(f"{fn}: layer {name!r} ({type(module).__name__}) of model ({type(model).__name__}) "
+                               "already has activation offload enabled by another handle (of a model that holds "
+                               "it); call .disable() on that handle first")
+
+
 def enable_activation_offload(
     model: torch.nn.Module,
     mode: str = "async",
@@ -410,6 +436,7 @@ def enable_activation_offload(
     memory_budget_bytes = _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes)
     process_group = check_process_group(fn, process_group, mode)
     found = _layers.find_layers(model, layers, fn)
+    _check_not_enabled(fn, model, found)
     check_int(fn, "keep_first", keep_first, 0)
     check_int(fn, "keep_last", keep_last, 0)
     count = len(found)

@@ -223,6 +223,11 @@ def _own_forward(module: nn.Module):
     return None if current is None or isinstance(current, _PlainForward) else current
 
 
+def forward_wrapped(module: nn.Module) -> bool:
+    """Whether `wrap_forward` wrapped `module`'s forward (and `unwrap_forward` has not undone it)."""
+    return isinstance(module.__dict__.get("forward"), _WrappedForward)
+
+
 def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> None:
     """Replace module.forward by make(original forward); `unwrap_forward` undoes it.
 
@@ -231,7 +236,7 @@ def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> Non
     without waiting for the cyclic garbage collector (a model dropped without `disable()`
     would otherwise hold its device memory until the collector happens to run).
     """
-    if isinstance(module.__dict__.get("forward"), _WrappedForward):
+    if forward_wrapped(module):
         raise RuntimeError(
             f"offload: {type(module).__name__} already has activation offload enabled; "
             "call disable() on the first handle before enabling it again"

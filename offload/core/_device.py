@@ -84,6 +84,11 @@ def normalize_device(device=None) -> torch.device:
         return current_device()
     device = torch.device(device)
     if is_accelerator(device) and device.index is None:
+        if accelerator_type() != device.type:
+            # Asking the runtime of an accelerator torch lacks for its current device fails
+            # with an assertion ("Torch not compiled with CUDA enabled"), not an error to act on.
+            others = f"its accelerator is {accelerator_type()}" if accelerator_type() else "it has only the cpu"
+            raise ValueError(f"torch here has no {device.type} device; {others}")
         return torch.device(device.type, _module(device.type).current_device())
     return device
 

@@ -41,6 +41,30 @@ def check_bool(fn: str, name: str, value) -> bool:
     return value
 
 
+def storage_bytes_needed(t: torch.Tensor) -> int:
+    """The bytes of its storage that a strided tensor reaches: up to its last element's end."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def check_has_data(fn: str, what: str, t: torch.Tensor) -> None:
+    """ValueError where `t`'s storage holds fewer bytes than `t` spans: a parameter parked by
+    `offload.offload_params` (its storage freed while it keeps its shape), read as if it held its
+    values, would crash or read freed memory (Note [parked reads])."""
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return
+    held = t.untyped_storage().nbytes()
+    needed = storage_bytes_needed(t)
+    if held < needed:
+        raise ValueError(
+            f"{fn}: {what} has no data: its storage holds {held} bytes but the tensor reaches {needed}. A "
+            "parameter parked by offload.offload_params keeps its shape while its values are on the host; "
+            "call offload.reload_params(module) first, or read module.state_dict(), which gives the parked "
+            "values from the host")
+
+
 def parse_bytes(value, what: str) -> int:
     """'8GiB', '512M', '1.5e9' or an int -> bytes; `what` names the function and argument."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
@@ -75,3 +99,21 @@ def resolve_device(fn: str, device) -> torch.device:
             raise ValueError(f"{fn}: device {device!r} names {resolved}, but torch sees {count} "
                              f"{resolved.type} device(s) here")
     return resolved
+
+
+def resolve_copy_device(fn: str, device) -> torch.device:
+    """`device` as `resolve_device` gives it, refused unless offload copies there: the
+    accelerator torch has here, or the cpu (never meta, nor a device of another backend)."""
+    resolved = resolve_device(fn, device)
+    accelerator = _device.accelerator_type()
+    if resolved.type not in ("cpu", accelerator):
+        allowed = f"{accelerator} or cpu" if accelerator else "cpu (torch here has no accelerator)"
+        raise ValueError(f"{fn}: device {device!r} is not a device offload copies to; expected {allowed}")
+    return resolved
+
+
+def check_stream(fn: str, stream, name: str = "stream") -> None:
+    """`stream` is None (the current stream) or a stream of the accelerator (anything a copy can
+    be ordered on: it has `wait_event` and `synchronize`)."""
+    if stream is not None and not (hasattr(stream, "wait_event") and hasattr(stream, "synchronize")):
+        raise TypeError(f"{fn}: {name} must be a stream of the accelerator or None, got {type(stream).__name__}")

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _backend, _device
-from .checks import check_int, is_int, resolve_device
+from .checks import check_bool, check_has_data, check_int, check_stream, is_int, resolve_copy_device
 from .pool import HostPool, check_pool, default_host_pool
 
 # The first deferred copy registers the core's copy worker to be waited for at exit
@@ -78,6 +78,7 @@ class CopyHandle:
 
     def wait_stream(self, stream=None) -> None:
         """Make `stream` (default: the current one) wait for the transfer, on the device."""
+        _check_options("offload.CopyHandle.wait_stream", stream)
         self._impl.wait_stream(stream)  # None: the implementation reads the current stream
 
     def release_sources(self, stream=None) -> None:
@@ -93,6 +94,7 @@ class CopyHandle:
         wait). The host is not blocked. Host memory the transfer holds stays held
         until its copies complete.
         """
+        _check_options("offload.CopyHandle.release_sources", stream)
         self._impl.release_sources(stream)
 
     def copy_seconds(self) -> Optional[float]:
@@ -113,10 +115,16 @@ class CopyHandle:
         return self._impl.timer()
 
     def wait_tensor(self, index: int, stream=None) -> torch.Tensor:
-        """Make `stream` wait only for the copy that carries tensors[index]; returns it."""
+        """Make `stream` (default: the current one) wait only for the copy that carries
+        tensors[index]; returns it. A negative `index` counts from the end, as a list's does."""
+        fn = "offload.CopyHandle.wait_tensor"
         count = self._impl.size()
+        if not is_int(index):
+            raise TypeError(f"{fn}: index must be an int, got {type(index).__name__} {index!r}")
         if not -count <= index < count:
-            raise IndexError(f"CopyHandle.wait_tensor: index {index} out of range for {count} tensors")
+            raise _IndexOutOfRange(f"{fn}: index {index} is out of range for a handle of {count} tensors; "
+                                   f"expected an int in [{-count}, {count})")
+        _check_options(fn, stream)
         index %= count
         self._impl.wait_stream_for(index, stream)
         return self._impl.tensor(index)
@@ -127,6 +135,11 @@ class CopyHandle:
     def __repr__(self) -> str:
         state = "done" if self.ready() else "in flight"
         return f"CopyHandle({len(self)} tensors, {self.nbytes} bytes, {state})"
+
+
+class _IndexOutOfRange(IndexError, ValueError):
+    """An index past a handle's tensors: an IndexError, as a list raises, and a ValueError, as
+    every other bad value given to offload is."""
 
 
 def _as_list(fn: str, tensors, name: str = "tensors"):
@@ -150,6 +163,7 @@ def _check_list(fn: str, tensors, name: str = "tensors") -> List[torch.Tensor]:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        check_has_data(fn, f"{name}[{i}]", t)  # the core makes this check itself
     return tensors
 
 
@@ -238,7 +252,7 @@ def copy_to_host(
     out_list = None if out is None or out_handle is not None else _as_list(fn, out, "out")
     core = _backend.core()
     if core is not None and pool.native:
-        device = tensors[0].device if len(tensors) else _device.current_device()
+        device = _source_device(fn, tensors)
         copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
         if defer and not _worker_waited_at_exit:
             _worker_waited_at_exit.append(True)
@@ -284,7 +298,7 @@ def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[H
                         f"got {out!r}")
     core = _backend.core()
     if core is not None and pool.native:
-        device = tensors[0].device if tensors else _device.current_device()
+        device = _source_device(fn, tensors)
         copy_stream = stream if stream is not None else _device.copy_streams(device)[0]
         return _call_native(fn, tensors, None, lambda: core.copy_spans_to_host(
             tensors, list(starts), list(sizes), out if given else None, 0 if given else out, list(offsets),
@@ -321,7 +335,10 @@ def copy_to_device(
         tensors: a list of host tensors, or a `CopyHandle` from `copy_to_host`; a
             handle's copies are waited on by the device, and original strides of
             non-dense sources are restored.
-        device: destination (default: the current accelerator, or cpu).
+        device: destination: the accelerator torch has here (its type, with or without
+            an index, a torch.device, an index) or 'cpu' (default: the current
+            accelerator, or cpu).
+            Any other device (meta, or one this torch has no runtime for) is a ValueError.
         out: existing device tensors to copy into (shapes and dtypes must match).
         stream: the copy stream (default: the device's dedicated host-to-device stream).
         require_pinned: refuse pageable host sources, whose copies would block the host.
@@ -336,7 +353,7 @@ def copy_to_device(
     out_list = None if out is None else _as_list(fn, out, "out")
     _check_sizes(fn, small_bytes, chunk_bytes)
     _check_options(fn, stream, require_pinned=require_pinned, timing=timing)
-    device = resolve_device(fn, device)
+    device = resolve_copy_device(fn, device)
     pool = _pool_or_default(fn, pool)
     core = _backend.core()
     if core is not None and pool.native:
@@ -377,6 +394,16 @@ def _call_native(fn: str, tensors, out_list, call) -> CopyHandle:
         raise
 
 
+def _source_device(fn: str, tensors) -> torch.device:
+    """The device of the first source, whose copy stream the native path picks before the core
+    checks the elements (so a first element that is not a tensor is named here)."""
+    if not len(tensors):
+        return _device.current_device()
+    if not isinstance(tensors[0], torch.Tensor):
+        raise TypeError(f"{fn}: tensors[0] must be a torch.Tensor, got {type(tensors[0]).__name__}")
+    return tensors[0].device
+
+
 def _check_sizes(fn: str, small_bytes: int, chunk_bytes: int) -> None:
     check_int(fn, "small_bytes", small_bytes, 0)
     check_int(fn, "chunk_bytes", chunk_bytes, 1)
@@ -384,9 +411,7 @@ def _check_sizes(fn: str, small_bytes: int, chunk_bytes: int) -> None:
 
 def _check_options(fn: str, stream, **flags) -> None:
     """`stream` is None or a stream; each flag a bool (the core would refuse them unnamed)."""
-    if stream is not None and not (hasattr(stream, "wait_event") and hasattr(stream, "synchronize")):
-        raise TypeError(f"{fn}: stream must be a stream of the accelerator or None, got {type(stream).__name__}")
+    check_stream(fn, stream)
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{fn}: {name} must be True or False, got {type(value).__name__} {value!r}")
+        check_bool(fn, name, value)
 

@@ -20,7 +20,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _backend, _device
-from .checks import check_int, is_int, parse_bytes
+from .checks import check_int, check_stream, is_int, parse_bytes
 from .timing import Span
 
 
@@ -28,6 +28,9 @@ def _limit_from_env() -> int:
     raw = os.environ.get("OFFLOAD_HOST_POOL_LIMIT")
     return 0 if raw in (None, "") else parse_bytes(raw, "OFFLOAD_HOST_POOL_LIMIT")
 
+
+# Named in every error about a limit: that 0 is no limit is what a user setting one needs to know.
+_LIMIT_RULE = "limit_bytes (bytes, 0 for no limit)"
 
 # Pinned slabs are large because registering with the driver costs per call; a
 # CPU-only torch (CI, the pure-logic build) has nothing to register, so it grows
@@ -40,10 +43,12 @@ class HostPool:
     """Pinned host memory, cached by size class and reused only when no copy still uses it.
 
     Args:
-        limit_bytes: most host memory the pool may hold (0: no limit). Defaults to
-            ``OFFLOAD_HOST_POOL_LIMIT`` when set.
-        slab_bytes: how much the pool grows by at a time (requests larger than this
-            get a slab of their own).
+        limit_bytes: most host memory the pool may hold, in bytes (an int >= 0 or a string
+            such as '8GiB'); 0 means no limit. None: ``OFFLOAD_HOST_POOL_LIMIT`` when set,
+            else no limit.
+        slab_bytes: how much the pool grows by at a time, in bytes (> 0; an int or a
+            string such as '256MiB'); requests larger than this get a slab of their own.
+            None: 256 MiB (16 MiB on a CPU-only torch).
 
     Blocks are handed out as uint8 host tensors (`acquire`) or typed tensors (`empty`);
     a block returns to the pool when the last tensor viewing it dies, and is reused
@@ -52,13 +57,16 @@ class HostPool:
     """
 
     def __init__(self, limit_bytes=None, slab_bytes=None, *, touch_threads: int = 8):
-        limit = _limit_from_env() if limit_bytes is None else parse_bytes(limit_bytes, "offload.HostPool: limit_bytes")
+        fn = "offload.HostPool"
+        limit = _limit_from_env() if limit_bytes is None else parse_bytes(limit_bytes, f"{fn}: {_LIMIT_RULE}")
         if slab_bytes is None:
             slab = DEFAULT_SLAB_BYTES if _device.pinned_memory_supported() else DEFAULT_CPU_SLAB_BYTES
         else:
-            slab = parse_bytes(slab_bytes, "offload.HostPool: slab_bytes")
-        if slab == 0:
-            raise ValueError("offload.HostPool: slab_bytes must be > 0, got 0")
+            # A negative int is refused by the same rule as 0 (parse_bytes would say ">= 0").
+            slab = slab_bytes if is_int(slab_bytes) and slab_bytes < 0 else parse_bytes(slab_bytes, f"{fn}: slab_bytes")
+        if slab <= 0:
+            raise ValueError(f"{fn}: slab_bytes must be > 0 bytes (how much the pool grows by at a time), "
+                             f"got {slab_bytes!r}")
         check_int("offload.HostPool", "touch_threads", touch_threads, 1)
         core = _backend.core()
         device_type = _device.compute_device_type()
@@ -110,6 +118,7 @@ class HostPool:
         _check_tensor(fn, tensor)
         if stream is None:
             return False
+        check_stream(fn, stream)  # the fallback pool records nothing, so it would never look
         try:
             return self._impl.record_stream(tensor, stream)
         except TypeError:  # the core's argument conversion: not a stream of this accelerator
@@ -204,11 +213,13 @@ class HostPool:
 
     @property
     def limit_bytes(self) -> int:
+        """Most host memory the pool may hold, in bytes; 0: no limit. Set it with an int >= 0 or
+        a string such as '8GiB'."""
         return int(self._impl.limit())
 
     @limit_bytes.setter
     def limit_bytes(self, value) -> None:
-        self._impl.set_limit(parse_bytes(value, "offload.HostPool.limit_bytes"))
+        self._impl.set_limit(parse_bytes(value, f"offload.HostPool.{_LIMIT_RULE}"))
 
 
 def _check_tensor(fn: str, tensor) -> None:
@@ -250,8 +261,8 @@ class _FallbackPool:
             if self._limit and in_use + nbytes > self._limit:
                 raise torch.OutOfMemoryError(
                     f"offload.HostPool: cannot acquire {nbytes} bytes: {in_use} of the {self._limit}-byte "
-                    "limit are in use; raise it with HostPool(limit_bytes=...), pool.limit_bytes = ... "
-                    "or OFFLOAD_HOST_POOL_LIMIT"
+                    "limit are in use; raise it (0: no limit) with HostPool(limit_bytes=...), "
+                    "pool.limit_bytes = ... or OFFLOAD_HOST_POOL_LIMIT"
                 )
             span = Span()
             block = _device.empty_pinned(nbytes)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..core import _device
-from ..core.checks import check_int, parse_bytes
+from ..core.checks import check_int, check_stream, parse_bytes
 from ..core.copy import copy_to_host
 from ..core.layout import compact
 from ..core.pool import HostPool, check_pool, default_host_pool
@@ -96,7 +96,7 @@ class AsyncStager(_StagerProtocol):
             progress) waits for one or raises, per `when_busy`.
         pool: where host buffers come from (default `offload.default_host_pool()`).
         limit_bytes: most pooled (pinned) host memory all sets together may hold
-            (int or '8GiB'; None: only the pool's limit), counted as the pool
+            (int >= 0 or '8GiB'; None or 0: only the pool's limit), counted as the pool
             counts its blocks (rounded up to its size classes, see `host_bytes()`).
             The ring does not grow past it. A state dict whose buffers do not fit
             is still staged: the tensors past the limit go to pageable host memory,
@@ -141,7 +141,8 @@ class AsyncStager(_StagerProtocol):
         if not busy_timeout_s > 0:
             raise ValueError(f"{fn}: busy_timeout_s must be > 0, got {busy_timeout_s!r}")
         self._pool = check_pool(fn, pool)
-        self._limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, f"{fn}: limit_bytes")
+        self._limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, f"{fn}: limit_bytes (bytes; None or 0: "
+                                                                             "no limit but the pool's)")
         # Pool bytes a plan may give its units (None: no limit); lowered where the pool's
         # rounding passes the limit (Note [staging past limit_bytes]).
         self._budget: Optional[int] = self._limit or None
@@ -306,6 +307,7 @@ class AsyncStager(_StagerProtocol):
         Call it before anything that writes the staged tensors on the device (the
         optimizer step); `protect(optimizer)` does it for you. The host is not blocked.
         """
+        check_stream("offload.AsyncStager.wait_stream", stream)
         self._ring.wait_stream(stream)
 
     def protect(self, optimizer):

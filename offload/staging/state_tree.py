@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ..core.checks import check_has_data
 from .object_scan import dict_values, types_equal
 
 _is_meta = attrgetter("is_meta")
@@ -250,11 +251,14 @@ class StateTree:
         """_check_tensor's dense-data checks for every tensor leaf (`locals_`, in
         slot order, DTensors as their local shards), made by C-level maps; a tensor
         that fails gets the message the first save would have given it. For a
-        cached tree, whose `leaves()` compares only the leaves' types."""
-        if not any(map(_is_meta, locals_)) and set(map(_layout, locals_)) <= {torch.strided}:
-            return
+        cached tree, whose `leaves()` compares only the leaves' types. Then that each
+        storage holds its tensor's elements (a parked parameter's holds none): once per
+        plan, as a save whose sources moved plans again."""
+        if any(map(_is_meta, locals_)) or not set(map(_layout, locals_)) <= {torch.strided}:
+            for slot, t in enumerate(locals_):
+                self._check_tensor(t, self.paths[self.tensor_pos[slot]])
         for slot, t in enumerate(locals_):
-            self._check_tensor(t, self.paths[self.tensor_pos[slot]])
+            check_has_data(self._fn, _describe_path(self.paths[self.tensor_pos[slot]]), t)
 
     # ------------------------------------------------------------ generated code
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import operator
 import re
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -17,7 +18,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..core import _backend, _device
-from ..core.checks import check_int, is_int, resolve_device
+from ..core.checks import check_has_data, check_int, is_int, resolve_device
+from .param_offload import params_offloaded
 
 # Offsets in a bucket are multiples of this: 256 bytes is the device allocator's
 # own alignment, so a view into a bucket is as aligned as a fresh tensor and the
@@ -126,13 +128,55 @@ class BucketEntry:
 
     @classmethod
     def from_dict(cls, data: dict) -> "BucketEntry":
-        data = dict(data)
-        data["shape"] = tuple(int(s) for s in data["shape"])
-        return cls(**data)
+        """The entry `to_dict()` made. Checks the keys and the type of each value (TypeError /
+        ValueError naming the key); whether the values agree is `BucketPlan.validate`'s to check."""
+        return _entry_from_dict("offload.BucketEntry.from_dict", "data", data)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype, f"offload: metadata of tensor {self.name!r}")
+
+
+# The keys of `BucketEntry.to_dict()`: those without a default are required by `from_dict`.
+_ENTRY_REQUIRED = ("name", "dtype", "shape", "bucket", "offset", "nbytes")
+_ENTRY_OPTIONAL = ("chunk", "num_chunks", "start", "numel", "source_dtype")
+_ENTRY_INTS = ("bucket", "offset", "nbytes", "chunk", "num_chunks", "start", "numel")
+
+
+def _check_keys(fn: str, what: str, data, required: Sequence[str], optional: Sequence[str] = ()) -> None:
+    """`data` is a dict with every key of `required`, and no key outside `required` and `optional`."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{fn}: {what} must be a dict (as to_dict() makes), got {type(data).__name__}")
+    expected = f"expected keys {', '.join(required)}" + (f" (and optionally {', '.join(optional)})" if optional else "")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ValueError(f"{fn}: {what} lacks key(s) {', '.join(map(repr, missing))}; {expected}")
+    unknown = [k for k in data if k not in required and k not in optional]
+    if unknown:
+        raise ValueError(f"{fn}: {what} has unknown key(s) {', '.join(map(repr, unknown))}; {expected}")
+
+
+def _int_from(fn: str, what: str, value) -> int:
+    """An int read from plain data: an int or anything with `__index__` (a numpy integer), never a bool."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{fn}: {what} must be an int, got {type(value).__name__} {value!r}")
+    return operator.index(value)
+
+
+def _entry_from_dict(fn: str, what: str, data) -> "BucketEntry":
+    _check_keys(fn, what, data, _ENTRY_REQUIRED, _ENTRY_OPTIONAL)
+    fields = dict(data)
+    for key in ("name", "dtype", "source_dtype"):
+        if key in fields and not isinstance(fields[key], str):
+            raise TypeError(f"{fn}: {what}['{key}'] must be a str, got {type(fields[key]).__name__}")
+    shape = fields["shape"]
+    if not isinstance(shape, (list, tuple)):
+        raise TypeError(f"{fn}: {what}['shape'] must be a list of ints, got {type(shape).__name__}")
+    fields["shape"] = tuple(_int_from(fn, f"{what}['shape'][{i}]", n) for i, n in enumerate(shape))
+    for key in _ENTRY_INTS:
+        if key in fields:
+            fields[key] = _int_from(fn, f"{what}['{key}']", fields[key])
+    return BucketEntry(**fields)
 
 
 def _is_count(value) -> bool:
@@ -196,6 +240,8 @@ class BucketPlan:
         return len(self.bucket_sizes)
 
     def bucket_entries(self, index: int) -> List[BucketEntry]:
+        """The entries of bucket `index` (an int >= 0; none past the last bucket)."""
+        check_int("offload.BucketPlan.bucket_entries", "index", index, 0)
         return [e for e in self.entries if e.bucket == index]
 
     def validate(self, fn: str = "offload.BucketPlan.validate") -> "BucketPlan":
@@ -260,11 +306,19 @@ class BucketPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "BucketPlan":
+        """The plan `to_dict()` made (keys entries, bucket_sizes, bucket_bytes, alignment).
+        Checks the keys and the type of each value (TypeError / ValueError naming the key);
+        `validate()` checks that the entries agree with each other and with the buckets."""
+        fn = "offload.BucketPlan.from_dict"
+        _check_keys(fn, "data", data, ("entries", "bucket_sizes", "bucket_bytes", "alignment"))
+        for key in ("entries", "bucket_sizes"):
+            if not isinstance(data[key], (list, tuple)):
+                raise TypeError(f"{fn}: data['{key}'] must be a list, got {type(data[key]).__name__}")
         return cls(
-            [BucketEntry.from_dict(e) for e in data["entries"]],
-            [int(s) for s in data["bucket_sizes"]],
-            int(data["bucket_bytes"]),
-            int(data["alignment"]),
+            [_entry_from_dict(fn, f"data['entries'][{i}]", e) for i, e in enumerate(data["entries"])],
+            [_int_from(fn, f"data['bucket_sizes'][{i}]", n) for i, n in enumerate(data["bucket_sizes"])],
+            _int_from(fn, "data['bucket_bytes']", data["bucket_bytes"]),
+            _int_from(fn, "data['alignment']", data["alignment"]),
         )
 
 
@@ -330,12 +384,23 @@ def _check_layout(fn: str, bucket_bytes, alignment) -> None:
         raise ValueError(f"{fn}: alignment must be a power of two, got {alignment}")
     if bucket_bytes is None:
         return
-    check_int(fn, "bucket_bytes", bucket_bytes, 0)
-    if bucket_bytes < alignment:
+    if not is_int(bucket_bytes):
+        raise TypeError(f"{fn}: bucket_bytes must be an int of at least alignment ({alignment} bytes) or None for "
+                        f"the default, got {type(bucket_bytes).__name__} {bucket_bytes!r}")
+    if bucket_bytes < alignment:  # one rule for 0 and negative sizes too
         raise ValueError(
             f"{fn}: bucket_bytes ({bucket_bytes}) is smaller than one alignment unit ({alignment} bytes); "
             "raise bucket_bytes or lower alignment"
         )
+
+
+def check_bucket_options(fn: str, bucket_bytes, dtype, keep_dtype, alignment) -> DtypePolicy:
+    """The cast policy of buckets (`dtype`, `keep_dtype`) and their layout (`bucket_bytes`, None
+    for the default, and `alignment`), checked for an object that packs later (a sender) at its
+    construction, with its own name, rather than at its first pack."""
+    policy = DtypePolicy(dtype, keep_dtype, fn)
+    _check_layout(fn, bucket_bytes, alignment)
+    return policy
 
 
 class Planner:
@@ -479,6 +544,7 @@ def _materialize(name: str, t: torch.Tensor, fn: str) -> torch.Tensor:
     """A local dense tensor for `t`: DTensors are gathered here (one tensor at a time)."""
     full_tensor = getattr(t, "full_tensor", None)
     if full_tensor is not None and type(t).__name__ == "DTensor":
+        check_has_data(fn, f"the local shard of tensor {name!r}", t._local_tensor)  # before the gather reads it
         t = full_tensor()
     if t.is_meta:
         raise ValueError(f"{fn}: tensor {name!r} is a meta tensor, which has no data to pack")
@@ -489,6 +555,7 @@ def _materialize(name: str, t: torch.Tensor, fn: str) -> torch.Tensor:
             f"{fn}: tensor {name!r} is not contiguous (shape {list(t.shape)}, stride {list(t.stride())}); "
             "pass t.contiguous()"
         )
+    check_has_data(fn, f"tensor {name!r}", t)
     return t.detach()
 
 
@@ -723,6 +790,7 @@ def check_destination(fn: str, e: BucketEntry, dst: torch.Tensor, device: torch.
                          f"{dtype_name(dst.dtype)}")
     if dst.is_meta or dst.layout != torch.strided or not dst.is_contiguous():
         raise ValueError(f"{fn}: the destination of tensor {e.name!r} must be a contiguous strided tensor with data")
+    check_has_data(fn, f"the destination of tensor {e.name!r}", dst)
     if dst.device != device:
         raise ValueError(f"{fn}: the destination of tensor {e.name!r} is on {dst.device} but the bucket is on {device}")
 
@@ -763,6 +831,14 @@ def destinations(fn: str, target) -> dict:
     if hasattr(target, "items"):
         return {n: t.detach() for n, t in target.items()}
     raise TypeError(f"{fn}: target must be a module or a mapping name -> tensor, got {type(target).__name__}")
+
+
+def check_not_parked(fn: str, target) -> None:
+    """A parked module's state dict is its host mirror, which its reload would overwrite: refuse it.
+    Checked with the destinations, after the header, so the sender is not left waiting."""
+    if isinstance(target, torch.nn.Module) and params_offloaded(target):
+        raise ValueError(f"{fn}: the target {type(target).__name__} is parked by offload.offload_params; call "
+                         "offload.reload_params(target) before loading weights into it")
 
 
 def check_destinations(fn: str, plan, dsts: dict, device, strict: bool) -> None:

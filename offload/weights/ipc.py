@@ -28,8 +28,8 @@ from torch.multiprocessing import reductions
 from ..core import _device
 from ..core.checks import check_int
 from ..core.timing import PhaseTimer
-from .buckets import (BucketPlan, BucketSpans, bucket_tensors, check_destinations, copy_spans, destinations,
-                      plan_buckets)
+from .buckets import (BucketPlan, BucketSpans, bucket_tensors, check_destinations, check_not_parked, copy_spans,
+                      destinations, plan_buckets)
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 DEFAULT_IPC_TIMEOUT_S = 120.0
@@ -558,6 +558,7 @@ class IpcReceiver:
         timer = PhaseTimer(self.device, PHASES)
         error = None
         try:
+            check_not_parked(fn, target)
             check_destinations(fn, plan, dsts, self.device, strict)
         except (ValueError, TypeError) as exc:  # still release every bucket: the sender completes
             error = exc

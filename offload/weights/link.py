@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..core import _device
+from ..core.checks import is_int
 
 _DEVICE_BACKENDS = ("nccl", "hccl")
+# What a user does after a sync failed (Note [failed syncs]); the end of every such error.
+AFTER_FAILURE = ("The group is aborted and unusable, for syncs and any other collective: the process may call "
+                 "dist.destroy_process_group() and exit, or sync on a new group (dist.new_group, with a new "
+                 "WeightSender and WeightReceiver; after a peer died, in a new world)")
 
 # Note [sync timeouts]
 # ~~~~~~~~~~~~~~~~~~~~
@@ -30,7 +35,59 @@ _DEVICE_BACKENDS = ("nccl", "hccl")
 # a sync: the object refuses further syncs with an error saying so, and a new
 # sender/receiver pair on a new group (`dist.new_group`) syncs afresh (a new
 # group has its own connections and its own plan ids, so nothing of the failed
-# sync reaches it). `timeout_s=None` keeps the process group's timeout.
+# sync reaches it). `timeout_s=None` keeps the process group's timeout. What a
+# failed sync leaves on the group: Note [failed syncs].
+#
+# Note [failed syncs]
+# ~~~~~~~~~~~~~~~~~~~
+# A sync that fails mid-way leaves collectives posted on the group that will never
+# be matched: the buckets a receiver posted ahead, a broadcast whose peer posted
+# another root or nothing. Such a collective holds the process: gloo runs it on a
+# worker thread of the group that waits in it for the group's own timeout, and the
+# group's destructor (`destroy_process_group()`, or the interpreter's exit) joins
+# that thread; on NCCL/HCCL it stays queued on the device and the group's shutdown
+# waits for it. So a failed sync ends what it left posted, and the group with it:
+# - Host collectives (gloo) cannot be cancelled, and gloo's `abort()` does nothing,
+#   so with `timeout_s` every broadcast of a sync carries `timeout_s` as its own
+#   timeout (`BroadcastOptions.timeout`): the collective itself ends by then, its
+#   thread is free, and a timed-out gloo context closes its connections, so what
+#   else was posted on the group fails at once on both sides.
+# - Device collectives get no per-collective timeout (NCCL's watchdog would end the
+#   process at it); the failure aborts the group (`ProcessGroup.abort()`: NCCL/HCCL
+#   abort their communicators, which ends the kernels still queued), and a later
+#   `destroy_process_group()` skips the aborted communicators.
+# Either way the group is unusable afterwards: the process may destroy it and exit,
+# or sync on a new group. The abort is best effort; it never hides the sync's error.
+# With `timeout_s=None` on gloo what was left posted ends at the group's timeout.
+
+
+def check_group_args(fn: str, group, ranks, backend) -> Optional[List[int]]:
+    """The arguments that choose a sync's group, checked before torch.distributed is asked
+    (TypeError / ValueError naming `fn` and the argument); returns `ranks` as a sorted list."""
+    non_member = dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives a rank outside the group
+    process_group = getattr(dist, "ProcessGroup", None)
+    if group is not None and group is not non_member \
+            and not (process_group is not None and isinstance(group, process_group)):
+        raise TypeError(f"{fn}: group must be a torch.distributed process group (dist.new_group(...), "
+                        f"dist.group.WORLD) or None for the world, got {type(group).__name__} {group!r}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"{fn}: backend must be a torch.distributed backend name such as 'nccl' or 'gloo', or "
+                        f"None, got {type(backend).__name__} {backend!r}")
+    if ranks is None:
+        return None
+    if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"{fn}: ranks must be a list of global ranks (ints >= 0) or None, got "
+                        f"{type(ranks).__name__} {ranks!r}")
+    ranks = list(ranks)
+    for r in ranks:
+        if not is_int(r):
+            raise TypeError(f"{fn}: ranks must hold global ranks (ints >= 0), got {type(r).__name__} {r!r}")
+        if r < 0:
+            raise ValueError(f"{fn}: ranks must hold global ranks (ints >= 0), got {r}")
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"{fn}: ranks must name each rank of the group once (the sender's and the "
+                         f"receivers'), got {ranks}")
+    return sorted(ranks)
 
 
 def resolve_group(fn: str, group, ranks, backend):
@@ -39,6 +96,10 @@ def resolve_group(fn: str, group, ranks, backend):
     if group is not None and ranks is not None:
         raise ValueError(f"{fn}: pass either group or ranks, not both")
     if ranks is not None:
+        world = dist.get_world_size()
+        outside = [r for r in ranks if r >= world]
+        if outside:
+            raise ValueError(f"{fn}: ranks must be ranks of the world (0 to {world - 1}), got {outside[0]}")
         # new_group is collective over the whole world: every rank must build it.
         return dist.new_group(sorted(int(r) for r in ranks), backend=backend)
     return group if group is not None else dist.group.WORLD
@@ -83,17 +144,28 @@ class Link:
     def check(self, fn: str) -> None:
         if self.failure is not None:
             raise RuntimeError(
-                f"{fn}: an earlier sync on this group failed mid-way ({self.failure}); the sender and its "
-                "receivers are at different points of it, so this group cannot sync again: destroy it and "
-                "construct a new WeightSender and WeightReceiver on a new group (dist.new_group)")
+                f"{fn}: an earlier sync on this group failed mid-way ({self.failure}), so this group cannot "
+                f"sync again. {AFTER_FAILURE}")
 
     def fail(self, what: str) -> None:
+        """Record the failure that ended a sync and abort the group (Note [failed syncs])."""
         if self.failure is None:
             self.failure = what
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001 - best effort: the sync's own error is the one raised
+                pass
 
     def broadcast(self, tensor: torch.Tensor, what: str):
         try:
-            return dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+            if self.timeout_s is None or self.on_device:
+                return dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+            # A host collective that ends by itself within the timeout (Note [failed syncs]).
+            opts = dist.BroadcastOptions()
+            opts.rootRank = dist.get_group_rank(self.group, self.src)
+            opts.rootTensor = 0
+            opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+            return self.group.broadcast([tensor], opts)
         except Exception as exc:  # a peer that died is seen here on some backends
             raise self._error(what, exc) from exc
 
@@ -132,5 +204,4 @@ class Link:
         cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
         self.fail(f"{what} did not complete {bound}{cause}")
         return RuntimeError(f"{self.fn}: {what} (sender: rank {self.src}) did not complete {bound}; a peer "
-                            f"may have failed or died mid-sync{cause}. This group cannot sync again: destroy "
-                            "it and sync on a new group")
+                            f"may have failed or died mid-sync{cause}. {AFTER_FAILURE}")

@@ -21,6 +21,7 @@ from ..core.checks import check_bool, check_int
 from ..core.copy import copy_to_device, copy_to_host
 from ..core.pool import HostPool, check_pool, default_host_pool
 from ..core.timing import Span
+from .parked import ParkedGuard
 
 _STATE_ATTR = "_offload_param_mirror"
 # Storages start at multiples of this in the mirror: DMA engines run best from
@@ -90,6 +91,7 @@ class _Mirror:
         self.offsets: List[int] = []
         self.device = None
         self.offloaded = False
+        self.guard: Optional[ParkedGuard] = None  # while offloaded (Note [parked reads])
 
     def plan(self, fn: str, storages, sizes: List[int], device) -> None:
         """Lay `storages` out in the host block, keeping the block (and the layout) where it still fits."""
@@ -175,7 +177,9 @@ def offload_params(
 ) -> dict:
     """Move `module`'s parameters and buffers (and `grads`, and `optimizer`'s state) to pinned host memory.
 
-    The device memory is freed; the module must not run until `reload_params(module)`.
+    The device memory is freed; the module must not run until `reload_params(module)`
+    (running it raises). Meanwhile `module.state_dict()` gives the parked values from the
+    host mirror (Note [parked reads]).
     The tensors are collected at every call (new gradients, optimizer state made
     since the last call move too); the host mirror is reused while it fits.
     """
@@ -210,7 +214,10 @@ def offload_params(
     for storage in mirror.storages:
         storage.resize_(0)
     mirror.offloaded = True
-    return _finish(copy_span, handle, call_span, sum(mirror.sizes), len(mirror.storages))
+    stats = _finish(copy_span, handle, call_span, sum(mirror.sizes), len(mirror.storages))
+    # After the copy: the state dict it serves reads the mirror from here on.
+    mirror.guard = ParkedGuard(module, mirror.storages, mirror.host, mirror.offsets, mirror.sizes)
+    return stats
 
 
 def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> dict:
@@ -223,6 +230,8 @@ def reload_params(module: torch.nn.Module, *, chunk_bytes: int = 64 << 20) -> di
         raise RuntimeError(f"{fn}: the parameters of this {type(module).__name__} are not offloaded; "
                            "call offload.offload_params(module) first")
     call_span = Span()
+    mirror.guard.remove()
+    mirror.guard = None
     with _device.stream_context(_device.current_stream(mirror.device)):
         for storage, n in zip(mirror.storages, mirror.sizes):
             storage.resize_(n)  # allocated on the current stream, its consumer

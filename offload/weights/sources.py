@@ -7,6 +7,8 @@ from typing import List, Tuple
 
 import torch
 
+from ..core.checks import check_has_data
+
 # Note [gathering DTensor sources]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # FSDP2 / DTensor sources are gathered with `full_tensor()` one tensor at a time
@@ -45,7 +47,10 @@ def named_sources(fn: str, source) -> List[Tuple[str, torch.Tensor]]:
     for i, item in enumerate(items):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"{fn}: source item {i} must be a (name, tensor) pair, got {item!r:.80}")
-        out.append((item[0], item[1].detach()))
+        # Before any gather or header: a parked tensor (or DTensor shard) has nothing to send.
+        t = item[1]
+        check_has_data(fn, f"tensor {item[0]!r}", t._local_tensor if is_dtensor(t) else t)
+        out.append((item[0], t.detach()))
     return out
 
 
@@ -91,8 +96,10 @@ def check_source(fn: str, name: str, t: torch.Tensor, device: torch.device, back
     if t.is_meta:
         raise ValueError(f"{fn}: tensor {name!r} is a meta tensor, which has no data to send")
     if t.device != device:
+        parked = (" (a module parked by offload.offload_params gives its state dict from the host: call "
+                  "offload.reload_params(module) before sending)" if t.device.type == "cpu" else "")
         raise ValueError(f"{fn}: tensor {name!r} is on {t.device} but this group's backend ({backend}) sends from "
-                         f"{device}")
+                         f"{device}{parked}")
     if t.is_sparse or t.layout != torch.strided or not t.is_contiguous():
         raise ValueError(f"{fn}: tensor {name!r} must be a contiguous strided tensor (layout {t.layout}, shape "
                          f"{list(t.shape)}, stride {list(t.stride()) if t.layout == torch.strided else None}); "

@@ -28,16 +28,18 @@ import torch
 import torch.distributed as dist
 
 from ..core import _device
-from ..core.checks import check_int, is_int
+from ..core.checks import check_bool, check_int, check_stream, is_int
 from ..core.copy import copy_to_host
-from ..core.pool import HostPool, default_host_pool
+from ..core.pool import HostPool, check_pool, default_host_pool
 from ..core.timing import PhaseTimer, Span
 from .buckets import (
     DEFAULT_ALIGNMENT,
     BucketPlan,
     BucketSpans,
     bucket_tensors,
+    check_bucket_options,
     check_destinations,
+    check_not_parked,
     copy_spans,
     default_bucket_bytes,
     destinations,
@@ -45,7 +47,7 @@ from .buckets import (
 )
 from . import sources as weight_sources
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver, IpcSender
-from .link import Link, check_src, is_member, resolve_group, transport_device
+from .link import AFTER_FAILURE, Link, check_group_args, check_src, is_member, resolve_group, transport_device
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 MODES = ("device", "host_cache")
@@ -166,12 +168,15 @@ class WeightSender:
             (an FSDP peer of the trainer that is not in the sync group) constructs
             fine and is gather-only: `send()` and `snapshot()` take part in the
             DTensor gathers, send nothing and return zero timings.
-        src: global rank of the sender.
-        bucket_bytes: most bytes per bucket (default `offload.default_bucket_bytes()`);
-            also the most bytes of full tensors a "host_cache" snapshot of DTensor
-            sources gathers at once (a larger tensor alone).
-        dtype, keep_dtype: the cast policy of `offload.pack_buckets` (e.g. bf16, with
-            router weights kept in fp32).
+        src: global rank of the sender (an int >= 0, a rank of the group).
+        bucket_bytes: most bytes per bucket, an int of at least `alignment`, or None for
+            the default (`offload.default_bucket_bytes()` up to 256 MiB; 512 MiB for
+            "ipc"); also the most bytes of full tensors a "host_cache" snapshot of
+            DTensor sources gathers at once (a larger tensor alone).
+        dtype, keep_dtype: the cast policy of `offload.pack_buckets`: None, or one of the
+            floating dtypes the buckets cast between (float64, float32, float16, bfloat16),
+            with the names matching `keep_dtype` kept as they are (e.g. bf16, with router
+            weights kept in fp32).
         mode: "device" (pack straight from the training parameters) or "host_cache"
             (Note [host_cache snapshots]).
         keep_versions: host snapshots kept in "host_cache" mode.
@@ -210,9 +215,15 @@ class WeightSender:
         timeout_s: Optional[float] = None,
     ):
         fn = "offload.WeightSender"
+        # Every argument is checked here, before torch.distributed is asked anything: a bad
+        # one is named at the call, not at the first send().
         if mode not in MODES:
             raise ValueError(f"{fn}: mode must be one of {', '.join(MODES)}, got {mode!r}")
         _check_transport(fn, transport, channel)
+        ranks = _check_common(fn, group, src, ranks, backend, reserve_sms)
+        check_bucket_options(fn, bucket_bytes, dtype, keep_dtype, alignment)
+        check_int(fn, "keep_versions", keep_versions, 1)
+        check_pool(fn, pool)
         self._ipc = None
         if transport == "ipc":
             if mode != "device":
@@ -225,7 +236,6 @@ class WeightSender:
             self.device, self.bucket_bytes = self._ipc.device, self._ipc.bucket_bytes
             self._next_version = 0
             return
-        check_int(fn, "keep_versions", keep_versions, 1)
         self.group = resolve_group(fn, group, ranks, backend)
         self.src = int(src)
         self.mode = mode
@@ -239,6 +249,7 @@ class WeightSender:
         self.device = transport_device(self.group) if self.member else _device.current_device()
         if bucket_bytes is None:
             bucket_bytes = min(default_bucket_bytes(self.device), DEFAULT_SYNC_BUCKET_BYTES)
+            check_bucket_options(fn, bucket_bytes, dtype, keep_dtype, alignment)  # the default against alignment
         self.bucket_bytes = bucket_bytes
         self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
         self._link = Link(fn, self.group, self.src, timeout_s, self.device)
@@ -271,6 +282,7 @@ class WeightSender:
     def snapshot(self, source, version: Optional[int] = None) -> int:
         """Copy `source`'s weights to pinned host memory, asynchronously; returns the version tag."""
         fn = "offload.WeightSender.snapshot"
+        _check_version(fn, version)
         if self._ipc is not None:
             raise ValueError(f"{fn}: transport 'ipc' sends from the device; snapshots need transport 'nccl'")
         items = weight_sources.named_sources(fn, source)  # references: nothing is gathered yet
@@ -353,7 +365,9 @@ class WeightSender:
 
     def wait_snapshot(self, version: Optional[int] = None, stream=None) -> None:
         """Make `stream` (default: current) wait, on the device, until the snapshot's copy has read the weights."""
-        snap = self._get_snapshot("offload.WeightSender.wait_snapshot", version)
+        fn = "offload.WeightSender.wait_snapshot"
+        check_stream(fn, stream)
+        snap = self._get_snapshot(fn, version)
         snap.wait_stream(stream)
 
     def snapshot_ms(self, version: Optional[int] = None) -> float:
@@ -367,6 +381,7 @@ class WeightSender:
             return list(self._snapshots)
 
     def _get_snapshot(self, fn: str, version: Optional[int], reader: bool = False) -> _Snapshot:
+        _check_version(fn, version)
         with self._lock:
             if not self._snapshots:
                 raise ValueError(f"{fn}: no snapshot is cached; call snapshot(model) first")
@@ -388,6 +403,7 @@ class WeightSender:
         or snapshot `source` first when given.
         """
         fn = "offload.WeightSender.send"
+        _check_version(fn, version)
         if self.mode == "host_cache":
             if source is not None:
                 version = self.snapshot(source, version)
@@ -460,8 +476,13 @@ class WeightSender:
             return self._send_planned(fn, items, version, pack_device, timer, plan, plan_id, fresh)
         except BaseException as exc:
             # The receivers are somewhere inside this sync (Note [sync timeouts]); a
-            # KeyboardInterrupt leaves them there as much as an error does.
-            self._link.fail(f"the sender raised {type(exc).__name__} during the sync of version {version}")
+            # KeyboardInterrupt leaves them there as much as an error does. The group is
+            # aborted (Note [failed syncs]); an error of the sender's own says so in a note
+            # where Python has them (a wait that failed has said so in its message).
+            if self._link.failure is None:
+                self._link.fail(f"the sender raised {type(exc).__name__} during the sync of version {version}")
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"{fn}: the sync of version {version} failed mid-way. {AFTER_FAILURE}")
             raise
 
     def _send_planned(self, fn: str, items, version: int, pack_device: torch.device, timer: PhaseTimer,
@@ -528,6 +549,21 @@ class WeightSender:
         return timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
 
 
+def _check_version(fn: str, version) -> None:
+    """A version tag given to a sender: an int >= 0, or None (the next one, or the latest snapshot)."""
+    if version is not None:
+        check_int(fn, "version", version, 0, "a version tag, or None")
+
+
+def _check_common(fn: str, group, src, ranks, backend, reserve_sms) -> Optional[List[int]]:
+    """The arguments a sender and a receiver share, checked before torch.distributed is asked
+    (those that need the group, such as whether src is in it, are checked once it is known);
+    returns `ranks` as a list."""
+    check_int(fn, "src", src, 0, "the global rank of the sender")
+    check_int(fn, "reserve_sms", reserve_sms, 0)
+    return check_group_args(fn, group, ranks, backend)
+
+
 def _check_transport(fn: str, transport, channel) -> None:
     if transport not in TRANSPORTS:
         raise ValueError(f"{fn}: transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -553,6 +589,7 @@ class WeightReceiver:
                  timeout_s: Optional[float] = None):
         fn = "offload.WeightReceiver"
         _check_transport(fn, transport, channel)
+        ranks = _check_common(fn, group, src, ranks, backend, reserve_sms)
         self._ipc = None
         self.version: Optional[int] = None
         self.timings: dict = {}
@@ -594,7 +631,9 @@ class WeightReceiver:
             except (KeyError, TypeError, ValueError) as exc:
                 # The sender broadcasts its buckets whatever we think of its plan:
                 # take them (where their sizes are readable) so it is not left hanging.
-                self._drain(box[0].get("bucket_sizes"))
+                if not self._drain(box[0].get("bucket_sizes")):
+                    self._link.fail(f"the plan from rank {self.src} had no readable bucket sizes, so its "
+                                    "buckets were not taken")
                 if isinstance(exc, ValueError) and str(exc).startswith(fn):
                     raise
                 raise ValueError(f"{fn} cannot be read: {type(exc).__name__}: {exc}") from exc
@@ -602,18 +641,23 @@ class WeightReceiver:
             while len(self._plans) > 8:  # a few senders may share a group; keep their recent plans
                 self._plans.pop(next(iter(self._plans)))
         elif plan_id not in self._plans:
+            # Its buckets follow, and nothing here can take them (Note [failed syncs]).
+            self._link.fail(f"rank {self.src} referred to plan {plan_id}, which this receiver never received")
             raise RuntimeError(f"offload.WeightReceiver: rank {self.src} refers to plan {plan_id}, which this "
-                               "receiver never received; was it created after the sender's first sync?")
+                               "receiver never received; was it created after the sender's first sync? "
+                               f"{AFTER_FAILURE}")
         self.version = version
         plan, spans = self._plans[plan_id]
         return plan, spans, version
 
-    def _drain(self, sizes) -> None:
-        """Receive and drop buckets of `sizes` bytes (a sync this receiver refuses), if the sizes are readable."""
+    def _drain(self, sizes) -> bool:
+        """Receive and drop buckets of `sizes` bytes (a sync this receiver refuses); False if the sizes
+        are not readable (nothing received)."""
         if not isinstance(sizes, list) or not all(is_int(n) and n >= 0 for n in sizes):
-            return
+            return False
         for k, n in enumerate(sizes):
             self._link.run(self._buffers.get(0, n, self.device), f"bucket {k} of {len(sizes)}")
+        return True
 
     def _buckets(self, plan: BucketPlan, spans: List[BucketSpans],
                  timer: PhaseTimer) -> Iterator[Tuple[torch.Tensor, BucketSpans]]:
@@ -635,16 +679,23 @@ class WeightReceiver:
             post(k)
 
         def handout():
-            for k in range(n):
-                # The last bucket's wait is on the host where a timeout bounds it (Note
-                # [sync timeouts]); the others stay device-side on NCCL/HCCL.
-                link.wait(works[k % 2], f"bucket {k} of {n}", host=k == n - 1)
-                yield datas[k % 2], spans[k]
-                if k + 2 < n:
-                    # The consumer asked for more after bucket k: it is done with k's
-                    # buffer. On NCCL the broadcast also waits for the consumer's
-                    # copies already queued on the current stream.
-                    post(k + 2)
+            k = 0
+            try:
+                for k in range(n):
+                    # The last bucket's wait is on the host where a timeout bounds it (Note
+                    # [sync timeouts]); the others stay device-side on NCCL/HCCL.
+                    link.wait(works[k % 2], f"bucket {k} of {n}", host=k == n - 1)
+                    yield datas[k % 2], spans[k]
+                    if k + 2 < n:
+                        # The consumer asked for more after bucket k: it is done with k's
+                        # buffer. On NCCL the broadcast also waits for the consumer's
+                        # copies already queued on the current stream.
+                        post(k + 2)
+            except BaseException as exc:
+                if k + 1 < n:  # later buckets are posted, or on their way (Note [failed syncs])
+                    how = "stopped reading" if isinstance(exc, GeneratorExit) else f"raised {type(exc).__name__}"
+                    link.fail(f"the receiver {how} at bucket {k} of {n}")
+                raise
             timer.mark_span("transfer")
 
         return handout()
@@ -657,6 +708,10 @@ class WeightReceiver:
         `copy=True`; tensors split across buckets are assembled into new tensors.
         Timings are in `self.timings` once the generator is exhausted.
         """
+        check_bool("offload.WeightReceiver.receive", "copy", copy)  # at the call, not at the first next()
+        return self._receive(copy)
+
+    def _receive(self, copy: bool) -> Iterator[Tuple[str, torch.Tensor]]:
         if self._ipc is not None:
             yield from self._ipc.receive(copy)
             self.version, self.timings = self._ipc.version, self._ipc.timings
@@ -677,6 +732,7 @@ class WeightReceiver:
         hanging in the collective) and then ValueError names the tensor.
         Returns the timings.
         """
+        check_bool("offload.WeightReceiver.load", "strict", strict)
         if self._ipc is not None:
             try:
                 return self._ipc.load(target, strict)
@@ -690,6 +746,7 @@ class WeightReceiver:
         buckets = self._buckets(plan, spans, timer)
         error = None
         try:
+            check_not_parked(fn, target)
             check_destinations(fn, plan, dsts, self.device, strict)
         except (ValueError, TypeError) as exc:  # still drain the buckets: the sender is not left hanging
             error = exc

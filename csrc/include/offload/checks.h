@@ -53,4 +53,29 @@ inline int64_t tensor_nbytes(const at::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
 }
 
+// The bytes of its storage that a strided tensor reaches: up to its last element's end.
+inline int64_t storage_bytes_needed(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return (last + 1) * static_cast<int64_t>(t.element_size());
+}
+
+// Whether a tensor's storage holds every element it spans. A parameter parked by
+// offload.offload_params keeps its sizes over a storage resized to 0 bytes (Note [parked
+// reads] in offload/weights/parked.py): read, it would be freed memory.
+inline bool has_data(const at::Tensor& t) {
+  return !t.has_storage() || t.storage().nbytes() >= static_cast<size_t>(storage_bytes_needed(t));
+}
+
+// The error for a tensor without data, naming what the caller calls it (e.g. "tensors[3]").
+template <typename... Args>
+inline void check_has_data(const at::Tensor& t, const char* fn, const Args&... what) {
+  TORCH_CHECK_VALUE(has_data(t), fn, ": ", what..., " has no data: its storage holds ",
+              t.has_storage() ? t.storage().nbytes() : 0, " bytes but the tensor reaches ", storage_bytes_needed(t),
+              ". A parameter parked by offload.offload_params keeps its shape while its values are on the host; "
+              "call offload.reload_params(module) first, or read module.state_dict(), which gives the parked "
+              "values from the host");
+}
+
 }  // namespace offload
