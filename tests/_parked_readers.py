@@ -133,7 +133,8 @@ def main(kind: str, device_name: str, out_path: str) -> None:
         import torch.distributed as dist
 
         store = tempfile.mkdtemp(prefix="offload-parked-")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+        # DCP's async_save needs a CPU backend beside NCCL for its own collectives.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"file://{store}/store", rank=0, world_size=1)
     model = _model(kind, device)
     weights = {k: _plain(v).clone() for k, v in model.state_dict().items()}
