@@ -1,0 +1,426 @@
+"""Host time of activation offload: what the engine's hooks and wrappers cost per offloaded layer and per step.
+
+Two measures, each against the same model with no handle at all (never wrapped: an identical
+copy of it), in the same process:
+
+- CPU (on every machine, on the CPU, one thread): 8 residual layers `x + lin2(gelu(lin1(x)))`
+  of two `Linear(64, 64)`, input 4x16x64 fp32, a forward and a backward of
+  `out.square().mean()` per step. The device's work is a few microseconds per layer, so the
+  step time is host time: the variants are no handle; `async` with every layer offloaded
+  (`min_tensor_bytes=1, min_group_bytes=0, keep_last=0`); the same handle inside
+  `handle.paused()`; `auto` (settled first: on the CPU its plan offloads nothing). Host time
+  per offloaded layer per step = (async - no handle) / the layers the step offloaded
+  (`handle.stats()`). Targets: async at most 1.25x the no-handle step, paused at most 1.01x.
+  On a machine with an accelerator the engine offloads only tensors of the accelerator, so
+  this measure runs in a subprocess that sees none.
+- GPU (cuda, npu): the bench's Llama (d2048, 8 layers, bf16, batch 1, `transformers` built
+  from a config) at seq 2048 and 8192: no handle, `async`, paused and `auto` (the library's
+  defaults otherwise), blocks of 5 back-to-back steps timed with device events, one block of
+  each per round, the order reversed in every other round.
+
+Per variant the median step of all rounds counts, its ratio to the no-handle median is the
+row's; the spread is that of the rounds' medians. The rounds alternate the variants so that
+drift on a shared machine lands on all of them alike; the paired ratio (`paired_ratio` in the
+rows: the median over the rounds of a variant's round median over the baseline's in the same
+round) also cancels drift that lasts several rounds, as a host-bound step's does (the Llama at
+seq 2048 is launch-bound: its host's pace sets its step).
+`python -m benchmarks --only host`; `python benchmarks/bench_host.py --cpu-measure [--quick]`
+prints the CPU measure as JSON (what the section runs in a subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SECTION = "host"
+TARGETS = {"async": 1.25, "paused": 1.01}  # CPU step time at most this multiple of the no-handle step
+BASELINE = "no handle (the same model, never wrapped)"
+HERE = Path(__file__).resolve().parent
+
+# CPU measure: (rounds, steps per block, warm-up steps per variant).
+CPU_FULL = (6, 50, 10)
+CPU_QUICK = (2, 5, 2)
+CPU_LAYERS, CPU_WIDTH, CPU_INPUT = 8, 64, (4, 16, 64)
+# GPU measure: rounds of one block of GPU_BLOCK back-to-back steps per variant.
+GPU_ROUNDS, GPU_QUICK_ROUNDS, GPU_BLOCK, GPU_WARMUP = 8, 2, 5, 2
+GPU_SEQS = (2048, 8192)
+
+
+def applies(device_type: str) -> bool:
+    return True
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin1 = nn.Linear(width, width)
+        self.lin2 = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.lin2(F.gelu(self.lin1(x)))
+
+
+class TinyStack(nn.Module):
+    def __init__(self, layers: int, width: int):
+        super().__init__()
+        self.layers = nn.ModuleList(Residual(width) for _ in range(layers))  # found as the layers
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@dataclass
+class Variant:
+    name: str
+    step: Callable[[], None]  # one training step (forward, backward), inside its context
+
+
+@dataclass
+class Timed:
+    """One variant's step times: the median of every timed step, and each round's median."""
+    median_ms: float
+    round_medians_ms: List[float]
+    steps: int
+    layers_offloaded: Optional[int] = None  # per step, from handle.stats() (None: no handle)
+    offloaded_bytes: Optional[int] = None  # per step, from handle.stats() (None: no handle)
+
+    @property
+    def spread_pct(self) -> float:
+        return 100.0 * (max(self.round_medians_ms) - min(self.round_medians_ms)) / max(self.median_ms, 1e-12)
+
+
+@dataclass
+class Measure:
+    """A model's variants, timed in alternation; `none` is the baseline."""
+    what: str
+    variants: Dict[str, Timed] = field(default_factory=dict)
+    auto_settled_after: int = 0  # steps auto mode took to settle its plan
+
+    def paired_ratio(self, name: str) -> float:
+        """The median over the rounds of `name`'s round median over the baseline's in the same
+        round: drift slower than a round cancels even where it lasts for several rounds."""
+        pairs = zip(self.variants[name].round_medians_ms, self.variants["none"].round_medians_ms)
+        return statistics.median(a / b for a, b in pairs)
+
+
+class _HostClock:
+    """Wall time between marks (the CPU's work is done when a step returns)."""
+
+    def mark(self):
+        return time.perf_counter()
+
+    def spans_ms(self, marks):
+        return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+
+
+class _EventClock:
+    """Device time between events recorded on the current stream; nothing waits between steps."""
+
+    def __init__(self, device):
+        from offload.core import _device
+
+        self._device, self.device = _device, device
+
+    def mark(self):
+        event = self._device.new_event(self.device, timing=True)
+        event.record(self._device.current_stream(self.device))
+        return event
+
+    def spans_ms(self, marks):
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+
+
+def alternate(variants: List[Variant], rounds: int, block: int, clock) -> Dict[str, Timed]:
+    """Each round runs `block` steps of every variant, back to back, in the variants' order in
+    even rounds and the reverse in odd ones; each step is timed from the mark before it to the
+    mark after it. The first step of a block follows another variant's step, as in a loop that
+    switches models; the median over the rounds' steps counts."""
+    marks = {v.name: [] for v in variants}  # per variant: one list of marks per round
+    # An untimed step first: the first mark then finds the device busy, as every later block's does.
+    variants[-1].step()
+    for r in range(rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            taken = [clock.mark()]
+            for _ in range(block):
+                v.step()
+                taken.append(clock.mark())
+            marks[v.name].append(taken)
+    out = {}
+    for name, per_round in marks.items():
+        spans = [clock.spans_ms(taken) for taken in per_round]
+        every = [s for round_spans in spans for s in round_spans]
+        out[name] = Timed(statistics.median(every), [statistics.median(s) for s in spans], len(every))
+    return out
+
+
+def _train_step(model, loss_fn):
+    def step():
+        model.zero_grad(set_to_none=False)  # gradients stay allocated, as in a training loop
+        loss_fn().backward()
+
+    return step
+
+
+def _paused(handle, step):
+    def paused_step():
+        with handle.paused():
+            step()
+
+    return paused_step
+
+
+def _settle(handle, step) -> int:
+    """Steps auto mode took to settle its plan (at most `max_tuning_steps`), then one more:
+    no probe step is timed as the plan's, and the settled plan's first step allocates."""
+    from offload.activation.planner import max_tuning_steps
+
+    taken = 0
+    for _ in range(max_tuning_steps(len(handle.layers))):
+        plan = handle.plan
+        if plan is not None and plan["tuning"]["settled"]:
+            break
+        step()
+        taken += 1
+    step()
+    return taken
+
+
+def _offloaded(handle, step):
+    """(layers, bytes) a step of `handle` offloads."""
+    step()
+    stats = handle.stats()
+    return stats["layers_offloaded"], stats["d2h_bytes"]
+
+
+def _measure_variants(what, model, loss_fn, options, rounds, block, warmup, clock, copies):
+    """No handle, async, paused and auto on `copies(model)` copies (one per handle), timed in alternation."""
+    import offload
+
+    with_async, with_auto = copies(model), copies(model)
+    handle = offload.enable_activation_offload(with_async, "async", verbose=False, **options["async"])
+    auto = offload.enable_activation_offload(with_auto, "auto", verbose=False, **options["auto"])
+    try:
+        steps = {
+            "none": _train_step(model, lambda: loss_fn(model)),
+            "async": _train_step(with_async, lambda: loss_fn(with_async)),
+            "auto": _train_step(with_auto, lambda: loss_fn(with_auto)),
+        }
+        steps["paused"] = _paused(handle, steps["async"])
+        settled_after = _settle(auto, steps["auto"])
+        for name in ("none", "async", "paused"):
+            for _ in range(warmup):
+                steps[name]()
+        offloaded = {"async": _offloaded(handle, steps["async"]), "auto": _offloaded(auto, steps["auto"]),
+                     "paused": (0, 0)}
+        variants = [Variant(name, steps[name]) for name in ("none", "async", "paused", "auto")]
+        timed = alternate(variants, rounds, block, clock)
+        for name, (layers, nbytes) in offloaded.items():
+            timed[name].layers_offloaded, timed[name].offloaded_bytes = layers, nbytes
+        return Measure(what, timed, settled_after)
+    finally:
+        handle.disable()
+        auto.disable()
+
+
+def cpu_measure(quick: bool) -> Measure:
+    """The CPU measure, in this process (whose engine must see no accelerator), on one thread."""
+    rounds, block, warmup = CPU_QUICK if quick else CPU_FULL
+    threads = torch.get_num_threads()
+    # One thread: these steps are microseconds of work, and spinning workers on a shared machine
+    # would time the other tenants.
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = TinyStack(CPU_LAYERS, CPU_WIDTH)
+        x = torch.randn(*CPU_INPUT)
+        every_layer = dict(min_tensor_bytes=1, min_group_bytes=0, keep_last=0)
+        what = (f"CPU 1 thread, {CPU_LAYERS} residual layers of 2 Linear({CPU_WIDTH}, {CPU_WIDTH}), "
+                f"input {'x'.join(map(str, CPU_INPUT))} fp32")
+        return _measure_variants(what, model, lambda m: m(x).square().mean(),
+                                 {"async": every_layer, "auto": dict(min_tensor_bytes=1)},
+                                 rounds, block, warmup, _HostClock(), copy.deepcopy)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cpu_measure_elsewhere(quick: bool) -> Measure:
+    """The CPU measure in a subprocess that sees no accelerator (the engine offloads only tensors
+    of the accelerator it sees, so a CPU model would offload nothing here)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", ASCEND_RT_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--cpu-measure"] + (["--quick"] if quick else [])
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the CPU measure's subprocess exited with {done.returncode}: {done.stderr[-2000:]}")
+    return _measure_from_json(done.stdout.strip().splitlines()[-1])
+
+
+def _measure_to_json(measure: Measure) -> str:
+    return json.dumps({"what": measure.what, "auto_settled_after": measure.auto_settled_after,
+                       "variants": {name: asdict(t) for name, t in measure.variants.items()}})
+
+
+def _measure_from_json(text: str) -> Measure:
+    data = json.loads(text)
+    return Measure(data["what"], {name: Timed(**t) for name, t in data["variants"].items()},
+                   data["auto_settled_after"])
+
+
+def _cpu_rows(ctx) -> list:
+    from common import row
+
+    from offload.core import _device
+
+    ctx.progress("CPU measure: no handle, async, paused, auto")
+    measure = cpu_measure(ctx.quick) if _device.accelerator_type() is None else _cpu_measure_elsewhere(ctx.quick)
+    v = measure.variants
+    none_us = v["none"].median_ms * 1e3
+    layers = v["async"].layers_offloaded
+    spreads = {f"{name}_round_medians_us": [m * 1e3 for m in t.round_medians_ms] for name, t in v.items()}
+    common = dict(measure="cpu", what=measure.what, steps_timed=v["none"].steps, **spreads)
+    rows, lines = [], [f"{measure.what}: forward+backward step, median of {v['none'].steps} steps per variant",
+                       f"  {'variant':8} {'step us':>9} {'x none':>7} {'paired x':>9} {'round spread':>13} "
+                       f"{'layers off':>11}  target"]
+    for name in ("none", "async", "paused", "auto"):
+        t = v[name]
+        us = t.median_ms * 1e3
+        target = TARGETS.get(name)
+        met = None if target is None else us / none_us <= target
+        said = "" if target is None else f"<= {target:.2f}x {'met' if met else 'MISSED'}"
+        lines.append(f"  {name:8} {us:9.1f} {us / none_us:7.3f} {measure.paired_ratio(name):9.3f} "
+                     f"{t.spread_pct:12.1f}% "
+                     f"{'-' if t.layers_offloaded is None else t.layers_offloaded:>11}  {said}")
+        if name == "none":
+            continue
+        label = {"async": f"async, all {layers} layers offloaded", "paused": "async handle inside handle.paused()",
+                 "auto": f"auto (settled, {t.layers_offloaded} layers offloaded)"}[name]
+        extra = dict(variant=name, layers_offloaded=t.layers_offloaded, offloaded_bytes=t.offloaded_bytes,
+                     spread_pct=t.spread_pct, paired_ratio=measure.paired_ratio(name), **common)
+        if target is not None:
+            extra.update(target_ratio=target, target_met=met)
+        rows.append(row(SECTION, f"CPU step, {label}" + ("" if target is None else f" (target <= {target:.2f}x)"),
+                        offload=us, baseline=none_us, unit="us", baseline_name=BASELINE, higher_is_better=False,
+                        **extra))
+    async_us = v["async"].median_ms * 1e3
+    per_step = async_us - none_us
+    per_layer = per_step / layers if layers else None
+    rows.append(row(SECTION, f"CPU host time async adds per step ({layers} layers offloaded)", offload=per_step,
+                    baseline=None, unit="us", baseline_name="async step - no-handle step", variant="async",
+                    layers_offloaded=layers, **common))
+    rows.append(row(SECTION, "CPU host time per offloaded layer per step, async", offload=per_layer, baseline=None,
+                    unit="us", baseline_name=f"(async step - no-handle step) / {layers} layers",
+                    variant="async", layers_offloaded=layers, **common))
+    lines.append(f"  async adds {per_step:.1f} us per step, "
+                 + (f"{per_layer:.1f} us per offloaded layer" if per_layer is not None else "no layer offloaded")
+                 + f"; auto settled after {measure.auto_settled_after} steps")
+    for line in lines:
+        print(line, flush=True)
+    return rows
+
+
+def _llama(device, seq):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                                      max_position_embeddings=32768)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16).train()
+    ids = torch.randint(0, config.vocab_size, (1, seq), device=device)
+    return model, (lambda m: m(input_ids=ids, labels=ids).loss)
+
+
+def _gpu_rows(ctx) -> list:
+    from common import row
+
+    from offload.core import _device
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        ctx.skip("Llama rows", "needs transformers (not installed)")
+        return []
+    rows = []
+    rounds = GPU_QUICK_ROUNDS if ctx.quick else GPU_ROUNDS
+    for seq in GPU_SEQS:
+        ctx.progress(f"Llama seq {seq}: no handle, async, paused, auto")
+        model, loss_fn = _llama(ctx.device, seq)
+        what = f"Llama d2048 8 layers bf16, batch 1, seq {seq}"
+        try:
+            measure = _measure_variants(what, model, loss_fn, {"async": {}, "auto": {}}, rounds, GPU_BLOCK,
+                                        GPU_WARMUP, _EventClock(ctx.device), copy.deepcopy)
+        finally:
+            del model, loss_fn
+            gc.collect()
+            _device.empty_cache()
+        v = measure.variants
+        none_ms = v["none"].median_ms
+        print(f"{what}: median of {v['none'].steps} steps per variant ({rounds} rounds of {GPU_BLOCK} "
+              f"back-to-back steps, device events)", flush=True)
+        for name in ("none", "async", "paused", "auto"):
+            t = v[name]
+            print(f"  {name:8} {t.median_ms:9.2f} ms {t.median_ms / none_ms:7.3f}x none "
+                  f"(paired by round {measure.paired_ratio(name):.3f}x), round spread {t.spread_pct:.1f}%"
+                  + ("" if t.layers_offloaded is None else
+                     f", {t.layers_offloaded} layers, {t.offloaded_bytes / 2**30:.2f} GiB offloaded"), flush=True)
+            if name == "none":
+                continue
+            offloaded = f"{t.layers_offloaded} layers, {t.offloaded_bytes / 2**30:.2f} GiB offloaded"
+            label = {"async": f"async ({offloaded})", "paused": "async inside paused()",
+                     "auto": f"auto ({offloaded})"}[name]
+            rows.append(row(SECTION, f"Llama seq{seq} step, {label}", offload=t.median_ms, baseline=none_ms,
+                            unit="ms", baseline_name=BASELINE, higher_is_better=False, measure="gpu", what=what,
+                            variant=name, layers_offloaded=t.layers_offloaded, offloaded_bytes=t.offloaded_bytes,
+                            spread_pct=t.spread_pct, paired_ratio=measure.paired_ratio(name),
+                            round_medians_ms=t.round_medians_ms, baseline_round_medians_ms=v["none"].round_medians_ms,
+                            steps_timed=t.steps, auto_settled_after=measure.auto_settled_after))
+    return rows
+
+
+def run(ctx):
+    from offload.core import _device
+
+    rows = _cpu_rows(ctx)
+    if _device.is_accelerator(ctx.device):
+        rows += _gpu_rows(ctx)
+    return rows
+
+
+def _main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="the host section's CPU measure, as JSON on stdout")
+    parser.add_argument("--cpu-measure", action="store_true", required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    from offload.core import _device
+
+    if _device.accelerator_type() is not None:
+        print("bench_host.py --cpu-measure: an accelerator is visible; hide it (CUDA_VISIBLE_DEVICES=)",
+              file=sys.stderr)
+        return 2
+    print(_measure_to_json(cpu_measure(args.quick)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,82 @@
+"""The `host` benchmark section (benchmarks/bench_host.py) on the CPU in quick mode: its rows
+say what they measure against the no-handle baseline, with positive times. Its speed is not
+judged here: the figures come from `python -m benchmarks --only host`."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+@pytest.fixture
+def bench_host(monkeypatch):
+    # The sections import their helpers by plain name (`from common import row`), as the runner lets them.
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.delitem(sys.modules, "common", raising=False)
+    spec = importlib.util.spec_from_file_location("bench_host", BENCH / "bench_host.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_host", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_host_alternates_the_variants_round_by_round(bench_host):
+    ran = []
+
+    class Clock:
+        now = 0.0
+
+        def mark(self):
+            return self.now
+
+        def spans_ms(self, marks):
+            return [b - a for a, b in zip(marks, marks[1:])]
+
+    clock = Clock()
+
+    def step_of(name, ms):
+        def step():
+            ran.append(name)
+            clock.now += ms
+
+        return step
+
+    variants = [bench_host.Variant("a", step_of("a", 1.0)), bench_host.Variant("b", step_of("b", 3.0))]
+    timed = bench_host.alternate(variants, rounds=3, block=2, clock=clock)
+    # one untimed step first, then blocks of 2 steps: a b, b a, a b
+    assert ran == ["b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+    assert timed["a"].median_ms == 1.0 and timed["b"].median_ms == 3.0
+    assert timed["a"].steps == 6 and timed["a"].round_medians_ms == [1.0, 1.0, 1.0]
+
+
+def test_bench_host_section_runs_on_the_cpu_in_quick_mode(bench_host, capsys):
+    import common
+
+    threads = torch.get_num_threads()
+    ctx = common.Context(device=torch.device("cpu"), quick=True, progress=lambda message: None)
+    rows = bench_host.run(ctx)
+    assert torch.get_num_threads() == threads  # one thread while it measures, restored after
+    assert ctx.skipped == []
+    steps = {r["variant"]: r for r in rows if r["unit"] == "us" and r["baseline"] is not None}
+    assert set(steps) == {"async", "paused", "auto"}
+    for variant, r in steps.items():
+        for key in ("section", "case", "offload", "baseline", "baseline_name", "unit", "ratio", "layers_offloaded",
+                    "steps_timed", "spread_pct"):
+            assert key in r, (variant, key)
+        assert r["section"] == "host" and r["baseline_name"].startswith("no handle")
+        assert r["offload"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
+        assert r["steps_timed"] > 0
+    assert steps["async"]["layers_offloaded"] == 8  # every layer, the last one too
+    assert steps["async"]["target_ratio"] == 1.25 and steps["paused"]["target_ratio"] == 1.01
+    assert isinstance(steps["async"]["target_met"], bool)
+    per_layer = [r for r in rows if "per offloaded layer" in r["case"]]
+    assert len(per_layer) == 1 and per_layer[0]["baseline"] is None
+    assert per_layer[0]["offload"] == pytest.approx(
+        (steps["async"]["offload"] - steps["async"]["baseline"]) / 8)
+    assert "host time per offloaded layer" in rows[-1]["case"]
+    assert "target" in capsys.readouterr().out  # the printed table states the targets
