@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import sys
 import weakref
 from collections.abc import Mapping
@@ -292,4 +293,20 @@ def make_not_traced() -> None:
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     while _NOT_YET_WRAPPED:
         owner, name, fn = _NOT_YET_WRAPPED.pop()
-        setattr(owner, name, disable(fn) if disable is not None else fn)
+        setattr(owner, name, _eager_unless_compiling(fn, disable(fn)) if disable is not None else fn)
+
+
+def _eager_unless_compiling(fn, disabled):
+    """`fn` called as it is in eager mode, and through its disabled twin only while dynamo
+    traces (where `is_compiling()` is True and the disabled call breaks the graph): the
+    disabled wrapper swaps the interpreter's frame callback at every call, host time that
+    an eager step pays per layer boundary for nothing."""
+    is_compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def method(*args, **kwargs):
+        if is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return method
