@@ -116,6 +116,9 @@ def _readers(model, weights, folder):
         "pack_buckets_state_dict": pack_state_dict,
         "copy_to_host_parameter": lambda: _same(
             {"w": offload.copy_to_host([_local(first)]).wait()[0]}, {"w": _plain(first)}),
+        "copy_to_device_into_parameter": lambda: offload.copy_to_device(
+            [torch.zeros(_local(first).shape, dtype=first.dtype)], _local(first).device, out=[_local(first)],
+            require_pinned=False).wait() and False,
         "pack_buckets_parameter": lambda: list(offload.pack_buckets({"w": first}, 1024)) and False,
         "async_stager_parameter": lambda: offload.AsyncStager().stage({"w": first}).result() and False,
         "forward": lambda: model(torch.zeros(2, 3, dtype=torch.long, device=_local(first).device)) and False,

@@ -25,6 +25,7 @@ _BITWISE = ("state_dict", "state_dict_keep_vars", "torch_save", "dcp_save", "dcp
             "dcp_async_save_offload_stager", "async_stager_stage", "pack_buckets_state_dict", "after_reload")
 _REFUSED = {
     "copy_to_host_parameter": ("ValueError", "offload.copy_to_host: tensors[0] has no data"),
+    "copy_to_device_into_parameter": ("ValueError", "offload.copy_to_device: out[0] has no data"),
     "pack_buckets_parameter": ("ValueError", "tensor 'w' has no data"),  # a DTensor's: its local shard's
     "async_stager_parameter": ("ValueError", "offload.AsyncStager.stage: state_dict['w'] has no data"),
     "forward": ("RuntimeError", "are parked on the host by offload.offload_params"),

@@ -72,6 +72,7 @@ void CopyEngine::check_out(const char* fn, size_t i, const at::Tensor& src, cons
                     "] has ", describe(dst), " but tensors[", i, "] has ", describe(src));
   TORCH_CHECK_VALUE(dst.device().type() == where.type(), fn, ": out[", i, "] is on ", dst.device(), " but a ",
                     type_name(where.type()), " tensor is expected");
+  check_has_data(dst, fn, "out[", i, "]");  // a parked parameter as a destination: nowhere to write
   if (where.type() != c10::DeviceType::CPU) {
     TORCH_CHECK_VALUE(dst.device() == where, fn, ": out[", i, "] is on ", dst.device(), " but the destination is ",
                       where);
