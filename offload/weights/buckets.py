@@ -591,6 +591,15 @@ class BucketSpans:
         self.dtypes = [e.torch_dtype for e in live]
 
 
+def bucket_spans(plan: "BucketPlan") -> List[BucketSpans]:
+    """Each bucket's native copy arguments (BucketSpans), in bucket order: built once per plan,
+    reused by every sync of that plan."""
+    per_bucket: List[list] = [[] for _ in range(plan.num_buckets)]
+    for e in plan.entries:
+        per_bucket[e.bucket].append(e)
+    return [BucketSpans(entries) for entries in per_bucket]
+
+
 def _copy_spans(data: torch.Tensor, tensors, entries, pack: bool) -> None:
     copy_spans(data, tensors, BucketSpans(entries), pack)
 
@@ -780,19 +789,26 @@ def _destinations(fn: str, out, entries: List[BucketEntry]) -> List[torch.Tensor
 
 def check_destination(fn: str, e: BucketEntry, dst: torch.Tensor, device: torch.device) -> None:
     """Raise naming the tensor unless `dst` can receive entry `e` in place."""
+    check_received_into(fn, e.name, dst, tuple(e.shape), e.dtype, device, "in the bucket")
+
+
+def check_received_into(fn: str, name: str, dst, shape: tuple, dtype: str, device: torch.device,
+                        arrives: str) -> None:
+    """Raise naming the tensor unless `dst` can take tensor `name` in place: `shape` and `dtype` (its
+    name, as buckets spell it) as it arrives (`arrives` says how: "in the bucket", "(its slice)"),
+    contiguous, with data, on `device`."""
     if not isinstance(dst, torch.Tensor):
-        raise TypeError(f"{fn}: destination of tensor {e.name!r} must be a torch.Tensor, got {type(dst).__name__}")
-    if tuple(dst.shape) != tuple(e.shape):
-        raise ValueError(f"{fn}: tensor {e.name!r} has shape {list(e.shape)} in the bucket but the destination "
+        raise TypeError(f"{fn}: destination of tensor {name!r} must be a torch.Tensor, got {type(dst).__name__}")
+    if tuple(dst.shape) != shape:
+        raise ValueError(f"{fn}: tensor {name!r} has shape {list(shape)} {arrives} but the destination "
                          f"has shape {list(dst.shape)}")
-    if dst.dtype != e.torch_dtype:
-        raise ValueError(f"{fn}: tensor {e.name!r} is {e.dtype} in the bucket but the destination is "
-                         f"{dtype_name(dst.dtype)}")
+    if dtype_name(dst.dtype) != dtype:
+        raise ValueError(f"{fn}: tensor {name!r} is {dtype} {arrives} but the destination is {dtype_name(dst.dtype)}")
     if dst.is_meta or dst.layout != torch.strided or not dst.is_contiguous():
-        raise ValueError(f"{fn}: the destination of tensor {e.name!r} must be a contiguous strided tensor with data")
-    check_has_data(fn, f"the destination of tensor {e.name!r}", dst)
+        raise ValueError(f"{fn}: the destination of tensor {name!r} must be a contiguous strided tensor with data")
+    check_has_data(fn, f"the destination of tensor {name!r}", dst)
     if dst.device != device:
-        raise ValueError(f"{fn}: the destination of tensor {e.name!r} is on {dst.device} but the bucket is on {device}")
+        raise ValueError(f"{fn}: the destination of tensor {name!r} is on {dst.device} but the bucket is on {device}")
 
 
 def load_into(data: torch.Tensor, dsts: Sequence[torch.Tensor], entries: Sequence[BucketEntry], fn: str) -> None:

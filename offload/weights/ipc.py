@@ -28,8 +28,8 @@ from torch.multiprocessing import reductions
 from ..core import _device
 from ..core.checks import check_int
 from ..core.timing import PhaseTimer
-from .buckets import (BucketPlan, BucketSpans, bucket_tensors, check_destinations, check_not_parked, copy_spans,
-                      destinations, plan_buckets)
+from .buckets import (BucketPlan, BucketSpans, bucket_spans, bucket_tensors, check_destinations, check_not_parked,
+                      copy_spans, destinations, plan_buckets)
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 DEFAULT_IPC_TIMEOUT_S = 120.0
@@ -238,13 +238,6 @@ def _open(handle) -> torch.Tensor:
     return rebuild(*args)
 
 
-def _bucket_spans(plan: BucketPlan) -> List[BucketSpans]:
-    per_bucket: List[list] = [[] for _ in range(plan.num_buckets)]
-    for e in plan.entries:
-        per_bucket[e.bucket].append(e)
-    return [BucketSpans(entries) for entries in per_bucket]
-
-
 def _expect(fn: str, channel, peer, deadline: float, timeout_s: float, kind: int, what: str):
     msg = channel.recv(peer, deadline)
     if msg is None:
@@ -304,7 +297,7 @@ class IpcSender:
             return self._plan, False
         plan = plan_buckets(items, self.bucket_bytes, dtype=self.dtype, keep_dtype=self.keep_dtype,
                             alignment=self.alignment, device=self.device)
-        self._signature, self._plan, self._spans = signature, plan, _bucket_spans(plan)
+        self._signature, self._plan, self._spans = signature, plan, bucket_spans(plan)
         self._plan_id = random.getrandbits(62) + 1
         return plan, True
 
@@ -469,7 +462,7 @@ class IpcReceiver:
         payload = payload or {}
         if fresh:
             plan = BucketPlan.from_dict(payload["plan"]).validate(f"{fn}: the sender's plan")
-            self._plans[plan_id] = (plan, _bucket_spans(plan))
+            self._plans[plan_id] = (plan, bucket_spans(plan))
             while len(self._plans) > 8:
                 self._plans.pop(next(iter(self._plans)))
         elif plan_id not in self._plans:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import _device
-from ..core.checks import is_int
+from ..core.checks import check_int, is_int
 
 _DEVICE_BACKENDS = ("nccl", "hccl")
 # What a user does after a sync failed (Note [failed syncs]); the end of every such error.
@@ -61,6 +61,16 @@ AFTER_FAILURE = ("The group is aborted and unusable, for syncs and any other col
 # With `timeout_s=None` on gloo what was left posted ends at the group's timeout.
 
 
+def collective_max_blocks(fn: str, device: torch.device, reserve_sms) -> int:
+    """`max_blocks` for the pack/unpack kernels that run beside a collective (0: no cap;
+    Note [SMs left to the collective] in sync.py)."""
+    check_int(fn, "reserve_sms", reserve_sms, 0)
+    sms = _device.multiprocessor_count(device) if device.type == "cuda" else 0
+    if not sms or not reserve_sms:
+        return 0
+    return max(1, sms - reserve_sms)  # one persistent block per SM on the others
+
+
 def check_group_args(fn: str, group, ranks, backend) -> Optional[List[int]]:
     """The arguments that choose a sync's group, checked before torch.distributed is asked
     (TypeError / ValueError naming `fn` and the argument); returns `ranks` as a sorted list."""
@@ -75,18 +85,23 @@ def check_group_args(fn: str, group, ranks, backend) -> Optional[List[int]]:
                         f"None, got {type(backend).__name__} {backend!r}")
     if ranks is None:
         return None
+    return check_ranks(fn, "ranks", ranks, "ints >= 0, or None",
+                       "each rank of the group once (the sender's and the receivers')")
+
+
+def check_ranks(fn: str, name: str, ranks, what: str, once: str) -> List[int]:
+    """`ranks` (argument `name`: global ranks, `what` they are) as a sorted list of distinct ints >= 0;
+    `once` says what each must name once."""
     if isinstance(ranks, (str, bytes, dict)) or not hasattr(ranks, "__iter__"):
-        raise TypeError(f"{fn}: ranks must be a list of global ranks (ints >= 0) or None, got "
-                        f"{type(ranks).__name__} {ranks!r}")
+        raise TypeError(f"{fn}: {name} must be a list of global ranks ({what}), got {type(ranks).__name__} {ranks!r}")
     ranks = list(ranks)
     for r in ranks:
         if not is_int(r):
-            raise TypeError(f"{fn}: ranks must hold global ranks (ints >= 0), got {type(r).__name__} {r!r}")
+            raise TypeError(f"{fn}: {name} must hold global ranks (ints >= 0), got {type(r).__name__} {r!r}")
         if r < 0:
-            raise ValueError(f"{fn}: ranks must hold global ranks (ints >= 0), got {r}")
+            raise ValueError(f"{fn}: {name} must hold global ranks (ints >= 0), got {r}")
     if not ranks or len(set(ranks)) != len(ranks):
-        raise ValueError(f"{fn}: ranks must name each rank of the group once (the sender's and the "
-                         f"receivers'), got {ranks}")
+        raise ValueError(f"{fn}: {name} must name {once}, got {ranks}")
     return sorted(ranks)
 
 

@@ -36,6 +36,7 @@ from .buckets import (
     DEFAULT_ALIGNMENT,
     BucketPlan,
     BucketSpans,
+    bucket_spans,
     bucket_tensors,
     check_bucket_options,
     check_destinations,
@@ -47,7 +48,9 @@ from .buckets import (
 )
 from . import sources as weight_sources
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver, IpcSender
-from .link import AFTER_FAILURE, Link, check_group_args, check_src, is_member, resolve_group, transport_device
+from .link import (AFTER_FAILURE, Link, check_group_args, check_src, collective_max_blocks, is_member, resolve_group,
+                   transport_device)
+from .many_senders import ManyReceiver, ManySender, check_senders, check_slices
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 MODES = ("device", "host_cache")
@@ -96,23 +99,6 @@ DEFAULT_RESERVE_SMS = 32
 # only on the copy stream; the trainer's stream is never made to wait except by
 # `wait_snapshot()`. Sends from a snapshot run on a stream of the sender's own,
 # so their uploads and packs never enter the trainer's stream either.
-
-
-def _copy_blocks(fn: str, device: torch.device, reserve_sms) -> int:
-    """`max_blocks` for the pack/unpack kernels that run beside a collective (0: no cap;
-    Note [SMs left to the collective])."""
-    check_int(fn, "reserve_sms", reserve_sms, 0)
-    sms = _device.multiprocessor_count(device) if device.type == "cuda" else 0
-    if not sms or not reserve_sms:
-        return 0
-    return max(1, sms - reserve_sms)  # one persistent block per SM on the others
-
-
-def _bucket_spans(plan: BucketPlan) -> List[BucketSpans]:
-    per_bucket: List[list] = [[] for _ in range(plan.num_buckets)]
-    for e in plan.entries:
-        per_bucket[e.bucket].append(e)
-    return [BucketSpans(entries) for entries in per_bucket]
 
 
 class _Buffers:
@@ -193,6 +179,13 @@ class WeightSender:
         timeout_s: longest wait, in seconds, for the other side (Note [sync timeouts]);
             None: the process group's timeout ("nccl"), or DEFAULT_IPC_TIMEOUT_S for
             "ipc" (a dead or failed peer is an error, not a hang).
+        senders: global ranks of every trainer rank that sends (Note [many senders] in
+            many_senders.py): each sends what it owns (its FSDP shards, and a share of the
+            tensors every trainer holds whole), on a group of its own with the receivers,
+            the rest of the sync group (`ranks`, or the world). Every rank of the world
+            constructs a sender (the trainer ranks) or a receiver with the same senders
+            and ranks (`new_group` is collective). Mode "device", transport "nccl"; `src`
+            and `group` are not used.
     """
 
     def __init__(
@@ -213,6 +206,7 @@ class WeightSender:
         transport: str = "nccl",
         channel=None,
         timeout_s: Optional[float] = None,
+        senders=None,
     ):
         fn = "offload.WeightSender"
         # Every argument is checked here, before torch.distributed is asked anything: a bad
@@ -225,6 +219,19 @@ class WeightSender:
         check_int(fn, "keep_versions", keep_versions, 1)
         check_pool(fn, pool)
         self._ipc = None
+        self._many = None
+        if senders is not None:
+            senders = check_senders(fn, senders)
+            _check_many(fn, group, mode, transport)
+            self._many = ManySender(fn, senders, ranks, backend, bucket_bytes, DEFAULT_SYNC_BUCKET_BYTES, dtype,
+                                    keep_dtype, alignment, reserve_sms, timeout_s)
+            self.mode, self.src, self.senders, self.member = mode, None, senders, self._many.member
+            self.is_src = self._many.index >= 0
+            self.device, self.bucket_bytes = self._many.device, self._many.bucket_bytes
+            self._next_version = 0
+            self._snapshots: "OrderedDict[int, _Snapshot]" = OrderedDict()
+            self._lock = threading.Lock()
+            return
         if transport == "ipc":
             if mode != "device":
                 raise ValueError(f"{fn}: transport 'ipc' packs from the device (mode 'device'), got mode={mode!r}")
@@ -251,7 +258,7 @@ class WeightSender:
             bucket_bytes = min(default_bucket_bytes(self.device), DEFAULT_SYNC_BUCKET_BYTES)
             check_bucket_options(fn, bucket_bytes, dtype, keep_dtype, alignment)  # the default against alignment
         self.bucket_bytes = bucket_bytes
-        self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
+        self._max_blocks = collective_max_blocks(fn, self.device, reserve_sms)
         self._link = Link(fn, self.group, self.src, timeout_s, self.device)
         self._backend = dist.get_backend(self.group) if self.member else None
         self.dtype = dtype
@@ -285,6 +292,8 @@ class WeightSender:
         _check_version(fn, version)
         if self._ipc is not None:
             raise ValueError(f"{fn}: transport 'ipc' sends from the device; snapshots need transport 'nccl'")
+        if self._many is not None:
+            raise ValueError(f"{fn}: senders= sends from the device (mode 'device'); snapshots need one sender")
         items = weight_sources.named_sources(fn, source)  # references: nothing is gathered yet
         names = [n for n, _ in items]
         if not self.is_src:  # an FSDP peer: it takes part in the gathers; only src keeps a copy
@@ -414,6 +423,8 @@ class WeightSender:
         if version is None:
             version = self._next_version
         self._next_version = max(self._next_version, version + 1)
+        if self._many is not None:
+            return self._many.send(fn, items, version)
         if self._ipc is not None:
             try:
                 return self._ipc.send(fn, items, version, weight_sources.check_source)
@@ -430,7 +441,7 @@ class WeightSender:
             return self._cached_plan, self._plan_id, False
         plan = plan_buckets(items, self.bucket_bytes, dtype=self.dtype, keep_dtype=self.keep_dtype,
                             alignment=self.alignment, device=self.device)
-        self._signature, self._cached_plan, self._cached_spans = signature, plan, _bucket_spans(plan)
+        self._signature, self._cached_plan, self._cached_spans = signature, plan, bucket_spans(plan)
         self._plan_id = random.getrandbits(62) + 1  # names this plan for receivers, whichever sender made it
         return plan, self._plan_id, True
 
@@ -564,6 +575,16 @@ def _check_common(fn: str, group, src, ranks, backend, reserve_sms) -> Optional[
     return check_group_args(fn, group, ranks, backend)
 
 
+def _check_many(fn: str, group, mode, transport) -> None:
+    """What `senders=` (Note [many senders]) goes with."""
+    if group is not None:
+        raise ValueError(f"{fn}: senders= builds a group per sender from ranks= (or the world), which every rank "
+                         "of the world must know; pass ranks=, not group")
+    if mode != "device" or transport != "nccl":
+        raise ValueError(f"{fn}: senders= sends from the device over process groups (mode 'device', transport "
+                         f"'nccl'), got mode={mode!r}, transport={transport!r}")
+
+
 def _check_transport(fn: str, transport, channel) -> None:
     if transport not in TRANSPORTS:
         raise ValueError(f"{fn}: transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -582,17 +603,34 @@ class WeightReceiver:
         timeout_s: longest wait, in seconds, for the sender, the first (the header of
             the next sync) included (Note [sync timeouts]); None: the process group's
             timeout ("nccl"), or DEFAULT_IPC_TIMEOUT_S for "ipc".
+        senders: the trainer ranks that send, as given to their `WeightSender(senders=...)`
+            (Note [many senders]); with `ranks` (None: the world) the same on every rank.
+        slices: with `senders`, what this receiver keeps of each tensor: a mapping name ->
+            (dim, start, stop), or a callable (name, full_shape) -> (dim, start, stop) or
+            None for the whole tensor (names a mapping leaves out come whole). Tensors are
+            received, loaded or yielded in the shape of their slice.
     """
 
     def __init__(self, group=None, *, src: int = 0, ranks=None, backend: Optional[str] = None,
                  reserve_sms: int = DEFAULT_RESERVE_SMS, transport: str = "nccl", channel=None,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, senders=None, slices=None):
         fn = "offload.WeightReceiver"
         _check_transport(fn, transport, channel)
         ranks = _check_common(fn, group, src, ranks, backend, reserve_sms)
+        slices = check_slices(fn, slices)
         self._ipc = None
+        self._many = None
         self.version: Optional[int] = None
         self.timings: dict = {}
+        if senders is not None:
+            senders = check_senders(fn, senders)
+            _check_many(fn, group, "device", transport)
+            self._many = ManyReceiver(fn, senders, ranks, backend, slices, reserve_sms, timeout_s)
+            self.src, self.senders, self.device = None, senders, self._many.device
+            return
+        if slices is not None:
+            raise ValueError(f"{fn}: slices= takes parts of tensors that several senders= send; a single sender's "
+                             "receiver takes whole tensors")
         if transport == "ipc":
             if ranks is not None:
                 raise ValueError(f"{fn}: transport 'ipc' takes a group (or a channel), not ranks")
@@ -607,7 +645,7 @@ class WeightReceiver:
                              "construct receivers only on the group's ranks")
         check_src(fn, self.group, self.src)
         self.device = transport_device(self.group)
-        self._max_blocks = _copy_blocks(fn, self.device, reserve_sms)
+        self._max_blocks = collective_max_blocks(fn, self.device, reserve_sms)
         self._link = Link(fn, self.group, self.src, timeout_s, self.device)
         self._buffers = _Buffers()
         self.version: Optional[int] = None
@@ -637,7 +675,7 @@ class WeightReceiver:
                 if isinstance(exc, ValueError) and str(exc).startswith(fn):
                     raise
                 raise ValueError(f"{fn} cannot be read: {type(exc).__name__}: {exc}") from exc
-            self._plans[plan_id] = (plan, _bucket_spans(plan))
+            self._plans[plan_id] = (plan, bucket_spans(plan))
             while len(self._plans) > 8:  # a few senders may share a group; keep their recent plans
                 self._plans.pop(next(iter(self._plans)))
         elif plan_id not in self._plans:
@@ -712,6 +750,10 @@ class WeightReceiver:
         return self._receive(copy)
 
     def _receive(self, copy: bool) -> Iterator[Tuple[str, torch.Tensor]]:
+        if self._many is not None:  # fresh tensors, whatever `copy` says
+            yield from self._many.receive()
+            self.version, self.timings = self._many.version, self._many.timings
+            return
         if self._ipc is not None:
             yield from self._ipc.receive(copy)
             self.version, self.timings = self._ipc.version, self._ipc.timings
@@ -733,6 +775,11 @@ class WeightReceiver:
         Returns the timings.
         """
         check_bool("offload.WeightReceiver.load", "strict", strict)
+        if self._many is not None:
+            try:
+                return self._many.load(target, strict)
+            finally:
+                self.version, self.timings = self._many.version, self._many.timings
         if self._ipc is not None:
             try:
                 return self._ipc.load(target, strict)
