@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/rl_weight_update.py --placement separate    # trainer GPU 0, rollout GPU 1
     torchrun --nproc-per-node 2 examples/rl_weight_update.py --placement colocated   # both on GPU 0
     torchrun --nproc-per-node 2 examples/rl_weight_update.py --device cpu            # gloo, host memory
+    torchrun --nproc-per-node 3 examples/rl_weight_update.py --trainer-ranks 2 --rollout-ranks 1  # many senders
 
 Rank 0 is the trainer, rank 1 the rollout engine. Each iteration the trainer
 takes an optimizer step, sends its weights cast to bf16 (`offload.WeightSender`),
@@ -17,13 +18,19 @@ Placements: "separate" sends over the world group (NCCL on GPUs); "colocated"
 puts both processes on one device and hands the buckets over through device IPC
 (`transport="ipc"`, its control messages over a gloo group). With `--device cpu`
 (the default on a host without an accelerator) both run with gloo and host memory
-(the IPC path's stand-in: shared memory).
+(the IPC path's stand-in: shared memory). The defaults suit every device: on the
+CPU two ranks run the loop in seconds. It needs torchrun's two processes: started
+with plain `python`, it prints the torchrun command and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import shlex
+import sys
 import time
 
 import torch
@@ -35,24 +42,45 @@ TRAINER, ROLLOUT = 0, 1
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--placement", choices=("separate", "colocated"), default="colocated")
+    # One set of defaults for every device: the model is small enough for the CPU to run the loop in seconds.
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--placement", choices=("separate", "colocated"), default="colocated",
+                   help="separate: a device each, weights over NCCL; colocated: one device, weights over IPC")
     p.add_argument("--device", default="auto",
                    help="auto (the host's accelerator if it has one, else the CPU), cpu, or an accelerator type")
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--bucket-mib", type=int, default=None, help="bucket size (default: offload's)")
-    return p.parse_args(argv)
+    p.add_argument("--iterations", type=int, default=3, help="training steps, each followed by a weight update")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (the MLP's: 11/4 of it)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    p.add_argument("--bucket-mib", type=int, default=None,
+                   help="bucket size in MiB (default: %(default)s, offload's own)")
+    p.add_argument("--trainer-ranks", type=int, default=0,
+                   help="many senders: this many ranks train under FSDP2 and each sends its own shards, to "
+                        "--rollout-ranks ranks (placement separate); 0: one trainer, one rollout")
+    p.add_argument("--rollout-ranks", type=int, default=1, help="rollout ranks, with --trainer-ranks")
+    p.add_argument("--rollout-tp", type=int, default=1,
+                   help="with --trainer-ranks: rollout ranks per engine, each keeping a tensor-parallel slice")
+    args = p.parse_args(argv)
+    if args.trainer_ranks:  # trainers and rollouts on ranks (devices) of their own
+        args.placement = "separate"
+    return args
+
+
+# device_kind and pick_device stand again in train_fsdp2.py: each example runs when copied alone.
+def device_kind(requested: str) -> str:
+    """The device type `--device` names: with auto, the host's accelerator, else the CPU."""
+    if requested != "auto":
+        return requested
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
 
 
 def pick_device(requested: str, index: int, needed: int, placement: str) -> torch.device:
     """This rank's device: device `index` of `requested`'s type, of which this host needs `needed`."""
-    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    kind = (accel.type if accel is not None else "cpu") if requested == "auto" else requested
+    kind = device_kind(requested)
     if kind == "cpu":
         return torch.device("cpu")
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     count = torch.accelerator.device_count() if accel is not None and accel.type == kind else 0
     if count < needed:
         raise SystemExit(f"{os.path.basename(__file__)}: --placement {placement} needs {needed} {kind} device(s) on "
@@ -102,9 +130,131 @@ def checksums(named) -> torch.Tensor:
     return torch.stack([t.detach().to(torch.bfloat16).double().sum().cpu() for _, t in named])
 
 
+def tp_slice(tp_rank: int, tp: int):
+    """A tensor-parallel rollout rank's share of each weight: column-parallel matrices (q/k/v, gate/up,
+    embeddings, lm_head) by rows, row-parallel ones (o_proj, down_proj) by columns; norms whole."""
+
+    def spec(name, shape):
+        if tp == 1 or len(shape) != 2:
+            return None
+        dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+        if shape[dim] % tp:
+            return None
+        size = shape[dim] // tp
+        return dim, tp_rank * size, (tp_rank + 1) * size
+
+    return spec
+
+
+def digest(t: torch.Tensor) -> str:
+    """The tensor's bytes, hashed: equal digests mean equal bits."""
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def expected_digests(model, tp: int) -> dict:
+    """(tp rank, name) -> digest of what that rollout rank must hold: the full bf16 tensor, sliced. Every trainer
+    rank takes part (each DTensor is gathered, one at a time, for this check only; the sync gathers nothing)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        full = (t.full_tensor() if hasattr(t, "full_tensor") else t).to(torch.bfloat16)
+        for r in range(tp):
+            spec = tp_slice(r, tp)(name, tuple(full.shape))
+            out[(r, name)] = digest(full if spec is None else full.narrow(spec[0], spec[1], spec[2] - spec[1]))
+    return out
+
+
+def run_many_senders(args, device: torch.device) -> None:
+    """--trainer-ranks N --rollout-ranks M: ranks 0..N-1 train under FSDP2 and each sends its own shards
+    (`WeightSender(senders=...)`, nothing gathered); ranks N.. are rollout engines, in groups of --rollout-tp
+    ranks that each keep a tensor-parallel slice (`WeightReceiver(slices=...)`). Every received tensor is checked
+    bit for bit (sha256) against the trainer's; rank 0 ends with `summary {json}`."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    n, m, tp = args.trainer_ranks, args.rollout_ranks, args.rollout_tp
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = os.path.basename(__file__)
+    if world != n + m or m < 1 or tp < 1 or m % tp:
+        raise SystemExit(f"{name}: --trainer-ranks {n} --rollout-ranks {m} --rollout-tp {tp} runs under torchrun "
+                         f"--nproc-per-node {n + m} (got {world} processes), with --rollout-ranks a multiple of "
+                         "--rollout-tp")
+    # Collective over the world, in this order on every rank: the control group, the trainers' mesh, then the
+    # sender's groups (one per trainer rank, built by WeightSender / WeightReceiver alike).
+    control = dist.new_group(backend="gloo") if device.type != "cpu" else dist.group.WORLD
+    trainers = list(range(n))
+    mesh_group = dist.new_group(trainers)
+    bucket = None if args.bucket_mib is None else args.bucket_mib << 20
+    seconds, sent, ok = [], 0, True
+    if rank < n:
+        model = build_model(args, device)
+        mesh = DeviceMesh.from_group(mesh_group, device.type)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sender = offload.WeightSender(senders=trainers, dtype=torch.bfloat16, bucket_bytes=bucket)
+        for it in range(args.iterations):
+            ids = torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(it)).to(device)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            timings = sender.send(model)
+            seconds.append(time.perf_counter() - start)
+            sent, model_bytes = timings["bytes_sent"], timings["model_bytes"]
+            digests = expected_digests(model, tp)
+            dist.broadcast_object_list([digests if rank == 0 else None], src=0, group=control)
+            if rank == 0:
+                print(f"iteration {it} loss {loss.item():.4f} sync_ms {seconds[-1] * 1e3:.2f} bytes_sent "
+                      f"{timings['bytes_per_sender']} of {model_bytes}", flush=True)
+    else:
+        tp_rank = (rank - n) % tp
+        receiver = offload.WeightReceiver(senders=trainers, slices=tp_slice(tp_rank, tp))
+        rollout = Rollout(build_model(args, device, torch.bfloat16)) if tp == 1 else None
+        for it in range(args.iterations):
+            start = time.perf_counter()
+            if rollout is not None:  # a whole model: loaded by name, as an engine's load_weights does
+                count = rollout.load_weights(receiver.receive())
+                got = rollout.params
+            else:  # a tensor-parallel engine's shards
+                got = dict(receiver.receive())
+                count = len(got)
+            seconds.append(time.perf_counter() - start)
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=control)
+            want = {n_: d for (r, n_), d in box[0].items() if r == tp_rank}
+            ok = ok and got.keys() == want.keys() and all(digest(got[n_]) == d for n_, d in want.items())
+            if rollout is not None:
+                rollout.generate(torch.zeros(1, 4, dtype=torch.long, device=device))
+            print(f"rollout rank {rank} iteration {it}: {count} tensors received in {seconds[-1] * 1e3:.2f} ms, "
+                  f"{'bit for bit' if ok else 'DIFFERENT'}", flush=True)
+        model_bytes = receiver.timings["model_bytes"]
+    every = [None] * world
+    dist.all_gather_object(every, (seconds, sent, ok), group=control)
+    if rank == 0:
+        summary = {"trainer_ranks": n, "rollout_ranks": m, "rollout_tp": tp, "iterations": args.iterations,
+                   "bitwise": all(o for _, _, o in every),
+                   # send() on the slowest trainer rank (a rollout's clock also runs while the trainers train)
+                   "seconds": max(s[-1] for s, _, _ in every[:n]),
+                   "seconds_per_sync": [max(s[i] for s, _, _ in every[:n]) for i in range(args.iterations)],
+                   "bytes_sent_per_rank": [b for _, b, _ in every[:n]], "model_bytes": model_bytes}
+        print("summary " + json.dumps(summary), flush=True)
+    bitwise = all(o for _, _, o in every)
+    dist.barrier(group=control)
+    dist.destroy_process_group()
+    if not bitwise:
+        raise SystemExit(f"{name}: a rollout's weights differ from the trainer's")
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
+    if "RANK" not in os.environ:  # a trainer and a rollout engine: one process cannot be both
+        command = shlex.join(["torchrun", "--nproc-per-node", "2", sys.argv[0], *argv])
+        raise SystemExit(f"{os.path.basename(__file__)}: needs two processes (rank 0 trains, rank 1 rolls out); "
+                         f"launch it with: {command}")
+    rank = int(os.environ["RANK"])
     if args.placement == "separate":  # a device per process
         device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)),
                              int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.placement)
@@ -112,8 +262,11 @@ def main(argv=None):
         device = pick_device(args.device, 0, 1, args.placement)
     separate_gpus = device.type != "cpu" and args.placement == "separate"
     dist.init_process_group("nccl" if separate_gpus and device.type == "cuda" else "gloo")
+    if args.trainer_ranks:
+        return run_many_senders(args, device)
     if dist.get_world_size() != 2:
-        raise SystemExit("run with torchrun --nproc-per-node 2 (rank 0 trains, rank 1 rolls out)")
+        raise SystemExit(f"{os.path.basename(__file__)}: needs two processes (rank 0 trains, rank 1 rolls out), "
+                         f"got {dist.get_world_size()}; run with torchrun --nproc-per-node 2")
     # Small control messages (checksums, and the IPC path's signals) go over gloo.
     control = dist.new_group(backend="gloo") if separate_gpus else dist.group.WORLD
     bucket = None if args.bucket_mib is None else args.bucket_mib << 20

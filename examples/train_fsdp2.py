@@ -2,13 +2,16 @@
 
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --activation-offload auto
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --checkpoint-every 50 --checkpoint-dir ckpt [--resume]
-    torchrun --nproc-per-node 2 examples/train_fsdp2.py --device cpu    # gloo, every rank on the CPU
+    torchrun --nproc-per-node 2 examples/train_fsdp2.py --device cpu    # gloo, every rank on the CPU: a smaller model
+    python examples/train_fsdp2.py --device cpu                          # without torchrun: one process
 
 The model is built from a config (no downloads) and sharded with `fully_shard`
 per decoder block, then at the root; AdamW; synthetic tokens, the same for a
 step whatever run it is in, so a resumed run sees the data an uninterrupted one
 would. One accelerator per rank with NCCL (`--device auto`, the default, when
-the host has one), or the CPU with gloo. Checkpoints are DCP `async_save`s staged
+the host has one), or the CPU with gloo; the CPU's default model is smaller
+(`--help` shows both). Started without torchrun, the script trains as a world
+of one process. Checkpoints are DCP `async_save`s staged
 by `offload.AsyncStager`, whose `protect(optimizer)` makes the optimizer step
 wait (on the device) for the staging copy. Each step prints its loss, tokens/s,
 peak device memory, the host's time to issue it and the caching allocator's retries
@@ -24,9 +27,12 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,11 +48,31 @@ except ImportError:  # torch releases that kept FSDP2 under _composable
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
 
+@dataclass(frozen=True)
+class ByDevice:
+    """A default that depends on the device: `accel` on an accelerator, `cpu` on the CPU."""
+
+    accel: object
+    cpu: object
+
+    def __str__(self) -> str:  # what --help shows
+        return f"{self.accel}; {self.cpu} on the CPU"
+
+
+# The model's shape: on an accelerator one whose activations are worth offloading; on the CPU
+# one that two ranks on two cores train for the default steps in under a minute.
+BATCH, SEQ, HIDDEN = ByDevice(4, 2), ByDevice(1024, 256), ByDevice(1024, 512)
+LAYERS, HEADS, VOCAB = ByDevice(8, 4), ByDevice(16, 8), ByDevice(32000, 8192)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", default="auto",
                    help="auto (the host's accelerator, one per rank, else the CPU), cpu, or an accelerator type")
-    p.add_argument("--activation-offload", choices=("off", "async", "auto"), default="off")
+    p.add_argument("--activation-offload", choices=("off", "async", "auto"), default="off",
+                   help="async: offload the saved activations of every layer but the last --offload-keep-last; "
+                        "auto: measure steps, then plan which layers to offload")
     p.add_argument("--offload-min-tensor-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay on the device")
     p.add_argument("--offload-keep-last", type=int, default=1,
@@ -54,29 +80,33 @@ def parse_args(argv=None):
     p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of the gathered parameters in forward and backward (FSDP2 mixed precision; the "
                         "sharded weights, gradient reduction and optimizer stay fp32)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=20, help="steps to train to (a resumed run ends at the same step)")
+    p.add_argument("--batch", type=int, default=BATCH, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="hidden size (the MLP's: 11/4 of it)")
+    p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers")
+    p.add_argument("--heads", type=int, default=HEADS, help="attention heads (key and value heads: a quarter)")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the synthetic tokens")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
-    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go, a folder step-N each")
     p.add_argument("--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--keep-checkpoints", type=int, default=0,
                    help="keep only the newest N saved checkpoints, deleting older ones (0: keep all)")
     p.add_argument("--warmup-steps", type=int, default=2,
                    help="first steps left out of the final summary's medians (allocator and kernel warm-up)")
-    p.add_argument("--profile-steps", default="",
+    p.add_argument("--profile-steps", default=None,
                    help="comma-separated steps to record with torch.profiler; rank 0 writes a Chrome trace of "
                         "each into --profile-dir")
-    p.add_argument("--profile-dir", default="profiles")
+    p.add_argument("--profile-dir", default="profiles", help="where the traces of --profile-steps go")
     args = p.parse_args(argv)
+    on_cpu = device_kind(args.device) == "cpu"
+    for name, value in vars(args).items():
+        if isinstance(value, ByDevice):
+            setattr(args, name, value.cpu if on_cpu else value.accel)
     try:
-        args.profile_steps = {int(s) for s in args.profile_steps.split(",") if s.strip()}
+        args.profile_steps = {int(s) for s in (args.profile_steps or "").split(",") if s.strip()}
     except ValueError:
         p.error(f"--profile-steps takes comma-separated step numbers, got {args.profile_steps!r}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
@@ -84,18 +114,39 @@ def parse_args(argv=None):
     return args
 
 
+# device_kind and pick_device stand again in rl_weight_update.py: each example runs when copied alone.
+def device_kind(requested: str) -> str:
+    """The device type `--device` names: with auto, the host's accelerator, else the CPU."""
+    if requested != "auto":
+        return requested
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+
+
 def pick_device(requested: str, index: int, needed: int) -> torch.device:
     """This rank's device: device `index` of `requested`'s type, of which the ranks on this host need `needed`."""
-    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    kind = (accel.type if accel is not None else "cpu") if requested == "auto" else requested
+    kind = device_kind(requested)
     if kind == "cpu":
         return torch.device("cpu")
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     count = torch.accelerator.device_count() if accel is not None and accel.type == kind else 0
     if count < needed:
         raise SystemExit(f"{os.path.basename(__file__)}: {needed} processes on this host need a {kind} device each, "
                          f"but torch sees {count}; run fewer processes per node, or pass --device cpu (gloo)")
     torch.accelerator.set_device_index(index)
     return torch.device(kind, index)
+
+
+def init_world(device, argv) -> None:
+    """torchrun's world (its environment), or, started without torchrun, a world of this one process."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+        return
+    command = shlex.join(["torchrun", "--nproc-per-node", "2", sys.argv[0], *argv])
+    print(f"{os.path.basename(__file__)}: started without torchrun, so one process trains alone; for two ranks: "
+          f"{command}", file=sys.stderr, flush=True)
+    # A store in this process: a world of one has no one to meet, so no address or port.
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def build_model(args, device):
@@ -208,11 +259,12 @@ def summary(args, records, tokens: int, device, handle, settled_at) -> dict:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)),
                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    init_world(device, argv)
     model = build_model(args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 

@@ -1,5 +1,5 @@
 """What the torch.distributed tests share: spawned ranks of a world (their worker processes,
-the rendezvous, a comparison of weights), and a one-rank gloo world in this process."""
+the rendezvous, FSDP2 sharding, a comparison of weights), and a one-rank gloo world in this process."""
 
 import datetime
 import faulthandler
@@ -120,6 +120,18 @@ def spawn_world(scenario, device_type: str = "cpu", world: int = 2, colocated: b
         run_ranks(_run_scenario, (world, init_method, scenario, device_type, colocated), world, _JOIN_TIMEOUT_S)
     finally:
         shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def fully_shard_layers(model, layers, device):
+    """`model` sharded with FSDP2 over the whole world: each of `layers` that holds parameters, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in layers:
+        if any(True for _ in layer.parameters()):  # fully_shard wants parameters to shard
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def assert_equal_weights(got: dict, want: dict, what: str) -> None:

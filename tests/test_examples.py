@@ -1,4 +1,5 @@
-"""The examples run as users run them: `torchrun --nproc-per-node 2`, tiny models.
+"""The examples run as users run them: `torchrun --nproc-per-node 2`, tiny models; and with plain
+`python`, as a user who has not read the docs starts them.
 
 `--device cpu` (gloo) everywhere, whatever accelerators the host has; the runs on
 accelerators are marked: one GPU (colocated), two GPUs (NCCL).
@@ -9,6 +10,7 @@ those of its selected tests side by side as it begins (`runs`), and each test ch
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,18 +25,31 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(script, *args, timeout=240, check=True):
-    env = dict(os.environ)
+# What a launcher sets: the examples start with none of them, as from a user's shell.
+_LAUNCHER_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def _run(cmd, timeout):
+    """The finished process of `cmd`, with this worktree's offload."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
     # The worktree's offload, not an installed one: the script's own folder comes first on its path.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / script), *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _torchrun(script, *args, timeout=240, check=True):
+    done = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 str(ROOT / "examples" / script), *args], timeout)
     if not check:
         return done
     assert done.returncode == 0, f"{script} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done.stdout
+
+
+def _python(script, *args, timeout=240):
+    """`python examples/<script> args`, without torchrun: the finished process."""
+    return _run([sys.executable, str(ROOT / "examples" / script), *args], timeout)
 
 
 def _losses(out):
@@ -43,6 +58,7 @@ def _losses(out):
 
 TINY = ["--device", "cpu", "--batch", "2", "--seq", "32", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
         "--offload-min-tensor-bytes", "0"]
+ALONE = [*TINY, "--steps", "1"]  # without torchrun
 
 
 def _fsdp2_resume(tmp_path):
@@ -98,6 +114,58 @@ def test_examples_too_few_devices_clear_message(runs, script, args):
     assert "invalid device ordinal" not in done.stderr
 
 
+def test_examples_train_fsdp2_without_torchrun_trains_alone(runs):
+    # One process is a world of one: FSDP2 shards over it, so the script runs as it would
+    # under torchrun, and says how to start two ranks.
+    done = runs()
+    assert done.returncode == 0, done.stderr[-3000:]
+    command = shlex.join(["torchrun", "--nproc-per-node", "2", str(ROOT / "examples" / "train_fsdp2.py"), *ALONE])
+    assert f"train_fsdp2.py: started without torchrun, so one process trains alone; for two ranks: {command}" \
+        in done.stderr.splitlines(), done.stderr[-3000:]
+    assert sorted(_losses(done.stdout)) == [0] and "\nsummary {" in done.stdout
+
+
+def test_examples_rl_weight_update_without_torchrun_says_how_to_launch(runs):
+    # A trainer and a rollout engine: one process cannot be both, so it stops before any work.
+    done = runs()
+    command = shlex.join(["torchrun", "--nproc-per-node", "2", str(ROOT / "examples" / "rl_weight_update.py"),
+                          "--device", "cpu"])
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == ("rl_weight_update.py: needs two processes (rank 0 trains, rank 1 rolls "
+                                            f"out); launch it with: {command}"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and not done.stdout
+
+
+def _help(example, capsys) -> dict:
+    """`--help` of an example, by option: its text on one line, whatever the terminal's width."""
+    with pytest.raises(SystemExit) as exit_help:
+        example.parse_args(["--help"])
+    assert exit_help.value.code == 0
+    options = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:\n", 1)[1])
+    return {option.split()[0].rstrip(","): " ".join(option.split()) for option in options}
+
+
+def test_examples_help_shows_the_defaults(capsys):
+    train = _load_example("train_fsdp2")
+    options = _help(train, capsys)
+    assert all(text.endswith(")") and "(default: " in text for flag, text in options.items() if flag != "-h"), options
+    assert options["--device"].endswith("(default: auto)")
+    assert options["--steps"].endswith("(default: 20)")
+    assert options["--hidden"].endswith("(default: 1024; 512 on the CPU)"), options["--hidden"]
+    assert options["--seq"].endswith("(default: 1024; 256 on the CPU)"), options["--seq"]
+    # The device's defaults are the ones the run takes; what the command line gives stands.
+    on_cpu, on_gpu = train.parse_args(["--device", "cpu"]), train.parse_args(["--device", "cuda"])
+    assert (on_cpu.hidden, on_cpu.layers, on_cpu.seq, on_cpu.steps) == (512, 4, 256, 20)
+    assert (on_gpu.hidden, on_gpu.layers, on_gpu.seq, on_gpu.steps) == (1024, 8, 1024, 20)
+    assert train.parse_args(["--device", "cpu", "--hidden", "64"]).hidden == 64
+
+    options = _help(_load_example("rl_weight_update"), capsys)
+    assert all(text.endswith(")") and "(default: " in text for flag, text in options.items() if flag != "-h"), options
+    assert options["--placement"].endswith("(default: colocated)")
+    assert options["--iterations"].endswith("(default: 3)")
+    assert options["--bucket-mib"].endswith("(default: None, offload's own)")
+
+
 @pytest.mark.cuda
 def test_examples_rl_weight_update_colocated_on_one_gpu(runs):
     _check_rl(runs())
@@ -142,6 +210,9 @@ RUNS = {
     "test_examples_rl_weight_update_separate_gpus":
         lambda tmp: _torchrun("rl_weight_update.py", "--placement", "separate", *RL_TINY),
     "test_examples_train_fsdp2_nccl_offload_and_checkpoint": _fsdp2_nccl,
+    "test_examples_train_fsdp2_without_torchrun_trains_alone": lambda tmp: _python("train_fsdp2.py", *ALONE),
+    "test_examples_rl_weight_update_without_torchrun_says_how_to_launch":
+        lambda tmp: _python("rl_weight_update.py", "--device", "cpu"),
 }
 # A torchrun of two ranks keeps about three cores busy (its agent, two ranks).
 PARALLEL = max(1, (os.cpu_count() or 1) // 4)
@@ -188,6 +259,7 @@ def _load_example(name):
 
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import does: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

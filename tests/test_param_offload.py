@@ -1,13 +1,11 @@
 """Parameter offload: memory really released, bitwise identical after reload, training goes on identically."""
 
-import traceback
-
 import pytest
 import torch
 
 import offload
 from offload.core import _device
-from _workers import leave_passed_worker, run_ranks, watch_for_aborts
+from _workers import fully_shard_layers, spawn_world
 
 
 def _model(device, seed=0):
@@ -143,75 +141,56 @@ def _local(t):
 
 def _shard(model, wrap: str, device):
     """Every layer with parameters, then the root: FSDP (v1, flat parameters) or FSDP2 (DTensor parameters)."""
-    if wrap == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if wrap == "fsdp2":
+        return fully_shard_layers(model, model, device)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        for i, layer in enumerate(model):
-            if any(True for _ in layer.parameters()):
-                model[i] = FSDP(layer, device_id=device)
-        return FSDP(model, device_id=device)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import torch.distributed as dist
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model:
+    for i, layer in enumerate(model):
         if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+            model[i] = FSDP(layer, device_id=device)
+    return FSDP(model, device_id=device)
 
 
-def _fsdp_worker(rank, world, init_method, wrap, device_type, failures):
-    watch_for_aborts()
-    try:
-        import torch.distributed as dist
-
-        if device_type == "cuda":
-            _device._module("cuda").set_device(rank)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                                world_size=world)
-        device = _device.current_device() if device_type == "cuda" else torch.device("cpu")
-        model, ref = _shard(_model(device), wrap, device), _shard(_model(device), wrap, device)
-        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        _step(model, opt, 0)
-        _step(ref, ref_opt, 0)
-        allocated = _device.memory_allocated(device) if device_type == "cuda" else 0
-        out = offload.offload_params(model, grads=True, optimizer=opt)
-        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-        held = [_local(t) for p in model.parameters() for t in (p, p.grad)] + [_local(v) for v in state]
-        assert state and sum(t.untyped_storage().nbytes() for t in held) == 0  # the local shards, grads, state
-        if device_type == "cuda":
-            assert _device.memory_allocated(device) <= allocated - out["bytes"] + (1 << 20)
-        offload.reload_params(model)
-        for step in range(1, 3):
-            assert torch.equal(_step(model, opt, step), _step(ref, ref_opt, step))
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.equal(_local(p), _local(q)) and torch.equal(_local(p.grad), _local(q.grad))
-        dist.destroy_process_group()
-    except BaseException:
-        failures.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    leave_passed_worker()
+def _check_fsdp(wrap: str, device) -> None:
+    model, ref = _shard(_model(device), wrap, device), _shard(_model(device), wrap, device)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _step(model, opt, 0)
+    _step(ref, ref_opt, 0)
+    on_accelerator = device.type != "cpu"
+    allocated = _device.memory_allocated(device) if on_accelerator else 0
+    out = offload.offload_params(model, grads=True, optimizer=opt)
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    held = [_local(t) for p in model.parameters() for t in (p, p.grad)] + [_local(v) for v in state]
+    assert state and sum(t.untyped_storage().nbytes() for t in held) == 0  # the local shards, grads, state
+    if on_accelerator:
+        assert _device.memory_allocated(device) <= allocated - out["bytes"] + (1 << 20)
+    offload.reload_params(model)
+    for step in range(1, 3):
+        assert torch.equal(_step(model, opt, step), _step(ref, ref_opt, step))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(_local(p), _local(q)) and torch.equal(_local(p.grad), _local(q.grad))
 
 
-def _spawn_fsdp(tmp_path, world: int, wrap: str, device_type: str):
-    # Rendezvous through a file in the test's own folder: a TCP port picked free
-    # here (bind to 0, close) can be taken by another process before rank 0 binds it.
-    run_ranks(_fsdp_worker, (world, f"file://{tmp_path}/rdzv", wrap, device_type), world, timeout_s=240)
+# spawn_world runs a module-level function of (rank, device): one per wrapping.
+def _scenario_fsdp1(rank, device):
+    _check_fsdp("fsdp1", device)
+
+
+def _scenario_fsdp2(rank, device):
+    _check_fsdp("fsdp2", device)
 
 
 @pytest.mark.parametrize("wrap", ["fsdp1", "fsdp2"])
 @pytest.mark.skipif(_device.accelerator_type() not in (None, "cuda"),
                     reason="the one-process world is gloo on the CPU or NCCL on CUDA; HCCL is not wired here")
-def test_param_offload_fsdp_one_process(tmp_path, wrap):
+def test_param_offload_fsdp_one_process(wrap):
     """A one-process world (gloo on the CPU in CI; NCCL where there is a GPU, since offload moves only accelerator
     tensors there): FSDP's flat parameters / FSDP2's DTensor shards, their grads and AdamW's state leave (0 bytes
     held) and training goes on bit for bit after reload."""
-    _spawn_fsdp(tmp_path, 1, wrap, _device.accelerator_type() or "cpu")
+    spawn_world(_scenario_fsdp1 if wrap == "fsdp1" else _scenario_fsdp2, _device.accelerator_type() or "cpu", world=1)
 
 
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
-def test_param_offload_fsdp2_two_gpus(tmp_path):
-    _spawn_fsdp(tmp_path, 2, "fsdp2", "cuda")
+def test_param_offload_fsdp2_two_gpus():
+    spawn_world(_scenario_fsdp2, "cuda")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import offload
-from _workers import assert_equal_weights, spawn_world
+from _workers import assert_equal_weights, fully_shard_layers, spawn_world
 
 SRC = 0
 
@@ -219,16 +219,10 @@ def _scenario_subgroup(rank, device):
         assert_equal_weights(_sd(mine), _sd(model), f"subgroup sync {step}")
 
 
-def _shard(model, device):
+def _sharded_llama(seed: int, device):
     """FSDP2 over both ranks: every decoder layer, then the root."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    model = _llama(seed, device)
+    return fully_shard_layers(model, model.model.layers, device)
 
 
 def _train_step_sharded(model, step: int) -> None:
@@ -245,7 +239,7 @@ def _train_step_sharded(model, step: int) -> None:
 def _scenario_fsdp2_host_cache(rank, device):
     """FSDP2-sharded trainer on both ranks: every rank snapshots (the gathers are collective), rank 0 sends,
     rank 1 receives into a plain model and matches an unsharded replica bit for bit, sync after sync."""
-    model = _shard(_llama(0, device), device)
+    model = _sharded_llama(0, device)
     sender = offload.WeightSender(src=SRC, bucket_bytes=32 << 10, mode="host_cache", dtype=torch.bfloat16,
                                   keep_dtype=["*norm.weight"])
     assert all(type(p).__name__ == "DTensor" for p in model.parameters())
@@ -306,7 +300,7 @@ class _GatherRecorder:
 def _scenario_fsdp2_host_cache_per_layer(rank, device):
     """FSDP2 host_cache snapshots gather a bounded group at a time (never a whole layer, never the model), reuse
     the host buffers of evicted versions, and an older version sent after a newer snapshot arrives bit for bit."""
-    model = _shard(_llama(0, device), device)
+    model = _sharded_llama(0, device)
     recorder = _GatherRecorder()
     bucket = 32 << 10
     sender = offload.WeightSender(src=SRC, bucket_bytes=bucket, mode="host_cache", keep_versions=2)
@@ -391,16 +385,19 @@ def test_weight_sync_needs_initialized_group():
         offload.WeightReceiver()
 
 
+_ON_THE_CPU_ONLY = pytest.mark.skipif(
+    offload.core._device.accelerator_type() is not None,
+    reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(offload.core._device.accelerator_type() is not None,
-                    reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
+@_ON_THE_CPU_ONLY
 def test_weight_sync_gloo_fsdp2_host_cache():
     spawn_world(_scenario_fsdp2_host_cache)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(offload.core._device.accelerator_type() is not None,
-                    reason="host_cache snapshots copy from the accelerator; the NCCL test covers FSDP2 there")
+@_ON_THE_CPU_ONLY
 def test_weight_sync_gloo_fsdp2_host_cache_gathers_per_group():
     spawn_world(_scenario_fsdp2_host_cache_per_layer)
 
