@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.core import _device
-from offload.activation.planner import max_tuning_steps
+from offload.activation.auto.planner import max_tuning_steps
 
 SECTION = "activation"
 ALTERNATED_ROUNDS = 15

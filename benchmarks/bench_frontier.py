@@ -45,7 +45,7 @@ from bench_activation import Block, Stack, _alternated, _alternated_paused, _lla
 from common import row
 
 import offload
-from offload.activation.planner import max_tuning_steps
+from offload.activation.auto.planner import max_tuning_steps
 from offload.core import _device
 
 SECTION = "frontier"

@@ -190,7 +190,7 @@ def _paused(handle, step):
 def _settle(handle, step) -> int:
     """Steps auto mode took to settle its plan (at most `max_tuning_steps`), then one more:
     no probe step is timed as the plan's, and the settled plan's first step allocates."""
-    from offload.activation.planner import max_tuning_steps
+    from offload.activation.auto.planner import max_tuning_steps
 
     taken = 0
     for _ in range(max_tuning_steps(len(handle.layers))):

@@ -43,7 +43,7 @@ import offload  # noqa: E402
 from offload.core import _device  # noqa: E402
 from offload.activation import engine as _activation  # noqa: E402
 from offload.activation import backward as _activation_backward  # noqa: E402
-from offload.activation.schedule import Schedule  # noqa: E402
+from offload.activation.auto.schedule import Schedule  # noqa: E402
 
 GiB = float(1 << 30)
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from offload.activation.planner import MIN_MEASURED_WITHOUT_OFFLOAD
+from offload.activation.auto.planner import MIN_MEASURED_WITHOUT_OFFLOAD
 
 MODES = ["sync", "async", "auto"]
 # Steps auto mode measures a shape before its plan runs, where a step without offload fits: the
@@ -193,7 +193,7 @@ def log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
 
 
 def use_schedule(engine, n, **kw):
-    from offload.activation.schedule import Schedule
+    from offload.activation.auto.schedule import Schedule
 
     engine.use_plan(Schedule(n, kw.get("caps", [None] * n), kw.get("release_at", {}), kw.get("fetch_at", {}),
                              kw.get("fetch_at_start", []), kw.get("split_at", {}),
@@ -216,7 +216,7 @@ class StepClock:
         return True
 
     def seconds(self, a, b):
-        probe = next(iter(self.handle.planner.tuning.values()), None)  # the probe reading this step
+        probe = next(iter(self.handle.planner.prober.tuning.values()), None)  # the probe reading this step
         factor = self.slow if probe is not None and probe.serial % 2 else 1.0
         return factor * (1.0 + self.overhead * len(self.handle.offloaded_layers()))
 

@@ -10,7 +10,7 @@ import torch
 
 import offload
 from offload.core import _device
-from offload.activation.planner import max_tuning_steps
+from offload.activation.auto.planner import max_tuning_steps
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     AUTO_MEASURING_STEPS, FakeEvent, FakeStream, Model, assert_bitwise_equal, assert_step_matches,
     log_fetch_and_restore, log_layer_backward, one_thread, pool, predicted_peak_keeping_all, small_model, train_step,
@@ -214,7 +214,7 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, c
     fetched when backward reaches the layer the schedule names, before it is needed.
     `parts`: layer 0 is copied in two parts, each let go at its own point. `tail`: layer 1 is
     let go at the second tensor saved after the last layer (the head's), not at its end."""
-    from offload.activation.schedule import TAIL_POINT
+    from offload.activation.auto.schedule import TAIL_POINT
 
     parts = case == "parts"
     from offload.core import _backend
@@ -284,7 +284,7 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, c
 def test_activation_auto_schedule_starts_from_the_faster_bus_reading(idle_gbps, expected, pool, monkeypatch):
     """Without a budget the schedule takes the faster of the first measuring step's copies
     (here 5 and 6 GB/s) and an idle copy each way."""
-    from offload.activation import planner as _activation_plan
+    from offload.activation.auto import planner as _activation_plan
 
     monkeypatch.setattr(_activation_plan, "probe_bandwidth", lambda device: (idle_gbps * 1e9, idle_gbps * 1e9))
     model = small_model()
@@ -356,7 +356,7 @@ def test_activation_schedule_fetches_after_other_hooks_on_the_layer_output(monke
 
 @pytest.mark.parametrize("budget", [None, 1 << 40, "quarter"])
 def test_activation_auto_frees_the_allocator_cache_once_as_the_plan_settles(pool, monkeypatch, budget):
-    """Note [fresh segments] in planner.py: the device allocator's cached blocks are given back
+    """Note [fresh segments] in auto/memory.py: the device allocator's cached blocks are given back
     once, at the step the plan settles, never while it is measured, probed or checked; a budget
     plan that keeps every layer is checked against timed steps like any other."""
     model = small_model(n=6)
@@ -431,7 +431,7 @@ class _SpikyBlock(torch.nn.Module):
 
 
 def test_activation_auto_budget_measures_memory_stretch_by_stretch(pool, monkeypatch):
-    """Note [memory beside the activations] in budget.py: the measuring step reads the
+    """Note [memory beside the activations] in auto/budget.py: the measuring step reads the
     allocator's peak of each layer's forward, of the head and the loss with their backward, and
     of each layer's backward, and the plan adds each where it was measured."""
     allocator = _Allocator(10 ** 9)
@@ -445,7 +445,7 @@ def test_activation_auto_budget_measures_memory_stretch_by_stretch(pool, monkeyp
     model.head = torch.nn.Sequential(torch.nn.Identity(), head)
     model.head[0].register_forward_hook(lambda *args: allocator.spike(tail << 20))
     runs = []
-    from offload.activation import planner as _activation_plan
+    from offload.activation.auto import planner as _activation_plan
 
     class Recorded(_activation_plan.BudgetRun):
         def __init__(self, *args):

@@ -149,7 +149,7 @@ def test_activation_cuda_schedule_frees_before_the_peak_with_the_host_ahead(dete
     (here a spin kernel holds the device back) and so never sees a copy done in forward.
     `split`: the layers are copied in parts while they run, with the same result. `pieces`:
     the layers come back in pieces over several layers' backward, bitwise."""
-    from offload.activation.schedule import Schedule
+    from offload.activation.auto.schedule import Schedule
 
     ref = _stack(torch.bfloat16, d=512, heads=8, n=8)
     model = copy.deepcopy(ref)
@@ -283,7 +283,7 @@ def _settled_budget_handle(model, step, budget):
 def test_activation_cuda_budget_plan_stays_within_its_budget(set_to_none):
     """A budget plan's step peaks (the allocator's peak, the whole step) within its budget plus
     5%, whether the gradients stay allocated between steps or are freed and allocated again
-    in each backward (Note [memory beside the activations] in budget.py)."""
+    in each backward (Note [memory beside the activations] in auto/budget.py)."""
     model = _stack(torch.bfloat16, d=512, heads=8, n=8)
     x = torch.randn(2, 2048, 512, device=_device.current_device(), dtype=torch.bfloat16)
 
@@ -312,7 +312,7 @@ def test_activation_cuda_budget_plan_stays_within_its_budget(set_to_none):
 def test_activation_cuda_settled_plan_keeps_no_copy_sources():
     """A plan that settles on offloading nothing holds no device memory for the measuring steps'
     copies (the core holds a copy's sources until a later copy sees it done; Note [fresh
-    segments] in planner.py)."""
+    segments] in auto/memory.py)."""
     model = _stack(torch.bfloat16, d=512, heads=8, n=4)
     x = torch.randn(2, 2048, 512, device=_device.current_device(), dtype=torch.bfloat16)
 

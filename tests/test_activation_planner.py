@@ -1,5 +1,5 @@
-"""Auto mode's budget planner (offload/activation/budget.py) and its check against timed steps
-(budget_run.py) as pure functions of hand-made measurements."""
+"""Auto mode's budget planner (offload/activation/auto/budget.py) and its check against timed steps
+(auto/budget_plan.py) as pure functions of hand-made measurements."""
 
 import random
 
@@ -7,9 +7,9 @@ import pytest
 
 import dataclasses
 
-from offload.activation.budget import (KEEP, OFFLOAD, RECOMPUTE, Bus, LayerCost, StepMemory, calibrate, fixed_bytes,
-                                       plan, predict)
-from offload.activation.budget_run import BudgetRun
+from offload.activation.auto.budget import (KEEP, OFFLOAD, RECOMPUTE, Bus, LayerCost, StepMemory, calibrate,
+                                            fixed_bytes, plan, predict)
+from offload.activation.auto.budget_plan import BudgetRun
 
 # 8 layers of 100 bytes (10 of them inputs), forward 1 s, backward 2 s; the last layer kept
 # (keep_last); the head and the loss hold 150 bytes as backward starts.

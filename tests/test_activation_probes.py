@@ -1,4 +1,4 @@
-"""Auto mode's probes on the CPU path (probes.py): a plan without a budget timed against steps
+"""Auto mode's probes on the CPU path (auto/probes.py): a plan without a budget timed against steps
 without offload, the count searched down, and the schedule made again from the probes' copies."""
 
 import copy
@@ -8,7 +8,7 @@ import torch
 
 import offload
 from offload.core import _device
-from offload.activation.planner import max_tuning_steps
+from offload.activation.auto.planner import max_tuning_steps
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     AUTO_MEASURING_STEPS, StepClock, assert_bitwise_equal, one_thread, pool, small_model, train_step,
 )
@@ -34,7 +34,7 @@ def test_activation_auto_backs_off_on_measured_steps(overhead, slow, pool, capsy
             plan = handle.plan
             assert plan["tuning"]["checked"] and not plan["tuning"]["settled"]
             model_k = plan["tuning"]["model_layers"]
-            handle.planner.clock = StepClock(handle, overhead, slow)
+            handle.planner.shared.clock = StepClock(handle, overhead, slow)
         loss, grads = train_step(model, x)
         assert torch.equal(loss, loss_ref)
         assert_bitwise_equal(grads, grads_ref)
@@ -71,18 +71,18 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
     over the tolerance whose copies, at the planned rate, the compute stream waited for at the
     release points (here 10,000 times their own time), make the schedule again at a lower
     rate, and the search starts over."""
-    from offload.activation import probes as _activation_probes
-    from offload.activation.planner import AutoPlanner
-    from offload.activation.schedule import planned_bytes
+    from offload.activation.auto import probes as _activation_probes
+    from offload.activation.auto.schedule import planned_bytes
 
     seen = []
 
-    def rate(planner, copies):
+    def rate(engine, copies):
         seen.append(len(copies))
-        d2h = planner.tuning[planner.key].d2h
+        planner = handle.planner
+        d2h = planner.prober.tuning[planner.key].d2h
         return d2h / 1e4 if why == "slower" else d2h
 
-    monkeypatch.setattr(AutoPlanner, "_copy_rate", rate)
+    monkeypatch.setattr(_activation_probes, "copy_rate", rate)
     monkeypatch.setattr(_activation_probes, "copies_late", lambda copies: 0.0 if why == "slower" else 1e4)
     model = small_model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool)
@@ -94,7 +94,7 @@ def test_activation_auto_plans_again_when_copies_run_slower(why, pool, monkeypat
         if plan is not None and planned is None:
             planned = planned_bytes(plan["layer_bytes"], plan["model_mask"], plan["caps"])
             d2h = plan["d2h_gbps"]
-            handle.planner.clock = StepClock(handle, 0.0) if why == "slower" else _LateClock(handle, 1.0)
+            handle.planner.shared.clock = StepClock(handle, 0.0) if why == "slower" else _LateClock(handle, 1.0)
         loss, grads = train_step(model, x)
         assert torch.equal(loss, loss_ref)
         assert_bitwise_equal(grads, grads_ref)
@@ -118,8 +118,8 @@ def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
     """The copies' rate and lateness of a probe are those of its usual step (the median over
     its offloading steps): one step whose copies ran slow and waited does not make the plan
     again; steps without timed copies are left out."""
-    from offload.activation.planner import AutoPlanner
-    from offload.activation.probes import copies_late
+    from offload.activation.auto.probes import copies_late
+    from offload.activation.auto.shared import copy_rate
 
     def step(moved, seconds, waited):
         return {"d2h_bytes": moved, "d2h_seconds": seconds, "forward_wait_seconds": waited}
@@ -130,9 +130,9 @@ def test_activation_auto_reads_the_usual_step_of_a_probe(pool):
     assert copies_late(usual + [slow, untimed]) == pytest.approx((0.01 + 0.016) / 2)
     assert copies_late([untimed]) == 0.0
     handle = offload.enable_activation_offload(small_model(), "auto", min_tensor_bytes=0, pool=pool, verbose=False)
-    rate = AutoPlanner._copy_rate(handle.planner, usual + [slow, untimed])
+    rate = copy_rate(handle.engine, usual + [slow, untimed])
     assert rate == pytest.approx((100.0 + 80.0) / 2)  # between the 1.0 s and 1.25 s steps
-    assert AutoPlanner._copy_rate(handle.planner, [untimed]) is None
+    assert copy_rate(handle.engine, [untimed]) is None
     handle.disable()
 
 
@@ -141,11 +141,11 @@ def test_activation_auto_late_copies_keep_the_plan(late, overhead, pool, monkeyp
     """No new schedule for copies at the planned rate where the first probe is within the
     tolerance however late they ended (the waits fit in what the 3% is for), nor where it
     missed with waits within RELEASE_WAIT_TOLERANCE of their time (then the search backs off)."""
-    from offload.activation import probes as _activation_probes
-    from offload.activation.planner import AutoPlanner
+    from offload.activation.auto import probes as _activation_probes
 
     late = _activation_probes.RELEASE_WAIT_TOLERANCE if late is None else late
-    monkeypatch.setattr(AutoPlanner, "_copy_rate", lambda planner, copies: planner.tuning[planner.key].d2h)
+    monkeypatch.setattr(_activation_probes, "copy_rate",
+                        lambda engine, copies: handle.planner.prober.tuning[handle.planner.key].d2h)
     monkeypatch.setattr(_activation_probes, "copies_late", lambda copies: late)
     model = small_model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
@@ -155,7 +155,7 @@ def test_activation_auto_late_copies_keep_the_plan(late, overhead, pool, monkeyp
         if plan is not None and plan["tuning"]["settled"]:
             break
         if plan is not None:
-            handle.planner.clock = StepClock(handle, overhead)
+            handle.planner.shared.clock = StepClock(handle, overhead)
         train_step(model, x)
     assert plan["tuning"]["settled"]
     assert "d2h_gbps_replanned" not in plan

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import offload
-from offload.activation.planner import max_tuning_steps
+from offload.activation.auto.planner import max_tuning_steps
 from offload.core import _device
 from _activation_helpers import (
     AUTO_MEASURING_STEPS, StepClock, assert_bitwise_equal, predicted_peak_keeping_all, small_model, train_step,
@@ -58,7 +58,7 @@ def _scenario_ranks_settle_alike(rank, device):
     for step in range(max_tuning_steps(len(handle.layers))):
         if step == AUTO_MEASURING_STEPS + 1:  # the plan exists; from here each rank times its own cost
             assert handle.plan["tuning"]["checked"]
-            handle.planner.clock = StepClock(handle, RANK_OVERHEAD[rank])
+            handle.planner.shared.clock = StepClock(handle, RANK_OVERHEAD[rank])
         loss, grads = train_step(model, x)
         assert torch.equal(loss, loss_ref)
         assert_bitwise_equal(grads, grads_ref)
@@ -143,10 +143,10 @@ def _scenario_rival_verdict_alike(rank, device):
         assert torch.equal(loss, loss_ref)
         assert_bitwise_equal(grads, grads_ref)
         plan = handle.plan
-        if plan is not None and not isinstance(handle.planner.clock, _KindClock):
+        if plan is not None and not isinstance(handle.planner.shared.clock, _KindClock):
             # Copies cost nothing on rank 0 (the offloading plan wins there alone) and a second
             # per layer on rank 1 (its rival wins there alone).
-            handle.planner.clock = _KindClock(handle, (0.0, 1.0)[rank])
+            handle.planner.shared.clock = _KindClock(handle, (0.0, 1.0)[rank])
         if plan is not None and "offload" in plan["kinds"]:
             offloading_plans.append(plan["kinds"])
         if plan is not None and plan["check"]["settled"]:
@@ -214,14 +214,14 @@ def test_activation_ranks_one_rank_group_exchanges_nothing(gloo_world, monkeypat
         loss, grads = train_step(model, x)
         assert torch.equal(loss, loss_ref)
         assert_bitwise_equal(grads, grads_ref)
-    assert handle.plan is not None and not handle.planner.ranks.many
+    assert handle.plan is not None and not handle.planner.shared.ranks.many
     handle.disable()
 
 
 def test_activation_ranks_combine_element_by_element():
     """How measurements combine: element by element through lists and tuples, None where no
     rank has a value, the smallest or largest of those that have; lists of other lengths refused."""
-    from offload.activation.ranks import _each
+    from offload.activation.auto.ranks import _each
 
     assert _each(max, [[1, None, 3], [2, None, 1]], "nbytes") == [2, None, 3]
     assert _each(min, [(0.5, 2.0), (1.0, None)], "before_peak") == (0.5, 2.0)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import offload
-from offload.activation import budget_run
+from offload.activation.auto import budget_plan
 from offload.core import _device
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     assert_bitwise_equal, assert_step_matches, grads_of, one_thread, pool, predicted_peak_keeping_all, small_model,
@@ -188,10 +188,10 @@ def test_activation_auto_budget_mixes_recompute_bitwise(pool):
 @pytest.mark.parametrize("winner", ["rival", "offloading"])
 def test_activation_auto_budget_times_an_offloading_plan_against_its_rival_bitwise(pool, monkeypatch, winner):
     """A budget plan that offloads is timed against the fastest plan without offload (Note
-    [measured rival] in budget_run.py): the handle runs each in turn, gradients stay bitwise
+    [measured rival] in auto/budget_plan.py): the handle runs each in turn, gradients stay bitwise
     through both, and the settled plan is the one the verdict kept (the margin set so that
     either wins whatever the steps measure)."""
-    monkeypatch.setattr(budget_run, "RIVAL_MARGIN", 1e9 if winner == "rival" else -1e9)
+    monkeypatch.setattr(budget_plan, "RIVAL_MARGIN", 1e9 if winner == "rival" else -1e9)
     ref = small_model(n=6)
     x = torch.randn(8, 16)
     keep_all = predicted_peak_keeping_all(ref, x, pool)
@@ -223,7 +223,7 @@ def test_activation_auto_budget_times_an_offloading_plan_against_its_rival_bitwi
 def test_activation_recomputes_the_kept_last_layer_bitwise(pool):
     """A budget plan may recompute the last layer (never offloaded, keep_last), as full
     checkpointing does: its inputs stay on the device, the others' go to the host; gradients
-    bitwise (budget.py's allowed() gives the planner that choice)."""
+    bitwise (auto/budget.py's allowed() gives the planner that choice)."""
     ref = small_model(n=4)
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
@@ -239,7 +239,7 @@ def test_activation_recomputes_the_kept_last_layer_bitwise(pool):
 
 def test_activation_recomputed_layers_with_inputs_kept_or_offloaded_bitwise(pool):
     """Every layer recomputed; some keep their inputs on the device, the others' go to the host
-    (a budget plan's recomputed inputs kept, Note [recomputed inputs kept] in budget.py);
+    (a budget plan's recomputed inputs kept, Note [recomputed inputs kept] in auto/budget.py);
     gradients bitwise, and only the offloaded ones' tensors are copied."""
     ref = small_model(n=4)
     model = copy.deepcopy(ref)

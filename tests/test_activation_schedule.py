@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_activation_planner_hides_copies():
     """The timeline model: with a slow bus only every other layer fits under compute."""
-    from offload.activation.schedule import choose, simulate
+    from offload.activation.auto.schedule import choose, simulate
 
     n = 8
     nbytes, fwd, bwd = [100.0] * n, [1.0] * n, [2.0] * n
@@ -43,7 +43,7 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     release point and before the last layer ends; each group fetched back as soon as backward
     has let go of the bytes it brings back, or at the latest layer start that leaves time for
     its copy where that is earlier."""
-    from offload.activation.schedule import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
+    from offload.activation.auto.schedule import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
 
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
@@ -118,7 +118,7 @@ def test_activation_schedule_closes_parts_when_the_layer_saved_their_bytes():
     """A layer's parts close when it has saved their bytes, by the measured marks: a layer that
     saves half its bytes 0.6 s into its second and the rest at 0.9 s starts its copy later
     than an even spread says, and its parts are let go later."""
-    from offload.activation.schedule import COPY_MARGIN, schedule, saved_by
+    from offload.activation.auto.schedule import COPY_MARGIN, schedule, saved_by
 
     assert saved_by(None, 2.0, 0.25) == 0.5  # no marks: evenly over the layer's time
     marks = [(0.5, 0.6), (1.0, 0.9)]
@@ -146,7 +146,7 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     the last span end that fits (60 of the 69 bytes the bus could take), so the plan's bytes
     are what the engine will copy, and a part to be let go as the last layer opens ends at the
     last span end its copy passes by then."""
-    from offload.activation.schedule import schedule, span_end_at_or_above, span_end_at_or_below
+    from offload.activation.auto.schedule import schedule, span_end_at_or_above, span_end_at_or_below
 
     assert span_end_at_or_below([30, 60, 100], 69) == 60 and span_end_at_or_below([30, 60, 100], 29) == 0
     assert span_end_at_or_above([30, 60, 100], 31) == 60 and span_end_at_or_above([30, 60, 100], 101) == 100
@@ -179,7 +179,7 @@ def test_activation_schedule_fetches_in_backward_order_within_memory_or_in_time(
     backward has let go of the bytes it and the groups back before it still need (Note
     [memory-neutral fetch]), or else no more is queued than the later layer starts could not
     carry in time."""
-    from offload.activation.schedule import FETCH_MARGIN, _freed_before, schedule
+    from offload.activation.auto.schedule import FETCH_MARGIN, _freed_before, schedule
 
     nbytes, fwd, bwd = ([layer[k] for layer in layers] for k in range(3))
     n = len(layers)

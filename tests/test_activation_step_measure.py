@@ -1,4 +1,4 @@
-"""Auto mode's measured steps on the CPU path (step_measure.py): what each measured step runs and
+"""Auto mode's measured steps on the CPU path (auto/measure.py): what each measured step runs and
 holds, and the layer times, waits, marks and peaks the plan reads from it."""
 
 import copy
@@ -31,13 +31,13 @@ def test_activation_auto_measures_layers_without_offload_when_it_fits(case, pool
     grows; else one more offloads everything. Layer bytes are measured either way. Each step
     measured without offload starts with its stream held, longer than the host took to queue
     the forward before it (Note [measured at the device's pace]); the others are not held."""
-    from offload.activation.step_measure import HOLD_CAP_S, HOLD_HOST_FACTOR
+    from offload.activation.auto.measure import HOLD_CAP_S, HOLD_HOST_FACTOR
 
     holds, queued = [], []  # each hold asked for, and the host's time to queue the forward before it
 
     def hold(device, seconds):
         holds.append(seconds)
-        queued.append(handle.planner.forward_host_s)
+        queued.append(handle.planner.measurer.forward_host_s)
         return True
 
     monkeypatch.setattr(_device, "hold", hold)
@@ -112,14 +112,14 @@ def test_activation_auto_takes_each_layers_least_time_over_the_measured_steps(po
     not reach the plan: each layer's forward and backward time, and the head's, is the least
     over the steps measured without offload; a backward one step did not time takes the other's.
     The marks of when a layer saved its bytes, taken in the last step, move onto the least time."""
-    from offload.activation import planner as _activation_plan
+    from offload.activation.auto.measure import StepMeasurer
 
-    measured = iter([  # seconds, as `_step_times` reads them: the first measured step, then the last
+    measured = iter([  # seconds, as `step_times` reads them: the first measured step, then the last
         {"fwd": [0.001, 0.005, 0.001, 0.001], "bwd": [None, 0.002, 0.005, 0.002], "tail": 0.004, "head_bwd": 0.001},
         {"fwd": [0.004, 0.001, 0.001, 0.001], "bwd": [None, 0.005, 0.002, None], "tail": 0.001, "head_bwd": 0.003},
     ])
-    monkeypatch.setattr(_activation_plan.AutoPlanner, "_step_times", lambda self: next(measured))
-    monkeypatch.setattr(_activation_plan.AutoPlanner, "_saved_marks", lambda self, record: [(0.5, 0.002), (1.0, 0.004)])
+    monkeypatch.setattr(StepMeasurer, "step_times", lambda self: next(measured))
+    monkeypatch.setattr(StepMeasurer, "saved_marks", lambda self, record: [(0.5, 0.002), (1.0, 0.004)])
     model = small_model(n=4)
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
     for _ in range(AUTO_MEASURING_STEPS + 1):
@@ -168,13 +168,13 @@ def test_activation_auto_budget_times_layers_without_their_copy_waits(pool, monk
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False,
                                                memory_budget_bytes=budget)
     waits = []  # per wait the planner was told of: whether in backward
-    wait_ended = handle.planner.wait_ended
+    wait_ended = handle.planner.measurer.wait_ended
 
     def record(layer, begun, backward):
         waits.append(backward)
         wait_ended(layer, begun, backward=backward)
 
-    monkeypatch.setattr(handle.planner, "wait_ended", record)
+    monkeypatch.setattr(handle.planner.measurer, "wait_ended", record)
     for _ in range(3):
         train_step(model, x)
     plan = handle.plan
@@ -229,7 +229,7 @@ def test_activation_auto_marks_when_layers_save_their_bytes(pool):
     """The measured steps mark when each layer has saved every eighth of its bytes: the plan
     holds, per eligible layer, marks of a rising share saved at rising times within its
     forward, past the last eighth; and the layer's bytes after each of its new spans."""
-    from offload.activation.schedule import PROFILE_POINTS
+    from offload.activation.engine import PROFILE_POINTS
 
     model = small_model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)
@@ -247,6 +247,6 @@ def test_activation_auto_marks_when_layers_save_their_bytes(pool):
         assert (PROFILE_POINTS - 1) / PROFILE_POINTS <= shares[-1] <= 1
         assert shares[0] >= 1 / PROFILE_POINTS and times == sorted(times)
         assert 0 <= times[0] and times[-1] <= plan["forward_ms"][i]
-        record = handle.planner.records[i]  # and its bytes after each new span
+        record = handle.planner.measurer.records[i]  # and its bytes after each new span
         ends = record["span_ends"]
         assert ends == sorted(set(ends)) and ends[-1] == record["capped"] > 0

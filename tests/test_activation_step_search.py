@@ -1,4 +1,4 @@
-"""Auto mode's step search (offload/activation/step_search.py) as pure functions of step times:
+"""Auto mode's step search (offload/activation/auto/search.py) as pure functions of step times:
 the verdict on one probe, the bisection over counts, and the same count under timing noise."""
 
 import random
@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from offload.activation.probes import PROBE_STEPS
-from offload.activation.step_search import (BAND_CAP, BAND_FLOOR, BAND_SIGMAS, MAD_SIGMA, MEDIAN_SE, MIN_PAIRS,
+from offload.activation.auto.probes import PROBE_STEPS
+from offload.activation.auto.search import (BAND_CAP, BAND_FLOOR, BAND_SIGMAS, MAD_SIGMA, MEDIAN_SE, MIN_PAIRS,
                                             MIN_SPREAD_STEPS, OVER, PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, UNSURE,
                                             WITHIN, StepSearch, deviations, noise_band, step_verdict)
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import offload
 from offload.core import _device
-from offload.activation.planner import max_tuning_steps
+from offload.activation.auto.planner import max_tuning_steps
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     FakeEvent, FakeStream, StepClock, assert_bitwise_equal, async_logging_fetches, grads_of,
     log_fetch_and_restore, one_thread, pool, small_model, train_step, use_schedule,
@@ -252,8 +252,8 @@ def test_activation_steady_step_never_blocks_the_host(kind, monkeypatch):
         x = torch.randn(8, 16)
         _, grads_ref = train_step(ref, x)
         for _ in range(max_tuning_steps(len(handle.layers)) if mode == "auto" else 2):
-            if mode == "auto" and handle.plan is not None and not isinstance(handle.planner.clock, StepClock):
-                handle.planner.clock = StepClock(handle, 1.0 if kind == "auto_none" else 0.02)
+            if mode == "auto" and handle.plan is not None and not isinstance(handle.planner.shared.clock, StepClock):
+                handle.planner.shared.clock = StepClock(handle, 1.0 if kind == "auto_none" else 0.02)
             train_step(model, x)
         assert mode != "auto" or handle.plan["tuning"]["settled"]
         clock[1] = 0

@@ -1,12 +1,15 @@
 """Activation offload: saved activations go to pinned host memory during forward and come
 back ahead of backward. See docs/activation.md.
 
-Modules: api (the user API and its handle), engine and backward (the saved-tensor hooks,
-groups' copies out and back), groups (the data model), saved_tensors (per-tensor helpers),
-layers (layer discovery and wrapping), planner (auto mode's measuring and probes), schedule
-(auto mode's plan as pure functions), budget (keep / offload / recompute per layer for a memory
-budget, pure functions), budget_run (the budget plan's inputs and its check against timed steps),
-ranks (auto mode's measurements combined across a process group's ranks).
+The runtime (this package's modules): api (the user API and its handle), engine (the saved-tensor
+hooks, groups opened and closed at layer boundaries, the copies out, the window, statistics),
+backward (groups' copies back and their release in backward), groups (the data model),
+saved_tensors (per-tensor helpers), layers (layer discovery and wrapping), step_stats (per-step
+counters and the device timings that feed them).
+
+Auto mode (auto/, see its docstring for its modules: planner, shared, measure, memory, schedule,
+probes, search, budget, budget_plan, budget_checks, ranks) is built on the runtime and
+imports it; the runtime imports auto mode only where api.py builds its planner.
 """
 
 from .api import ActivationOffload, activation_offload, enable_activation_offload

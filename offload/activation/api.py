@@ -1,6 +1,10 @@
 """The user API of activation offload: `enable_activation_offload(model)` and its handle
 `ActivationOffload`, the `activation_offload()` context for custom loops, and the checks
 that pass a forward through untouched (no grad, eval, torch.compile tracing the model).
+
+Auto mode (auto/) is built on this runtime and imports it; the one import the other way is
+auto/planner.py's `AutoPlanner`, inside `ActivationOffload.__init__` when mode='auto' (so the
+runtime loads, and runs the other modes, without auto mode's modules).
 """
 
 from __future__ import annotations
@@ -13,13 +17,13 @@ import weakref
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from ..core.checks import check_bool, check_int, is_int, parse_bytes
 from ..core.pool import HostPool
 from . import layers as _layers
 from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
-from .ranks import Ranks, check_process_group
 from .saved_tensors import input_tensors, module_tensors, not_traced, other_hooks_active
 
 # Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
@@ -52,10 +56,27 @@ def _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_byt
     return memory_budget_bytes
 
 
+def check_process_group(fn: str, group, mode: str):
+    """`group` for auto mode's agreement (Note [ranks agree] in auto/ranks.py), checked; None for
+    one rank alone."""
+    if group is None:
+        return None
+    if mode != "auto":
+        raise ValueError(f"{fn}: process_group is used by mode='auto' (whose plan the ranks agree on), "
+                         f"got mode={mode!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{fn}: process_group was given but torch.distributed is not initialized; "
+                           "call dist.init_process_group first")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{fn}: process_group must be a torch.distributed ProcessGroup (dist.group.WORLD or "
+                        f"one from dist.new_group), got {type(group).__name__}")
+    return group
+
+
 class ActivationOffload:
     """What `enable_activation_offload` returns: `.stats()`, `.disable()`, `.paused()`, `.layers`, `.plan`.
 
-    Note [handle interface]: what auto mode's planner (planner.py) uses of the handle:
+    Note [handle interface]: what auto mode's planner (auto/planner.py) uses of the handle:
     `engine`, `layers` (names), `keep` (per layer: kept on the device whatever the plan),
     `set_offloaded(mask)` (per layer: offloaded from the next forward on),
     `set_recomputed(mask)` (per layer: its forward checkpointed from the next forward on,
@@ -84,9 +105,9 @@ class ActivationOffload:
         self._paused = False  # inside paused(): forwards run as without offload
         self._auto = None
         if engine.mode == "auto":
-            from .planner import AutoPlanner
+            from .auto.planner import AutoPlanner  # the runtime's one import of auto mode (see above)
 
-            self._auto = AutoPlanner(self, memory_budget_bytes, verbose, Ranks(process_group))
+            self._auto = AutoPlanner(self, memory_budget_bytes, verbose, process_group)
         self._wrapped = []  # weak references to the modules whose forward is wrapped
         self._layer_targets = [weakref.ref(_wrap_target(module)) for _, module in layers]
         self._layers_wrapped = False
@@ -110,7 +131,7 @@ class ActivationOffload:
 
     @property
     def planner(self):
-        """Auto mode's planner (`planner.AutoPlanner`), or None in the other modes."""
+        """Auto mode's planner (`auto.planner.AutoPlanner`), or None in the other modes."""
         return self._auto
 
     @property

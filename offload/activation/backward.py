@@ -28,7 +28,7 @@ from .saved_tensors import describe, modified_error, not_traced, when_gradient_o
 # done. FSDP2 registers its hook after the layer's forward returns, later than the engine can,
 # so the engine's fetch runs as a pre-hook of the gradient's node, after every tensor hook: the
 # small copy goes first; and no layer start queues more copies back than the bus moves in that
-# layer's backward (Note [fetch in pieces] in schedule.py), so none is left to delay the next
+# layer's backward (Note [fetch in pieces] in auto/schedule.py), so none is left to delay the next
 # layer's small copy.
 
 
@@ -136,7 +136,7 @@ class BackwardSide:
     def _fetch_groups(self, refs, share: Optional[float] = None) -> None:
         """Fetch the groups (weak references, or None) that are on the host; with `share`, the
         groups of one layer up to that share of their bytes, in the order given (a piece,
-        Note [fetch in pieces] in schedule.py)."""
+        Note [fetch in pieces] in auto/schedule.py)."""
         groups = [g for g in (ref() if ref is not None else None for ref in refs) if g is not None]
         wanted = None if share is None else share * sum(g.nbytes_aligned for g in groups)
         for group in groups:
@@ -166,7 +166,7 @@ class BackwardSide:
 
     def _fetch(self, group: Group, upto: Optional[int] = None) -> None:
         """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in
-        pieces] in schedule.py; None: all that is left)."""
+        pieces] in auto/schedule.py; None: all that is left)."""
         end = group.nbytes_aligned if upto is None else min(group.nbytes_aligned, -(-upto // SPAN_ALIGN) * SPAN_ALIGN)
         if end <= group.fetched:
             return

@@ -28,8 +28,21 @@ from .groups import (COPYING, HOST, KEPT, OPEN, SPAN_ALIGN, AutoState, Group, Pa
                      on_host_only, with_earlier_parts)
 from .backward import BackwardSide
 from .saved_tensors import drop_held, make_not_traced, not_traced, offload_extent, storage_ptrs, top_pack_hook
-from .schedule import PROFILE_POINTS, SPLIT_PARTS, TAIL_POINT
 from .step_stats import StepTimings, new_counters
+
+# A layer whose copy would start on an idle device-to-host stream is copied in this many
+# parts, each as soon as the layer has saved its share of the bytes: waiting for the layer
+# to end would leave the bus idle through the first offloaded layer's forward.
+SPLIT_PARTS = 4
+# Auto mode's measured steps mark when each layer has saved every PROFILE_POINTS-th share of
+# its bytes (of new spans): a layer's bytes do not come evenly over its time, so auto mode's
+# schedule (auto/schedule.py) places a part's close by these marks. A multiple of SPLIT_PARTS:
+# the quarters' ends are then marks of their own.
+PROFILE_POINTS = 8
+# Where the point of the last tensor saved before the step's peak, after the last layer (n),
+# sits among a `Schedule`'s points (auto/schedule.py): between the last layer's end (n) and
+# backward's start (n + 1).
+TAIL_POINT = 0.5
 
 # Note [groups]: a group is the span of forward from one layer's start to the next layer's
 # start (or the end of the model's forward). Opening groups at layer starts (instead of
@@ -55,7 +68,7 @@ from .step_stats import StepTimings, new_counters
 # engine also record_streams them on the device-to-host stream, so dropping them early could
 # never corrupt the copy. A group still copying when backward reaches it is served from those
 # held tensors (no round trip); so are the last groups of a forward. Auto mode's schedule
-# replaces the window and the one-ahead prefetch (Note [planned release points] in schedule.py).
+# replaces the window and the one-ahead prefetch (Note [planned release points] in auto/schedule.py).
 #
 # Note [served groups' sources]: the copy engine holds a device-to-host copy's sources until a
 # query or a later copy finds it done (Note [in-flight registry] in csrc/core/in_flight.h). A
@@ -160,7 +173,7 @@ class ActivationEngine(BackwardSide):
       that stay; `mark_backward_start(output)`; `fetch_when_backward_reaches(output, layers)`;
       `pass_through_step()`; `hooks_in_groups_only` (set by the handle); `stats()`;
       `capturing` (read: > 0 inside a capture); `schedule` (read: the plan in use, or None).
-    Auto mode (planner.py; the observer calls in step_measure.py):
+    Auto mode (auto/planner.py; the observer calls in auto/measure.py):
       `use_plan(schedule, observer)` sets the plan and the observer for the next forwards;
       `backward_seen` (read: the step's backward has started); `counters` (read: the
       current step's counters, a dict replaced at each new step); `resolve_timing(block)`
@@ -481,7 +494,7 @@ class ActivationEngine(BackwardSide):
         self._inflight.append(weakref.ref(group))
         if self.observer is None:
             # Not while auto mode measures: the budget model reads that step's memory where the
-            # window lets groups go (Note [memory beside the activations] in budget.py), and
+            # window lets groups go (Note [memory beside the activations] in auto/budget.py), and
             # what the host sees done depends on how far it runs ahead of the device.
             self._poll()
         stream = group.stream = _device.current_stream(self.device) if self.on_accel else None

@@ -319,7 +319,8 @@ def hold(device, seconds: float) -> bool:
 
     Auto mode holds the stream as a measured step starts, so that the host queues the
     step's work before the device runs it, and event timestamps then time the device's
-    work, not the host's pace (Note [measured at the device's pace] in step_measure.py).
+    work, not the host's pace (Note [measured at the device's pace] in
+    activation/auto/measure.py).
     """
     device = normalize_device(device)
     if seconds <= 0 or _sleep_kernel(device) is None:

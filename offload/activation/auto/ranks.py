@@ -7,7 +7,7 @@ each rank's own measurements, the ranks would settle on different plans (their l
 bus rates differ by a few percent, and so do the probes' verdicts near the tolerance); a rank
 then pays for the layers its peers offload, and probes whose offloading steps fall in different
 steps on different ranks time each other's costs. Every decision auto mode makes is a pure
-function of its measurements (schedule.py, budget.py, step_search.py), so agreeing on the
+function of its measurements (schedule.py, budget.py, search.py), so agreeing on the
 measurements agrees on the decisions: at each point where the planner decides, the ranks
 exchange what they measured and combine it alike: bytes and peaks the largest, times and bus
 rates the smallest (a plan whose copies hide under the shortest compute at the slowest bus
@@ -24,22 +24,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch.distributed as dist
-
-
-def check_process_group(fn: str, group, mode: str):
-    """`group` for auto mode's agreement (see Note [ranks agree]), checked; None for one rank alone."""
-    if group is None:
-        return None
-    if mode != "auto":
-        raise ValueError(f"{fn}: process_group is used by mode='auto' (whose plan the ranks agree on), "
-                         f"got mode={mode!r}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{fn}: process_group was given but torch.distributed is not initialized; "
-                           "call dist.init_process_group first")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{fn}: process_group must be a torch.distributed ProcessGroup (dist.group.WORLD or "
-                        f"one from dist.new_group), got {type(group).__name__}")
-    return group
 
 
 class Ranks:

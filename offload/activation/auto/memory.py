@@ -1,4 +1,6 @@
-"""Auto mode's measured step, its device memory read stretch by stretch.
+"""Auto mode and the device's memory: a measured step's memory read stretch by stretch
+(`StretchPeaks`), and the allocator's cached blocks given back as a shape's plan settles
+(`fresh_segments`).
 
 The stretches are each layer's forward (the first one's from the step's start), the head and
 the loss with their backward (from the last layer's end to backward's first unpack of it), and
@@ -11,7 +13,21 @@ and the allocator's peak is never reset.
 
 from __future__ import annotations
 
-from ..core import _device
+import gc
+
+from ...core import _device
+from ...core.copy import release_finished_copies
+
+# Note [fresh segments]: the steps before a plan settles (measuring with every layer offloaded,
+# probes, a budget plan's checks and its rival) leave the device allocator's cache cut into
+# blocks sized for those plans, and the settled plan's own allocations then split and merge
+# them every step: the same plan runs measurably slower than when started on a fresh cache. So
+# the cached blocks are given back once, as a shape's plan settles (the next step's first
+# allocations go to the driver again, as in any first step). Garbage is collected first, and
+# the core lets go of the sources of the last copies (held until a later copy sees them done:
+# a plan that offloads nothing makes none, and would hold a layer's activations for good):
+# blocks still held would otherwise stay as segments of their own and cut up the new ones the
+# same way.
 
 KINDS = ("forward", "tail", "backward")
 
@@ -61,3 +77,12 @@ class StretchPeaks:
     def per_layer(self, n: int) -> dict:
         """`<kind>_peaks`: per layer of `n`, the peak of its stretch of that kind (0: not measured)."""
         return {f"{kind}_peaks": [peaks.get(i, 0) for i in range(n)] for kind, peaks in self.peaks.items()}
+
+
+def fresh_segments(engine) -> None:
+    """A shape's plan settled: give the allocator's cached blocks back (Note [fresh segments])."""
+    if engine.on_accel:
+        gc.collect()
+        _device.synchronize(engine.device)
+        release_finished_copies()
+    _device.empty_cache()

@@ -1,10 +1,10 @@
 """Auto mode without a budget: the plan checked against timed steps, and the count of its
 layers searched, from steps of the probed count alternated with steps without offload.
 
-`PlanProbes` is a base class of `AutoPlanner` (planner.py), split out by concern: it shares the
-planner's state (`handle`, `engine`, `plans`, `tuning`, `key`, `clock`, `ranks`, `verbose`,
-`last_start`, `_fresh_segments`). step_search.py judges a probe's steps (Note [verdicts under
-noise]); this side times them, moves the search on and puts its count into the plan.
+`Prober` is a part of `AutoPlanner` (planner.py): the planner hands it a new plan to check and
+calls it ahead of each training forward of the shape. search.py judges a probe's steps (Note
+[verdicts under noise]); the prober times them, moves the search on and puts its count into
+the plan.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
+from .memory import fresh_segments
 from .ranks import smallest_value
 from .schedule import COPY_MARGIN, planned_bytes
-from .step_search import PROBE_ROUNDS, StepSearch
+from .search import PROBE_ROUNDS, StepSearch
+from .shared import Shared, copy_rate
 
 # Note [probes]: the model misses what it does not see (the host stalls of the resident
 # window, launch-bound steps where the hooks' own cost shows, copies slowing compute on a
@@ -28,7 +30,7 @@ from .step_search import PROBE_ROUNDS, StepSearch
 # down to the largest prefix that does not (`StepSearch`), and a count above zero is
 # confirmed by one more probe. A probe whose overhead lies within its own noise of the
 # tolerance takes more steps, and if still unsure is decided by the schedule made at the
-# bus rate its copies achieved (Note [verdicts under noise] in step_search.py). After the
+# bus rate its copies achieved (Note [verdicts under noise] in search.py). After the
 # first probe, if its copies ran slower than the
 # schedule assumed (less COPY_MARGIN), or the probe missed the tolerance with copies late at
 # the release points (RELEASE_WAIT_TOLERANCE), the schedule is made again at the rate seen
@@ -90,80 +92,128 @@ class Probe:
         return len(self.samples[offloading]) + sum(p[2] == offloading for p in self.pending)
 
 
-class PlanProbes:
-    """The probing side of the planner (see `AutoPlanner`)."""
+class Prober:
+    """Checks a shape's plan without a budget against timed steps and settles its count
+    (Note [probes]).
 
-    def _tune(self, key) -> None:
+    Built by `AutoPlanner` with the planner's `Shared` record (the handle, the engine, the
+    clock, the ranks, the plans it settles); the probes and the step their timing starts at are
+    its own. The planner starts a probe with a new plan (`start`) and calls `tune` ahead of
+    each training forward of a planned shape.
+    """
+
+    def __init__(self, shared: Shared):
+        self.shared = shared
+        self.tuning: dict = {}  # key -> Probe while its plan is being checked against timed steps
+        # (mark, key, probe serial, whether it offloaded) of the last training forward of a planned shape
+        self.last_start = None
+
+    def start(self, key, probe: Probe) -> None:
+        """Check the plan of shape `key` (the planner's, just made) with `probe`."""
+        self.tuning[key] = probe
+
+    def probing(self, key) -> bool:
+        """Whether shape `key`'s plan is still being checked."""
+        return key in self.tuning
+
+    def forget_step_start(self) -> None:
+        """Steps ran outside the plan (paused, or measured): a probe times from one forward to the next."""
+        self.last_start = None
+
+    def tune(self, key) -> None:
         """Time the step that just ended if it ran this shape's current probe; move the search
         on; set the count the next step runs: the probed one and none, in alternation."""
         probe = self.tuning.get(key)
         if probe is None:
             self.last_start = None
             return
-        mark = self.clock.mark()
-        last, self.last_start = self.last_start, None
-        if last is not None and last[1] == key and last[2] == probe.serial:
-            probe.steps += 1
-            ran = last[3]
-            if ran:
-                # The step that just ended: its counters are the engine's until the next capture.
-                probe.all_copies.append(self.engine.counters)
-                if probe.replan is not None:
-                    probe.copies.append(self.engine.counters)
-            if probe.steps > PROBE_WARMUP_STEPS and probe.taken(ran) < probe.target:
-                probe.pending.append((last[0], mark, ran))
-        else:  # a new probe, or the shape changed in between: warm up again
-            probe.steps = 0
-            probe.pending = []
-        # Read, oldest first, the timed steps the device has finished; wait only past PROBE_PENDING.
-        # Ranks that agree read each step at the same point whatever their devices' progress: a
-        # probe is judged at a step all of them reach with the same samples (Note [ranks agree]).
-        clock = self.clock
-        covered = all(probe.taken(ran) >= probe.target for ran in (True, False))  # no more steps join this round
-        while probe.pending and (len(probe.pending) > PROBE_PENDING or covered
-                                 or (not self.ranks.many and clock.done(probe.pending[0][1]))):
-            start, end, ran = probe.pending.pop(0)
-            probe.samples[ran].append(clock.seconds(start, end) * 1e3)
+        mark = self.shared.clock.mark()
+        self._step_ended(key, probe, mark)
+        self._read_finished(probe)
+        self._judge(key, probe)
         search = probe.search
-        k = search.probe
-        if min(len(samples) for samples in probe.samples.values()) >= probe.target:
-            probe.samples = self.ranks.agree(key, f"probe of {k} layers", probe.samples, largest=(True, False))
-            if self._rescheduled(key, probe) or search.judge(
-                    k, probe.samples[True], probe.samples[False], probe.target >= PROBE_STEPS * PROBE_ROUNDS,
-                    lambda: self._model_count(probe)) is not None:
-                search = probe.search
-                probe.samples = {True: [], False: []}
-                probe.target = PROBE_STEPS
-                probe.serial += 1
-                probe.steps = 0
-            else:  # unsure: more steps of the same probe, alternated as before
-                probe.target += PROBE_STEPS
-        plan = self.plans[key]
+        plan = self.shared.plans[key]
         plan["tuning"]["step_ms"] = {str(n): ms for n, ms in sorted(search.step_ms.items())}
         plan["tuning"]["baseline_ms"] = {str(n): ms for n, ms in sorted(search.baseline_ms.items())}
         plan["tuning"]["verdicts"] = list(search.verdicts)
         if search.probe is None:
-            k = search.final
-            self._apply(key, probe.order, k)
-            del self.tuning[key]
-            plan["tuning"]["settled"] = True
-            self._fresh_segments()
-            if self.verbose:
-                base = search.baseline_ms.get(k)
-                mine = search.step_ms.get(k)
-                print(
-                    f"offload.activation auto: inputs {plan['input_shapes']} settled on {k} of "
-                    f"{len(probe.order)} eligible layers ({plan['offloaded_bytes'] / 2**20:.1f} MiB offloaded)"
-                    + (f", step {mine:.2f} ms vs {base:.2f} ms without offload, alternated" if base and mine else ""),
-                    flush=True,
-                )
+            self._settle(key, probe)
             return
         # Even steps of a probe run the probed count, odd ones nothing (without hooks).
         offloading = probe.steps % 2 == 0
         self._apply(key, probe.order, search.probe if offloading else 0)
         self.last_start = (mark, key, probe.serial, offloading)
 
-    def _rescheduled(self, key, probe) -> bool:
+    def _step_ended(self, key, probe: Probe, mark) -> None:
+        """Count the step that ended at `mark`, and queue its time if it is one of this probe's
+        timed steps; a new probe, or a shape changed in between, warms up again."""
+        last, self.last_start = self.last_start, None
+        if last is not None and last[1] == key and last[2] == probe.serial:
+            probe.steps += 1
+            ran = last[3]
+            if ran:
+                # The step that just ended: its counters are the engine's until the next capture.
+                engine = self.shared.engine
+                probe.all_copies.append(engine.counters)
+                if probe.replan is not None:
+                    probe.copies.append(engine.counters)
+            if probe.steps > PROBE_WARMUP_STEPS and probe.taken(ran) < probe.target:
+                probe.pending.append((last[0], mark, ran))
+        else:
+            probe.steps = 0
+            probe.pending = []
+
+    def _read_finished(self, probe: Probe) -> None:
+        """Read, oldest first, the timed steps the device has finished; wait only past PROBE_PENDING.
+
+        Ranks that agree read each step at the same point whatever their devices' progress: a
+        probe is judged at a step all of them reach with the same samples (Note [ranks agree]).
+        """
+        clock = self.shared.clock
+        covered = all(probe.taken(ran) >= probe.target for ran in (True, False))  # no more steps join this round
+        while probe.pending and (len(probe.pending) > PROBE_PENDING or covered
+                                 or (not self.shared.ranks.many and clock.done(probe.pending[0][1]))):
+            start, end, ran = probe.pending.pop(0)
+            probe.samples[ran].append(clock.seconds(start, end) * 1e3)
+
+    def _judge(self, key, probe: Probe) -> None:
+        """Once both sides of the probe have their timed steps: the verdict (or the schedule made
+        again), and the next probe; an unsure verdict takes more steps of the same probe."""
+        search = probe.search
+        k = search.probe
+        if min(len(samples) for samples in probe.samples.values()) < probe.target:
+            return
+        probe.samples = self.shared.ranks.agree(key, f"probe of {k} layers", probe.samples, largest=(True, False))
+        if self._rescheduled(key, probe) or search.judge(
+                k, probe.samples[True], probe.samples[False], probe.target >= PROBE_STEPS * PROBE_ROUNDS,
+                lambda: self._model_count(key, probe)) is not None:
+            probe.samples = {True: [], False: []}
+            probe.target = PROBE_STEPS
+            probe.serial += 1
+            probe.steps = 0
+        else:  # unsure: more steps of the same probe, alternated as before
+            probe.target += PROBE_STEPS
+
+    def _settle(self, key, probe: Probe) -> None:
+        """The search is done: its count goes into the plan, which settles."""
+        search = probe.search
+        plan = self.shared.plans[key]
+        k = search.final
+        self._apply(key, probe.order, k)
+        del self.tuning[key]
+        plan["tuning"]["settled"] = True
+        fresh_segments(self.shared.engine)
+        if self.shared.verbose:
+            base = search.baseline_ms.get(k)
+            mine = search.step_ms.get(k)
+            print(
+                f"offload.activation auto: inputs {plan['input_shapes']} settled on {k} of "
+                f"{len(probe.order)} eligible layers ({plan['offloaded_bytes'] / 2**20:.1f} MiB offloaded)"
+                + (f", step {mine:.2f} ms vs {base:.2f} ms without offload, alternated" if base and mine else ""),
+                flush=True,
+            )
+
+    def _rescheduled(self, key, probe: Probe) -> bool:
         """After the first probe: make the schedule again if its copies ran slower than it
         assumed (with its margin), or ended late at its release points, and start the search
         over on the new one.
@@ -178,9 +228,10 @@ class PlanProbes:
         copies, probe.copies = probe.copies, []
         if replan is None:
             return False
-        measured = self.ranks.agree(key, "first probe's copies", {"rate": self._copy_rate(copies),
-                                                                  "late": copies_late(copies)},
-                                    largest=("late",), smallest=("rate",))
+        measured = self.shared.ranks.agree(key, "first probe's copies",
+                                           {"rate": copy_rate(self.shared.engine, copies),
+                                            "late": copies_late(copies)},
+                                           largest=("late",), smallest=("rate",))
         rate, late = measured["rate"], measured["late"]
         if rate is None:
             return False
@@ -193,46 +244,45 @@ class PlanProbes:
         measured = rate
         if late > RELEASE_WAIT_TOLERANCE:
             rate = min(rate, probe.d2h) / (1 + late)
-        plan_schedule, order, exposed = replan(rate)
-        plan = self.plans[key]
+        self._replan(key, probe, replan(rate), measured, rate, late)
+        return True
+
+    def _replan(self, key, probe: Probe, scheduled, measured: float, rate: float, late: float) -> None:
+        """Put the schedule made again at `rate` (`scheduled`: schedule()'s result) into the
+        plan, and start the search over on its order."""
+        plan_schedule, order, exposed = scheduled
+        plan = self.shared.plans[key]
         plan.update(schedule=plan_schedule, caps=plan_schedule.caps, predicted_exposed_ms=exposed * 1e3,
                     d2h_gbps_under_compute=measured / 1e9, copies_late=late, d2h_gbps_replanned=rate / 1e9)
         plan["model_mask"] = [i in order for i in range(len(plan["mask"]))]
         plan["tuning"]["model_layers"] = len(order)
         probe.order = order
         probe.search = StepSearch(len(order), probe.search.tolerance)
-        if self.verbose:
+        if self.shared.verbose:
             print(f"offload.activation auto: inputs {plan['input_shapes']}: the copies ran at "
-                  f"{measured / 1e9:.1f} GB/s under the plan's compute (planned {probe.d2h / 1e9:.1f}), the compute stream waiting for them "
-                  f"{late:.1%} of their time at its release points; planned again at {rate / 1e9:.1f} GB/s: "
+                  f"{measured / 1e9:.1f} GB/s under the plan's compute (planned {probe.d2h / 1e9:.1f}), "
+                  f"the compute stream waiting for them {late:.1%} of their time at its release points; "
+                  f"planned again at {rate / 1e9:.1f} GB/s: "
                   f"{planned_bytes(plan['layer_bytes'], plan['model_mask'], plan['caps']) / 2**20:.1f} MiB",
                   flush=True)
-        return True
 
-    def _model_count(self, probe) -> Optional[int]:
+    def _model_count(self, key, probe: Probe) -> Optional[int]:
         """The count the schedule offloads at the device-to-host rate the search's copies achieved
         under compute (their median): the model's word on an unsure verdict. None (the search's
         own count) where the rate is not timed or lies within COPY_MARGIN of the planned one,
         which the schedule's margin already covers (Note [verdicts under noise])."""
         if probe.schedule_at is None or probe.d2h is None:
             return None
-        rate = smallest_value(self.ranks, self.key, "probes' copies", self._copy_rate(probe.all_copies))
+        rate = smallest_value(self.shared.ranks, key, "probes' copies", copy_rate(self.shared.engine, probe.all_copies))
         if rate is None or rate >= probe.d2h / (1 + COPY_MARGIN):
             return None
         return len(probe.schedule_at(rate)[1])
 
-    def _copy_rate(self, copies):
-        """Bytes/s the device-to-host copies of a step achieved: the median over these steps'
-        counters (None: not timed). The median, as in `copies_late`."""
-        self.engine.resolve_timing(block=True)  # the probe's samples are taken: waiting costs none
-        rates = [c["d2h_bytes"] / c["d2h_seconds"] for c in copies if c["d2h_bytes"] > 0 and c["d2h_seconds"] > 0]
-        return statistics.median(rates) if rates else None
-
     def _apply(self, key, order, k) -> None:
-        plan = self.plans[key]
+        """Offload the first `k` layers of the schedule's `order` in shape `key`'s plan."""
+        plan = self.shared.plans[key]
         chosen = set(order[:k])
         mask = [i in chosen for i in range(len(plan["mask"]))]
         plan["mask"] = mask
-        plan["offload"] = [name for name, m in zip(self.handle.layers, mask) if m]
+        plan["offload"] = [name for name, m in zip(self.shared.handle.layers, mask) if m]
         plan["offloaded_bytes"] = planned_bytes(plan["layer_bytes"], mask, plan.get("caps"))
-

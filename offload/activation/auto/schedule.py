@@ -3,7 +3,7 @@
 `schedule` plans, without a memory budget, which layers' saved tensors the device-to-host
 stream copies out before backward starts and at which points each group is let go and
 fetched back (see Note [planned release points]); `simulate` and `choose` plan for a memory
-budget on a model of the resident window; `StepSearch` (step_search.py) chooses how many
+budget on a model of the resident window; `StepSearch` (search.py) chooses how many
 layers of the schedule's order to keep from measured step times. Nothing here touches a device.
 
 Note [planned release points]: a group's device memory goes back to the allocator when the
@@ -25,6 +25,9 @@ import collections
 import dataclasses
 from typing import List, Optional
 
+# The engine runs what is planned here, so the points and parts it counts in are its own.
+from ..engine import SPLIT_PARTS, TAIL_POINT
+
 # Predicted exposed copy time allowed in a budget plan, as a fraction of the predicted step.
 EXPOSED_TOLERANCE = 0.01
 # A schedule plans each copy this much longer than the measured bandwidth says: a group's
@@ -38,18 +41,6 @@ FETCH_MARGIN = 0.3
 # A layer offloaded in part offloads at least this share of its bytes (less frees too little
 # for the hooks' work and the extra copy).
 MIN_PART = 0.125
-# A layer whose copy would start on an idle device-to-host stream is copied in this many
-# parts, each as soon as the layer has saved its share of the bytes: waiting for the layer
-# to end would leave the bus idle through the first offloaded layer's forward.
-SPLIT_PARTS = 4
-# The measured steps mark when each layer has saved every PROFILE_POINTS-th share of its
-# bytes (of new spans): a layer's bytes do not come evenly over its time, so the schedule
-# places a part's close by these marks. A multiple of SPLIT_PARTS: the quarters' ends are
-# then marks of their own.
-PROFILE_POINTS = 8
-# Where the point of the last tensor saved before the step's peak, after the last layer (n),
-# sits among the points: between the last layer's end (n) and backward's start (n + 1).
-TAIL_POINT = 0.5
 
 
 @dataclasses.dataclass
@@ -96,9 +87,9 @@ def saved_by(marks, fwd: float, share: float) -> float:
     """Seconds into a layer of `fwd` seconds by which it has saved `share` of its bytes.
 
     `marks`: (share saved, seconds into the layer) ascending, each taken at the save that
-    passed a share (see PROFILE_POINTS), so the bytes between two marks may all come with the
-    later one: the first mark with at least `share` saved, else the layer's end. Without marks
-    the bytes are spread evenly over the layer's time.
+    passed a share (see the engine's PROFILE_POINTS), so the bytes between two marks may all
+    come with the later one: the first mark with at least `share` saved, else the layer's end.
+    Without marks the bytes are spread evenly over the layer's time.
     """
     if marks is None:
         return fwd * share

@@ -142,7 +142,7 @@ class BudgetPlan:
     """`plan`'s answer: the chosen prediction, whether it meets the budget, the least peak any
     plan reaches (what the budget must be at least), and, where the chosen plan offloads, the
     fastest plan that fits without offloading (its measured rival, Note [measured rival] in
-    budget_run.py)."""
+    budget_plan.py)."""
 
     chosen: Prediction
     feasible: bool
