@@ -11,15 +11,19 @@ OFFLOAD_BUILD_TARGET picks what is compiled:
     cpu   C++ core only: the native logic, compiled and tested on a CPU-only torch
     none  pure Python: the pure-PyTorch path everywhere
 MAX_JOBS caps parallel compile jobs (default: sized to cores and memory).
+OFFLOAD_DEBUG=1 builds with debug information and without optimization (default: a release
+build, no debug information).
 """
 
 import glob
+import json
 import os
 import shutil
 import subprocess
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 try:
     import torch
@@ -42,6 +46,8 @@ except ImportError:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = ("auto", "cuda", "npu", "cpu", "none")
+DEBUG = os.environ.get("OFFLOAD_DEBUG", "0").strip() not in ("", "0")
+STAMP = os.path.join(HERE, "build", "offload-build-stamp.json")
 
 
 def _has_torch_npu() -> bool:
@@ -158,12 +164,15 @@ def extensions(target: str):
         ("OFFLOAD_TORCH_VERSION", f'"{torch_version}"'),
     ]
     include_dirs = [os.path.join(HERE, "csrc", "include")]
-    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    # Python's own CFLAGS (which torch's build puts first on every compile line) hold -g: a
+    # release core would carry ~45 MB of debug information. -g0 after them wins.
+    cxx = (["-O0", "-g"] if DEBUG else ["-O3", "-g0"]) + ["-std=c++17", "-fvisibility=hidden"]
     if target == "cuda":
         sources += sorted(glob.glob(os.path.join("csrc", "core", "cuda", "*.cu")))
         sources += sorted(glob.glob(os.path.join("csrc", "core", "cuda", "*.cpp")))
         macros += [("OFFLOAD_WITH_CUDA", "1"), ("OFFLOAD_CUDA_VERSION", f'"{torch.version.cuda}"')]
-        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+        # -lineinfo: source lines for profilers, no debug information; -G (device debug) only in a debug build.
+        nvcc = (["-O0", "-g", "-G"] if DEBUG else ["-O3", "-lineinfo"]) + ["-std=c++17", "--expt-relaxed-constexpr"]
         return [
             cpp_extension.CUDAExtension(
                 "offload._C",
@@ -190,11 +199,53 @@ def extensions(target: str):
     ]
 
 
+def build_stamp(root: str) -> dict:
+    """What the compiled core depends on, as one hash: every file under csrc/, setup.py and
+    pyproject.toml, the environment (sys.prefix), torch's version and location, and the build
+    switches. A build writes it to build/offload-build-stamp.json; scripts/_setup.py computes it
+    with this same function (read from this file) and skips its build while the two match."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    names = sorted(os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/")
+                   for folder, _, files in os.walk(os.path.join(root, "csrc")) for name in files)
+    for name in names + ["setup.py", "pyproject.toml"]:
+        digest.update(name.encode())
+        with open(os.path.join(root, name), "rb") as f:
+            digest.update(f.read())
+    for value in (sys.prefix, torch.__version__, torch.__file__,
+                  os.environ.get("OFFLOAD_BUILD_TARGET", "auto").strip().lower(),
+                  os.environ.get("OFFLOAD_DEBUG", "0").strip()):
+        digest.update(b"\0" + value.encode())
+    return {"hash": digest.hexdigest(), "python": sys.executable, "torch": torch.__version__}
+
+
+def write_build_stamp(native: bool) -> None:
+    """Record a finished build, so that the two commands (scripts/) skip theirs after a user's
+    `pip install --no-build-isolation -e .`."""
+    os.makedirs(os.path.dirname(STAMP), exist_ok=True)
+    with open(STAMP, "w") as f:
+        json.dump({**build_stamp(HERE), "native": native}, f, indent=2)
+
+
+class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    def run(self):
+        super().run()
+        write_build_stamp(native=True)
+
+
+class BuildPy(build_py):
+    def run(self):
+        super().run()
+        if TARGET == "none":  # nothing to compile: build_ext does not run
+            write_build_stamp(native=False)
+
+
 TARGET, REASON = choose_target()
 print(f"offload: building target '{TARGET}' because {REASON}", flush=True)
 
 setup(
     packages=find_packages(include=["offload", "offload.*"]),
     ext_modules=extensions(TARGET),
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
 )

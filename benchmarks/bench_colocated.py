@@ -62,20 +62,6 @@ def _copy_rate(device, nbytes: int) -> float:
     return 2 * nbytes / statistics.median(samples)
 
 
-def _timed(fn, device, iters):
-    from offload.core import _device
-
-    samples = []
-    for i in range(iters + 1):  # the first is warm-up (buffers shared, plan sent)
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        _device.synchronize(device)
-        if i:
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return samples
-
-
 def _event_ms(fn, device, iters: int = 5) -> float:
     """Median device time of fn() on the current stream, after one warm-up."""
     from offload.core import _device
@@ -148,6 +134,8 @@ def _channel_rtt_ms(rank: int, iters: int = 50) -> float:
 
 def _handoff(rank: int, device, buckets: int, iters: int) -> float:
     """ms per bucket of a sync of `buckets` tiny buckets through transport 'ipc' (its fixed cost amortised)."""
+    from common import time_ranks_ms
+
     import offload
 
     tiny = {f"t{i}": torch.full((128,), float(i), dtype=torch.bfloat16, device=device) for i in range(buckets)}
@@ -157,13 +145,14 @@ def _handoff(rank: int, device, buckets: int, iters: int) -> float:
     else:
         receiver = offload.WeightReceiver(src=0, transport="ipc")
         fn = lambda: receiver.load(tiny)  # noqa: E731
-    return statistics.median(_timed(fn, device, iters)) / buckets
+    return statistics.median(time_ranks_ms(fn, device, iters)) / buckets
 
 
 def _worker(rank, init_method, quick, bench_dir, results):
     import sys
 
     sys.path.insert(0, bench_dir)
+    from common import time_ranks_ms
     from model_shapes import llama3_8b, materialize, qwen2_5_1_5b
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -191,8 +180,8 @@ def _worker(rank, init_method, quick, bench_dir, results):
                     for _ in receiver.receive():
                         pass
 
-            ours = _timed(load, device, iters)
-            ours_views = _timed(views, device, iters)
+            ours = time_ranks_ms(load, device, iters)
+            ours_views = time_ranks_ms(views, device, iters)
             phases = load()
 
             def per_tensor():
@@ -209,7 +198,7 @@ def _worker(rank, init_method, quick, bench_dir, results):
                     _device.synchronize(device)
                     dist.barrier()
 
-            each = _timed(per_tensor, device, iters)
+            each = time_ranks_ms(per_tensor, device, iters)
             # Where the time goes (module docstring): each side's copies alone while the other waits.
             breakdown = {}
             bucket_bytes = DEFAULT_IPC_BUCKET_BYTES

@@ -14,7 +14,7 @@ import time
 import torch
 
 import offload
-from common import compare_ms, gbps, row, summarize
+from common import compare_ms, gbps, host_memory, row, summarize
 from offload.core import _device
 
 SECTION = "copy"
@@ -41,7 +41,7 @@ def _single_tensor_sweep(ctx, sizes, iters):
                                     lambda: host.copy_(src, non_blocking=True), dev, iters=reps)
         rows.append(row(SECTION, f"D2H 1 x {_fmt(size)}", offload=gbps(size, t_off["median_ms"]),
                         baseline=gbps(size, t_torch["median_ms"]), unit="GB/s",
-                        baseline_name="pinned copy_(non_blocking)", size_bytes=size, plot="D2H",
+                        baseline_name=f"{host_memory()} copy_(non_blocking)", size_bytes=size, plot="D2H",
                         spread_pct=t_off["spread_pct"], figure="transfer", direction="D2H", bytes_per_tensor=size,
                         tensors=1))
         dst = torch.empty_like(src)
@@ -49,7 +49,7 @@ def _single_tensor_sweep(ctx, sizes, iters):
                                     lambda: dst.copy_(host, non_blocking=True), dev, iters=reps)
         rows.append(row(SECTION, f"H2D 1 x {_fmt(size)}", offload=gbps(size, t_off["median_ms"]),
                         baseline=gbps(size, t_torch["median_ms"]), unit="GB/s",
-                        baseline_name="pinned copy_(non_blocking)", size_bytes=size, plot="H2D",
+                        baseline_name=f"{host_memory()} copy_(non_blocking)", size_bytes=size, plot="H2D",
                         spread_pct=t_off["spread_pct"], figure="transfer", direction="H2D", bytes_per_tensor=size,
                         tensors=1))
         if size == sizes[-1]:
@@ -211,9 +211,9 @@ def _pool_growth(ctx, size):
     stats = pool.stats()
     pool.trim()
     return [row(SECTION, f"pool growth {_fmt(size)}", offload=t_off * 1e3, baseline=t_torch * 1e3, unit="ms",
-                baseline_name="torch.empty(pin_memory=True)", higher_is_better=False,
+                baseline_name=_empty_name(), higher_is_better=False,
                 registration_ms=stats["registration_seconds"] * 1e3,
-                headline=f"Pinned host pool: grow by {_fmt(size)}")]
+                headline=f"{'Pinned host' if host_memory() == 'pinned' else 'Host'} pool: grow by {_fmt(size)}")]
 
 
 def _cached_acquire(ctx, iters):
@@ -234,7 +234,12 @@ def _cached_acquire(ctx, iters):
     t_off = per_op_us(lambda: pool.acquire(MiB))
     t_torch = per_op_us(lambda: _pinned(MiB))
     return [row(SECTION, "cached acquire+release 1 MiB", offload=t_off, baseline=t_torch, unit="us",
-                baseline_name="torch.empty(pin_memory=True)", higher_is_better=False)]
+                baseline_name=_empty_name(), higher_is_better=False)]
+
+
+def _empty_name() -> str:
+    """PyTorch's way of getting host memory here: pinned where the runtime pins, plain on a CPU-only torch."""
+    return f"torch.empty(pin_memory={_device.pinned_memory_supported()})"
 
 
 def _fmt(nbytes: int) -> str:

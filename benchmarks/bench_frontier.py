@@ -49,6 +49,7 @@ from offload.activation.auto.planner import max_tuning_steps
 from offload.core import _device
 
 SECTION = "frontier"
+FULL_ONLY = True  # about ten minutes on one GPU: behind --full (or --only frontier)
 GiB = float(1 << 30)
 SETTLE_STEPS = 40  # steps a budget plan may take to be measured, made and checked
 BUDGETS = 6  # budgets of the sweep, from the peak without offload to the least any plan reaches

@@ -14,7 +14,7 @@ copy of it), in the same process:
   On a machine with an accelerator the engine offloads only tensors of the accelerator, so
   this measure runs in a subprocess that sees none.
 - GPU (cuda, npu): the bench's Llama (d2048, 8 layers, bf16, batch 1, `transformers` built
-  from a config) at seq 2048 and 8192: no handle, `async`, paused and `auto` (the library's
+  from a config) at seq 2048 (and 8192 with --full): no handle, `async`, paused and `auto` (the library's
   defaults otherwise), blocks of 5 back-to-back steps timed with device events, one block of
   each per round, the order reversed in every other round.
 
@@ -363,7 +363,7 @@ def _gpu_rows(ctx) -> list:
         return []
     rows = []
     rounds = GPU_QUICK_ROUNDS if ctx.quick else GPU_ROUNDS
-    for seq in GPU_SEQS:
+    for seq in GPU_SEQS if ctx.full else GPU_SEQS[:1]:
         ctx.progress(f"Llama seq {seq}: no handle, async, paused, auto")
         model, loss_fn = _llama(ctx.device, seq)
         what = f"Llama d2048 8 layers bf16, batch 1, seq {seq}"
@@ -404,6 +404,8 @@ def run(ctx):
     rows = _cpu_rows(ctx)
     if _device.is_accelerator(ctx.device):
         rows += _gpu_rows(ctx)
+        if not ctx.full:
+            ctx.skip(f"Llama seq {GPU_SEQS[1]} rows", "run with --full")
     return rows
 
 

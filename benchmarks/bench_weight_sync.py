@@ -10,8 +10,8 @@ host wall time per sync, with both ranks in step (a barrier before each repeat):
 The target on two GPUs: at least 85% of the ceiling's bandwidth and 5x the
 per-tensor broadcast. A row "ceiling" prints per-tensor time / one-big-broadcast
 time: the most any bucketing can gain over the per-tensor loop on this link (over
-NVLink about 2x, so 5x cannot be reached there). Extra rows sweep the bucket size
-and `reserve_sms=0` (pack kernels take every SM) to show where the time goes.
+NVLink about 2x, so 5x cannot be reached there). With --full, extra rows sweep the
+bucket size and `reserve_sms=0` (pack kernels take every SM) to show where the time goes.
 
 host_cache (one GPU, a one-rank group): a training-like loop (matmuls reading the
 weights, then an in-place update) takes a snapshot after each update and calls
@@ -48,25 +48,11 @@ def _gpus() -> int:
     return 0 if kind is None else _device.device_count(kind)
 
 
-def _timed(fn, device, iters):
-    from offload.core import _device
-
-    samples = []
-    for i in range(iters + 1):  # the first is warm-up
-        dist.barrier()
-        _device.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        _device.synchronize(device)
-        if i:
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return samples
-
-
-def _worker(rank, init_method, quick, device_type, bench_dir, results):
+def _worker(rank, init_method, quick, device_type, full, bench_dir, results):
     import sys
 
     sys.path.insert(0, bench_dir)
+    from common import time_ranks_ms
     from model_shapes import label, llama3_8b, materialize, qwen2_5_1_5b
 
     import offload
@@ -80,8 +66,9 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
     out = []
     for name, shapes in [("Qwen2.5-1.5B", qwen2_5_1_5b(quick)), ("Llama-3-8B", llama3_8b(quick))]:
         weights = materialize(shapes, torch.float32 if rank == 0 else torch.bfloat16, device)
-        # (bucket MiB, reserve_sms): the defaults first, then the sweep (same on both ranks).
-        configs = [(None, None)] + ([] if quick else [(b, None) for b in (64, 128, 512, 1024)] + [(None, 0)])
+        # (bucket MiB, reserve_sms): the defaults first, then, with --full, the sweep (same on both ranks).
+        sweep = [(b, None) for b in (64, 128, 512, 1024)] + [(None, 0)]
+        configs = [(None, None)] + (sweep if full and not quick else [])
         variants = {}
         for bucket_mib, reserve in configs:
             kw = {} if reserve is None else {"reserve_sms": reserve}
@@ -92,21 +79,21 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
             else:
                 receiver = offload.WeightReceiver(src=0, **kw)
                 sync = lambda: receiver.load(weights)  # noqa: E731
-            samples = _timed(sync, device, iters)
+            samples = time_ranks_ms(sync, device, iters)
             variants[(bucket_mib, reserve)] = (samples, sync())
             if rank == 0 and bucket_mib is None and reserve is None:
                 default_bucket = sender.bucket_bytes
         ours, phases = variants[(None, None)]
         nbytes = sum(t.numel() * 2 for t in weights.values())
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        one = _timed(lambda: dist.broadcast(flat, src=0), device, iters)
+        one = time_ranks_ms(lambda: dist.broadcast(flat, src=0), device, iters)
         del flat
 
         def per_tensor():
             for t in weights.values():
                 dist.broadcast(t.to(torch.bfloat16) if rank == 0 else t, src=0)
 
-        each = _timed(per_tensor, device, iters)
+        each = time_ranks_ms(per_tensor, device, iters)
         if rank == 0:
             out.append(dict(label=label(name, quick), bytes=nbytes, tensors=len(shapes), ours=ours, one=one, each=each,
                             phases=phases, default_bucket=default_bucket,
@@ -120,10 +107,10 @@ def _worker(rank, init_method, quick, device_type, bench_dir, results):
 
 
 def _spawn(target, world, ctx, what):
-    """Run target(rank, init_method, quick, device_type, bench_dir, results) on `world` processes; its result."""
+    """Run target(rank, init_method, quick, device_type, full, bench_dir, results) on `world` processes; its result."""
     from common import spawn_ranks
 
-    return spawn_ranks(target, world, (ctx.quick, ctx.device.type), f"weight_sync benchmark ({what})")
+    return spawn_ranks(target, world, (ctx.quick, ctx.device.type, ctx.full), f"weight_sync benchmark ({what})")
 
 
 def run(ctx):
@@ -175,7 +162,7 @@ def _sync_rows(results):
 # ---------------------------------------------------------------- host_cache on one GPU
 
 
-def _cache_worker(rank, init_method, quick, device_type, bench_dir, results):
+def _cache_worker(rank, init_method, quick, device_type, full, bench_dir, results):
     """A one-rank world: snapshots of fp32 weights taken beside a training-like loop."""
     import statistics
     import sys
@@ -229,7 +216,7 @@ def _cache_worker(rank, init_method, quick, device_type, bench_dir, results):
     fwd_bwd(1)
     one_ms = max(ms(t0, event()), 1e-3)
     repeats = max(1, round(2 * copy_ms / one_ms))
-    steps = 4 if quick else 12
+    steps = 4 if quick else 12 if full else 8  # the first two snapshots are not timed
 
     def loop(snapshots):
         blocked, waits, hosts, copies, step_ms, first = [], [], [], [], [], None

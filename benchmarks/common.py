@@ -1,25 +1,32 @@
-"""What every benchmark shares: an event timer, a result row, and the run context.
+"""What every benchmark shares: event timers, a result row, and the run context.
 
 A benchmark module `bench_<topic>.py` defines:
     SECTION = "<topic>"
     REQUIRES = ("transformers",)               # optional: modules without which it is skipped
+    FULL_ONLY = True                           # optional: runs only with --full (or named in --only)
     def applies(device_type: str) -> bool      # 'cuda', 'npu' or 'cpu'
     def run(ctx: Context) -> list[dict]        # rows made with `row(...)`
 and `python -m benchmarks` (benchmarks/runner.py) finds and runs it. Rows a section
-leaves out are recorded with `ctx.skip(what, reason)`.
+leaves out are recorded with `ctx.skip(what, reason)`; sizes that only `--full` runs
+are chosen with `ctx.full`.
 
 Fields of a row beyond `row()`'s own that the report reads:
     headline="<capability: case>"   the row stands for its capability in the headline table
+    target_met=True|False           the section's target for this row (with target="<= 1.05x",
+                                    or target_ratio=); a missed one shows as MISSED in the report
     figure="activation"             (a) with model=, way=, peak_bytes=
     figure="transfer"               (b) with direction=, bytes_per_tensor=, tensors=
     figure="staging_weight_sync"    (c) with panel="blocked"|"gbps", group=, and bytes= on ms rows
+    figure="frontier"               (d) with model=, peak_bytes=, and family=, k= or budget_bytes=
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,10 +37,27 @@ import torch
 from offload.core import _device
 
 
+def missing(module: str) -> bool:
+    """Whether `module` cannot be imported, without importing it."""
+    if module in sys.modules:
+        return sys.modules[module] is None  # None marks a module known to be absent
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def host_memory() -> str:
+    """How rows name the host buffers a baseline copies into: "pinned" where the runtime pins
+    host memory, "host" on a CPU-only torch, which has no pinned memory."""
+    return "pinned" if _device.pinned_memory_supported() else "host"
+
+
 @dataclass
 class Context:
     device: torch.device
     quick: bool = False  # smaller sizes and fewer repeats (CPU, smoke runs)
+    full: bool = False  # the long sizes and sweeps (--full) beside the default selection
     progress: Callable[[str], None] = print
     notes: dict = field(default_factory=dict)  # measured ceilings shared between sections
     skipped: list = field(default_factory=list)  # {"what", "reason"} of rows left out
@@ -100,6 +124,24 @@ def time_host_ms(fn: Callable[[], object], device: torch.device, warmup: int = 3
         _device.synchronize(device)
         samples.append((time.perf_counter() - t0) * 1e3)
     return summarize(samples)
+
+
+def time_ranks_ms(fn: Callable[[], object], device: torch.device, iters: int) -> list:
+    """Host wall-clock ms of fn() in each of `iters` repeats after one warm-up, every rank of the
+    process group leaving a barrier together before each and its device drained at both ends:
+    a transfer between processes, timed as each side sees it."""
+    import torch.distributed as dist
+
+    samples = []
+    for i in range(iters + 1):  # the first is warm-up (buffers allocated and shared, plans sent)
+        dist.barrier()
+        _device.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        _device.synchronize(device)
+        if i:
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return samples
 
 
 def summarize(samples_ms) -> dict:

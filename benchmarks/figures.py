@@ -9,14 +9,20 @@
 - activation_frontier.png: auto mode's plan at each memory budget against checkpointing or
   offloading the first k layers, peak activation memory against step time, one panel per model.
 
-Each is skipped when its rows are absent (a section skipped) or matplotlib is not installed.
+Each is skipped when its rows are absent (a section skipped) or matplotlib is not installed,
+and a memory figure where the device keeps no memory statistics (every peak reads 0): `draw_all`
+says why in its notes. Legends sit below the axes, where they cover no data.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Dict, List, Optional
 
-from benchmarks.runner import missing
+from benchmarks.common import missing
 
 ACTIVATION = "activation_memory_time.png"
 TRANSFER = "transfer_bandwidth.png"
@@ -27,11 +33,15 @@ OFFLOAD_COLOR = "tab:blue"
 WAYS = {
     "none": ("PyTorch: no offload", "o", True),
     "checkpoint": ("PyTorch: activation checkpointing", "s", True),
-    "save_on_cpu": ("PyTorch: save_on_cpu(pin_memory)", "D", True),
+    "save_on_cpu": ("PyTorch: save_on_cpu(pin_memory)", "D", True),  # "save_on_cpu" where nothing is pinned
     "async": ("offload: async", "^", False),
     "auto": ("offload: auto", "v", False),
     "async+checkpoint": ("offload: async + checkpointing", "P", False),
 }
+
+
+class NotDrawn(Exception):
+    """A figure whose rows exist but would show nothing: the reason, for the report."""
 
 
 def matplotlib_missing() -> bool:
@@ -54,13 +64,38 @@ def _title(what: str, meta: dict) -> str:
     return title
 
 
+def _legend_below(fig, axes) -> None:
+    """One legend for the figure, below its axes: inside them it covers bars and points."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                   ncol=min(3, len(entries)), fontsize=7, frameon=False)
+
+
 def _finish(plt, fig, what: str, meta: dict, path: Path) -> bool:
-    """Title the figure, lay it out and write it to `path`."""
+    """Title the figure, lay it out, put the legend below it and write it to `path`."""
     fig.suptitle(_title(what, meta), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _legend_below(fig, fig.axes)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the saved area grows to hold the legend
     plt.close(fig)
     return True
+
+
+def _needs_memory_statistics(peaks) -> None:
+    if all(not p for p in peaks):
+        raise NotDrawn("every peak reads 0 GiB: this device keeps no memory statistics (the CPU), so there is "
+                       "nothing to plot")
+
+
+def _way_label(way: str, meta: dict) -> str:
+    label = WAYS[way][0]
+    if way == "save_on_cpu" and not meta.get("pinned_memory", True):
+        label = "PyTorch: save_on_cpu"  # pin_memory=False: a CPU-only torch has no pinned memory
+    return label
 
 
 def _memory_time_axes(ax, title: str) -> None:
@@ -85,21 +120,21 @@ def activation(rows, meta, path: Path) -> bool:
     models = list(dict.fromkeys(r["model"] for r in rows))
     if not models:
         return False
+    _needs_memory_statistics(r["peak_bytes"] for r in rows)
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         points = []
         for r in (r for r in rows if r["model"] == model):
-            label, marker, theirs = WAYS[r["way"]]
+            _, marker, theirs = WAYS[r["way"]]
             x, y = r["offload"], r["peak_bytes"] / 2**30
             points.append((x, y))
-            ax.scatter([x], [y], marker=marker, s=60, label=label, color="tab:gray" if theirs else OFFLOAD_COLOR,
-                       edgecolors="black", linewidths=0.5, zorder=3)
+            ax.scatter([x], [y], marker=marker, s=60, label=_way_label(r["way"], meta),
+                       color="tab:gray" if theirs else OFFLOAD_COLOR, edgecolors="black", linewidths=0.5, zorder=3)
         front = pareto(points)
         ax.plot([p[0] for p in front], [p[1] for p in front], linestyle="--", color="tab:green", linewidth=1,
                 label="Pareto frontier", zorder=2)
         _memory_time_axes(ax, model)
-    axes[0][0].legend(fontsize=7, loc="best")
     return _finish(plt, fig, "Activation memory against step time (lower left is better)", meta, path)
 
 
@@ -134,7 +169,7 @@ def transfer(rows, meta, path: Path) -> bool:
             ax.annotate(f"{r['tensors']} tensors", (r["bytes_per_tensor"], r["offload"]), textcoords="offset points",
                         xytext=(6, 4), fontsize=7)
         peak = meta["notes"].get(f"bus_peak_{direction.lower()}_gbps")
-        if peak:
+        if peak and meta["performance_result"]:
             ax.axhline(peak, color="tab:red", linestyle=":", label=f"bus peak, measured ({peak:.1f} GB/s)")
         ax.set_xscale("log", base=2)
         ticks = sorted({r["bytes_per_tensor"] for r in mine})
@@ -144,7 +179,6 @@ def transfer(rows, meta, path: Path) -> bool:
         ax.set_ylabel("bandwidth (GB/s)")
         ax.set_title(f"{direction} ({'device to host' if direction == 'D2H' else 'host to device'})", fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
     return _finish(plt, fig, "Transfer bandwidth: offload against PyTorch's copies", meta, path)
 
 
@@ -194,7 +228,6 @@ def staging(rows, meta, path: Path) -> bool:
             ax.set_ylabel("bandwidth (GB/s, log scale, higher is better)")
             ax.set_title("Bytes moved per second", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=6, loc="best")
     return _finish(plt, fig, "Checkpoint staging and weight sync: offload against DCP's DefaultStager and "
                    "per-tensor loops", meta, path)
 
@@ -211,6 +244,7 @@ def frontier(rows, meta, path: Path) -> bool:
     models = list(dict.fromkeys(r["model"] for r in rows))
     if not models:
         return False
+    _needs_memory_statistics(r["peak_bytes"] for r in rows)
     plt = _pyplot()
     cols = min(2, len(models))  # two panels a row: four in one row are too narrow to read
     nrows = -(-len(models) // cols)
@@ -232,17 +266,49 @@ def frontier(rows, meta, path: Path) -> bool:
             ax.scatter([p[0] for p in plans], [p[1] for p in plans], marker="v", s=70, color=OFFLOAD_COLOR,
                        edgecolors="black", linewidths=0.5, label="offload: auto with a memory budget", zorder=3)
         _memory_time_axes(ax, model)
-    axes[0][0].legend(fontsize=7, loc="best")
     return _finish(plt, fig, "Activation memory budget frontier: the planner against checkpointing or offloading "
                    "the first k layers (lower left is better; k beside each point)", meta, path)
 
 
-def draw_all(rows, meta: dict, out: Path):
-    """Paths of the figures drawn into `out`."""
+# Every figure: its file, the rows' `figure` field that feeds it, and the function drawing it.
+FIGURES = ((ACTIVATION, "activation", activation), (TRANSFER, "transfer", transfer),
+           (STAGING, "staging_weight_sync", staging), (FRONTIER, "frontier", frontier))
+
+
+@dataclass
+class Drawn:
+    """The figures in a folder after `draw_all`: those drawn, and why others that had rows were not."""
+    paths: List[Path] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    _seen: Dict[str, str] = field(default_factory=dict)  # file name -> signature of the rows last drawn from
+    _outcome: Dict[str, Optional[str]] = field(default_factory=dict)  # file name -> None (drawn) or a note
+
+
+def _signature(rows, meta) -> str:
+    return hashlib.sha256(json.dumps([rows, meta.get("date"), meta.get("device")], sort_keys=True,
+                                     default=str).encode()).hexdigest()
+
+
+def draw_all(rows, meta: dict, out: Path, drawn: Optional[Drawn] = None) -> Drawn:
+    """Draw into `out` every figure that has rows and remove those that have none (left by an
+    earlier run). With `drawn` from an earlier call on the same folder, a figure whose rows did not
+    change since is left as it is (the runner calls this after every section)."""
+    drawn = drawn if drawn is not None else Drawn()
     if matplotlib_missing():
-        return []
-    drawn = []
-    for name, draw in ((ACTIVATION, activation), (TRANSFER, transfer), (STAGING, staging), (FRONTIER, frontier)):
-        if draw(rows, meta, out / name):
-            drawn.append(out / name)
+        drawn.paths, drawn.notes = [], []
+        return drawn
+    for name, key, draw in FIGURES:
+        path = out / name
+        mine = [r for r in rows if r.get("figure") == key]
+        signature = _signature(mine, meta)
+        if drawn._seen.get(name) != signature:
+            drawn._seen[name] = signature
+            try:
+                drawn._outcome[name] = None if draw(mine, meta, path) else ""
+            except NotDrawn as reason:
+                drawn._outcome[name] = str(reason)
+            if drawn._outcome[name] is not None and path.exists():
+                path.unlink()  # a figure of an earlier run whose rows are gone or say nothing
+    drawn.paths = [out / name for name, _, _ in FIGURES if name in drawn._outcome and drawn._outcome[name] is None]
+    drawn.notes = [f"{name} not drawn: {note}" for name, _, _ in FIGURES if (note := drawn._outcome.get(name))]
     return drawn

@@ -9,18 +9,19 @@ importable, so a host without a package registry runs this offline once its
 packages are there. torch is never installed here: _env.sh installs it only into
 a .venv it has just made.
 
-The build installs offload editable (`pip install --no-build-isolation --no-deps -e .`)
-and records a stamp: a hash of what the compiled core depends on (every file under
-csrc/, setup.py, pyproject.toml, the environment, torch's version and location, and
-OFFLOAD_BUILD_TARGET). A later run with the same stamp, whose environment still
-imports this checkout's offload (and its compiled core, if it had one), skips the build.
+The build installs offload editable (`pip install --no-build-isolation --no-deps -e .`).
+Every build of this checkout records a stamp, build/offload-build-stamp.json: a hash of
+what the compiled core depends on (every file under csrc/, setup.py, pyproject.toml, the
+environment, torch's version and location, OFFLOAD_BUILD_TARGET and OFFLOAD_DEBUG),
+written by setup.py itself, so a user's own `pip install --no-build-isolation -e .` counts
+too. A later run whose hash matches the stamp, and whose environment imports this
+checkout's offload (and its compiled core, if it had one), skips the build.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import importlib.util
 import json
 import os
@@ -131,30 +132,27 @@ def report() -> None:
     say(f"python {sys.executable}, torch {torch.__version__} ({Path(torch.__file__).parent.parent}), device {where}")
 
 
-def default_max_jobs() -> int:
-    """setup.py's rule for parallel compile jobs, read from setup.py so that the two cannot drift."""
+def _from_setup_py(name: str, namespace: dict):
+    """A function of setup.py, read from it (setup.py builds when imported), so that the two cannot drift."""
     tree = ast.parse((ROOT / "setup.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "default_max_jobs":
-            namespace = {"os": os}
+        if isinstance(node, ast.FunctionDef) and node.name == name:
             exec(compile(ast.Module(body=[node], type_ignores=[]), "setup.py", "exec"), namespace)
-            return int(namespace["default_max_jobs"]())
-    return max(1, (os.cpu_count() or 1) // 2)
+            return namespace[name]
+    return None
+
+
+def default_max_jobs() -> int:
+    """setup.py's rule for parallel compile jobs."""
+    rule = _from_setup_py("default_max_jobs", {"os": os})
+    return int(rule()) if rule is not None else max(1, (os.cpu_count() or 1) // 2)
 
 
 def stamp() -> dict:
+    """setup.py's build stamp of this checkout, as its build would write it now."""
     import torch
 
-    digest = hashlib.sha256()
-    files = sorted(p for p in (ROOT / "csrc").rglob("*") if p.is_file())
-    files += [ROOT / "setup.py", ROOT / "pyproject.toml"]
-    for path in files:
-        digest.update(path.relative_to(ROOT).as_posix().encode())
-        digest.update(path.read_bytes())
-    for value in (sys.prefix, torch.__version__, torch.__file__,
-                  os.environ.get("OFFLOAD_BUILD_TARGET", "auto").strip().lower()):
-        digest.update(b"\0" + value.encode())
-    return {"hash": digest.hexdigest(), "python": sys.executable, "torch": torch.__version__}
+    return _from_setup_py("build_stamp", {"os": os, "sys": sys, "torch": torch})(str(ROOT))
 
 
 def installed_core() -> dict:
@@ -181,7 +179,13 @@ def up_to_date(current: dict) -> bool:
     if recorded.get("hash") != current["hash"]:
         return False
     state = installed_core()
-    if "error" in state or Path(state["file"]).resolve().parent != ROOT / "offload":
+    if "error" in state:
+        return False
+    if Path(state["file"]).resolve().parent != ROOT / "offload":
+        # A non-editable install: its core is in site-packages, while the commands, run from this
+        # clone, import the clone's offload/ (the current folder comes first on sys.path).
+        say(f"offload is installed at {Path(state['file']).parent} (not editable); the commands run from this "
+            "clone, which imports its own offload/: building it editable")
         return False
     if recorded.get("native") and not state["native"]:
         return False  # the core was built once and no longer loads (removed, or torch changed under it)

@@ -1,7 +1,8 @@
 """The two README commands on a host whose torch is importable only from an activated venv
 and where no package registry is reachable: a fresh clone's `bash scripts/test.sh` and
 `bash scripts/bench.sh` use that venv's torch, install nothing that is there, make no
-.venv, and build once (the second command finds the build current)."""
+.venv, and build once (the second command finds the build current), also when the user
+built it first with README's `pip install --no-build-isolation -e .`."""
 
 import json
 import os
@@ -43,6 +44,11 @@ def _copy_checkout(dest: Path) -> None:
 
 @pytest.fixture(scope="module")
 def user_venv(tmp_path_factory):
+    return _user_venv(tmp_path_factory)
+
+
+def _user_venv(tmp_path_factory):
+    """A venv that reaches this interpreter's torch only through a .pth, a fresh clone, no registry."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs git and a git checkout of offload")
     base = tmp_path_factory.mktemp("setup")
@@ -121,3 +127,19 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def test_setup_scripts_reuse_a_build_made_with_pip(tmp_path_factory):
+    # README's Install from a clone, then the main job: the build setup.py recorded is current.
+    setup = _user_venv(tmp_path_factory)
+    python = setup["venv"] / "bin" / "python"
+    # --no-deps: without a registry pip cannot re-resolve torch's own requirements; the build is the same.
+    built = subprocess.run([str(python), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", "."],
+                           cwd=setup["clone"], env=setup["env"], capture_output=True, text=True, timeout=1800)
+    assert built.returncode == 0, (built.stdout + built.stderr)[-4000:]
+    stamp = json.loads((setup["clone"] / "build" / "offload-build-stamp.json").read_text())
+    assert stamp["native"] is False  # OFFLOAD_BUILD_TARGET=none: the pure-Python install
+    bench = _run(setup, ["scripts/bench.sh", "--quick", "--only", "param_offload"])
+    output = bench.stdout + bench.stderr
+    assert bench.returncode == 0, output[-4000:]
+    assert "nothing to rebuild" in output and "installing offload" not in output
