@@ -7,8 +7,8 @@ import pytest
 
 import dataclasses
 
-from offload.activation.auto.budget import (KEEP, OFFLOAD, RECOMPUTE, Bus, LayerCost, StepMemory, calibrate,
-                                            fixed_bytes, plan, predict)
+from offload.activation.auto.budget import (KEEP, OFFLOAD, RECOMPUTE, Bus, LayerCost, StepCosts, StepMemory,
+                                            calibrate, fixed_bytes, plan, predict)
 from offload.activation.auto.budget_plan import BudgetRun
 
 # 8 layers of 100 bytes (10 of them inputs), forward 1 s, backward 2 s; the last layer kept
@@ -33,7 +33,8 @@ def _best_first_k(costs, bus, budget):
     """The fastest 'checkpoint the first k' and 'offload the first k' plans that fit."""
     out = []
     for kind in (RECOMPUTE, OFFLOAD):
-        fits = [p for p in (predict(_first_k(kind, k), costs, bus, tail_bytes=TAIL) for k in range(N))
+        fits = [p for p in (predict(_first_k(kind, k), StepCosts(costs, bus, tail_bytes=TAIL))
+                            for k in range(N))
                 if p.peak_bytes <= budget]
         out.append(min(p.step_s for p in fits) if fits else float("inf"))
     return min(out)
@@ -41,9 +42,9 @@ def _best_first_k(costs, bus, budget):
 
 def test_activation_planner_predicts_the_plain_and_checkpointed_steps():
     costs = _costs()
-    plain = predict([KEEP] * N, costs, SLOW, tail_bytes=TAIL)
+    plain = predict([KEEP] * N, StepCosts(costs, SLOW, tail_bytes=TAIL))
     assert plain.step_s == 24.0 and plain.peak_bytes == 800 + TAIL and plain.exposed_s == 0
-    ckpt = predict(_first_k(RECOMPUTE, N - 1), costs, SLOW, tail_bytes=TAIL)
+    ckpt = predict(_first_k(RECOMPUTE, N - 1), StepCosts(costs, SLOW, tail_bytes=TAIL))
     assert ckpt.recompute_s == 7.0 and ckpt.step_s == 31.0 and ckpt.peak_bytes < plain.peak_bytes / 3
     # Fixed bytes: what the measured peak holds besides the activations, 0 without memory statistics.
     assert fixed_bytes(plain.peak_bytes + 1000, [KEEP] * N, costs, SLOW, TAIL) == 1000
@@ -68,7 +69,7 @@ def test_activation_planner_offloads_only_while_the_bus_hides_it():
         # As few layers as meet it, the earliest.
         k = kinds.count(OFFLOAD)
         assert kinds == _first_k(OFFLOAD, k)
-        assert predict(_first_k(OFFLOAD, k - 1), costs, FAST, tail_bytes=TAIL).peak_bytes > budget
+        assert predict(_first_k(OFFLOAD, k - 1), StepCosts(costs, FAST, tail_bytes=TAIL)).peak_bytes > budget
 
 
 def test_activation_planner_mixes_recompute_and_offload_for_a_tight_budget():
@@ -92,8 +93,8 @@ def test_activation_planner_recomputes_a_layer_it_may_not_offload():
     at full checkpointing's peak the plan recomputes every layer, as full checkpointing does,
     where recomputing all but the last would hold that layer's activations above it."""
     costs = _costs()
-    full = predict([RECOMPUTE] * N, costs, SLOW, tail_bytes=TAIL)
-    all_but_last = predict(_first_k(RECOMPUTE, N - 1), costs, SLOW, tail_bytes=TAIL)
+    full = predict([RECOMPUTE] * N, StepCosts(costs, SLOW, tail_bytes=TAIL))
+    all_but_last = predict(_first_k(RECOMPUTE, N - 1), StepCosts(costs, SLOW, tail_bytes=TAIL))
     assert full.peak_bytes < all_but_last.peak_bytes
     result = plan(costs, SLOW, full.peak_bytes, tail_bytes=TAIL)
     assert result.feasible and result.chosen.peak_bytes <= full.peak_bytes
@@ -103,7 +104,7 @@ def test_activation_planner_recomputes_a_layer_it_may_not_offload():
 
 def test_activation_planner_says_when_the_budget_cannot_be_met():
     costs = _costs()
-    checkpointed = predict([RECOMPUTE] * N, costs, SLOW, tail_bytes=TAIL)
+    checkpointed = predict([RECOMPUTE] * N, StepCosts(costs, SLOW, tail_bytes=TAIL))
     result = plan(costs, SLOW, checkpointed.peak_bytes - 60, tail_bytes=TAIL)
     assert not result.feasible
     assert result.least_peak_bytes == result.chosen.peak_bytes <= checkpointed.peak_bytes
@@ -141,7 +142,7 @@ def test_activation_planner_names_the_fastest_plan_without_offload_beside_an_off
     rival = result.without_offload
     assert rival is not None and OFFLOAD not in rival.kinds and rival.peak_bytes <= 650
     # The fastest of its kind: no "checkpoint the first k" that fits is faster.
-    ckpt = [predict(_first_k(RECOMPUTE, k), costs, SLOW, tail_bytes=TAIL) for k in range(N + 1)]
+    ckpt = [predict(_first_k(RECOMPUTE, k), StepCosts(costs, SLOW, tail_bytes=TAIL)) for k in range(N + 1)]
     assert rival.step_s <= min(p.step_s for p in ckpt if p.peak_bytes <= 650) + 1e-9
     # A plan without offload has no rival.
     assert plan(costs, SLOW, 800 + TAIL, tail_bytes=TAIL).without_offload is None
@@ -165,7 +166,7 @@ def test_activation_budget_run_times_an_offloading_plan_against_its_rival(case):
     verdict = _timed(run, 30.0, budget)
     assert verdict["rival"] and not verdict["replan"]
     rival = run.result.chosen
-    assert OFFLOAD not in rival.kinds and run.fields(["l"] * N)["kinds"] == rival.kinds
+    assert OFFLOAD not in rival.kinds and run.fields(["l"] * N).kinds == rival.kinds
     margin = 0.5 * (rival.recompute_s - offloading.recompute_s) * 1e3
     assert margin > 0
     rival_ms, rival_peak = {"rival_faster": (29.0, budget), "offload_faster": (30.0 + margin + 1, budget),
@@ -176,7 +177,7 @@ def test_activation_budget_run_times_an_offloading_plan_against_its_rival(case):
     assert not verdict["rival"] and not verdict["replan"] and verdict["switched"] == offload_kept
     assert run.result.chosen.kinds == (offloading.kinds if offload_kept else rival.kinds)
     assert verdict["kept"]["measured_step_ms"] == (30.0 if offload_kept else rival_ms)
-    check = run.fields(["l"] * N)["check"]["rival"]
+    check = run.rival
     assert check["kinds"] == rival.kinds and check["won"] is not offload_kept
     assert check["measured_step_ms"] == rival_ms and check["margin_ms"] == pytest.approx(margin)
 
@@ -186,8 +187,8 @@ def test_activation_planner_keeps_recomputed_inputs_where_the_budget_has_room():
     while the budget fits, the latest first; at full checkpointing's own peak they go to the host."""
     costs = _costs()
     # A bus so slow that offloading a layer never pays: the plans recompute.
-    copied = predict([RECOMPUTE] * N, costs, CRAWL, tail_bytes=TAIL)
-    kept = predict([RECOMPUTE] * N, costs, CRAWL, tail_bytes=TAIL, inputs_kept=[True] * N)
+    copied = predict([RECOMPUTE] * N, StepCosts(costs, CRAWL, tail_bytes=TAIL))
+    kept = predict([RECOMPUTE] * N, StepCosts(costs, CRAWL, tail_bytes=TAIL), inputs_kept=[True] * N)
     assert kept.peak_bytes > copied.peak_bytes and kept.step_s == copied.step_s
     # Room for every input: the plan is hand-written full checkpointing, nothing copied.
     result = plan(costs, CRAWL, kept.peak_bytes, tail_bytes=TAIL)
@@ -195,8 +196,8 @@ def test_activation_planner_keeps_recomputed_inputs_where_the_budget_has_room():
     run = BudgetRun(costs, CRAWL, kept.peak_bytes, measured_peak=0, tail_s=0.0, tail_bytes=TAIL)
     run.make()
     fields = run.fields(["l"] * N)
-    assert fields["inputs_kept"] == [True] * N and fields["mask"] == [False] * N
-    assert fields["recompute"] == [True] * N
+    assert fields.inputs_kept == [True] * N and fields.mask == [False] * N
+    assert fields.recompute == [True] * N
     # No room: every input goes to the host.
     result = plan(costs, CRAWL, copied.peak_bytes, tail_bytes=TAIL)
     assert result.chosen.inputs_kept == [False] * N and result.chosen.peak_bytes <= copied.peak_bytes
@@ -211,7 +212,7 @@ def test_activation_planner_keeps_recomputed_inputs_where_the_budget_has_room():
 
 def _measured(kinds, truth, bus, at_start, tail):
     """The allocator's stretch peaks of a step that ran `kinds` on layers costing `truth`."""
-    ran = predict(kinds, truth, bus, at_start, tail_bytes=tail, window=True)
+    ran = predict(kinds, StepCosts(truth, bus, at_start, tail_bytes=tail), window=True)
     return StepMemory(ran.peak_bytes, at_start,
                       [at_start + b + c.forward_extra_bytes for b, c in zip(ran.forward_bytes, truth)],
                       at_start + ran.start_bytes + tail,
@@ -232,15 +233,15 @@ def test_activation_planner_places_memory_beside_the_activations_where_it_was_me
     costs, fixed, tail = calibrate(measured_kinds, plain, SLOW, memory)
     assert costs == truth and fixed == 1000 and tail == TAIL
     for kinds in ([KEEP] * N, [RECOMPUTE] * N, _first_k(RECOMPUTE, 3), measured_kinds):
-        expected = predict(kinds, truth, SLOW, 1000, tail_bytes=TAIL).peak_bytes
-        assert predict(kinds, costs, SLOW, fixed, tail_bytes=tail).peak_bytes == expected
+        expected = predict(kinds, StepCosts(truth, SLOW, 1000, tail_bytes=TAIL)).peak_bytes
+        assert predict(kinds, StepCosts(costs, SLOW, fixed, tail_bytes=tail)).peak_bytes == expected
     # The whole step's excess as fixed bytes instead: wrong both ways.
     whole = fixed_bytes(memory.step_peak, measured_kinds, plain, SLOW, TAIL)
     keep_all, full = ([KEEP] * N, [RECOMPUTE] * N)
-    assert (predict(keep_all, plain, SLOW, whole, tail_bytes=TAIL).peak_bytes
-            > predict(keep_all, truth, SLOW, 1000, tail_bytes=TAIL).peak_bytes)
-    assert (predict(full, plain, SLOW, whole, tail_bytes=TAIL).peak_bytes
-            < predict(full, truth, SLOW, 1000, tail_bytes=TAIL).peak_bytes)
+    assert (predict(keep_all, StepCosts(plain, SLOW, whole, tail_bytes=TAIL)).peak_bytes
+            > predict(keep_all, StepCosts(truth, SLOW, 1000, tail_bytes=TAIL)).peak_bytes)
+    assert (predict(full, StepCosts(plain, SLOW, whole, tail_bytes=TAIL)).peak_bytes
+            < predict(full, StepCosts(truth, SLOW, 1000, tail_bytes=TAIL)).peak_bytes)
 
 
 def test_activation_planner_fills_in_stretches_not_measured():
@@ -253,14 +254,16 @@ def test_activation_planner_fills_in_stretches_not_measured():
     backward[2] = 0
     costs, fixed, _ = calibrate(kinds, plain, SLOW, dataclasses.replace(memory, backward=backward))
     assert [c.backward_extra_bytes for c in costs] == [100, 101, N + 99] + [100 + i for i in range(3, N)]
-    assert predict(kinds, costs, SLOW, fixed, tail_bytes=TAIL, window=True).peak_bytes >= memory.step_peak
+    ran = predict(kinds, StepCosts(costs, SLOW, fixed, tail_bytes=TAIL), window=True)
+    assert ran.peak_bytes >= memory.step_peak
     # No stretch measured (no memory statistics, or only the whole step's): the whole step's excess.
     costs, fixed, tail = calibrate(kinds, plain, SLOW, StepMemory(memory.step_peak), TAIL)
     assert costs == plain and tail == TAIL and fixed == fixed_bytes(memory.step_peak, kinds, plain, SLOW, TAIL)
     assert calibrate(kinds, plain, SLOW, StepMemory(0), TAIL) == (plain, 0, TAIL)
     # What no stretch explains (a peak after them all) is added to every plan.
     costs, fixed, _ = calibrate(kinds, plain, SLOW, dataclasses.replace(memory, step_peak=memory.step_peak + 77))
-    assert predict(kinds, costs, SLOW, fixed, tail_bytes=TAIL, window=True).peak_bytes == memory.step_peak + 77
+    ran = predict(kinds, StepCosts(costs, SLOW, fixed, tail_bytes=TAIL), window=True)
+    assert ran.peak_bytes == memory.step_peak + 77
 
 
 def test_activation_planner_replays_the_resident_window():
@@ -270,16 +273,17 @@ def test_activation_planner_replays_the_resident_window():
     window of two, offloading the first k layers lowers the peak as backward starts by k - 2
     layers, however fast the bus (Note [budget points])."""
     costs = _costs()
-    keep_all = predict([KEEP] * N, costs, FAST, tail_bytes=TAIL)
+    keep_all = predict([KEEP] * N, StepCosts(costs, FAST, tail_bytes=TAIL))
     for k in range(1, N):
-        offloaded = predict(_first_k(OFFLOAD, k), costs, FAST, tail_bytes=TAIL, window=True)
+        offloaded = predict(_first_k(OFFLOAD, k), StepCosts(costs, FAST, tail_bytes=TAIL), window=True)
         assert offloaded.start_bytes == keep_all.start_bytes - 100 * max(0, k - 2)
         assert offloaded.exposed_s == 0 and offloaded.step_s == keep_all.step_s
     # In forward, the group in the window is on the device beside the next layer's.
-    assert predict(_first_k(OFFLOAD, 1), costs, FAST, window=True).forward_bytes[1] == 200
+    assert predict(_first_k(OFFLOAD, 1), StepCosts(costs, FAST), window=True).forward_bytes[1] == 200
     # A window of three holds one more.
     wide = Bus(FAST.d2h_bps, FAST.h2d_bps, 3)
-    assert predict(_first_k(OFFLOAD, 5), costs, wide, window=True).start_bytes == keep_all.start_bytes - 200
+    offloaded = predict(_first_k(OFFLOAD, 5), StepCosts(costs, wide), window=True)
+    assert offloaded.start_bytes == keep_all.start_bytes - 200
 
 
 def test_activation_planner_plans_points_that_free_what_is_offloaded():
@@ -287,9 +291,9 @@ def test_activation_planner_plans_points_that_free_what_is_offloaded():
     planned done and comes back when backward reaches the layer whose backward hides its copy,
     so what a plan offloads is off the device as backward starts."""
     costs = _costs()
-    keep_all = predict([KEEP] * N, costs, FAST, tail_bytes=TAIL)
+    keep_all = predict([KEEP] * N, StepCosts(costs, FAST, tail_bytes=TAIL))
     for k in range(1, N):
-        p = predict(_first_k(OFFLOAD, k), costs, FAST, tail_bytes=TAIL)
+        p = predict(_first_k(OFFLOAD, k), StepCosts(costs, FAST, tail_bytes=TAIL))
         assert p.start_bytes == keep_all.start_bytes - 100 * k and p.peak_bytes < keep_all.peak_bytes
         # A copy of 0.8 s (0.84 s planned) is let go as the layer after next opens.
         assert p.release_at == {i: i + 2 if i + 2 < N else N for i in range(k)}
@@ -297,5 +301,5 @@ def test_activation_planner_plans_points_that_free_what_is_offloaded():
         assert p.fetch_at == {i + 1: [i] for i in range(k)} and p.fetch_at_start == []
         assert p.exposed_s == 0 and p.step_s == keep_all.step_s
     # A copy that does not end with the forward: the compute stream waits for it at its end.
-    late = predict(_first_k(OFFLOAD, N - 1), costs, SLOW, tail_bytes=TAIL)
+    late = predict(_first_k(OFFLOAD, N - 1), StepCosts(costs, SLOW, tail_bytes=TAIL))
     assert late.release_at[N - 2] == N and late.exposed_s > 0

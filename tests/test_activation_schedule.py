@@ -43,12 +43,13 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     release point and before the last layer ends; each group fetched back as soon as backward
     has let go of the bytes it brings back, or at the latest layer start that leaves time for
     its copy where that is earlier."""
-    from offload.activation.auto.schedule import COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, schedule
+    from offload.activation.auto.schedule import (COPY_MARGIN, FETCH_MARGIN, SPLIT_PARTS, TAIL_POINT, StepInputs,
+                                                  schedule)
 
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
     eligible = [True] * (n - 1) + [False]
-    plan, order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0)
+    plan, order, exposed = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0))
     per = (1 + COPY_MARGIN) / 50.0  # 0.021 s a byte: 2.1 s a layer
     # Layer 0 opens on an idle stream: copied in 4 parts of 25 bytes as it saves them (each
     # at a quarter of its second), from 0.25 s to 2.35; then layers 1 and 2 (2.35-4.45,
@@ -73,7 +74,7 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     # queues more than its layer's backward carries, 76 bytes (Note [fetch in pieces]), so the
     # groups come in pieces; each begins where backward has let go of its bytes (layer 3's 69
     # at layer 6, layer 2's at 5: 169 of 200 held, ...), and its rest follows at the next start.
-    slow_back, _, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)
+    slow_back, _, exposed = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0))
     assert slow_back.fetch_at == {6: [3], 5: [2], 4: [2, 1], 3: [1, 0], 2: [0]} and exposed == 0
     assert slow_back.fetch_share == {(5, 2): 0.76, (4, 1): 0.52, (3, 0): 0.28}
     assert slow_back.shares_at(4) == {1: 0.52} and slow_back.shares_at(6) == {}
@@ -81,7 +82,7 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     # each, 90 in all, so only 90 bytes are offloaded (Note [backward's room]): layer 0's first
     # three quarters and 15 bytes more, its parts let go as before, fetched in six pieces from
     # layer 6's start, where backward has let go of layer 7's bytes; nothing waits for them.
-    slowest, slowest_order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 10.0)
+    slowest, slowest_order, exposed = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 10.0))
     assert slowest_order == [0] and slowest.caps[0] == 90 and exposed == 0
     assert slowest.split_at == {0: [25, 50, 75]} and slowest.release_at == {0: [1, 2, 2, 3]}
     assert slowest.fetch_at == {j: [0] for j in range(1, 7)} and slowest.fetch_at_start == []
@@ -89,36 +90,36 @@ def test_activation_schedule_fills_the_bus_before_the_last_layer_ends():
     # Layers kept on the device that save little: backward lets go of too few bytes before
     # the offloaded layers' own backward, so each group comes at its latest start, one layer ahead.
     small_kept = [100] * 4 + [10] * 4
-    jit = schedule([True] * 4 + [False] * 4, small_kept, fwd, bwd, 2.0, 1.0, 50.0, 100.0)[0]
+    jit = schedule([True] * 4 + [False] * 4, StepInputs(small_kept, fwd, bwd, 2.0, 1.0, 50.0, 100.0))[0]
     assert jit.fetch_at == {4: [3], 3: [2], 2: [1], 1: [0]}
     # A slow bus: not even one layer fits before the last one ends, and a part of one does
     # (from 0.25 s: 7.75 s / 1.05 at 5 bytes/s = 36 bytes), copied in parts that end at 5.5,
     # 6.97 (the 32 bytes copied by the last layer's open) and 7.81 s.
-    slow, slow_order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 5.0, 50.0)
+    slow, slow_order, _ = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 5.0, 50.0))
     assert slow_order == [0] and slow.caps[0] == 36
     assert slow.split_at == {0: [25, 32]} and slow.release_at == {0: [6, 7, 8]}
     # The last tensor saved before the step's peak comes 1 s after the last layer ends (the
     # 3rd saved after it, in the head): copies may run until 9 s. Layer 3 is copied whole,
     # its bytes copied after the last layer's end (69-100) let go at that save (point 8.5),
     # and 16 bytes of layer 4 from 8.65 s (0.35 s / 0.021).
-    tail, tail_order, exposed = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, (3, 1.0))
+    tail, tail_order, exposed = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, (3, 1.0)))
     assert tail_order == [0, 1, 2, 3, 4] and tail.caps[3] is None and tail.caps[4] == 16 and exposed == 0
     assert tail.split_at[3] == [21, 69] and tail.release_at[3] == [7, 8, 8 + TAIL_POINT]
     assert tail.release_at[4] == 8 + TAIL_POINT and tail.tail_save == 3
     # At the last layer's end: no copy is let go there, no point is kept.
-    assert schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, (3, 0.0))[0] == plan
+    assert schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, (3, 0.0)))[0] == plan
     # A copy stream still busy when a layer ends: that layer is not split.
     assert 1 not in plan.split_at and 2 not in plan.split_at
     # Nothing eligible, or a bus too slow for an eighth of a layer: nothing offloaded.
-    assert schedule([False] * n, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0)[1] == []
-    assert schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 0.5, 50.0)[1] == []
+    assert schedule([False] * n, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 50.0))[1] == []
+    assert schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 0.5, 50.0))[1] == []
 
 
 def test_activation_schedule_closes_parts_when_the_layer_saved_their_bytes():
     """A layer's parts close when it has saved their bytes, by the measured marks: a layer that
     saves half its bytes 0.6 s into its second and the rest at 0.9 s starts its copy later
     than an even spread says, and its parts are let go later."""
-    from offload.activation.auto.schedule import COPY_MARGIN, schedule, saved_by
+    from offload.activation.auto.schedule import COPY_MARGIN, StepInputs, saved_by, schedule
 
     assert saved_by(None, 2.0, 0.25) == 0.5  # no marks: evenly over the layer's time
     marks = [(0.5, 0.6), (1.0, 0.9)]
@@ -129,8 +130,9 @@ def test_activation_schedule_closes_parts_when_the_layer_saved_their_bytes():
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
     eligible = [True] * (n - 1) + [False]
-    even, _, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0)
-    late, _, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, None, [marks] + [None] * (n - 1))
+    even, _, _ = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0))
+    late, _, _ = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, None,
+                                               [marks] + [None] * (n - 1)))
     assert COPY_MARGIN == 0.05 and even.release_at[0] == [1, 2, 2, 3]
     # 0.525 s a part: from 0.6 s (the first two quarters), 1.125 and 1.65; the third quarter
     # from 1.65 (saved at 0.9), 2.175; the last from 2.175, 2.7.
@@ -146,7 +148,8 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     the last span end that fits (60 of the 69 bytes the bus could take), so the plan's bytes
     are what the engine will copy, and a part to be let go as the last layer opens ends at the
     last span end its copy passes by then."""
-    from offload.activation.auto.schedule import schedule, span_end_at_or_above, span_end_at_or_below
+    from offload.activation.auto.schedule import (StepInputs, schedule, span_end_at_or_above,
+                                                  span_end_at_or_below)
 
     assert span_end_at_or_below([30, 60, 100], 69) == 60 and span_end_at_or_below([30, 60, 100], 29) == 0
     assert span_end_at_or_above([30, 60, 100], 31) == 60 and span_end_at_or_above([30, 60, 100], 101) == 100
@@ -154,7 +157,8 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     n = 8
     nbytes, fwd, bwd = [100] * n, [1.0] * n, [2.0] * n
     eligible = [True] * (n - 1) + [False]
-    plan, order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0, None, None, [[30, 60, 100]] * n)
+    plan, order, _ = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 50.0, 100.0,
+                                                 spans=[[30, 60, 100]] * n))
     # 0.63 s a span of 30: layer 0's first part from 0.3 s (its 30 bytes saved), 0.93; then
     # 1.56 and 2.4 s; layers 1 and 2 to 6.6 s; layer 3 from 6.6 s: 66 bytes fit by 8 s, 60 go.
     assert order == [0, 1, 2, 3] and plan.caps == [None] * 3 + [60] + [None] * 4
@@ -164,7 +168,8 @@ def test_activation_schedule_counts_bytes_at_span_ends():
     assert plan.release_at[3] == 8
     # At 55 bytes/s layer 3 fits whole, its copy from 6.03 s: by 7 s it has taken 51 bytes,
     # so its first span (30) goes as the last layer opens, the rest at the end (7.94 s).
-    faster, order, _ = schedule(eligible, nbytes, fwd, bwd, 2.0, 1.0, 55.0, 100.0, None, None, [[30, 60, 100]] * n)
+    faster, order, _ = schedule(eligible, StepInputs(nbytes, fwd, bwd, 2.0, 1.0, 55.0, 100.0,
+                                                 spans=[[30, 60, 100]] * n))
     assert order == [0, 1, 2, 3] and faster.caps[3] is None
     assert faster.split_at[3] == [30] and faster.release_at[3] == [7, 8]
 
@@ -179,12 +184,12 @@ def test_activation_schedule_fetches_in_backward_order_within_memory_or_in_time(
     backward has let go of the bytes it and the groups back before it still need (Note
     [memory-neutral fetch]), or else no more is queued than the later layer starts could not
     carry in time."""
-    from offload.activation.auto.schedule import FETCH_MARGIN, _freed_before, schedule
+    from offload.activation.auto.schedule import FETCH_MARGIN, StepInputs, _freed_before, schedule
 
     nbytes, fwd, bwd = ([layer[k] for layer in layers] for k in range(3))
     n = len(layers)
     eligible = [i < n - 1 - kept for i in range(n)]
-    plan, order, _ = schedule(eligible, nbytes, fwd, bwd, 0.5, 0.5, d2h, h2d)
+    plan, order, _ = schedule(eligible, StepInputs(nbytes, fwd, bwd, 0.5, 0.5, d2h, h2d))
     sizes = {i: nbytes[i] if plan.caps[i] is None else plan.caps[i] for i in order}
     freed = _freed_before(nbytes, sizes)
     room = [int(b * h2d / (1 + FETCH_MARGIN)) for b in bwd]

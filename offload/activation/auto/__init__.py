@@ -14,6 +14,7 @@ measurer (measure.py), the prober (probes.py) and the budget checker (budget_che
 Modules:
 - planner: `AutoPlanner`, what each step of a shape runs, and the plan made from its measured steps.
 - shared: what the planner's parts share: the `Shared` record, the `Clock`, the copies' rate.
+- plan: one shape's plan as a typed record (`Plan`), and the dict `handle.plan` gives of it.
 - measure: a measured step: the engine's observer while measuring (`StepMeasurer`), and the
   layer times, bytes, marks and memory the plan reads from it (`MeasuredStep`).
 - memory: a measured step's device memory, stretch by stretch; the allocator's cache given

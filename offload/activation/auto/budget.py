@@ -172,11 +172,23 @@ def _copied(kind: str, cost: LayerCost) -> int:
     return _held(kind, cost) if cost.eligible and kind != KEEP else 0
 
 
-def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_bytes: int = 0,
-            tail_s: float = 0.0, tail_bytes: int = 0, inputs_kept: Sequence[bool] = (),
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """A step as the budget model replays it: what each layer costs, the bus, and what the step
+    holds and takes besides the layers."""
+
+    costs: Sequence[LayerCost]  # per layer
+    bus: Bus
+    fixed_bytes: int = 0  # held throughout the step: parameters, gradients, optimizer state
+    tail_s: float = 0.0  # from the last layer's end to the last layer's backward (head, loss)
+    tail_bytes: int = 0  # what the head and the loss hold on top of the layers as backward starts
+
+
+def predict(kinds: Sequence[str], step: StepCosts, inputs_kept: Sequence[bool] = (),
             window: bool = False) -> Prediction:
     """Replay one step of the plan `kinds` (one per layer) at its planned points (Note [budget
-    points]), or with `window` as the engine's resident window runs it (the measuring step); a
+    points]), or with `window` as the engine's resident window runs it (the measuring step), on `step`'s
+    costs, bus and fixed and tail figures; a
     recomputed layer flagged in `inputs_kept` holds its inputs on the device instead of copying them.
 
     Forward: layer i runs `forward_s` after layer i-1; a copied group's copy starts when its
@@ -203,103 +215,157 @@ def predict(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, fixed_by
     sums, plus `fixed_bytes` (what the step holds throughout: parameters, gradients,
     optimizer state).
     """
-    n = len(costs)
-    held = [_held(k, c) for k, c in zip(kinds, costs)]
-    kept = list(inputs_kept) or [False] * n
-    copied = [0 if kept[i] and k == RECOMPUTE else _copied(k, c) for i, (k, c) in enumerate(zip(kinds, costs))]
-    recomputed = [k == RECOMPUTE and not c.checkpointed for k, c in zip(kinds, costs)]
-    t = exposed = recompute = 0.0
-    d2h_free = 0.0
-    pending: collections.deque = collections.deque()  # (copy end, planned end, layer) of groups not let go
-    release_at: dict = {}
-    on_device = 0  # bytes of groups not copied out (kept, recomputed with their inputs kept)
-    peak = 0
-    forward_bytes, backward_bytes = [0] * n, [0] * n
-    for i, (kind, cost) in enumerate(zip(kinds, costs)):
-        while not window and pending and pending[0][1] <= t:  # point i: layer i opens
-            release_at[pending.popleft()[2]] = i
-        during = cost.input_bytes if kind == RECOMPUTE else cost.saved_bytes
-        forward_bytes[i] = on_device + sum(copied[j] for *_, j in pending) + during
-        peak = max(peak, forward_bytes[i] + cost.forward_extra_bytes)
-        t += cost.forward_s
-        if not copied[i]:
-            on_device += held[i]
-            continue
-        start = max(t, d2h_free)
-        d2h_free = start + copied[i] / bus.d2h_bps
-        pending.append((d2h_free, start + copied[i] / bus.d2h_bps * (1 + COPY_MARGIN), i))
-        while window and len(pending) > bus.window - 1:
-            end_oldest = pending.popleft()[0]
-            if end_oldest > t:
-                exposed += end_oldest - t
-                t = end_oldest
-    resident = set()  # still in the window as backward starts: served from the device
-    if window:
-        resident = {j for *_, j in pending}
-    else:
-        for end, _, j in pending:  # point n: the last layer ends
-            release_at[j] = n
-            if end > t:
-                exposed += end - t
-                t = end
-    memory = on_device + sum(copied[j] for j in resident)
-    chosen = [i for i in range(n) if copied[i] and i not in resident]
-    fetch_at: dict = {}
-    fetch_at_start: List[int] = []
-    if window:
-        previous = {b: a for a, b in zip(chosen, chosen[1:])}
-        if chosen and len(resident) < bus.window:
-            fetch_at_start.append(chosen[-1])
-        for later, earlier in previous.items():
-            fetch_at.setdefault(later, []).append(earlier)
-    else:
-        # When each layer's backward starts, copies back waiting for none.
-        starts, s = [0.0] * n, t + tail_s
-        for j in reversed(range(n)):
-            starts[j] = s
-            s += costs[j].backward_s + (costs[j].forward_s if recomputed[j] else 0.0)
-        for g in reversed(chosen):
-            need = copied[g] / bus.h2d_bps * (1 + FETCH_MARGIN)
-            at = next((j for j in range(g + 1, n) if starts[g] - starts[j] >= need), None)
-            (fetch_at_start if at is None else fetch_at.setdefault(at, [])).append(g)
-    ready: dict = {}
-    h2d_free = t + tail_s
+    replay = _Replay.start(kinds, step, inputs_kept, window)
+    _replay_forward(replay)
+    _forward_ends(replay)
+    _fetch_points(replay)
+    start_bytes = _replay_backward(replay)
+    r, n = replay, len(step.costs)
+    return Prediction(list(kinds), r.t, int(r.peak + step.fixed_bytes), r.exposed, r.recompute,
+                      [r.kept[i] and kinds[i] == RECOMPUTE for i in range(n)], r.forward_bytes, start_bytes,
+                      r.backward_bytes, r.release_at, r.fetch_at, r.fetch_at_start)
 
-    def fetch(groups, now):
-        nonlocal h2d_free, memory
+
+@dataclasses.dataclass
+class _Replay:
+    """`predict`'s replay of one step as it goes: the clock, the memory, the groups' state."""
+
+    kinds: Sequence[str]
+    step: StepCosts
+    window: bool  # as the resident window runs it, else at planned points
+    held: List[int]  # per layer: bytes its group holds on the device after its forward, unless copied out
+    copied: List[int]  # per layer: bytes its group copies out (0: none)
+    recomputed: List[bool]  # per layer: recomputed by the plan (not the user's checkpoint)
+    kept: List[bool]  # per layer: inputs_kept
+    forward_bytes: List[int]  # per layer: the groups' bytes on the device during its forward
+    backward_bytes: List[int]  # per layer: the same during its backward
+    t: float = 0.0  # seconds into the step
+    exposed: float = 0.0  # seconds waiting for copies
+    recompute: float = 0.0  # seconds recomputing
+    peak: int = 0  # the most bytes seen so far (fixed bytes not included)
+    on_device: int = 0  # bytes of groups not copied out (kept, recomputed with their inputs kept)
+    memory: int = 0  # bytes of groups on the device in backward
+    d2h_free: float = 0.0  # when the device-to-host stream is free
+    h2d_free: float = 0.0  # when the host-to-device stream is free
+    # (copy end, planned end, layer) of groups not let go
+    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+    release_at: dict = dataclasses.field(default_factory=dict)
+    resident: set = dataclasses.field(default_factory=set)  # in the window as backward starts: served from the device
+    fetch_at: dict = dataclasses.field(default_factory=dict)
+    fetch_at_start: List[int] = dataclasses.field(default_factory=list)
+    ready: dict = dataclasses.field(default_factory=dict)  # layer -> when its group is back
+
+    @classmethod
+    def start(cls, kinds, step: StepCosts, inputs_kept, window: bool) -> "_Replay":
+        costs = step.costs
+        n = len(costs)
+        kept = list(inputs_kept) or [False] * n
+        return cls(kinds, step, window, held=[_held(k, c) for k, c in zip(kinds, costs)],
+                   copied=[0 if kept[i] and k == RECOMPUTE else _copied(k, c)
+                           for i, (k, c) in enumerate(zip(kinds, costs))],
+                   recomputed=[k == RECOMPUTE and not c.checkpointed for k, c in zip(kinds, costs)],
+                   kept=kept, forward_bytes=[0] * n, backward_bytes=[0] * n)
+
+    def fetch(self, groups, now) -> None:
+        """Copy `groups` back from `now` on (those not fetched yet), one after the other."""
         for g in groups:
-            if g not in ready:
-                ready[g] = h2d_free = max(now, h2d_free) + copied[g] / bus.h2d_bps
-                memory += copied[g]
+            if g not in self.ready:
+                self.ready[g] = self.h2d_free = max(now, self.h2d_free) + self.copied[g] / self.step.bus.h2d_bps
+                self.memory += self.copied[g]
 
-    fetch(fetch_at_start, t + tail_s)
-    start_bytes = memory
-    peak = max(peak, memory + tail_bytes)
-    t += tail_s
-    for i in reversed(range(n)):
-        kind, cost = kinds[i], costs[i]
-        if not window:  # at the gradient of layer i's output
-            fetch(fetch_at.get(i, ()), t)
-        if copied[i] and i not in resident:
-            fetch([i], t)
-            if ready[i] > t:
-                exposed += ready[i] - t
-                t = ready[i]
-        if window:  # at layer i's first unpack
-            fetch(fetch_at.get(i, ()), t)
+
+def _replay_forward(r: _Replay) -> None:
+    """The layers' forwards: each group's copy out, and where it is let go (`predict`)."""
+    bus, copied, pending = r.step.bus, r.copied, r.pending
+    for i, (kind, cost) in enumerate(zip(r.kinds, r.step.costs)):
+        while not r.window and pending and pending[0][1] <= r.t:  # point i: layer i opens
+            r.release_at[pending.popleft()[2]] = i
+        during = cost.input_bytes if kind == RECOMPUTE else cost.saved_bytes
+        r.forward_bytes[i] = r.on_device + sum(copied[j] for *_, j in pending) + during
+        r.peak = max(r.peak, r.forward_bytes[i] + cost.forward_extra_bytes)
+        r.t += cost.forward_s
+        if not copied[i]:
+            r.on_device += r.held[i]
+            continue
+        start = max(r.t, r.d2h_free)
+        r.d2h_free = start + copied[i] / bus.d2h_bps
+        pending.append((r.d2h_free, start + copied[i] / bus.d2h_bps * (1 + COPY_MARGIN), i))
+        while r.window and len(pending) > bus.window - 1:
+            end_oldest = pending.popleft()[0]
+            if end_oldest > r.t:
+                r.exposed += end_oldest - r.t
+                r.t = end_oldest
+
+
+def _forward_ends(r: _Replay) -> None:
+    """The last layer ends: the groups still in the window stay (`window`), or every copy is
+    waited for at point n; what the device holds as backward starts."""
+    n = len(r.step.costs)
+    if r.window:
+        r.resident = {j for *_, j in r.pending}
+    else:
+        for end, _, j in r.pending:  # point n: the last layer ends
+            r.release_at[j] = n
+            if end > r.t:
+                r.exposed += end - r.t
+                r.t = end
+    r.memory = r.on_device + sum(r.copied[j] for j in r.resident)
+
+
+def _fetch_points(r: _Replay) -> None:
+    """Where backward fetches each group on the host back: in the window, each as the group after
+    it starts its backward; at planned points, the latest layer whose backward hides its copy."""
+    costs, n = r.step.costs, len(r.step.costs)
+    chosen = [i for i in range(n) if r.copied[i] and i not in r.resident]
+    if r.window:
+        previous = {b: a for a, b in zip(chosen, chosen[1:])}
+        if chosen and len(r.resident) < r.step.bus.window:
+            r.fetch_at_start.append(chosen[-1])
+        for later, earlier in previous.items():
+            r.fetch_at.setdefault(later, []).append(earlier)
+        return
+    # When each layer's backward starts, copies back waiting for none.
+    starts, s = [0.0] * n, r.t + r.step.tail_s
+    for j in reversed(range(n)):
+        starts[j] = s
+        s += costs[j].backward_s + (costs[j].forward_s if r.recomputed[j] else 0.0)
+    for g in reversed(chosen):
+        need = r.copied[g] / r.step.bus.h2d_bps * (1 + FETCH_MARGIN)
+        at = next((j for j in range(g + 1, n) if starts[g] - starts[j] >= need), None)
+        (r.fetch_at_start if at is None else r.fetch_at.setdefault(at, [])).append(g)
+
+
+def _replay_backward(r: _Replay) -> int:
+    """The head's backward and the layers': each waits for its group; the bytes on the device as
+    backward starts (`predict`)."""
+    step = r.step
+    r.h2d_free = r.t + step.tail_s
+    r.fetch(r.fetch_at_start, r.t + step.tail_s)
+    start_bytes = r.memory
+    r.peak = max(r.peak, r.memory + step.tail_bytes)
+    r.t += step.tail_s
+    for i in reversed(range(len(step.costs))):
+        kind, cost = r.kinds[i], step.costs[i]
+        if not r.window:  # at the gradient of layer i's output
+            r.fetch(r.fetch_at.get(i, ()), r.t)
+        if r.copied[i] and i not in r.resident:
+            r.fetch([i], r.t)
+            if r.ready[i] > r.t:
+                r.exposed += r.ready[i] - r.t
+                r.t = r.ready[i]
+        if r.window:  # at layer i's first unpack
+            r.fetch(r.fetch_at.get(i, ()), r.t)
         extra = 0
         if kind == RECOMPUTE:
             extra = cost.full_bytes if cost.checkpointed and cost.full_bytes is not None else cost.saved_bytes
-        backward_bytes[i] = memory + extra
-        peak = max(peak, backward_bytes[i] + cost.backward_extra_bytes)
-        t += cost.backward_s
-        if recomputed[i]:
-            t += cost.forward_s
-            recompute += cost.forward_s
-        memory -= held[i]
-    return Prediction(list(kinds), t, int(peak + fixed_bytes), exposed, recompute,
-                      [kept[i] and kinds[i] == RECOMPUTE for i in range(n)], forward_bytes, start_bytes, backward_bytes,
-                      release_at, fetch_at, fetch_at_start)
+        r.backward_bytes[i] = r.memory + extra
+        r.peak = max(r.peak, r.backward_bytes[i] + cost.backward_extra_bytes)
+        r.t += cost.backward_s
+        if r.recomputed[i]:
+            r.t += cost.forward_s
+            r.recompute += cost.forward_s
+        r.memory -= r.held[i]
+    return start_bytes
 
 
 def fixed_bytes(measured_peak: int, kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus,
@@ -309,7 +375,8 @@ def fixed_bytes(measured_peak: int, kinds: Sequence[str], costs: Sequence[LayerC
     device keeps no memory statistics)."""
     if measured_peak <= 0:
         return 0
-    return max(0, measured_peak - predict(kinds, costs, bus, tail_bytes=tail_bytes, window=True).peak_bytes)
+    ran = predict(kinds, StepCosts(costs, bus, tail_bytes=tail_bytes), window=True)
+    return max(0, measured_peak - ran.peak_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +410,7 @@ def calibrate(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, memory
     """
     n = len(costs)
     costs = [dataclasses.replace(c, forward_extra_bytes=0, backward_extra_bytes=0) for c in costs]
-    ran = predict(kinds, costs, bus, window=True)
+    ran = predict(kinds, StepCosts(costs, bus), window=True)
 
     def extras(peaks, held):
         peaks = list(peaks) + [0] * (n - len(peaks))
@@ -360,7 +427,7 @@ def calibrate(kinds: Sequence[str], costs: Sequence[LayerCost], bus: Bus, memory
     costs = [dataclasses.replace(c, forward_extra_bytes=f, backward_extra_bytes=b)
              for c, f, b in zip(costs, forward, backward)]
     fixed = memory.at_start
-    ran = predict(kinds, costs, bus, fixed, tail_bytes=tail_bytes, window=True)
+    ran = predict(kinds, StepCosts(costs, bus, fixed, tail_bytes=tail_bytes), window=True)
     fixed += max(0, memory.step_peak - ran.peak_bytes)
     return costs, fixed, tail_bytes
 
@@ -416,11 +483,12 @@ def plan(costs: Sequence[LayerCost], bus: Bus, budget: Optional[int], fixed: int
     whole device memory of the step, `fixed` included), or, if none does, the plan of least
     predicted peak with `feasible` False (Note [budget plan search], Note [stable plans])."""
     seen = {}
+    step = StepCosts(costs, bus, fixed, tail_s, tail_bytes)
 
     def evaluate(kinds):
         key = tuple(kinds)
         if key not in seen:
-            seen[key] = predict(kinds, costs, bus, fixed, tail_s, tail_bytes)
+            seen[key] = predict(kinds, step)
         return seen[key]
 
     predictions = [evaluate(kinds) for kinds in _families(costs)]
@@ -463,7 +531,7 @@ def plan(costs: Sequence[LayerCost], bus: Bus, budget: Optional[int], fixed: int
         for i in reversed(range(len(costs))):
             if p.kinds[i] == RECOMPUTE and _copied(RECOMPUTE, costs[i]):
                 kept[i] = True
-                trial = predict(p.kinds, costs, bus, fixed, tail_s, tail_bytes, kept)
+                trial = predict(p.kinds, step, kept)
                 if trial.fits(budget) and trial.step_s <= p.step_s * (1 + 1e-9):
                     p = trial
                 else:

@@ -1,4 +1,4 @@
-"""Auto mode with a memory budget: the plan put into the handle's dict, a budget it cannot meet
+"""Auto mode with a memory budget: the plan put into the shape's `Plan`, a budget it cannot meet
 reported, and the plan checked against its own timed steps.
 
 `BudgetChecker` is a part of `AutoPlanner` (planner.py): the planner hands it each new budget
@@ -14,6 +14,7 @@ from typing import Optional
 
 from ...core import _device
 from .memory import fresh_segments
+from .plan import BudgetCheck, Plan
 from .schedule import planned_bytes
 from .shared import Shared, copy_rate
 
@@ -34,8 +35,8 @@ class BudgetChecker:
         self.last_start = None  # (mark, key) of the last training forward of a budget plan being checked
         self.warned = False  # a budget the plan cannot meet is warned about once per handle
 
-    def start(self, key, plan: dict, run, stacklevel: int) -> str:
-        """Check `run`, shape `key`'s new budget plan, and put it into `plan` (the handle's dict);
+    def start(self, key, plan: Plan, run, stacklevel: int) -> str:
+        """Check `run`, shape `key`'s new budget plan, and put it into `plan`;
         the note for the printed plan where it misses the budget (warned about with `stacklevel`
         counted from this call)."""
         self._use(plan, run)
@@ -78,10 +79,10 @@ class BudgetChecker:
                                            largest=("samples", "peaks"), smallest=("rate",))
         run.samples, run.peaks = measured["samples"], measured["peaks"]
         verdict = run.verdict(measured["rate"])
-        plan["check"].update(measured_step_ms=verdict["measured_step_ms"],
-                             measured_peak_bytes=verdict["measured_peak_bytes"], replans=verdict["replans"])
+        _measured(plan.check, verdict)
+        plan.check.replans = verdict["replans"]
         peak_mib = (verdict["measured_peak_bytes"] or 0) / 2**20
-        took = (f"offload.activation auto: inputs {plan['input_shapes']}: the plan's steps took "
+        took = (f"offload.activation auto: inputs {plan.input_shapes}: the plan's steps took "
                 f"{verdict['measured_step_ms']:.2f} ms, peak {peak_mib:.1f} MiB")
         if verdict["replan"]:
             run.make()
@@ -92,51 +93,59 @@ class BudgetChecker:
             missed = self._missed(plan, 5) if verdict["replan"] else ""
             if self.shared.verbose:
                 what = "planned again" if verdict["replan"] else "timing against it the fastest plan without offload"
-                print(f"{took}; {what}: offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}, "
-                      f"predicted {plan['predicted_step_ms']:.2f} ms, "
-                      f"{plan['predicted_peak_bytes'] / 2**20:.1f} MiB" + missed, flush=True)
+                print(f"{took}; {what}: offload {len(plan.offload)}, recompute {len(plan.recomputed)}, "
+                      f"predicted {plan.predicted_step_ms:.2f} ms, "
+                      f"{plan.budget.predicted_peak_bytes / 2**20:.1f} MiB" + missed, flush=True)
             return False
-        plan["check"].update(verdict.get("kept", {}), settled=True, rival=run.rival)
-        if self.shared.verbose and plan["check"]["rival"] is not None:
-            won = plan["check"]["rival"]["won"]
+        if "kept" in verdict:
+            _measured(plan.check, verdict["kept"])
+        plan.check.settled, plan.check.rival = True, run.rival
+        if self.shared.verbose and plan.check.rival is not None:
+            won = plan.check.rival["won"]
             print(f"{took}; kept the plan {'that recomputes instead' if won else 'that offloads layers'}: "
-                  f"offload {len(plan['offload'])}, recompute {len(plan['recomputed'])}", flush=True)
+                  f"offload {len(plan.offload)}, recompute {len(plan.recomputed)}", flush=True)
         del self.runs[key]
         fresh_segments(self.shared.engine)
         return True
 
-    def _use(self, plan: dict, run) -> None:
-        """Put `run`'s current plan into `plan` (the handle's dict)."""
+    def _use(self, plan: Plan, run) -> None:
+        """Put `run`'s current plan into `plan`; its check starts anew, the plan timed before
+        (if any) kept in the check's history."""
         layers = self.shared.handle.layers
-        fields = run.fields(layers)
-        check = plan.get("check")
-        plan.update(fields)
-        if check is not None:
-            fields["check"]["history"] = check.get("history", []) + [
-                {k: check[k] for k in ("measured_step_ms", "measured_peak_bytes", "predicted_step_ms",
-                                       "predicted_peak_bytes") if k in check}]
-        plan["check"]["predicted_step_ms"] = plan["predicted_step_ms"]
-        plan["check"]["predicted_peak_bytes"] = plan["predicted_peak_bytes"]
-        mask = plan["mask"]
-        plan["offload"] = [name for name, m in zip(layers, mask) if m]
-        plan["recomputed"] = [name for name, on in zip(layers, plan["recompute"]) if on]
-        plan["offloaded_bytes"] = planned_bytes(plan["layer_bytes"], mask, None)
-        plan["tuning"]["model_layers"] = sum(mask)
+        choice = run.fields(layers)
+        before = plan.check
+        plan.budget = choice
+        plan.mask, plan.schedule = choice.mask, choice.schedule
+        plan.predicted_step_ms, plan.predicted_exposed_ms = choice.predicted_step_ms, choice.predicted_exposed_ms
+        plan.check = BudgetCheck(replans=run.replans, rival=run.rival, predicted_step_ms=choice.predicted_step_ms,
+                                 predicted_peak_bytes=choice.predicted_peak_bytes)
+        if before is not None:
+            plan.check.history = (before.history or []) + [before.timed()]
+        plan.offload = [name for name, m in zip(layers, choice.mask) if m]
+        plan.recomputed = [name for name, on in zip(layers, choice.recompute) if on]
+        plan.offloaded_bytes = planned_bytes(plan.layer_bytes, choice.mask, None)
+        plan.tuning.model_layers = sum(choice.mask)
 
-    def _missed(self, plan: dict, stacklevel: int) -> str:
+    def _missed(self, plan: Plan, stacklevel: int) -> str:
         """Warn, once per handle, when the budget cannot be met; the note for the printed plan."""
-        if plan["budget_met"]:
+        if plan.budget.budget_met:
             return ""
-        least = plan["least_peak_bytes"]
+        least = plan.budget.least_peak_bytes
         if not self.warned:
             self.warned = True
             warnings.warn(
                 f"offload.enable_activation_offload: mode='auto' cannot meet memory_budget_bytes={self.budget} "
-                f"for inputs {plan['input_shapes']}: the least peak device memory any plan reaches is predicted at "
-                f"{least} bytes ({len(plan['offload'])} layers offloaded, {len(plan['recomputed'])} recomputed; "
+                f"for inputs {plan.input_shapes}: the least peak device memory any plan reaches is predicted at "
+                f"{least} bytes ({len(plan.offload)} layers offloaded, {len(plan.recomputed)} recomputed; "
                 "keep_first/keep_last keep the others, and what is not a saved activation stays); that plan runs. "
                 "Raise the budget or lower keep_first/keep_last",
                 stacklevel=stacklevel,
             )
         return (f"; does NOT meet memory_budget_bytes={self.budget} (least predicted peak {least / 2**20:.1f} MiB, "
-                f"{len(plan['offload'])} of {len(plan['mask'])} layers offloaded)")
+                f"{len(plan.offload)} of {len(plan.mask)} layers offloaded)")
+
+
+def _measured(check: BudgetCheck, measured: dict) -> None:
+    """Put a verdict's measured step and peak (budget_plan.py's `BudgetRun.verdict`) into `check`."""
+    check.measured_step_ms = measured["measured_step_ms"]
+    check.measured_peak_bytes = measured["measured_peak_bytes"]

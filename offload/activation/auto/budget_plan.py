@@ -35,6 +35,7 @@ import statistics
 from typing import Optional
 
 from . import budget as _budget
+from .plan import BudgetChoice
 from .schedule import COPY_MARGIN, Schedule
 
 # Steps of a new budget plan not timed (first allocations of new block sizes), then timed.
@@ -102,36 +103,33 @@ class BudgetRun:
         self._reset()
         return self.result
 
-    def fields(self, names) -> dict:
-        """The plan's entries for `handle.plan`: per layer what was chosen and why, and the prediction."""
+    def fields(self, names) -> BudgetChoice:
+        """The plan for `handle.plan`: per layer what was chosen and why, and the prediction."""
         chosen = self.result.chosen
         kept = chosen.inputs_kept or [False] * len(self.costs)
-        return {
-            "kinds": list(chosen.kinds),
-            # Recomputed layers whose inputs stay on the device (keep_first / keep_last ones always).
-            "inputs_kept": [k == _budget.RECOMPUTE and (on or not c.eligible)
-                            for k, c, on in zip(chosen.kinds, self.costs, kept)],
-            "mask": [k != _budget.KEEP and c.eligible and not on for k, c, on in zip(chosen.kinds, self.costs, kept)],
-            "recompute": [k == _budget.RECOMPUTE and not c.checkpointed for k, c in zip(chosen.kinds, self.costs)],
-            "layers": [{"name": name, "kind": k, "saved_bytes": c.saved_bytes, "input_bytes": c.input_bytes,
-                        "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3,
-                        "forward_extra_bytes": c.forward_extra_bytes, "backward_extra_bytes": c.backward_extra_bytes,
-                        "user_checkpointed": c.checkpointed}
-                       for name, k, c in zip(names, chosen.kinds, self.costs)],
+        return BudgetChoice(
+            kinds=list(chosen.kinds),
+            inputs_kept=[k == _budget.RECOMPUTE and (on or not c.eligible)
+                         for k, c, on in zip(chosen.kinds, self.costs, kept)],
+            mask=[k != _budget.KEEP and c.eligible and not on for k, c, on in zip(chosen.kinds, self.costs, kept)],
+            recompute=[k == _budget.RECOMPUTE and not c.checkpointed for k, c in zip(chosen.kinds, self.costs)],
+            layers=[{"name": name, "kind": k, "saved_bytes": c.saved_bytes, "input_bytes": c.input_bytes,
+                     "forward_ms": c.forward_s * 1e3, "backward_ms": c.backward_s * 1e3,
+                     "forward_extra_bytes": c.forward_extra_bytes, "backward_extra_bytes": c.backward_extra_bytes,
+                     "user_checkpointed": c.checkpointed}
+                    for name, k, c in zip(names, chosen.kinds, self.costs)],
             # The points the engine lets each copied group go and fetches it back at (Note [budget points]).
-            "schedule": Schedule(len(self.costs), [None] * len(self.costs), dict(chosen.release_at),
-                                 {k: list(v) for k, v in chosen.fetch_at.items()}, list(chosen.fetch_at_start)),
-            "predicted_step_ms": chosen.step_s * 1e3,
-            "predicted_exposed_ms": chosen.exposed_s * 1e3,
-            "predicted_recompute_ms": chosen.recompute_s * 1e3,
-            "predicted_peak_bytes": chosen.peak_bytes,
-            "least_peak_bytes": self.result.least_peak_bytes,
-            "fixed_bytes": self.fixed,
-            "tail_bytes": self.tail_bytes,
-            "budget_met": self.result.feasible,
-            "check": {"settled": False, "replans": self.replans, "measured_step_ms": None,
-                      "measured_peak_bytes": None, "rival": self.rival},
-        }
+            schedule=Schedule(len(self.costs), [None] * len(self.costs), dict(chosen.release_at),
+                              {k: list(v) for k, v in chosen.fetch_at.items()}, list(chosen.fetch_at_start)),
+            predicted_step_ms=chosen.step_s * 1e3,
+            predicted_exposed_ms=chosen.exposed_s * 1e3,
+            predicted_recompute_ms=chosen.recompute_s * 1e3,
+            predicted_peak_bytes=chosen.peak_bytes,
+            least_peak_bytes=self.result.least_peak_bytes,
+            fixed_bytes=self.fixed,
+            tail_bytes=self.tail_bytes,
+            budget_met=self.result.feasible,
+        )
 
     def step_ended(self, ms: float, peak: int, counters) -> bool:
         """A step of the plan ended: `ms` long, the allocator's `peak`; True once enough are timed."""

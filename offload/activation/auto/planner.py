@@ -37,9 +37,10 @@ from .budget_checks import BudgetChecker
 from .budget_plan import BudgetRun, costs as _costs
 from .measure import StepMeasurer
 from .memory import fresh_segments
+from .plan import Plan, Tuning
 from .probes import PROBE_STEPS, PROBE_WARMUP_STEPS, Probe, Prober
 from .ranks import Ranks, largest_flag
-from .schedule import Schedule, planned_bytes, schedule
+from .schedule import Schedule, StepInputs, planned_bytes, schedule
 from .search import PROBE_ROUNDS, STEP_OVERHEAD_TOLERANCE, StepSearch
 from .shared import Clock, Shared
 
@@ -156,7 +157,8 @@ class AutoPlanner:
         # The input shape of the last forward if its settled plan offloads nothing (its steps run unhooked).
         self.unhooked_shape = None
 
-    def current_plan(self):
+    def current_plan(self) -> Optional[Plan]:
+        """The plan of the last training forward's input shape (None: not planned yet)."""
         return self.shared.plans.get(self.key)
 
     def forget_step_start(self) -> None:
@@ -194,7 +196,7 @@ class AutoPlanner:
         if self._measured_enough(measured_key, steps):
             self.shared.plans[measured_key] = plan = self._plan(measured_key)
             self.measuring = None
-            if plan["tuning"]["settled"] and not self.budget_checker.checking(measured_key):
+            if plan.tuning.settled and not self.budget_checker.checking(measured_key):
                 fresh_segments(self.shared.engine)
         else:
             if self.measure_without_offload and steps > 1:  # a step measured without offload ended
@@ -208,11 +210,11 @@ class AutoPlanner:
         self.prober.tune(key)
         self.budget_checker.check(key)
         plan = self.shared.plans[key]
-        mask = list(plan["mask"])
-        recompute = list(plan.get("recompute") or [False] * len(mask))
+        mask = list(plan.mask)
+        recompute = list(plan.budget.recompute) if plan.budget is not None else [False] * len(mask)
         handle.set_offloaded(mask)
         handle.set_recomputed(recompute)
-        self.shared.engine.use_plan(plan.get("schedule"), observer=None)
+        self.shared.engine.use_plan(plan.schedule, observer=None)
         # Nothing offloaded: a settled plan, or a probe's step without offload (the baseline
         # the probed count is timed against is the step exactly as without offload).
         unhooked = not any(mask) and not any(recompute)
@@ -267,33 +269,33 @@ class AutoPlanner:
         return steps >= MEASURE_STEPS
 
     # ---- planning
-    def _plan(self, key) -> dict:
+    def _plan(self, key) -> Plan:
         """Shape `key`'s plan from its measured steps; its check against timed steps begins."""
         handle = self.shared.handle
         n = len(handle.layers)
         reading = self.measurer.read(n, with_before_peak=self.budget is None)
         m = self._agreed(key, reading)
         eligible = [not k for k in handle.keep]
-        chosen = self._scheduled(m, eligible) if self.budget is None else self._budget_run(m, eligible)
-        plan = _plan_dict(key, handle.layers, m, eligible, chosen, reading.held_s, self.budget)
-        fits = self.measure_without_offload or not m["total"] or m["peak"] + plan["eligible_bytes"] <= (
+        inputs = _step_inputs(m)
+        chosen = self._scheduled(inputs, eligible) if self.budget is None else self._budget_run(m, eligible)
+        plan = _new_plan(key, handle.layers, m, eligible, chosen, reading.held_s, self.budget)
+        fits = self.measure_without_offload or not m["total"] or m["peak"] + plan.eligible_bytes <= (
             FIT_FRACTION * m["total"])
         if self.budget is None and fits and any(chosen.mask):
             # Timed against the step without offload (see the module docstring); the plan in
             # use meanwhile is the probe's, and `mask` becomes the settled one.
             def replan(d2h_bps):
-                return schedule(eligible, m["nbytes"], m["fwd"], m["bwd"], m["tail"], m["head_bwd"], d2h_bps,
-                                m["h2d"], m["before_peak"], m["saved"], m["spans"])
+                return schedule(eligible, dataclasses.replace(inputs, d2h_bps=d2h_bps))
 
             self.prober.start(key, Probe(chosen.order, StepSearch(sum(chosen.mask)), replan, m["d2h"]))
-            plan["tuning"].update(settled=False, checked=True)
-            plan["model_mask"] = list(chosen.mask)
+            plan.tuning.settled, plan.tuning.checked = False, True
+            plan.model_mask = list(chosen.mask)
         missed = ""
         if chosen.run is not None:
             # A warning points at before_forward (through _measured_step_ended and this).
             missed = self.budget_checker.start(key, plan, chosen.run, stacklevel=4)
         if self.shared.verbose:
-            _print_plan(plan, n, chosen.run is not None, missed)
+            _print_plan(plan, n, missed)
         return plan
 
     def _agreed(self, key, reading) -> dict:
@@ -332,12 +334,11 @@ class AutoPlanner:
                 d2h, h2d = d2h or idle_d2h, h2d or idle_h2d
         return d2h, h2d
 
-    def _scheduled(self, m: dict, eligible: list) -> _Chosen:
+    def _scheduled(self, inputs: StepInputs, eligible: list) -> _Chosen:
         """No budget: hide the copies, what the bus moves before backward starts, freed at planned points."""
-        plan_schedule, order, exposed = schedule(eligible, m["nbytes"], m["fwd"], m["bwd"], m["tail"], m["head_bwd"],
-                                                 m["d2h"], m["h2d"], m["before_peak"], m["saved"], m["spans"])
+        plan_schedule, order, exposed = schedule(eligible, inputs)
         mask = [i in order for i in range(len(eligible))]
-        step = sum(m["fwd"]) + m["tail"] + m["head_bwd"] + sum(m["bwd"]) + exposed
+        step = sum(inputs.fwd) + inputs.tail + inputs.head_bwd + sum(inputs.bwd) + exposed
         return _Chosen(mask, exposed, step, schedule=plan_schedule, caps=plan_schedule.caps, order=order)
 
     def _budget_run(self, m: dict, eligible: list) -> _Chosen:
@@ -349,7 +350,7 @@ class AutoPlanner:
                         _budget.Bus(m["d2h"], m["h2d"], self.shared.engine.resident_groups), self.budget, m["peak"],
                         m["tail"] + m["head_bwd"], m["tail_bytes"], memory)
         run.make()
-        mask = run.fields(handle.layers)["mask"]
+        mask = run.fields(handle.layers).mask
         return _Chosen(mask, run.result.chosen.exposed_s, run.result.chosen.step_s, run=run)
 
 
@@ -367,53 +368,56 @@ def _capped_backward(fwd: list, bwd: list) -> list:
     return [b if b is not None else ratio * f for b, f in zip(bwd, fwd)]
 
 
-def _plan_dict(key, layers: list, m: dict, eligible: list, chosen: _Chosen, held_s: float,
-               budget: Optional[int]) -> dict:
-    """The plan as `handle.plan` gives it (times in ms, rates in GB/s)."""
+def _step_inputs(m: dict) -> StepInputs:
+    """The schedule's inputs from the agreed measurements (`AutoPlanner._agreed`)."""
+    return StepInputs(m["nbytes"], m["fwd"], m["bwd"], m["tail"], m["head_bwd"], m["d2h"], m["h2d"],
+                      m["before_peak"], m["saved"], m["spans"])
+
+
+def _new_plan(key, layers: list, m: dict, eligible: list, chosen: _Chosen, held_s: float,
+              budget: Optional[int]) -> Plan:
+    """Shape `key`'s plan as made, before a probe or a budget check updates it (times in ms, rates in GB/s)."""
     nbytes, fwd, d2h = m["nbytes"], m["fwd"], m["d2h"]
     eligible_bytes = sum(b for b, e in zip(nbytes, eligible) if e)
     mask, before_peak = chosen.mask, m["before_peak"]
-    return {
-        "input_shapes": [list(shape) for shape, _ in key],
-        "mask": mask,
-        "offload": [name for name, on in zip(layers, mask) if on],
-        "offloaded_bytes": planned_bytes(nbytes, mask, chosen.caps),
-        "eligible_bytes": eligible_bytes,
-        "hideable_bytes": min(eligible_bytes, int(sum(fwd) * d2h)),
-        "layer_bytes": nbytes,
-        "caps": chosen.caps,
-        "schedule": chosen.schedule,
-        "forward_ms": [f * 1e3 for f in fwd],
-        # Per layer: [share of its bytes saved, ms into its forward] (see saved_by), or None.
-        "saved_ms": [None if s is None else [[share, t * 1e3] for share, t in s] for s in m["saved"]],
-        "backward_ms": [b * 1e3 for b in m["bwd"]],
-        "tail_ms": m["tail"] * 1e3,
-        # The last tensor saved after the layers before the step's peak: (its count, ms after
-        # the last layer's end); copies run until it and the memory goes there.
-        "before_peak": None if before_peak is None else [before_peak[0], before_peak[1] * 1e3],
-        "head_backward_ms": m["head_bwd"] * 1e3,
-        "d2h_gbps": d2h / 1e9,
-        "h2d_gbps": m["h2d"] / 1e9,
-        "predicted_exposed_ms": chosen.exposed * 1e3,
-        "predicted_step_ms": chosen.step * 1e3,
-        "measured_hold_ms": held_s * 1e3,  # the measured step's stream held at its start
-        "budget_bytes": budget,
-        "measured_peak_bytes": m["peak"],
-        "tuning": {"settled": True, "tolerance": STEP_OVERHEAD_TOLERANCE, "step_ms": {}, "model_layers": sum(mask),
-                   "checked": False},
-    }
+    return Plan(
+        input_shapes=[list(shape) for shape, _ in key],
+        mask=mask,
+        offload=[name for name, on in zip(layers, mask) if on],
+        offloaded_bytes=planned_bytes(nbytes, mask, chosen.caps),
+        eligible_bytes=eligible_bytes,
+        hideable_bytes=min(eligible_bytes, int(sum(fwd) * d2h)),
+        layer_bytes=nbytes,
+        caps=chosen.caps,
+        schedule=chosen.schedule,
+        forward_ms=[f * 1e3 for f in fwd],
+        saved_ms=[None if s is None else [[share, t * 1e3] for share, t in s] for s in m["saved"]],
+        backward_ms=[b * 1e3 for b in m["bwd"]],
+        tail_ms=m["tail"] * 1e3,
+        before_peak=None if before_peak is None else [before_peak[0], before_peak[1] * 1e3],
+        head_backward_ms=m["head_bwd"] * 1e3,
+        d2h_gbps=d2h / 1e9,
+        h2d_gbps=m["h2d"] / 1e9,
+        predicted_exposed_ms=chosen.exposed * 1e3,
+        predicted_step_ms=chosen.step * 1e3,
+        measured_hold_ms=held_s * 1e3,
+        budget_bytes=budget,
+        measured_peak_bytes=m["peak"],
+        tuning=Tuning(settled=True, tolerance=STEP_OVERHEAD_TOLERANCE, model_layers=sum(mask), checked=False),
+    )
 
 
-def _print_plan(plan: dict, n: int, budget: bool, missed: str) -> None:
+def _print_plan(plan: Plan, n: int, missed: str) -> None:
     """Say what the plan is (verbose)."""
+    budget = plan.budget
     print(
-        f"offload.activation auto plan for inputs {plan['input_shapes']}: offload {len(plan['offload'])} "
-        f"of {n} layers ({plan['offloaded_bytes'] / 2**20:.1f} of {plan['eligible_bytes'] / 2**20:.1f} MiB "
-        f"eligible), predicted exposed copy time {plan['predicted_exposed_ms']:.2f} ms of a "
-        f"{plan['predicted_step_ms']:.2f} ms step at {plan['d2h_gbps']:.1f}/{plan['h2d_gbps']:.1f} GB/s"
-        + (f", recompute {len(plan['recomputed'])} (predicted peak {plan['predicted_peak_bytes'] / 2**20:.1f} "
-           f"MiB)" if budget else "")
-        + ("; timing it against a step without offload" if plan["tuning"]["checked"] else "")
+        f"offload.activation auto plan for inputs {plan.input_shapes}: offload {len(plan.offload)} "
+        f"of {n} layers ({plan.offloaded_bytes / 2**20:.1f} of {plan.eligible_bytes / 2**20:.1f} MiB "
+        f"eligible), predicted exposed copy time {plan.predicted_exposed_ms:.2f} ms of a "
+        f"{plan.predicted_step_ms:.2f} ms step at {plan.d2h_gbps:.1f}/{plan.h2d_gbps:.1f} GB/s"
+        + (f", recompute {len(plan.recomputed)} (predicted peak {budget.predicted_peak_bytes / 2**20:.1f} "
+           f"MiB)" if budget is not None else "")
+        + ("; timing it against a step without offload" if plan.tuning.checked else "")
         + missed,
         flush=True,
     )

@@ -132,10 +132,10 @@ class Prober:
         self._read_finished(probe)
         self._judge(key, probe)
         search = probe.search
-        plan = self.shared.plans[key]
-        plan["tuning"]["step_ms"] = {str(n): ms for n, ms in sorted(search.step_ms.items())}
-        plan["tuning"]["baseline_ms"] = {str(n): ms for n, ms in sorted(search.baseline_ms.items())}
-        plan["tuning"]["verdicts"] = list(search.verdicts)
+        tuning = self.shared.plans[key].tuning
+        tuning.step_ms = {str(n): ms for n, ms in sorted(search.step_ms.items())}
+        tuning.baseline_ms = {str(n): ms for n, ms in sorted(search.baseline_ms.items())}
+        tuning.verdicts = list(search.verdicts)
         if search.probe is None:
             self._settle(key, probe)
             return
@@ -201,14 +201,14 @@ class Prober:
         k = search.final
         self._apply(key, probe.order, k)
         del self.tuning[key]
-        plan["tuning"]["settled"] = True
+        plan.tuning.settled = True
         fresh_segments(self.shared.engine)
         if self.shared.verbose:
             base = search.baseline_ms.get(k)
             mine = search.step_ms.get(k)
             print(
-                f"offload.activation auto: inputs {plan['input_shapes']} settled on {k} of "
-                f"{len(probe.order)} eligible layers ({plan['offloaded_bytes'] / 2**20:.1f} MiB offloaded)"
+                f"offload.activation auto: inputs {plan.input_shapes} settled on {k} of "
+                f"{len(probe.order)} eligible layers ({plan.offloaded_bytes / 2**20:.1f} MiB offloaded)"
                 + (f", step {mine:.2f} ms vs {base:.2f} ms without offload, alternated" if base and mine else ""),
                 flush=True,
             )
@@ -252,18 +252,18 @@ class Prober:
         plan, and start the search over on its order."""
         plan_schedule, order, exposed = scheduled
         plan = self.shared.plans[key]
-        plan.update(schedule=plan_schedule, caps=plan_schedule.caps, predicted_exposed_ms=exposed * 1e3,
-                    d2h_gbps_under_compute=measured / 1e9, copies_late=late, d2h_gbps_replanned=rate / 1e9)
-        plan["model_mask"] = [i in order for i in range(len(plan["mask"]))]
-        plan["tuning"]["model_layers"] = len(order)
+        plan.schedule, plan.caps, plan.predicted_exposed_ms = plan_schedule, plan_schedule.caps, exposed * 1e3
+        plan.d2h_gbps_under_compute, plan.copies_late, plan.d2h_gbps_replanned = measured / 1e9, late, rate / 1e9
+        plan.model_mask = [i in order for i in range(len(plan.mask))]
+        plan.tuning.model_layers = len(order)
         probe.order = order
         probe.search = StepSearch(len(order), probe.search.tolerance)
         if self.shared.verbose:
-            print(f"offload.activation auto: inputs {plan['input_shapes']}: the copies ran at "
+            print(f"offload.activation auto: inputs {plan.input_shapes}: the copies ran at "
                   f"{measured / 1e9:.1f} GB/s under the plan's compute (planned {probe.d2h / 1e9:.1f}), "
                   f"the compute stream waiting for them {late:.1%} of their time at its release points; "
                   f"planned again at {rate / 1e9:.1f} GB/s: "
-                  f"{planned_bytes(plan['layer_bytes'], plan['model_mask'], plan['caps']) / 2**20:.1f} MiB",
+                  f"{planned_bytes(plan.layer_bytes, plan.model_mask, plan.caps) / 2**20:.1f} MiB",
                   flush=True)
 
     def _model_count(self, key, probe: Probe) -> Optional[int]:
@@ -282,7 +282,7 @@ class Prober:
         """Offload the first `k` layers of the schedule's `order` in shape `key`'s plan."""
         plan = self.shared.plans[key]
         chosen = set(order[:k])
-        mask = [i in chosen for i in range(len(plan["mask"]))]
-        plan["mask"] = mask
-        plan["offload"] = [name for name, m in zip(self.shared.handle.layers, mask) if m]
-        plan["offloaded_bytes"] = planned_bytes(plan["layer_bytes"], mask, plan.get("caps"))
+        mask = [i in chosen for i in range(len(plan.mask))]
+        plan.mask = mask
+        plan.offload = [name for name, m in zip(self.shared.handle.layers, mask) if m]
+        plan.offloaded_bytes = planned_bytes(plan.layer_bytes, mask, plan.caps)

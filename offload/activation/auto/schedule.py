@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import List, Optional
+from typing import List, NamedTuple, Optional, Sequence
 
 # The engine runs what is planned here, so the points and parts it counts in are its own.
 from ..engine import SPLIT_PARTS, TAIL_POINT
@@ -115,14 +115,31 @@ def span_end_at_or_above(bounds, nbytes: int) -> int:
     return next((b for b in bounds if b >= nbytes), bounds[-1])
 
 
-def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: float, d2h_bps: float,
-             h2d_bps: float, before_peak=None, saved=None, spans=None):
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """A measured step, what `schedule` plans from (seconds, bytes, bytes/s; lists one entry a layer)."""
+
+    nbytes: Sequence[int]  # per layer: the bytes its group saves
+    fwd: Sequence[float]  # per layer: its forward's time
+    bwd: Sequence[float]  # per layer: its backward's time
+    tail: float  # from the last layer's end to backward's start (the head, the loss)
+    head_bwd: float  # from backward's start to the last layer's backward
+    d2h_bps: float  # device-to-host copy rate
+    h2d_bps: float  # host-to-device copy rate
+    # (m, seconds): the m-th tensor saved after the last layer is the last one saved before the
+    # step's peak, that long after the last layer's end (None: none).
+    before_peak: Optional[tuple] = None
+    saved: Optional[list] = None  # per layer: the marks of `saved_by` (None: bytes spread evenly over its time)
+    spans: Optional[list] = None  # per layer: its bytes of new spans after each one, ascending (None: any count)
+
+
+def schedule(eligible: List[bool], step: StepInputs):
     """Offload, in forward order, what the device-to-host stream can copy out before the last
     layer ends, and plan when each group's memory is let go and when it comes back.
 
-    The timeline is the measured one: layer i runs fwd[i] after layer i-1, backward starts
-    `tail` after the last layer ends (head, loss) and reaches the last layer `head_bwd` later;
-    layer i's backward takes bwd[i]. A group's copy starts when it closes (or when the copy
+    The timeline is the measured one (`step`): layer i runs fwd[i] after layer i-1, backward
+    starts `tail` after the last layer ends (head, loss) and reaches the last layer `head_bwd`
+    later; layer i's backward takes bwd[i]. A group's copy starts when it closes (or when the copy
     before it ends); a layer that opens with the stream idle is copied in `SPLIT_PARTS`
     parts, the first when the layer has run a part of its time. Every copy must end, with
     `COPY_MARGIN`, when the last layer does (point n): memory let go later, as backward
@@ -142,73 +159,111 @@ def schedule(eligible: List[bool], nbytes, fwd, bwd, tail: float, head_bwd: floa
     offloaded, in the order their copies run (a prefix of it is a smaller plan that keeps
     every point valid).
     """
+    nbytes = step.nbytes
     n = len(nbytes)
-    opens, closes, t = [], [], 0.0
-    for i in range(n):
-        opens.append(t)
-        t += fwd[i]
-        closes.append(t)
-    layers_end = deadline = t
-    tail_save = None
-    if before_peak is not None and before_peak[1] > 0:
-        tail_save, seconds = before_peak
-        deadline = t + seconds
+    line = _timeline(step)
     caps: List[Optional[int]] = [None] * n
     release_at, order, split_at = {}, [], {}
     free = 0.0
-    per_byte = (1 + COPY_MARGIN) / d2h_bps
-    saved = saved or [None] * n
-    spans = spans or [None] * n
     for i in range(n):
         if not eligible[i] or nbytes[i] <= 0:
             continue
-        # Byte counts are taken at the measured span ends (Note [span ends]).
-        bounds = spans[i]
-        size = bounds[-1] if bounds else nbytes[i]
-        split = free < closes[i]  # else the copies before it keep the stream busy past its end
-        first = span_end_at_or_above(bounds, size // SPLIT_PARTS)
-        start = max(opens[i] + saved_by(saved[i], fwd[i], first / size) if split else closes[i], free)
-        take = span_end_at_or_below(bounds, min(size, int((deadline - start) / per_byte)))
-        if take < MIN_PART * size:
+        placed = _place(i, step, line, free)
+        if placed is None:
             continue
-        # Parts, by the bytes of new spans where each ends: the layer's quarters while it
-        # runs (split), and where the copy passes the last layer's open, so that what is
-        # copied by then goes as the last layer starts: it adds its own activations after
-        # that, and only a part as small as what it and the loss add can wait for point n.
-        # A quarter closes at the first span end past it; a part that must be copied by a
-        # point, at the last span end before what the bus copies by then (rounded up, a part
-        # due at the last layer's open could hold a large span through the step's peak).
-        ends = {span_end_at_or_above(bounds, size * k // SPLIT_PARTS) for k in range(1, SPLIT_PARTS)} if split else set()
-        ends.add(span_end_at_or_below(bounds, int((opens[-1] - start) / per_byte)))
-        if tail_save is not None:
-            ends.add(span_end_at_or_below(bounds, int((layers_end - start) / per_byte)))
-        ends = sorted(b for b in ends if 0 < b < take) + [take]
-        points, done, begun = [], free, 0
-        for b in ends:
-            # A part closes when the layer has saved its bytes, the last one when the layer
-            # ends; its copy follows the one before it.
-            closed = closes[i] if b == take else opens[i] + saved_by(saved[i], fwd[i], b / size)
-            done = max(closed, done) + (b - begun) * per_byte
-            begun = b
-            later = [j for j in range(i + 1, n) if opens[j] >= done]
-            points.append(later[0] if later else n if done <= layers_end else n + TAIL_POINT)
-        if done > deadline:
-            continue
-        free = done
-        caps[i] = None if take >= size else take
+        free = placed.done
+        caps[i] = None if placed.take >= placed.size else placed.take
         order.append(i)
-        if len(ends) > 1:
-            split_at[i] = ends[:-1]
-            release_at[i] = points
+        if len(placed.ends) > 1:
+            split_at[i] = placed.ends[:-1]
+            release_at[i] = placed.points
         else:
-            release_at[i] = points[0]
-    _within_backward_room(order, caps, release_at, split_at, nbytes, bwd, h2d_bps, spans)
-    fetch_at, fetch_at_start, fetch_share, exposed = fetch_plan(order, sizes_of(nbytes, caps, order), nbytes, bwd,
-                                                                head_bwd, h2d_bps)
+            release_at[i] = placed.points[0]
+    _within_backward_room(order, caps, release_at, split_at, nbytes, step.bwd, step.h2d_bps, line.spans)
+    fetch_at, fetch_at_start, fetch_share, exposed = fetch_plan(order, sizes_of(nbytes, caps, order), nbytes,
+                                                                step.bwd, step.head_bwd, step.h2d_bps)
     # The point after the last layer is kept only if some part is let go there.
     points = [p for i in order for p in (release_at[i] if isinstance(release_at[i], list) else [release_at[i]])]
-    tail_save = tail_save if any(p > n for p in points) else None
+    tail_save = line.tail_save if any(p > n for p in points) else None
     return Schedule(n, caps, release_at, fetch_at, fetch_at_start, split_at, tail_save, fetch_share), order, exposed
+
+
+@dataclasses.dataclass
+class _Timeline:
+    """`schedule`'s forward: when each layer opens and closes, and by when copies must end."""
+
+    opens: List[float]  # per layer: seconds into the step it opens at
+    closes: List[float]  # per layer: seconds into the step it ends at
+    layers_end: float  # the last layer's end
+    deadline: float  # copies end by then: the last layer's end, or the save before the peak
+    tail_save: Optional[int]  # the count of that save after the last layer (None: none)
+    per_byte: float  # seconds a byte's copy is planned to take (COPY_MARGIN included)
+    saved: list  # per layer: the marks of `saved_by`, or None
+    spans: list  # per layer: its span ends, or None
+
+
+def _timeline(step: StepInputs) -> _Timeline:
+    n = len(step.nbytes)
+    opens, closes, t = [], [], 0.0
+    for i in range(n):
+        opens.append(t)
+        t += step.fwd[i]
+        closes.append(t)
+    deadline = t
+    tail_save = None
+    if step.before_peak is not None and step.before_peak[1] > 0:
+        tail_save, seconds = step.before_peak
+        deadline = t + seconds
+    return _Timeline(opens, closes, t, deadline, tail_save, (1 + COPY_MARGIN) / step.d2h_bps,
+                     step.saved or [None] * n, step.spans or [None] * n)
+
+
+class _Placed(NamedTuple):
+    """A layer's copy as `schedule` places it."""
+
+    take: int  # bytes copied (at a span end)
+    size: int  # the layer's bytes (its last span end)
+    ends: List[int]  # the bytes at which each part ends, ascending, the last `take`
+    points: list  # per part: the point it is let go at
+    done: float  # when its last part's copy ends
+
+
+def _place(i: int, step: StepInputs, line: _Timeline, free: float) -> Optional[_Placed]:
+    """Layer i's copy, its copy stream free from `free` on; None where too little of it fits."""
+    # Byte counts are taken at the measured span ends (Note [span ends]).
+    bounds, fwd, opens, per_byte = line.spans[i], step.fwd, line.opens, line.per_byte
+    size = bounds[-1] if bounds else step.nbytes[i]
+    split = free < line.closes[i]  # else the copies before it keep the stream busy past its end
+    first = span_end_at_or_above(bounds, size // SPLIT_PARTS)
+    start = max(opens[i] + saved_by(line.saved[i], fwd[i], first / size) if split else line.closes[i], free)
+    take = span_end_at_or_below(bounds, min(size, int((line.deadline - start) / per_byte)))
+    if take < MIN_PART * size:
+        return None
+    # Parts, by the bytes of new spans where each ends: the layer's quarters while it
+    # runs (split), and where the copy passes the last layer's open, so that what is
+    # copied by then goes as the last layer starts: it adds its own activations after
+    # that, and only a part as small as what it and the loss add can wait for point n.
+    # A quarter closes at the first span end past it; a part that must be copied by a
+    # point, at the last span end before what the bus copies by then (rounded up, a part
+    # due at the last layer's open could hold a large span through the step's peak).
+    ends = {span_end_at_or_above(bounds, size * k // SPLIT_PARTS) for k in range(1, SPLIT_PARTS)} if split else set()
+    ends.add(span_end_at_or_below(bounds, int((opens[-1] - start) / per_byte)))
+    if line.tail_save is not None:
+        ends.add(span_end_at_or_below(bounds, int((line.layers_end - start) / per_byte)))
+    ends = sorted(b for b in ends if 0 < b < take) + [take]
+    n = len(opens)
+    points, done, begun = [], free, 0
+    for b in ends:
+        # A part closes when the layer has saved its bytes, the last one when the layer
+        # ends; its copy follows the one before it.
+        closed = line.closes[i] if b == take else opens[i] + saved_by(line.saved[i], fwd[i], b / size)
+        done = max(closed, done) + (b - begun) * per_byte
+        begun = b
+        later = [j for j in range(i + 1, n) if opens[j] >= done]
+        points.append(later[0] if later else n if done <= line.layers_end else n + TAIL_POINT)
+    if done > line.deadline:
+        return None
+    return _Placed(take, size, ends, points, done)
 
 
 # Note [memory-neutral fetch]: a group fetched back at the latest layer start that leaves time

@@ -61,8 +61,8 @@ class Shared:
     clock: Clock
     # Print each plan and each verdict on it (the first rank only: the ranks' plans are the same).
     verbose: bool
-    # Input shape key -> its plan, the dict `handle.plan` gives: the planner makes it, the
-    # prober and the budget checker update it as their timed steps decide.
+    # Input shape key -> its `Plan` (plan.py; `handle.plan` gives its `to_dict()`): the planner
+    # makes it, the prober and the budget checker update its fields as their timed steps decide.
     plans: dict = dataclasses.field(default_factory=dict)
 
 
