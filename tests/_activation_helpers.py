@@ -183,13 +183,22 @@ class PairModel(nn.Module):
         return pair[0].sum()
 
 
-def log_fetch_and_restore(monkeypatch, engine, log, key=lambda group: group):
-    """Append ("fetch", key(group)) and ("restore", key(group)) to `log` as the engine does them."""
-    fetch, restore = engine._fetch, engine._restore
-    monkeypatch.setattr(engine, "_fetch",
-                        lambda group, upto=None: (log.append(("fetch", key(group))), fetch(group, upto))[1])
-    monkeypatch.setattr(engine, "_restore",
-                        lambda group, p: (log.append(("restore", key(group))), restore(group, p))[1])
+def log_fetch_and_restore(handle, log, key=lambda event: event):
+    """Append ("fetch", key(event)) and ("restore", key(event)) to `log` as the runtime issues a
+    copy back and first reads a group from it (its "fetched" and "restored" events; `handle`: an
+    ActivationOffload or its engine). The key's default, the event, tells groups apart by `serial`."""
+    kinds = {"fetched": "fetch", "restored": "restore"}
+
+    def listen(event):
+        if event.kind in kinds:
+            log.append((kinds[event.kind], key(event)))
+
+    handle.add_listener(listen)
+
+
+def log_events(handle, log, kinds=("closed", "released", "fetched", "restored")):
+    """Append the handle's (or engine's) events of `kinds` to `log`."""
+    handle.add_listener(lambda event: log.append(event) if event.kind in kinds else None)
 
 
 def use_schedule(engine, n, **kw):
@@ -254,14 +263,14 @@ class FakeStream:
         self.log.append("synchronize")
 
 
-def async_logging_fetches(monkeypatch, pool, **model_kw):
+def async_logging_fetches(pool, **model_kw):
     """(model with an async handle whose fetches and restores go to `log`, handle, log, x,
     the reference gradients of a copy without offload)."""
     ref = small_model(**model_kw)
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
     log = []
-    log_fetch_and_restore(monkeypatch, handle.engine, log)
+    log_fetch_and_restore(handle, log)
     x = torch.randn(8, 16)
     _, grads_ref = train_step(ref, x)
     return model, handle, log, x, grads_ref

@@ -111,7 +111,7 @@ def test_activation_schedule_caps_and_fetch_points_bitwise(pool):
     assert stats["groups_prefetched"] == 3 and stats["groups_fetched"] == 3
 
 
-def test_activation_schedule_fetches_a_layer_in_pieces_at_several_points(monkeypatch, pool):
+def test_activation_schedule_fetches_a_layer_in_pieces_at_several_points(pool):
     """A schedule that brings layer 1 back in two pieces (at layers 3 and 2) and layer 0 in
     three (as backward starts, at 2 and at 1): each piece is queued at its point, in the order
     backward needs the groups, the pieces of a group cover its block once, in order, into one
@@ -122,29 +122,29 @@ def test_activation_schedule_fetches_a_layer_in_pieces_at_several_points(monkeyp
     engine = handle.engine
     use_schedule(engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2, 1], 2: [1, 0], 1: [0]},
                  fetch_at_start=[0], fetch_share={(3, 1): 0.5, (5, 0): 0.25, (2, 0): 0.6})
-    log, blocks = [], {}
-    fetch = engine._fetch
+    log, groups = [], {}
 
-    def logged(group, upto=None):
-        before = group.fetched
-        fetch(group, upto)
-        blocks.setdefault(group.layer, set()).add(group.device_block.data_ptr())
-        log.append((group.layer, before, group.fetched, group.nbytes_aligned))
+    def logged(event):
+        if event.kind == "fetched":
+            groups.setdefault(event.layer, set()).add(event.serial)
+            log.append((event.layer, event.offset, event.offset + event.nbytes, event.block_bytes))
 
-    monkeypatch.setattr(engine, "_fetch", logged)
+    handle.add_listener(logged)
     log_layer_backward(model, log, "backward")
     x = torch.randn(8, 16)
     reference = train_step(ref, x)
     for _ in range(2):
         log.clear()
-        blocks.clear()
+        groups.clear()
+        # Bitwise: the pieces land in one device block (were a piece given a block of its own,
+        # the views restored from the last one would miss the earlier pieces' bytes).
         assert_step_matches(model, x, reference)
         pieces = [entry for entry in log if entry[0] != "backward"]
-        for layer in (0, 1, 2):  # contiguous pieces from 0 to the whole block, one block
+        for layer in (0, 1, 2):  # contiguous pieces from 0 to the whole block, of one group
             own = [(lo, hi, size) for g, lo, hi, size in pieces if g == layer]
             assert own[0][0] == 0 and own[-1][1] == own[-1][2]
             assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(own, own[1:]))
-            assert len(blocks[layer]) == 1
+            assert len(groups[layer]) == 1
         layer_1 = [(lo, hi) for g, lo, hi, size in pieces if g == 1]
         assert len(layer_1) == 2 and layer_1[0][1] == -(-layer_1[0][1] // 512) * 512  # at a span boundary
         assert len([p for p in pieces if p[0] == 0]) == 3
@@ -160,12 +160,10 @@ def test_activation_schedule_fetches_a_layer_in_pieces_at_several_points(monkeyp
 
 
 @pytest.mark.parametrize("split_bytes", [256, 4096])
-def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, split_bytes, pool):
+def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(split_bytes, pool):
     """A layer the schedule splits: its first part's copy is queued before the layer ends,
     views of one storage saved in several parts come back bitwise, and every part is fetched
     at its layer's backward point, a layer's last part first (backward needs it first)."""
-    from offload.activation import engine as _activation
-
     ref = small_model(n=4)
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool, verbose=False)
@@ -174,13 +172,16 @@ def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, 
     use_schedule(engine, 4, release_at={0: [2, 3] * 32, 1: 4, 2: 4}, fetch_at={3: [2], 2: [1], 1: [0]},
                split_at={0: ends, 1: ends, 2: ends})
     log = []
-    copy_spans = _activation.copy_spans_to_host
-    monkeypatch.setattr(_activation, "copy_spans_to_host", lambda *a, **k: (log.append("copy"), copy_spans(*a, **k))[1])
+    closed = []  # groups (serials) in the order their copies were queued
+
+    def copied(event):
+        if event.kind == "closed":
+            log.append("copy")
+            closed.append(event.serial)
+
+    handle.add_listener(copied)
     model.blocks[0].register_forward_hook(lambda *_: log.append("layer 0 ended"))
-    log_fetch_and_restore(monkeypatch, engine, log)
-    closed = []  # groups in the order their copies were queued
-    close = engine._close
-    monkeypatch.setattr(engine, "_close", lambda group: (closed.append(group), close(group))[1])
+    log_fetch_and_restore(handle, log)
     x = torch.randn(8, 16)
     loss_ref, grads_ref = train_step(ref, x)
     for _ in range(2):
@@ -200,10 +201,15 @@ def test_activation_schedule_copies_a_layer_in_parts_while_it_runs(monkeypatch, 
         assert [g.layer for g in fetched] == sorted((g.layer for g in fetched), reverse=True)
         for later, earlier in zip(fetched, fetched[1:]):
             if later.layer == earlier.layer:
-                assert closed.index(later) > closed.index(earlier)
+                assert closed.index(later.serial) > closed.index(earlier.serial)
+        first_seen = {}  # (what, serial) -> where it first is in the log
+        for at, entry in enumerate(log):
+            if isinstance(entry, tuple):
+                first_seen.setdefault((entry[0], entry[1].serial), at)
         restored = [e[1] for e in log if e[0] == "restore"]
-        for group in restored:
-            assert log.index(("fetch", group)) < log.index(("restore", group))
+        assert restored
+        for event in restored:
+            assert first_seen[("fetch", event.serial)] < first_seen[("restore", event.serial)]
     handle.disable()
 
 
@@ -243,31 +249,36 @@ def test_activation_schedule_releases_on_the_device_at_its_points(monkeypatch, c
             if case == "tail":
                 engine.schedule.tail_save = 2
         log = []
-        settle, saved_after = engine._mark_copied, engine._saved_after_layers
+        running = [None]  # the last block whose forward began (its boundary passed)
+        for index, block in enumerate(model.blocks):
+            block.norm.register_forward_pre_hook(lambda *_, index=index: running.__setitem__(0, index))
 
-        def settled(group):
-            log.append(("settle", group.layer, engine.backward_seen, max(engine._layer_groups)))
-            settle(group)
+        def settled(event):
+            if event.kind == "released":
+                log.append(("settle", event.layer, engine.backward_seen, running[0]))
 
-        monkeypatch.setattr(engine, "_mark_copied", settled)
+        handle.add_listener(settled)
+        # A private spy: the tensors saved after the last layer are counted per tensor, where
+        # no event reports (events come once per group); kept to time the tail release point.
+        saved_after = engine._saved_after_layers
         monkeypatch.setattr(engine, "_saved_after_layers",
                             lambda: (log.append(("tail", engine._tail + 1)), saved_after()))
-        log_fetch_and_restore(monkeypatch, engine, log, lambda group: group.layer)
+        log_fetch_and_restore(handle, log, lambda event: event.layer)
         x = torch.randn(8, 16)
         _, grads_ref = train_step(ref, x)
         for _ in range(2):
             log.clear()
             _, grads = train_step(model, x)
             assert_bitwise_equal(grads, grads_ref)
-            # Layer 0 when layer 2 opens (layers 0 and 1 exist; in parts: its first part when
-            # layer 1 opens), layer 1 after the last layer, layer 2 when backward starts.
+            # Layer 0 when layer 2 opens (block 1 ran last; in parts: its first part when layer 1
+            # opens), layer 1 after the last layer (block 3 ran last), layer 2 when backward starts.
             first = [("settle", 0, False, 0)] if parts else []
-            assert [e for e in log if e[0] == "settle"] == first + [("settle", 0, False, 1), ("settle", 1, False, 2),
-                                                                     ("settle", 2, True, 2)]
+            assert [e for e in log if e[0] == "settle"] == first + [("settle", 0, False, 1), ("settle", 1, False, 3),
+                                                                     ("settle", 2, True, 3)]
             tail = [e for e in log if e[0] == "tail"]
             if case == "tail":  # the head's Linear saves its input and weight, square() its input
                 assert tail == [("tail", 1), ("tail", 2), ("tail", 3)]
-                assert log.index(("tail", 2)) < log.index(("settle", 1, False, 2)) < log.index(("tail", 3))
+                assert log.index(("tail", 2)) < log.index(("settle", 1, False, 3)) < log.index(("tail", 3))
             else:  # counted only where the schedule has a point there
                 assert tail == []
             order = [e for e in log if e[0] not in ("settle", "tail")]
@@ -332,7 +343,7 @@ def test_activation_auto_keeps_one_group_a_layer(pool):
     handle.disable()
 
 
-def test_activation_schedule_fetches_after_other_hooks_on_the_layer_output(monkeypatch, pool):
+def test_activation_schedule_fetches_after_other_hooks_on_the_layer_output(pool):
     """A hook that another library registers on a layer's output after the layer's forward
     (as FSDP2 does to unshard the layer for its backward) runs before the engine fetches the
     groups the schedule brings back at that layer, and gradients stay bitwise."""
@@ -342,7 +353,7 @@ def test_activation_schedule_fetches_after_other_hooks_on_the_layer_output(monke
     use_schedule(handle.engine, 4, release_at={0: 2, 1: 4, 2: 5}, fetch_at={3: [2], 2: [1], 1: [0]})
     log = []
     log_layer_backward(model, log, "library")
-    log_fetch_and_restore(monkeypatch, handle.engine, log, key=lambda group: group.layer)
+    log_fetch_and_restore(handle, log, key=lambda event: event.layer)
     x = torch.randn(8, 16)
     loss_ref, grads_ref = train_step(ref, x)
     for _ in range(2):

@@ -215,7 +215,7 @@ def test_activation_auto_finds_the_last_save_before_the_peak(pool, monkeypatch):
     for _ in range(AUTO_MEASURING_STEPS + 1):
         train_step(model, torch.randn(8, 16))
     m, ms = handle.plan["before_peak"]
-    assert m == 2 and ms >= 0
+    assert m == 2 and 0.0 <= ms < 1.0  # seconds from the layers' end to the head's save: well under one
     # The peak reached before any tensor is saved after the layers (inside them): no such point.
     monkeypatch.setattr(_device, "max_memory_allocated", lambda device=None: 100)
     handle.disable()

@@ -12,7 +12,7 @@ from offload.core import _device
 from offload.activation.auto.planner import max_tuning_steps
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     FakeEvent, FakeStream, StepClock, assert_bitwise_equal, async_logging_fetches, grads_of,
-    log_fetch_and_restore, one_thread, pool, small_model, train_step, use_schedule,
+    log_events, log_fetch_and_restore, one_thread, pool, small_model, train_step, use_schedule,
 )
 
 # These tests run models on the CPU, whose activations are host memory already:
@@ -127,25 +127,26 @@ def _fake_stream_step(pool, monkeypatch, _device):
     assert compute.log.count("record") >= 2
 
 
-def test_activation_backward_prefetches_before_the_first_offloaded_group(pool, monkeypatch):
+def test_activation_backward_prefetches_before_the_first_offloaded_group(pool):
     """Backward first runs the kept last layer and the head: the last offloaded group's copy
     back is issued at the step's first unpack, not when backward reaches that group."""
-    model, handle, log, x, grads_ref = async_logging_fetches(monkeypatch, pool)
+    model, handle, log, x, grads_ref = async_logging_fetches(pool)
     for _ in range(2):
         log.clear()
         _, grads = train_step(model, x)
         assert_bitwise_equal(grads, grads_ref)
-        assert log[0][0] == "fetch" and log[1] == ("restore", log[0][1])  # fetched before backward reached it
-        fetched = [group for what, group in log if what == "fetch"]
+        # fetched before backward reached it
+        assert log[0][0] == "fetch" and log[1][0] == "restore" and log[1][1].serial == log[0][1].serial
+        fetched = [event for what, event in log if what == "fetch"]
         # blocks 0-2, each group once (block 0 in parts from the second step); block 3 is kept
-        assert len(fetched) == len(set(map(id, fetched))) == handle.stats()["groups_offloaded"]
-        assert [group.layer for group in fetched if not group.continued] == [2, 1, 0]
+        assert len(fetched) == len({event.serial for event in fetched}) == handle.stats()["groups_offloaded"]
+        assert [event.layer for event in fetched if event.n_layers > 0] == [2, 1, 0]  # not a later part
     assert handle.stats()["groups_prefetched"] == handle.stats()["groups_fetched"] > 3
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("ckpt", [None, "non_reentrant"])
-def test_activation_small_layers_share_a_group(pool, monkeypatch, mode, ckpt):
+def test_activation_small_layers_share_a_group(pool, mode, ckpt):
     """A layer that offloads less than min_group_bytes goes on in one group with the next
     ones, until the group holds that much: blocks 0 and 1 share one, block 2 has its own.
     Every layer is still offloaded, each group copied out and back once, gradients bitwise."""
@@ -154,25 +155,26 @@ def test_activation_small_layers_share_a_group(pool, monkeypatch, mode, ckpt):
     x = torch.randn(8, 16)
     _, grads_ref = train_step(ref, x)
     probe = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, pool=pool, verbose=False)
+    closed = []
+    log_events(probe, closed, ("closed",))
     train_step(model, x)
-    layer_bytes = probe.engine._layer_sizes[0][0]
+    layer_bytes = closed[0].nbytes  # block 0's copy: its group's bytes
+    assert [event.layer for event in closed] == [0, 1, 2]
     assert probe.engine.min_group_bytes == 0 and probe.stats()["groups_offloaded"] == 3
     probe.disable()
     handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, min_group_bytes=layer_bytes + 1,
                                                pool=pool, verbose=False)
     log = []
-    log_fetch_and_restore(monkeypatch, handle.engine, log)
+    log_fetch_and_restore(handle, log)
     for _ in range(2):
         log.clear()
         _, grads = train_step(model, x)
         assert_bitwise_equal(grads, grads_ref)
         stats = handle.stats()
         assert stats["layers_offloaded"] == 3 and stats["groups_offloaded"] == 2
-        fetched = [group for what, group in log if what == "fetch"]
-        assert [(group.layer, group.n_layers) for group in fetched] == [(2, 1), (0, 2)]
+        fetched = [event for what, event in log if what == "fetch"]
+        assert [(event.layer, event.n_layers) for event in fetched] == [(2, 1), (0, 2)]
         assert stats["h2d_bytes"] == stats["d2h_bytes"] >= 3 * layer_bytes - 3 * 512
-    del fetched
-    log.clear()  # the groups it holds hold their host blocks
     handle.disable()
     gc.collect()
     assert pool.stats()["in_use_bytes"] == 0
@@ -187,8 +189,10 @@ def test_activation_backward_start_prefetch_counts_layers(pool, resident):
     x = torch.randn(8, 16)
     _, grads_ref = train_step(ref, x)
     probe = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+    closed = []
+    log_events(probe, closed, ("closed",))
     train_step(model, x)
-    layer_bytes = max(size for size, _ in probe.engine._layer_sizes.values())
+    layer_bytes = max(event.nbytes for event in closed)  # one group a layer: its bytes
     probe.disable()
     handle = offload.enable_activation_offload(model, min_tensor_bytes=0, min_group_bytes=layer_bytes + 1,
                                                resident_groups=resident, pool=pool, verbose=False)

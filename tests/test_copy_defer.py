@@ -129,14 +129,14 @@ def test_copy_seconds_of_a_timed_copy(backend, device):
     timed = offload.copy_to_host(sources, out=first, defer=True, timing=True)
     timed.wait()
     seconds = timed.copy_seconds()
-    assert isinstance(seconds, float) and seconds >= 0.0
+    assert isinstance(seconds, float) and 0.0 < seconds < 1.0  # a few KiB: well under a second
     plain = offload.copy_to_host(sources, timing=True)  # without defer as well
     plain.wait()
     assert isinstance(plain.copy_seconds(), float)
     back = offload.copy_to_device(plain, device, timing=True)  # and the copy back
     back.wait()
     seconds_back = back.copy_seconds()
-    assert isinstance(seconds_back, float) and seconds_back >= 0.0
+    assert isinstance(seconds_back, float) and 0.0 < seconds_back < 1.0
     timer = back.copy_timer()  # the timing apart from the handle and its buffers
     del back
     assert timer.seconds() == seconds_back

@@ -49,7 +49,7 @@ def test_copy_spans_to_host_into_a_block_it_acquires(backend, device):
     assert torch.equal(block[:4000], _storage_bytes(t, 0, 4000))
     assert torch.equal(block[4096 : 4096 + 8000], _storage_bytes(t, 4000, 8000))
     seconds = handle.copy_seconds()
-    assert isinstance(seconds, float) and seconds >= 0.0
+    assert isinstance(seconds, float) and 0.0 < seconds < 1.0  # 12 KiB: well under a second
     assert pool.stats()["in_use_bytes"] == pool.block_bytes(12800)
     del handle, block
     assert pool.stats()["in_use_bytes"] == 0

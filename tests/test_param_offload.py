@@ -53,7 +53,7 @@ def test_param_offload_round_trip_and_training_identical(device):
     moved = sum(p.numel() * p.element_size() for p in model.parameters()) * 4  # params, grads, exp_avg(_sq)
     count = len(list(model.parameters()))
     # params, grads, exp_avg, exp_avg_sq (+ the step counters where they live on the compute device)
-    assert out["bytes"] >= moved and out["copy_ms"] >= 0 and out["storages"] >= 4 * count
+    assert out["bytes"] >= moved and out["copy_ms"] > 0 and out["storages"] >= 4 * count
     for p in model.parameters():  # storages released, tensors keep their shape and identity
         assert p.untyped_storage().nbytes() == 0 and p.grad.untyped_storage().nbytes() == 0
     if _device.is_accelerator(device):

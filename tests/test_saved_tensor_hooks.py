@@ -5,6 +5,8 @@ The core decides in C which saved tensors may be offloaded and what bytes they r
 must agree on every kind of tensor autograd saves, on the CPU and on the accelerator.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -105,22 +107,28 @@ class _Net(nn.Module):
         return x
 
 
-def test_engine_uses_the_core_hooks_and_counts_as_python(monkeypatch):
-    """An engine hooks through the core where it is loaded; the same step through the Python
-    hooks gives bitwise the same gradients and counts the same kept and offloaded tensors."""
+def test_engine_uses_the_core_hooks_and_counts_as_python():
+    """An engine hooks through the core where it is loaded; the same step on the pure-PyTorch
+    path (what OFFLOAD_FORCE_FALLBACK=1 gives a user) hooks through the Python methods, and gives
+    bitwise the same gradients and counts the same kept and offloaded tensors."""
     device = _device.current_device()
     x = torch.randn(8, 16, device=device)
     results = {}
+    core = _backend.core()
     for native in (True, False):
-        monkeypatch.setattr(act, "_NATIVE_HOOKS", native)
-        model = _Net().to(device)
-        handle = api.enable_activation_offload(model, "async", min_tensor_bytes=0, verbose=False)
-        pack = handle.engine._hooks.pack_hook
-        assert (getattr(pack, "func", None) is _backend.core().pack_saved_tensor) == native
-        model(x).sum().backward()
-        stats = handle.stats()
-        results[native] = ([p.grad for p in model.parameters()], stats["tensors_kept"], stats["tensors_offloaded"])
-        handle.disable()
+        with contextlib.nullcontext() if native else _backend.force_fallback():
+            model = _Net().to(device)
+            handle = api.enable_activation_offload(model, "async", min_tensor_bytes=0, verbose=False)
+            hooks = []  # the pack hook on top of the stack inside an offloaded layer
+            model.blocks[1][0].register_forward_pre_hook(
+                lambda *_: hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False)[0]))
+            model(x).sum().backward()
+            (pack,) = hooks
+            assert (getattr(pack, "func", None) is core.pack_saved_tensor) == native
+            stats = handle.stats()
+            results[native] = ([p.grad for p in model.parameters()], stats["tensors_kept"],
+                               stats["tensors_offloaded"])
+            handle.disable()
     (grads_n, kept_n, off_n), (grads_p, kept_p, off_p) = results[True], results[False]
     assert kept_n == kept_p and kept_n > 0
     assert off_n == off_p and off_n > 0

@@ -45,7 +45,8 @@ def test_staging_reuses_buffers_of_rebuilt_state_dict(backend, device):
     assert [r["buffers_allocated"] for r in records] == [2, 0, 0, 0]
     assert [r["buffers_reused"] for r in records] == [0, 2, 2, 2]
     assert records[0]["bytes"] == 64 * 64 * 4 + 8 * 8
-    assert all(r["copy_ms"] is not None and r["blocked_ms"] >= 0 and r["tensors"] == 2 for r in records)
+    # blocked_ms: the time inside stage() (16 KiB here: well under a second)
+    assert all(r["copy_ms"] is not None and 0 < r["blocked_ms"] < 1000 and r["tensors"] == 2 for r in records)
     stager.close()
 
 
@@ -90,13 +91,14 @@ def test_staging_host_tensors_of_accelerator_state_copied_in_one_call(backend, d
     if device.type == "cpu":  # no accelerator: let the CPU tensors stand for the host side of one
         monkeypatch.setattr(offload.core._device, "compute_device_type", lambda: "cuda")
     calls = []
-    real = offload.staging.host_copy._foreach_copy
+    real = torch._foreach_copy_
 
     def counting(dsts, sources):
         calls.append(len(sources))
         return real(dsts, sources)
 
-    monkeypatch.setattr(offload.staging.host_copy, "_foreach_copy", counting)
+    # torch's own function, counted where the stager calls it: no seam reports a save's host copy calls.
+    monkeypatch.setattr(torch, "_foreach_copy_", counting)
     n = 40
     steps = {i: {"step": torch.tensor(float(i))} for i in range(n)}
     state = {"model": {"w": torch.randn(8, device=device)}, "optim": {"state": steps}}

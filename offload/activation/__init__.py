@@ -12,6 +12,6 @@ probes, search, budget, budget_plan, budget_checks, ranks) is built on the runti
 imports it; the runtime imports auto mode only where api.py builds its planner.
 """
 
-from .api import ActivationOffload, activation_offload, enable_activation_offload
+from .api import ActivationEvent, ActivationOffload, activation_offload, enable_activation_offload
 
-__all__ = ["ActivationOffload", "activation_offload", "enable_activation_offload"]
+__all__ = ["ActivationEvent", "ActivationOffload", "activation_offload", "enable_activation_offload"]

@@ -24,6 +24,7 @@ from ..core.checks import check_bool, check_int, is_int, parse_bytes
 from ..core.pool import HostPool
 from . import layers as _layers
 from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
+from .groups import ActivationEvent  # noqa: F401 (the listeners' record, exported by offload.activation)
 from .saved_tensors import input_tensors, module_tensors, not_traced, other_hooks_active
 
 # Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
@@ -74,7 +75,8 @@ def check_process_group(fn: str, group, mode: str):
 
 
 class ActivationOffload:
-    """What `enable_activation_offload` returns: `.stats()`, `.disable()`, `.paused()`, `.layers`, `.plan`.
+    """What `enable_activation_offload` returns: `.stats()`, `.disable()`, `.paused()`, `.layers`, `.plan`,
+    `.add_listener(callback)` / `.remove_listener(callback)` (group events, `ActivationEvent`).
 
     Note [handle interface]: what auto mode's planner (auto/planner.py) uses of the handle:
     `engine`, `layers` (names), `keep` (per layer: kept on the device whatever the plan),
@@ -126,8 +128,19 @@ class ActivationOffload:
 
     @property
     def plan(self):
-        """Auto mode's current plan (dict), or None in the other modes."""
-        return None if self._auto is None else self._auto.current_plan()
+        """Auto mode's plan for the current input shape (a dict), or None in the other modes or
+        before the shape is planned.
+
+        A new dict each read, a snapshot of the plan (auto/plan.py's `Plan.to_dict`): the plan
+        goes on changing while its probe or budget check runs, so read `handle.plan` again
+        after later steps. A snapshot, not a live view, because the planner keeps the plan as
+        a typed record and a dict that tracked it would have to mimic every dict operation
+        (copying, JSON, comparison) over it; `stats()` gives its counters the same way.
+        """
+        if self._auto is None:
+            return None
+        plan = self._auto.current_plan()
+        return None if plan is None else plan.to_dict()
 
     @property
     def planner(self):
@@ -249,6 +262,17 @@ class ActivationOffload:
         module = self._modules[index]()
         if module is not None:
             self.engine.add_params(module_tensors(module))
+
+    def add_listener(self, callback) -> None:
+        """Call `callback(event)` with an `ActivationEvent` each time a group's copy to the host is
+        issued ("closed"), its device tensors are let go ("released"), a copy back is issued
+        ("fetched") and backward first reads it back ("restored"). Nothing is made for events
+        while no listener is added (Note [events] in engine.py)."""
+        self.engine.add_listener(callback)
+
+    def remove_listener(self, callback) -> None:
+        """Stop calling `callback` (ValueError if it was not added)."""
+        self.engine.remove_listener(callback)
 
     def stats(self) -> dict:
         """Counters of the current or last step (see ActivationEngine.stats), plus the plan."""
@@ -536,3 +560,10 @@ class activation_offload:  # noqa: N801 - used as a context manager, like torch'
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def add_listener(self, callback) -> None:
+        """As `ActivationOffload.add_listener`: `callback(event)` for each group event."""
+        self.engine.add_listener(callback, "offload.activation_offload.add_listener")
+
+    def remove_listener(self, callback) -> None:
+        self.engine.remove_listener(callback, "offload.activation_offload.remove_listener")

@@ -16,7 +16,8 @@ import torch
 
 from ..core import _device
 from ..core.copy import copy_to_device
-from .groups import COPYING, KEPT, OPEN, SPAN_ALIGN, Group, Packed, on_host_only, with_earlier_parts
+from .groups import (COPYING, FETCHED, KEPT, OPEN, RESTORED, SPAN_ALIGN, Group, Packed, on_host_only,
+                     with_earlier_parts)
 from .saved_tensors import describe, modified_error, not_traced, when_gradient_of
 
 
@@ -197,11 +198,14 @@ class BackwardSide:
             group.h2d.append(copy_to_device(source, self.device, out=out, pool=self.pool, timing=self.timing))
         if self.timing:
             self._timings.copy(self.counters, "h2d_seconds", group.h2d[-1].copy_timer())
-        share = min(end, group.nbytes) - min(group.fetched, group.nbytes)  # of the group's bytes (not its padding)
+        start = group.fetched
+        share = min(end, group.nbytes) - min(start, group.nbytes)  # of the group's bytes (not its padding)
         group.fetched = end
         self.counters["h2d_bytes"] += share
         if end == group.nbytes_aligned:
             self.counters["groups_fetched"] += 1
+        if self._listeners:
+            self._emit(FETCHED, group, end - start, start)
 
     def _restore(self, group: Group, packed: Packed) -> torch.Tensor:
         if group.fetched < group.nbytes_aligned:
@@ -226,6 +230,8 @@ class BackwardSide:
                 self._timed_end("backward_wait_seconds", start, stream)
             if begun is not None:
                 self.observer.wait_ended(group.layer, begun, backward=True)
+            if self._listeners and not group.waited:  # the group's first read in this backward
+                self._emit(RESTORED, group, group.nbytes)
             group.waited.add(stream)
         key = (packed.entry, packed.dtype, packed.size, packed.stride, packed.offset)
         view = group.views.get(key)
@@ -250,8 +256,8 @@ class BackwardSide:
         if not self.on_accel or not group.spans:
             return
         stream = _device.copy_streams(self.device)[0]  # the one `copy_spans_to_host` copies on
-        for entry in group.spans:
-            entry[0].record_stream(stream)
+        for span in group.spans:
+            span.tensor.record_stream(stream)
         group.d2h.release_sources(stream)
 
     def _release(self, group: Group) -> None:

@@ -24,8 +24,8 @@ from ..core import _backend, _device
 from ..core.copy import copy_spans_to_host, copy_to_device
 from ..core.checks import check_bool, check_int
 from ..core.pool import HostPool, check_pool, default_host_pool
-from .groups import (COPYING, HOST, KEPT, OPEN, SPAN_ALIGN, AutoState, Group, Packed, aligned_layout,
-                     on_host_only, with_earlier_parts)
+from .groups import (CLOSED, COPYING, HOST, KEPT, OPEN, RELEASED, SPAN_ALIGN, ActivationEvent, AutoState, Group,
+                     Packed, Span, aligned_layout, on_host_only, with_earlier_parts)
 from .backward import BackwardSide
 from .saved_tensors import drop_held, make_not_traced, not_traced, offload_extent, storage_ptrs, top_pack_hook
 from .step_stats import StepTimings, new_counters
@@ -130,9 +130,6 @@ TAIL_POINT = 0.5
 # layers, the head) then costs no Python call to pack or unpack.
 
 MODES = ("async", "sync", "auto")
-# Whether engines made from now on use the core's hooks where it is loaded (tests that spy on
-# the Python hooks' decisions turn this off; the core's tests are held equal to them).
-_NATIVE_HOOKS = True
 # Tensors smaller than this stay on the device by default: below ~1 MiB a copy's fixed
 # cost (launch, event, bookkeeping) outweighs the memory it frees.
 DEFAULT_MIN_TENSOR_BYTES = 1 << 20
@@ -172,7 +169,8 @@ class ActivationEngine(BackwardSide):
       `boundary(name, offload, layer)` a new group starts; `add_params(tensors)` storages
       that stay; `mark_backward_start(output)`; `fetch_when_backward_reaches(output, layers)`;
       `pass_through_step()`; `hooks_in_groups_only` (set by the handle); `stats()`;
-      `capturing` (read: > 0 inside a capture); `schedule` (read: the plan in use, or None).
+      `capturing` (read: > 0 inside a capture); `schedule` (read: the plan in use, or None);
+      `add_listener(callback)` / `remove_listener(callback)` (Note [events]).
     Auto mode (auto/planner.py; the observer calls in auto/measure.py):
       `use_plan(schedule, observer)` sets the plan and the observer for the next forwards;
       `backward_seen` (read: the step's backward has started); `counters` (read: the
@@ -215,9 +213,10 @@ class ActivationEngine(BackwardSide):
         self.timing = timing and self.on_accel
         self.nvtx = nvtx
         # The hooks: the core's where it is loaded (the per-tensor tests in C; a tensor that
-        # stays never enters the interpreter), else the Python methods. Bound with partial,
-        # which the garbage collector traverses (the engine and its hooks form a cycle).
-        core = _backend.loaded_core() if _NATIVE_HOOKS else None
+        # stays never enters the interpreter), else the Python methods (OFFLOAD_FORCE_FALLBACK=1,
+        # or `_backend.force_fallback()` around the engine's making, chooses them). Bound with
+        # partial, which the garbage collector traverses (the engine and its hooks form a cycle).
+        core = _backend.loaded_core()
         if core is not None:
             pack, unpack = (functools.partial(core.pack_saved_tensor, self),
                             functools.partial(core.unpack_saved_tensor, self))
@@ -230,7 +229,7 @@ class ActivationEngine(BackwardSide):
         self.capturing = 0
         self.open_group: Optional[Group] = None
         self._last_offloaded = None  # weakref to the last offloaded group of this forward
-        self._storages: Dict[int, tuple] = {}  # storage data_ptr -> (group, entry, StorageWeakRef)
+        self._storages: Dict[int, tuple] = {}  # storage data_ptr -> (group, index of its Span, StorageWeakRef)
         self._param_ptrs: set = set()
         # Iterables of tensors whose storages join _param_ptrs when a saved tensor first needs the
         # set (Note [parameter walk]).
@@ -253,12 +252,44 @@ class ActivationEngine(BackwardSide):
         # async mode copies the first offloaded layer of a forward in parts of those bytes.
         self._layer_sizes: dict = {}
         self._warned_pool_full = False  # Note [pool full]
+        self._listeners: tuple = ()  # callbacks given ActivationEvents (Note [events])
 
     def use_plan(self, schedule, observer=None) -> None:
         """Run the next forwards by auto mode's `schedule` (a `schedule.Schedule`; None: the
         resident window and one-ahead prefetch), reporting to `observer` (None: not measuring)."""
         self.schedule = schedule
         self.observer = observer
+
+    # ------------------------------------------------------------ events
+
+    # Note [events]: listeners see what the runtime does to each group (groups.py's
+    # `ActivationEvent`: closed, released, fetched, restored), for users who trace or check a
+    # step and for the tests, which observe the engine through them. Each place that reports
+    # tests one attribute (`_listeners`, an empty tuple when nobody listens) once per group
+    # event, never per saved tensor; the record is made only when someone listens. Listeners
+    # run synchronously, inside forward or backward (autograd's thread in backward): what
+    # they raise propagates there.
+
+    def add_listener(self, callback, fn: str = "offload.ActivationOffload.add_listener") -> None:
+        """Call `callback(event)` with an `ActivationEvent` for each group event from now on."""
+        if not callable(callback):
+            raise TypeError(f"{fn}: callback must be callable, got {type(callback).__name__}")
+        self._listeners = self._listeners + (callback,)
+
+    def remove_listener(self, callback, fn: str = "offload.ActivationOffload.remove_listener") -> None:
+        """Stop calling `callback` (added by `add_listener`; once per time it was added)."""
+        listeners = list(self._listeners)
+        if callback not in listeners:
+            raise ValueError(f"{fn}: callback is not a listener of this engine (add it with add_listener)")
+        listeners.remove(callback)
+        self._listeners = tuple(listeners)
+
+    def _emit(self, kind: str, group: Group, nbytes: int, offset: int = 0) -> None:
+        """Give the listeners the event `kind` of `group` (called only where `_listeners` is not empty)."""
+        event = ActivationEvent(kind, group.name, group.layer, group.serial, nbytes, offset, group.nbytes_aligned,
+                                group.part, group.n_layers, self._step)
+        for listener in self._listeners:
+            listener(event)
 
     # ------------------------------------------------------------ statistics
 
@@ -449,10 +480,10 @@ class ActivationEngine(BackwardSide):
         if group.layer is not None and group.state == OPEN:
             self._layer_sizes[group.layer] = (group.capped, group.new_spans)  # its last part's: the layer's
         starts = []
-        for entry in group.spans:
-            starts.append(entry[1])
-            group.nbytes += entry[2] - entry[1]
-            entry.append(entry[0]._version)  # a later save may share this copy only at this version
+        for span in group.spans:
+            starts.append(span.lo)
+            group.nbytes += span.hi - span.lo
+            span.version = span.tensor._version  # a later save may share this copy only at this version
         group.span_starts = starts
         if self.observer is not None:
             self.observer.closed(group)
@@ -464,7 +495,7 @@ class ActivationEngine(BackwardSide):
             return
         # One pooled host block per group, spans at aligned offsets: one pool request per
         # layer instead of one per tensor, and the same block size every step (cache hits).
-        sizes = [hi - lo for _, lo, hi, _ in group.spans]
+        sizes = [span.hi - span.lo for span in group.spans]
         offsets, group.nbytes_aligned = aligned_layout(sizes)
         group.offsets = offsets
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
@@ -472,7 +503,7 @@ class ActivationEngine(BackwardSide):
             # times itself: the core makes no tensor per span, and no Python event or stream
             # object is made per group (a launch-bound step pays for each on the host).
             try:
-                group.d2h = copy_spans_to_host([entry[0] for entry in group.spans], starts, sizes,
+                group.d2h = copy_spans_to_host([span.tensor for span in group.spans], starts, sizes,
                                                group.nbytes_aligned, offsets, pool=self.pool, timing=self.timing)
             except torch.OutOfMemoryError as exc:
                 self._keep_on_device(group, exc)
@@ -485,6 +516,8 @@ class ActivationEngine(BackwardSide):
         c["groups_offloaded"] += 1
         c["layers_offloaded"] += group.n_layers
         c["tensors_offloaded"] += len(group.held)
+        if self._listeners:
+            self._emit(CLOSED, group, group.nbytes)
         if self.mode == "sync":
             t0 = time.perf_counter()
             group.d2h.synchronize()
@@ -587,6 +620,8 @@ class ActivationEngine(BackwardSide):
         drop_held(group)
         group.spans = None
         group.state = HOST
+        if self._listeners and group.d2h is not None:
+            self._emit(RELEASED, group, group.nbytes)
 
     def pack(self, t: torch.Tensor):
         """The pack hook without the core (the core's `pack_saved_tensor` makes the same tests in C
@@ -626,13 +661,13 @@ class ActivationEngine(BackwardSide):
             owner, index, _ = hit
             if owner is group:  # the group still collecting: widen the span to cover this view
                 span = group.spans[index]
-                if first < span[1] or last > span[2]:
-                    span[1] = min(span[1], first - first % SPAN_ALIGN)
-                    span[2] = max(span[2], last)
+                if first < span.lo or last > span.hi:
+                    span.lo = min(span.lo, first - first % SPAN_ALIGN)
+                    span.hi = max(span.hi, last)
                 entry = index
             elif owner.state == COPYING:  # its copy is queued: share it if it holds these bytes, unchanged
                 span = owner.spans[index]
-                if span[1] <= first and last <= span[2] and span[3] == t._version:
+                if span.lo <= first and last <= span.hi and span.version == t._version:
                     group, entry = owner, index
         split = False
         if entry is None:
@@ -658,7 +693,7 @@ class ActivationEngine(BackwardSide):
             ends = group.split
             split = ends is not None and group.part < len(ends) and group.capped >= ends[group.part]
             entry = len(group.spans)
-            group.spans.append([t, lo, last])
+            group.spans.append(Span(t, lo, last))
             self._storages[ptr] = (group, entry, StorageWeakRef(storage))
         slot = len(group.held)
         group.held.append((t, t._version))

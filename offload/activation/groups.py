@@ -1,4 +1,5 @@
-"""The data model of activation offload: a group of saved tensors and what autograd holds for each.
+"""The data model of activation offload: a group of saved tensors, what autograd holds for each,
+and the events the runtime reports about groups to its listeners.
 
 A group is the span of forward from one layer's start to the next layer's start (or the end
 of the model's forward): every tensor autograd saves in that span belongs to it (Note
@@ -8,9 +9,19 @@ measuring a layer it does not offload) only counts what its layer saves.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Optional
 
 OPEN, COPYING, HOST, KEPT = "open", "copying", "host", "kept"
+
+# The kinds of `ActivationEvent`, in the order a group meets them.
+CLOSED, RELEASED, FETCHED, RESTORED = "closed", "released", "fetched", "restored"
+EVENT_KINDS = (CLOSED, RELEASED, FETCHED, RESTORED)
+
+# Numbers groups for the events: a group's serial tells apart the parts of one layer and
+# the groups of successive steps, which share names and layers.
+_serials = itertools.count()
 
 # The copied span of a storage starts on this boundary, the caching allocator's block
 # alignment: a restored view then has the same address modulo 512 as the original, so
@@ -39,17 +50,18 @@ class Group:
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_block",
         "typed_blocks", "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "span_starts",
         "nbytes_aligned", "stream", "capped", "split", "part", "continued", "fetch_stream", "offsets",
-        "new_spans", "n_layers", "auto", "fetched", "__weakref__",
+        "new_spans", "n_layers", "auto", "fetched", "serial", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
         self.name = name
+        self.serial = next(_serials)  # unique in the process (ActivationEvent.serial)
         self.layer = layer  # index in the layer list (auto-mode statistics), or None
         self.state = OPEN if offload else KEPT
         self.held: Optional[list] = []  # per handle slot: (tensor, version), while device data is valid
         self.modified = None  # slot -> (tensor, saved version, version): modified before the copy was confirmed
         self.watch = None  # per slot, once held is dropped: (tensor sharing its version counter, version) or None
-        self.spans: list = []  # per entry: [tensor, lo, hi] (bytes of its storage to copy); + version when closed
+        self.spans: list = []  # per entry: a Span (bytes of its storage to copy)
         self.d2h = None  # CopyHandle of the group's spans to host; its one tensor is their pooled host block
         self.h2d: list = []  # CopyHandles of the block back to the device (backward): one, or a piece each
         self.fetched = 0  # bytes of the block copied back so far (or queued to be)
@@ -73,6 +85,49 @@ class Group:
         self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
         self.offsets: list = []  # per entry: where its copied span starts in the group's blocks (bytes)
         self.auto: Optional[AutoState] = None  # auto mode's cap and measurements, else None
+
+
+@dataclass(frozen=True)
+class ActivationEvent:
+    """What the activation runtime did to one group (a layer, a part of one, or several small
+    layers sharing a copy), delivered to the listeners of `ActivationOffload.add_listener`.
+
+    `kind`, in the order a group meets them:
+      "closed"   the group's copy to host memory is issued (`nbytes`: its bytes);
+      "released" its device tensors are let go: its copy is complete, or the compute stream
+                 waits for it on the device (`nbytes`: the group's bytes);
+      "fetched"  a copy back to the device is issued: the group's host block, or a piece of
+                 it (`offset`: where the piece starts in the block, `nbytes`: its bytes);
+      "restored" backward first reads the group from its copy back (once per group and
+                 backward; a group still on the device when backward reaches it is served
+                 as it is, with no "fetched" or "restored").
+    """
+
+    kind: str
+    group: str  # the group's name: its (first) layer's name, or activation_offload's group name
+    layer: Optional[int]  # its (first) layer's index among the handle's layers; None in activation_offload
+    serial: int  # the group's number, unique in the process: parts of one layer and steps differ
+    nbytes: int  # bytes of the event (see the kinds above)
+    offset: int = 0  # "fetched": where its piece starts in the group's host block (bytes)
+    block_bytes: int = 0  # bytes of the group's host block (its spans, each 512-byte aligned)
+    part: int = 0  # the index of its layer's part it ends (Note [layer parts]); 0 for a whole layer
+    n_layers: int = 1  # layers it holds: more where small layers share it, 0 for a later part of a layer
+    step: int = 0  # the engine's step counter (as `stats()["step"]`)
+
+
+class Span:
+    """Bytes [lo, hi) of one storage that a group copies, read through `tensor` (Note [storages
+    and views] in engine.py); widened while its group collects."""
+
+    __slots__ = ("tensor", "lo", "hi", "version")
+
+    def __init__(self, tensor, lo: int, hi: int):
+        self.tensor = tensor
+        self.lo = lo
+        self.hi = hi
+        # The tensor's version when its group closed: a later save may share this copy only at
+        # this version (None while the group collects).
+        self.version: Optional[int] = None
 
 
 class Packed:

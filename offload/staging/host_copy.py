@@ -15,9 +15,6 @@ from .plan import align
 
 _SHAPE_DTYPE = attrgetter("shape", "dtype")
 _is_cpu = attrgetter("is_cpu")
-# One call for a list of host-to-host copies: the per-pair copy_ runs in C++, not
-# as one Python call per tensor.
-_foreach_copy = torch._foreach_copy_
 
 
 class HostCopy:
@@ -71,7 +68,8 @@ def copy_on_host(sources: List[torch.Tensor], *, out=None, pool=None, group_byte
                 if dst.shape != src.shape or dst.dtype != src.dtype or not src.is_cpu:
                     raise ValueError(f"{fn}: host source {i} changed to {tuple(src.shape)} {src.dtype} on {src.device}")
     if sources:  # _foreach_copy_ refuses empty lists
-        _foreach_copy(dsts, sources)
+        # One call for the list: the per-pair copy_ runs in C++, not one Python call per tensor.
+        torch._foreach_copy_(dsts, sources)
     return handle
 
 
@@ -101,7 +99,7 @@ def copy_to_pageable(sources: List[torch.Tensor], *, out=None, pool=None, group_
                 if dst.shape != src.shape or dst.dtype != src.dtype or src.device != handle.device:
                     raise ValueError(f"{fn}: source {i} changed to {tuple(src.shape)} {src.dtype} on {src.device}")
     if device is not None and device.type == "cpu":
-        _foreach_copy(dsts, sources)
+        torch._foreach_copy_(dsts, sources)
     else:
         for dst, src in zip(dsts, sources):
             dst.copy_(src)
