@@ -163,6 +163,17 @@ def expected_digests(model, tp: int) -> dict:
     return out
 
 
+def train_step(model, optimizer, args, it: int, device: torch.device) -> torch.Tensor:
+    """One optimizer step of the trainer on a batch of random tokens (the same batches on every run);
+    returns the loss."""
+    ids = torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(it)).to(device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
 def run_many_senders(args, device: torch.device) -> None:
     """--trainer-ranks N --rollout-ranks M: ranks 0..N-1 train under FSDP2 and each sends its own shards
     (`WeightSender(senders=...)`, nothing gathered); ranks N.. are rollout engines, in groups of --rollout-tp
@@ -194,11 +205,7 @@ def run_many_senders(args, device: torch.device) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         sender = offload.WeightSender(senders=trainers, dtype=torch.bfloat16, bucket_bytes=bucket)
         for it in range(args.iterations):
-            ids = torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(it)).to(device)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss = train_step(model, optimizer, args, it, device)
             start = time.perf_counter()
             timings = sender.send(model)
             seconds.append(time.perf_counter() - start)
@@ -279,11 +286,7 @@ def main(argv=None):
         sender = offload.WeightSender(sync_group, src=TRAINER, dtype=torch.bfloat16, bucket_bytes=bucket,
                                       transport=transport)
         for it in range(args.iterations):
-            ids = torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(it)).to(device)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss = train_step(model, optimizer, args, it, device)
             named = list(model.state_dict().items())
             dist.broadcast_object_list([checksums(named)], src=TRAINER, group=control)
             timings = sender.send(named)

@@ -39,7 +39,7 @@ def test_package_names_no_accelerator_outside_the_device_module():
 _CUDA_LITERALS = {
     ("offload/core/_backend.py", 'device_type == "cuda"'): "a CPU-only build has no CUDA kernels",
     ("offload/weights/buckets.py", '("cpu", "cuda")'): "the bucket kernels exist for the CPU and CUDA only",
-    ("offload/weights/sync.py", 'device.type == "cuda"'): "SMs left to a collective are a CUDA kernel's cap",
+    ("offload/weights/link.py", 'device.type == "cuda"'): "SMs left to a collective are a CUDA kernel's cap",
 }
 _CUDA_LITERAL_FILES = {
     "offload/core/_device.py": "the one module that knows cuda from npu from cpu",
