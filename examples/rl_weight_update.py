@@ -163,6 +163,13 @@ def expected_digests(model, tp: int) -> dict:
     return out
 
 
+def say(line: str) -> None:
+    """Print `line` in one write: several ranks share the launcher's stdout, and print's separate
+    write of the newline lets another rank's line land between the two."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def train_step(model, optimizer, args, it: int, device: torch.device) -> torch.Tensor:
     """One optimizer step of the trainer on a batch of random tokens (the same batches on every run);
     returns the loss."""
@@ -213,8 +220,8 @@ def run_many_senders(args, device: torch.device) -> None:
             digests = expected_digests(model, tp)
             dist.broadcast_object_list([digests if rank == 0 else None], src=0, group=control)
             if rank == 0:
-                print(f"iteration {it} loss {loss.item():.4f} sync_ms {seconds[-1] * 1e3:.2f} bytes_sent "
-                      f"{timings['bytes_per_sender']} of {model_bytes}", flush=True)
+                say(f"iteration {it} loss {loss.item():.4f} sync_ms {seconds[-1] * 1e3:.2f} bytes_sent "
+                    f"{timings['bytes_per_sender']} of {model_bytes}")
     else:
         tp_rank = (rank - n) % tp
         receiver = offload.WeightReceiver(senders=trainers, slices=tp_slice(tp_rank, tp))
@@ -234,8 +241,8 @@ def run_many_senders(args, device: torch.device) -> None:
             ok = ok and got.keys() == want.keys() and all(digest(got[n_]) == d for n_, d in want.items())
             if rollout is not None:
                 rollout.generate(torch.zeros(1, 4, dtype=torch.long, device=device))
-            print(f"rollout rank {rank} iteration {it}: {count} tensors received in {seconds[-1] * 1e3:.2f} ms, "
-                  f"{'bit for bit' if ok else 'DIFFERENT'}", flush=True)
+            say(f"rollout rank {rank} iteration {it}: {count} tensors received in {seconds[-1] * 1e3:.2f} ms, "
+                f"{'bit for bit' if ok else 'DIFFERENT'}")
         model_bytes = receiver.timings["model_bytes"]
     every = [None] * world
     dist.all_gather_object(every, (seconds, sent, ok), group=control)
@@ -246,7 +253,7 @@ def run_many_senders(args, device: torch.device) -> None:
                    "seconds": max(s[-1] for s, _, _ in every[:n]),
                    "seconds_per_sync": [max(s[i] for s, _, _ in every[:n]) for i in range(args.iterations)],
                    "bytes_sent_per_rank": [b for _, b, _ in every[:n]], "model_bytes": model_bytes}
-        print("summary " + json.dumps(summary), flush=True)
+        say("summary " + json.dumps(summary))
     bitwise = all(o for _, _, o in every)
     dist.barrier(group=control)
     dist.destroy_process_group()
@@ -293,9 +300,8 @@ def main(argv=None):
             moved = offload.offload_params(model, optimizer=optimizer)  # the rollout gets the device
             dist.barrier(group=control)  # the rollout generates here
             offload.reload_params(model)
-            print(f"iteration {it} loss {loss.item():.4f} sync_ms {timings['total_ms']:.2f} "
-                  f"bytes {timings['bytes']} buckets {timings['buckets']} offloaded_bytes {moved.get('bytes', 0)}",
-                  flush=True)
+            say(f"iteration {it} loss {loss.item():.4f} sync_ms {timings['total_ms']:.2f} "
+                f"bytes {timings['bytes']} buckets {timings['buckets']} offloaded_bytes {moved.get('bytes', 0)}")
     else:
         rollout = Rollout(build_model(args, device, torch.bfloat16))
         receiver = offload.WeightReceiver(sync_group, src=TRAINER, transport=transport)
@@ -310,8 +316,8 @@ def main(argv=None):
                 raise SystemExit(f"iteration {it}: the rollout's weights differ from the trainer's")
             out = rollout.generate(torch.zeros(1, 4, dtype=torch.long, device=device))
             dist.barrier(group=control)
-            print(f"rollout iteration {it}: {count} tensors loaded in {ms:.2f} ms, checked; generated "
-                  f"{out.shape[1] - 4} tokens", flush=True)
+            say(f"rollout iteration {it}: {count} tensors loaded in {ms:.2f} ms, checked; generated "
+                f"{out.shape[1] - 4} tokens")
     dist.barrier(group=control)
     dist.destroy_process_group()
 
