@@ -56,7 +56,7 @@ BF16_BYTES = 2  # bytes per parameter after the cast to bf16
 # The measured points, from benchmarks/RESULTS.md. "Weight sync", two H200s over NVLink
 # (2026-11-23): offload's sync time and rate (bytes = time x rate) and the one-broadcast
 # ceiling of the same run; fp32 weights sent as bf16, 256 MiB buckets (the default of that
-# run: RESULTS.md at d1b232d, "Session 6").
+# run: RESULTS.md at commit d1b232d).
 # "Colocated weight update", one H200 (2026-11-27): the fp32 -> bf16 pack kernel and the
 # unpack kernel alone over one buffer, same tensor lists (benchmarks/model_shapes.py).
 
@@ -82,7 +82,7 @@ MEASURED = (
 )
 
 
-# The same run's bucket-size sweep (RESULTS.md at d1b232d, "Session 6"; the current RESULTS.md
+# The same run's bucket-size sweep (RESULTS.md at commit d1b232d; the current RESULTS.md
 # keeps only the default rows): (name of a MEASURED point, bucket MiB, offload's rate).
 SWEEP = (
     ("Qwen2.5-1.5B fp32->bf16", 64, 290.9 * GB), ("Qwen2.5-1.5B fp32->bf16", 128, 305.7 * GB),
