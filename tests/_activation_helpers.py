@@ -274,3 +274,87 @@ def async_logging_fetches(pool, **model_kw):
     x = torch.randn(8, 16)
     _, grads_ref = train_step(ref, x)
     return model, handle, log, x, grads_ref
+
+
+def spy_offloaded(monkeypatch, on_offload):
+    """Call `on_offload(t)` for each saved tensor the engines made from now on offload, on either
+    hooks' path: the core's pack hook (an engine binds it when made, so patched first) and the
+    Python table's `pack_extent`. What they return for a tensor that stays is a (tensor, version)
+    tuple; anything else is an offloaded tensor's handle."""
+    from offload.activation.pack_table import PackTable
+    from offload.core import _backend
+
+    core = _backend.loaded_core()
+    if core is not None:
+        real_hook = core.pack_saved_tensor
+
+        def hook(table, t):
+            packed = real_hook(table, t)
+            if type(packed) is not tuple and isinstance(t, torch.Tensor):
+                on_offload(t)
+            return packed
+
+        monkeypatch.setattr(core, "pack_saved_tensor", hook)
+    real_pack = PackTable.pack_extent
+
+    def pack_extent(self, engine, t, *extent):
+        packed = real_pack(self, engine, t, *extent)
+        if type(packed) is not tuple:
+            on_offload(t)
+        return packed
+
+    monkeypatch.setattr(PackTable, "pack_extent", pack_extent)
+
+
+def spy_unpacked(monkeypatch, on_unpack):
+    """Call `on_unpack(t)` with each tensor the engines made from now on give back to autograd:
+    through the core's unpack hook (patched before an engine binds it) where the core is loaded,
+    else the engine's Python `unpack` (the core's hook calls that one too, for what it does not
+    serve: patched only where it is the hook)."""
+    from offload.activation.engine import ActivationEngine
+    from offload.core import _backend
+
+    core = _backend.loaded_core()
+    if core is not None:
+        real_hook = core.unpack_saved_tensor
+
+        def hook(table, packed):
+            t = real_hook(table, packed)
+            on_unpack(t)
+            return t
+
+        monkeypatch.setattr(core, "unpack_saved_tensor", hook)
+        return
+    real_unpack = ActivationEngine.unpack
+
+    def unpack(self, packed):
+        t = real_unpack(self, packed)
+        on_unpack(t)
+        return t
+
+    monkeypatch.setattr(ActivationEngine, "unpack", unpack)
+
+
+def spy_packs(monkeypatch, on_pack):
+    """Call `on_pack(in_group)` for each saved tensor that reaches the engines' pack hook from
+    now on (`in_group`: a group was open), on the hook's path as `spy_unpacked` picks it."""
+    from offload.activation.engine import ActivationEngine
+    from offload.core import _backend
+
+    core = _backend.loaded_core()
+    if core is not None:
+        real_hook = core.pack_saved_tensor
+
+        def hook(table, t):
+            on_pack(table.open_group is not None)
+            return real_hook(table, t)
+
+        monkeypatch.setattr(core, "pack_saved_tensor", hook)
+        return
+    real_pack = ActivationEngine.pack
+
+    def pack(self, t):
+        on_pack(self.open_group is not None)
+        return real_pack(self, t)
+
+    monkeypatch.setattr(ActivationEngine, "pack", pack)

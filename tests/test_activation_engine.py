@@ -11,9 +11,10 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload.core import _device
 from offload.activation import engine as act
+from offload.activation.saved_tensors import storage_ptrs
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     PairModel, assert_bitwise_equal, async_logging_fetches, grads_of, log_events, one_thread, pool, small_model,
-    train_step,
+    spy_offloaded, spy_packs, spy_unpacked, train_step,
 )
 
 # These tests run models on the CPU, whose activations are host memory already:
@@ -29,13 +30,7 @@ def test_activation_views_restored_exactly(pool, monkeypatch):
     """Each view comes back with its size, stride and storage offset on one shared storage."""
     seen = {}
     unpacked = []
-    real_unpack = act.ActivationEngine.unpack
-
-    def spy(self, packed):
-        unpacked.append(real_unpack(self, packed))
-        return unpacked[-1]
-
-    monkeypatch.setattr(act.ActivationEngine, "unpack", spy)
+    spy_unpacked(monkeypatch, unpacked.append)
 
     class Saver(torch.autograd.Function):
         @staticmethod
@@ -146,13 +141,7 @@ def test_activation_hooks_only_where_a_group_is_open(pool, monkeypatch):
     saved before the first layer starts, are seen outside a group. The hooks stack is empty
     after forward and after backward, and gradients are bitwise those without offload."""
     outside = []
-    real = act.ActivationEngine.pack
-
-    def spy(self, t):
-        outside.append(self.open_group is None)
-        return real(self, t)
-
-    monkeypatch.setattr(act.ActivationEngine, "pack", spy)
+    spy_packs(monkeypatch, lambda in_group: outside.append(not in_group))
     ref = small_model(n=4)
     model = copy.deepcopy(ref)
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, pool=pool)
@@ -194,8 +183,9 @@ def test_activation_exception_in_forward_leaves_nothing(pool, where):
     hook.remove()
     engine = handle.engine
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    # A private read: no seam reports the storage map (which holds groups) empty after a failed forward.
-    assert engine.capturing == 0 and engine.open_group is None and not engine._storages
+    # A private read: no seam reports the pack table's storage map (which holds groups) empty after a
+    # failed forward.
+    assert engine.capturing == 0 and engine.open_group is None and len(engine._table) == 0
     gc.collect()
     assert pool.stats()["in_use_bytes"] == 0
     x = torch.randn(8, 16)
@@ -305,13 +295,7 @@ def test_activation_parameters_never_offloaded(pool, monkeypatch):
         p.requires_grad_(False)  # frozen weights are recognised by storage
     model.blocks[0].register_buffer("scale", torch.ones(16))
     sources = []
-    real = act.copy_spans_to_host
-
-    def spy(tensors, *args, **kw):
-        sources.extend(tensors)
-        return real(tensors, *args, **kw)
-
-    monkeypatch.setattr(act, "copy_spans_to_host", spy)
+    spy_offloaded(monkeypatch, sources.append)
     offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
     model(torch.randn(8, 16)).backward()
     params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
@@ -323,13 +307,13 @@ def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypa
     candidate tensors are such outputs never reads the parameters' storages. A frozen weight
     (a leaf that needs no grad, saved as a view) makes the step read them, and stays."""
     walks = []
-    real = act.storage_ptrs
+    real = act.ActivationEngine._walk_params
 
-    def counted(params):
+    def counted(self):  # a private spy: no seam reports the walk, a cost and not a behaviour
         walks.append(1)
-        return real(params)
+        return real(self)
 
-    monkeypatch.setattr(act, "storage_ptrs", counted)
+    monkeypatch.setattr(act.ActivationEngine, "_walk_params", counted)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
     handle = offload.enable_activation_offload(model, layers=["0", "1", "2"], min_tensor_bytes=0, pool=pool)
@@ -347,14 +331,14 @@ def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_neede
     forward walks there, at the saved input; later forwards walk before the first layer opens,
     and keep the input and the weights on the device all the same."""
     order = []
-    real = act.storage_ptrs
+    real = act.ActivationEngine._walk_params
 
-    def counted(params):
-        ptrs = real(params)
-        order.append(("walk", len(ptrs)))
-        return ptrs
+    def counted(self):  # a private spy: no seam reports the walk, a cost and not a behaviour
+        self._param_pending = [list(params) for params in self._param_pending]  # read twice below
+        order.append(("walk", len(storage_ptrs(t for params in self._param_pending for t in params))))
+        return real(self)
 
-    monkeypatch.setattr(act, "storage_ptrs", counted)
+    monkeypatch.setattr(act.ActivationEngine, "_walk_params", counted)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
     model[0].register_forward_pre_hook(lambda *_: order.append(("layer 0",)))
@@ -461,15 +445,7 @@ def test_activation_autocast_weight_casts_stay(pool, monkeypatch):
     """Under autocast the cached bf16 copies of parameters are kept, activations offloaded."""
     model = small_model()
     offloaded = []
-    real_pack = act.ActivationEngine.pack_extent  # what may be offloaded, on either hooks' path
-
-    def spy(self, t, *extent):
-        packed = real_pack(self, t, *extent)
-        if type(packed) is not tuple:
-            offloaded.append(t)
-        return packed
-
-    monkeypatch.setattr(act.ActivationEngine, "pack_extent", spy)
+    spy_offloaded(monkeypatch, offloaded.append)  # what is offloaded, on either hooks' path
     x = torch.randn(8, 16)
     saved_ref = []
     with torch.autocast("cpu", dtype=torch.bfloat16), \

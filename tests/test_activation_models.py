@@ -10,10 +10,10 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.core import _device
-from offload.activation import engine as act
+from offload.activation.saved_tensors import storage_ptrs
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     AUTO_MEASURING_STEPS, Block, MODES, assert_bitwise_equal, grads_of, one_thread, pool, small_model, steps_to_run,
-    train_step,
+    spy_offloaded, train_step,
 )
 
 # These tests run models on the CPU, whose activations are host memory already:
@@ -165,18 +165,14 @@ def test_activation_fsdp_single_process(kind, pool, monkeypatch, tmp_path):
         ref = _shard(kind, small_model())
         model = _shard(kind, small_model())
         clashes, offloaded = [], []
-        real_pack = act.ActivationEngine.pack_extent  # what may be offloaded, on either hooks' path
 
-        def spy(self, t, *extent):
-            packed = real_pack(self, t, *extent)
-            if type(packed) is not tuple:  # offloaded: compare with the parameters as they are now
-                live = act.storage_ptrs(model.parameters())
-                offloaded.append(t)
-                if t.untyped_storage().data_ptr() in live:
-                    clashes.append(tuple(t.shape))
-            return packed
+        def spy(t):  # offloaded: compare with the parameters as they are now
+            live = storage_ptrs(model.parameters())
+            offloaded.append(t)
+            if t.untyped_storage().data_ptr() in live:
+                clashes.append(tuple(t.shape))
 
-        monkeypatch.setattr(act.ActivationEngine, "pack_extent", spy)
+        spy_offloaded(monkeypatch, spy)  # on either hooks' path
         handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
         prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
         assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]

@@ -51,45 +51,46 @@ class _QKVModel(nn.Module):
 def test_activation_views_of_one_storage_copied_once_across_parts(mode, monkeypatch, pool):
     """A layer copied in parts, split right after q's save: k and v lie in the copy of the
     whole projection output made for q and share it, so the storage is copied once (its
-    views reading nearly all of it copy all of it); gradients stay bitwise."""
+    views reading nearly all of it copy all of it): the step copies as many bytes as the same
+    step without parts. Gradients stay bitwise."""
     from offload.activation import engine as _activation
 
+    forward_done = [False]
+
+    class InFlight(_activation.CopyHandle):
+        """A copy seen in flight until forward ends (a copy on the host is done at once; on a
+        device the first part's was still running when k and v were saved)."""
+
+        def ready(self):
+            return forward_done[0] and super().ready()
+
+    monkeypatch.setattr(_activation, "CopyHandle", InFlight)
     torch.manual_seed(0)
     ref = _QKVModel()
-    model = copy.deepcopy(ref)
-    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, keep_last=0, pool=pool,
-                                               verbose=False)
-    engine = handle.engine
-    if mode == "auto":  # the schedule's parts
-        use_schedule(engine, 3, release_at={0: [2, 3]}, split_at={0: [1]})
-    else:  # async mode's first layer in parts, as many as its saves allow
-        monkeypatch.setattr(engine, "_first_layer_parts", lambda layer: [1])
-    outputs = {}
-    model.blocks[0].qkv.register_forward_hook(lambda m, i, out: outputs.update(qkv=out))
-    copied, forward_done = [], [False]
-    copy_spans = _activation.copy_spans_to_host
-
-    def in_flight_through_forward(tensors, los, sizes, *args, **kwargs):
-        """The copy, seen in flight until forward ends (a copy on the host is done at once;
-        on a device the first part's was still running when k and v were saved)."""
-        copied.append([(t.untyped_storage().data_ptr(), size) for t, size in zip(tensors, sizes)])
-        handle = copy_spans(tensors, los, sizes, *args, **kwargs)
-        ready = handle.ready
-        handle.ready = lambda: forward_done[0] and ready()
-        return handle
-
-    monkeypatch.setattr(_activation, "copy_spans_to_host", in_flight_through_forward)
-    model.register_forward_hook(lambda *_: forward_done.__setitem__(0, True))
     x = torch.randn(64, 16)
     loss_ref, grads_ref = train_step(ref, x)
-    loss, grads = train_step(model, x)
-    assert torch.equal(loss, loss_ref)
-    assert_bitwise_equal(grads, grads_ref)
-    qkv = outputs["qkv"].untyped_storage()
-    of_qkv = [size for group in copied for ptr, size in group if ptr == qkv.data_ptr()]
-    assert of_qkv == [qkv.nbytes()]
-    assert len([group for group in copied if group]) >= 2  # the first layer went in parts
-    handle.disable()
+    copied = {}
+    for parts in (True, False):
+        model = copy.deepcopy(ref)
+        handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, keep_last=0, pool=pool,
+                                                   verbose=False)
+        engine = handle.engine
+        if mode == "auto":  # the schedule's parts
+            use_schedule(engine, 3, release_at={0: [2, 3] if parts else 3}, split_at={0: [1]} if parts else {})
+        else:  # async mode's first layer in parts, as many as its saves allow
+            monkeypatch.setattr(engine, "_first_layer_parts", lambda layer: [1] if parts else None)
+        closed = []
+        log_events(handle, closed, kinds=("closed",))
+        model.register_forward_hook(lambda *_: forward_done.__setitem__(0, True))
+        forward_done[0] = False
+        loss, grads = train_step(model, x)
+        assert torch.equal(loss, loss_ref)
+        assert_bitwise_equal(grads, grads_ref)
+        copied[parts] = handle.stats()["d2h_bytes"]
+        layer0 = [event for event in closed if event.layer == 0]
+        assert len(layer0) >= 2 if parts else len(layer0) == 1  # the first layer went in parts
+        handle.disable()
+    assert copied[True] == copied[False] > 0
 
 
 def test_activation_stream_paths_with_fake_streams(monkeypatch):

@@ -149,15 +149,21 @@ def test_core_unpack_raises_for_a_kept_tensor_modified():
 
 
 def test_core_hooks_check_their_arguments():
-    """Called other than as autograd calls them (engine bound, one tensor), the hooks raise
-    a TypeError that names them; an engine whose device is not a torch.device too."""
+    """Called other than as autograd calls them (table bound, one tensor), the hooks raise a
+    TypeError that names them; bound to something other than a PackTable too."""
     core = _backend.core()
     with pytest.raises(TypeError, match="offload._C hook: expected 2 arguments"):
         core.pack_saved_tensor(torch.ones(2))
     with pytest.raises(TypeError, match="offload._C hook: expected 2 arguments"):
         core.unpack_saved_tensor()
     engine = act.ActivationEngine("async", min_tensor_bytes=0)
-    engine.open_group = object()  # an open group: the tensor's tests run in C
-    engine.device = "cpu"
-    with pytest.raises(TypeError, match="the engine's device is not a torch.device"):
+    with pytest.raises(TypeError, match="pack_saved_tensor: table must be an offload._C.PackTable, got "):
         core.pack_saved_tensor(engine, torch.ones(2, requires_grad=True) * 2)
+
+
+def test_core_table_refuses_a_group_that_is_not_the_cores():
+    """The core's table opens only the core's groups (what its pack writes into)."""
+    engine = act.ActivationEngine("async", min_tensor_bytes=0)
+    with pytest.raises(TypeError, match=r"open_group: expected a group of the core \(offload._C.ActivationGroup\) "
+                                        "or None, got object"):
+        engine.open_group = object()

@@ -1,31 +1,34 @@
-// The activation engine's saved-tensor hooks: their per-tensor tests in C.
+// The activation engine's saved-tensor hooks and the table they pack into, in C.
 //
-// Why: in a launch-bound training step every microsecond the hooks spend on a saved tensor
-// is step time. In Python, deciding whether a tensor may be offloaded and which bytes of its
-// storage it reads is about fifteen attribute calls (size, device, layout, base, grad_fn,
-// storage, strides). Here it is one call, and a tensor that stays on the device
-// (parameters, small tensors) never enters the interpreter.
+// Why: in a step whose pace the host sets every microsecond the hooks spend on a saved
+// tensor is step time. Here a saved tensor costs no interpreter call: the pack decision
+// (offload_extent: about fifteen attribute reads in Python), the parameter check, the
+// span bookkeeping and the handle autograd holds; at unpack the version check, the view
+// of the restored block and the counts that tell the engine when a group was reached
+// and when it can go. The engine in Python is called once per group (activation_group.h
+// says what runs where).
 //
-// What is decided where (the engine's side is Note [engine interface] in
-// offload/activation/engine.py):
 // - offload_extent is offload/activation/saved_tensors.py's `offload_extent` in C (the
 //   Python path without the core uses that one; a test holds the two equal on a catalogue
 //   of tensors).
-// - pack_saved_tensor(engine, t) is the pack hook (bound to its engine with
-//   functools.partial, which the garbage collector sees through, so an engine and its
-//   hooks are freed together). With no group open it hands the tensor to the engine's
-//   Python `pack`, which counts what is saved after the last layer; a tensor that stays
-//   it keeps here, as the engine does (counted); one that may be offloaded goes to the
-//   engine's `pack_extent` with its extent, for the group's bookkeeping.
-// - unpack_saved_tensor(engine, packed) returns a kept tensor whose version is unchanged
-//   and hands everything else (the step's first unpack, offloaded tensors, a modified
-//   tensor's error) to the engine's `unpack`.
-// All run with the interpreter lock held, on the thread autograd calls the hooks from.
+// - pack_saved_tensor(table, t) is the pack hook (bound to the engine's PackTable with
+//   functools.partial). With no group open it hands the tensor to the engine's Python
+//   `pack`, which counts what is saved after the last layer; a tensor that stays it keeps
+//   here, as the engine does (counted); one that may be offloaded joins the open group.
+// - unpack_saved_tensor(table, packed) returns a kept tensor whose version is unchanged,
+//   serves an offloaded one from its group, and hands the rest (the step's first unpack of
+//   a kept tensor, a modified tensor's error) to the engine's `unpack`.
+// The table's PackTable is the twin of offload/activation/pack_table.py's, and its
+// methods those of engine.py's pack path without the core.
 #include <cstdint>
 #include <exception>
 #include <string>
 #include <typeindex>
 #include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/function.h>
@@ -33,12 +36,19 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include "activation_group.h"
 #include "offload/bindings_registry.h"
 
 namespace offload {
 namespace {
 
 namespace py = pybind11;
+using activation::ActivationGroup;
+using activation::SavedActivation;
+using activation::SavedSpan;
+using activation::kCopying;
+using activation::kKept;
+using activation::kSpanAlign;
 
 // Whether the last component of `node`'s C++ type name is `name` (Node::name() demangles,
 // an allocation per call: the answer is cached per type). The Python path compares the
@@ -99,19 +109,30 @@ py::object offload_extent(const at::Tensor& t, int64_t min_bytes, const c10::Dev
   return py::make_tuple(extent.ptr, extent.first, extent.last, extent.check_params);
 }
 
-// The engine's attributes the hooks read (its documented interface), as interned strings
-// made once (a lookup by a C string makes a new str object each time). `_version` is the
-// tensor's own attribute.
+// The engine's attributes and methods the table calls (its documented interface, Note
+// [engine interface] in engine.py), as interned strings made once (a lookup by a C string
+// makes a new str object each time). `_version` is the tensor's own attribute.
 struct Names {
-  PyObject* group = PyUnicode_InternFromString("open_group");
   PyObject* pack = PyUnicode_InternFromString("pack");
-  PyObject* pack_extent = PyUnicode_InternFromString("pack_extent");
   PyObject* unpack = PyUnicode_InternFromString("unpack");
   PyObject* counters = PyUnicode_InternFromString("counters");
   PyObject* tensors_kept = PyUnicode_InternFromString("tensors_kept");
-  PyObject* min_tensor_bytes = PyUnicode_InternFromString("min_tensor_bytes");
-  PyObject* device = PyUnicode_InternFromString("device");
   PyObject* backward_seen = PyUnicode_InternFromString("backward_seen");
+  PyObject* backward_starts = PyUnicode_InternFromString("_backward_starts");
+  PyObject* observer = PyUnicode_InternFromString("observer");
+  PyObject* unpacked = PyUnicode_InternFromString("unpacked");
+  PyObject* make_ready = PyUnicode_InternFromString("_make_ready");
+  PyObject* prefetch = PyUnicode_InternFromString("_prefetch");
+  PyObject* release = PyUnicode_InternFromString("_release");
+  PyObject* walk_params = PyUnicode_InternFromString("_walk_params");
+  PyObject* profiled = PyUnicode_InternFromString("_profiled");
+  PyObject* split = PyUnicode_InternFromString("_split");
+  PyObject* auto_state = PyUnicode_InternFromString("auto");
+  PyObject* cap = PyUnicode_InternFromString("cap");
+  PyObject* span_ends = PyUnicode_InternFromString("span_ends");
+  PyObject* profile = PyUnicode_InternFromString("profile");
+  PyObject* split_ends = PyUnicode_InternFromString("split");
+  PyObject* part = PyUnicode_InternFromString("part");
   PyObject* version = PyUnicode_InternFromString("_version");
 };
 
@@ -124,6 +145,18 @@ py::object attr(py::handle obj, PyObject* name) {
   PyObject* value = PyObject_GetAttr(obj.ptr(), name);
   if (value == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(value);
+}
+
+py::object call(py::handle obj, PyObject* name, py::handle arg) {
+  PyObject* result = PyObject_CallMethodOneArg(obj.ptr(), name, arg.ptr());
+  if (result == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(result);
+}
+
+bool truthy(const py::object& value) {
+  const int on = PyObject_IsTrue(value.ptr());
+  if (on < 0) throw py::error_already_set();
+  return on == 1;
 }
 
 // What autograd holds for a tensor that stays: (tensor, version at save), as the engine
@@ -142,35 +175,260 @@ py::object keep(py::handle engine, py::handle tensor) {
   return py::make_tuple(py::reinterpret_borrow<py::object>(tensor), attr(tensor, n.version));
 }
 
-py::object pack_saved_tensor(py::handle engine, py::handle tensor) {
-  const Names& n = names();
-  if (attr(engine, n.group).is_none() || !THPVariable_Check(tensor.ptr())) {
-    return attr(engine, n.pack)(tensor);  // the tail's count, or not a tensor at all: Python decides
-  }
-  if (!THPVariable_CheckExact(tensor.ptr())) return keep(engine, tensor);  // parameters, DTensors
-  const py::object device = attr(engine, n.device);
-  if (!THPDevice_Check(device.ptr())) throw py::type_error("offload: the engine's device is not a torch.device");
-  Extent extent{};
-  const auto min_bytes = attr(engine, n.min_tensor_bytes).cast<int64_t>();
-  const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
-  if (!offload_extent_of(t, min_bytes, reinterpret_cast<THPDevice*>(device.ptr())->device, &extent)) {
-    return keep(engine, tensor);
-  }
-  return attr(engine, n.pack_extent)(tensor, extent.ptr, extent.first, extent.last, extent.check_params);
+// The data pointer of `t`'s storage, 0 for a tensor without one (meta, fake, a wrapper subclass).
+int64_t storage_ptr(const at::Tensor& t) {
+  if (!t.has_storage()) return 0;
+  return reinterpret_cast<int64_t>(t.storage().data());
 }
 
-py::object unpack_saved_tensor(py::handle engine, py::handle packed) {
+// A storage whose span a group of this forward copies: later views of it share the span.
+struct StorageEntry {
+  py::object group;  // holds `native` alive
+  ActivationGroup* native;
+  int64_t entry;  // index of its span in the group
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // a freed storage's address may be reused
+};
+
+// The twin of pack_table.py's `PackTable`: the open group and, per forward, the storages
+// copied so far and those that stay (parameters, buffers, the forward's inputs).
+class PackTable {
+ public:
+  PackTable(const py::object& engine, int64_t min_bytes, c10::Device device, bool on_accel)
+      : engine_(py::reinterpret_steal<py::object>(PyWeakref_NewRef(engine.ptr(), nullptr))),
+        min_bytes_(min_bytes),
+        device_(device),
+        on_accel_(on_accel) {
+    if (!engine_) throw py::error_already_set();
+  }
+
+  bool params_pending = false;  // iterables of tensors wait to join param_ptrs (Note [parameter walk])
+  bool params_needed = false;  // a saved tensor of this forward needed param_ptrs
+
+  py::object open_group() const { return open_group_; }
+
+  // Opens `group` (None: none open). What the pack reads of its auto-mode state and part
+  // ends is read here, once: the engine sets them before it opens the group.
+  void set_open_group(const py::object& group) {
+    const Names& n = names();
+    open_group_ = group;
+    open_native_ = nullptr;
+    cap_ = -1;
+    span_ends_ = py::none();
+    profile_ = py::none();
+    split_ends_.clear();
+    part_ = 0;
+    if (group.is_none()) return;
+    if (!py::isinstance<ActivationGroup>(group)) {
+      throw py::type_error(std::string("offload._C.PackTable.open_group: expected a group of the core "
+                                       "(offload._C.ActivationGroup) or None, got ") + Py_TYPE(group.ptr())->tp_name);
+    }
+    open_native_ = group.cast<ActivationGroup*>();
+    const py::object state = attr(group, n.auto_state);
+    has_auto_ = !state.is_none();
+    if (has_auto_) {
+      const py::object cap = attr(state, n.cap);
+      if (!cap.is_none()) cap_ = cap.cast<int64_t>();
+      span_ends_ = attr(state, n.span_ends);
+      profile_ = attr(state, n.profile);
+    }
+    const py::object ends = attr(group, n.split_ends);
+    if (!ends.is_none()) split_ends_ = ends.cast<std::vector<int64_t>>();
+    part_ = attr(group, n.part).cast<int64_t>();
+  }
+
+  // The storages of `tensors` (parameters, buffers, inputs: any iterable) stay: saved_tensors.py's
+  // `storage_ptrs` in C, a walk each forward that needs it (Note [parameter walk]), where Python
+  // would make a storage object per tensor. A DTensor counts by its local shard; a tensor
+  // without storage (meta, fake) is skipped.
+  void add_params(const py::iterable& tensors) {
+    static PyObject* local_name = PyUnicode_InternFromString("_local_tensor");
+    for (const py::handle item : tensors) {
+      if (!THPVariable_Check(item.ptr())) continue;
+      int64_t ptr = storage_ptr(THPVariable_Unpack(item.ptr()));
+      if (ptr == 0 && !THPVariable_CheckExact(item.ptr()) && PyObject_HasAttr(item.ptr(), local_name)) {
+        const py::object local = attr(item, local_name);  // a DTensor: its local shard's storage
+        if (THPVariable_Check(local.ptr())) ptr = storage_ptr(THPVariable_Unpack(local.ptr()));
+      }
+      if (ptr != 0) param_ptrs_.insert(ptr);
+    }
+  }
+
+  size_t size() const { return storages_.size(); }  // the storages recorded in this forward
+
+  void clear() {
+    storages_.clear();
+    param_ptrs_.clear();
+  }
+
+  py::object pack(py::handle tensor);
+  py::object unpack(py::handle packed);
+
+ private:
+  py::object engine() const {
+    PyObject* engine = PyWeakref_GetObject(engine_.ptr());  // borrowed
+    if (engine == nullptr) throw py::error_already_set();
+    if (engine == Py_None) throw std::runtime_error("offload: the activation engine of these hooks was freed");
+    return py::reinterpret_borrow<py::object>(engine);
+  }
+
+  // The consumer's stream: the current stream of the engine's device (none on the host).
+  c10::optional<c10::Stream> current_stream() const {
+    if (!on_accel_) return c10::nullopt;
+    return c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_);
+  }
+
+  py::object pack_new_span(py::handle engine, py::handle tensor, const at::Tensor& t, const Extent& extent);
+
+  py::object engine_;  // a weak reference: the engine holds the table
+  int64_t min_bytes_;
+  c10::Device device_;
+  bool on_accel_;
+  py::object open_group_ = py::none();
+  ActivationGroup* open_native_ = nullptr;
+  bool has_auto_ = false;
+  int64_t cap_ = -1;  // bytes of new spans the open group may offload (auto mode's), -1: no limit
+  py::object span_ends_ = py::none();  // auto mode measuring: a list the pack appends to
+  py::object profile_ = py::none();  // auto mode measuring: ascending marks the engine pops
+  std::vector<int64_t> split_ends_;  // the open group's layer's part ends (Note [layer parts])
+  int64_t part_ = 0;
+  std::unordered_set<int64_t> param_ptrs_;
+  std::unordered_map<int64_t, StorageEntry> storages_;
+};
+
+// A span new to this forward (engine.py's Note [storages and views]): its bytes, auto
+// mode's cap and measurements, the part ends.
+py::object PackTable::pack_new_span(py::handle engine, py::handle tensor, const at::Tensor& t,
+                                    const Extent& extent) {
   const Names& n = names();
+  ActivationGroup& group = *open_native_;
+  const auto storage = t.storage();
+  int64_t lo = extent.first - extent.first % kSpanAlign;
+  int64_t hi = extent.last;
+  const auto size = static_cast<int64_t>(storage.nbytes());
+  if (7 * size <= 8 * (hi - lo)) {  // engine.py's WHOLE_STORAGE: 7/8 of it or more, all of it
+    lo = 0;
+    hi = size;
+  }
+  const int64_t span_bytes = hi - lo;
+  if (has_auto_) {
+    if (cap_ >= 0 && group.capped + span_bytes > cap_) return keep(engine, tensor);  // offloaded in part
+    if (!span_ends_.is_none()) {
+      if (PyList_Append(span_ends_.ptr(), py::int_(group.capped + span_bytes).ptr()) < 0) {
+        throw py::error_already_set();
+      }
+    }
+  }
+  group.capped += span_bytes;
+  group.new_spans += 1;
+  if (has_auto_ && !profile_.is_none() && PyList_GET_SIZE(profile_.ptr()) > 0 &&
+      group.capped >= py::reinterpret_borrow<py::object>(PyList_GET_ITEM(profile_.ptr(), 0)).cast<int64_t>()) {
+    call(engine, n.profiled, open_group_);
+  }
+  const bool split = part_ < static_cast<int64_t>(split_ends_.size()) &&
+                     group.capped >= split_ends_[static_cast<size_t>(part_)];
+  const auto entry = static_cast<int64_t>(group.spans.size());
+  group.spans.push_back(SavedSpan{t, lo, hi});
+  storages_.insert_or_assign(extent.ptr, StorageEntry{open_group_, open_native_, entry, storage.getWeakStorageImpl()});
+  const int64_t slot = group.hold(py::reinterpret_borrow<py::object>(tensor), t._version());
+  py::object packed = py::cast(SavedActivation{open_group_, open_native_, entry, slot, t.scalar_type(),
+                                               t.sizes().vec(), t.strides().vec(), extent.first});
+  if (split) call(engine, n.split, open_group_);  // copy what the layer saved so far, go on in a new group
+  return packed;
+}
+
+py::object PackTable::pack(py::handle tensor) {
+  const Names& n = names();
+  const py::object engine = this->engine();
+  if (open_group_.is_none() || !THPVariable_Check(tensor.ptr())) {
+    return call(engine, n.pack, tensor);  // the tail's count, or not a tensor at all: Python decides
+  }
+  if (!THPVariable_CheckExact(tensor.ptr())) return keep(engine, tensor);  // parameters, DTensors
+  const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
+  Extent extent{};
+  if (!offload_extent_of(t, min_bytes_, device_, &extent)) return keep(engine, tensor);
+  if (extent.check_params) {  // engine.py's `pack_extent` says why only these
+    params_needed = true;
+    if (params_pending) attr(engine, n.walk_params)();
+    if (param_ptrs_.count(extent.ptr)) return keep(engine, tensor);
+  }
+  const auto hit = storages_.find(extent.ptr);
+  if (hit != storages_.end() && !hit->second.storage.expired()) {
+    StorageEntry& seen = hit->second;
+    ActivationGroup& owner = *seen.native;
+    if (seen.native == open_native_) {  // the group still collecting: widen the span to cover this view
+      SavedSpan& span = owner.spans[static_cast<size_t>(seen.entry)];
+      if (extent.first < span.lo || extent.last > span.hi) {
+        span.lo = std::min(span.lo, extent.first - extent.first % kSpanAlign);
+        span.hi = std::max(span.hi, extent.last);
+      }
+    } else {
+      // Its copy is queued: share it if it holds these bytes, unchanged; else a span of its own.
+      const bool shared = owner.state == kCopying && owner.has_spans && [&] {
+        const SavedSpan& span = owner.spans[static_cast<size_t>(seen.entry)];
+        return span.lo <= extent.first && extent.last <= span.hi && span.version == t._version();
+      }();
+      if (!shared) return pack_new_span(engine, tensor, t, extent);
+    }
+    const int64_t slot = owner.hold(py::reinterpret_borrow<py::object>(tensor), t._version());
+    return py::cast(SavedActivation{seen.group, seen.native, seen.entry, slot, t.scalar_type(), t.sizes().vec(),
+                                    t.strides().vec(), extent.first});
+  }
+  return pack_new_span(engine, tensor, t, extent);
+}
+
+py::object PackTable::unpack(py::handle packed) {
+  const Names& n = names();
+  const py::object engine = this->engine();
   PyObject* obj = packed.ptr();
   if (PyTuple_CheckExact(obj) && PyTuple_GET_SIZE(obj) == 2 && THPVariable_Check(PyTuple_GET_ITEM(obj, 0)) &&
-      PyObject_IsTrue(attr(engine, n.backward_seen).ptr()) == 1) {
+      truthy(attr(engine, n.backward_seen))) {
     py::handle tensor = PyTuple_GET_ITEM(obj, 0);
     const py::object now = attr(tensor, n.version);
     const int same = PyObject_RichCompareBool(now.ptr(), PyTuple_GET_ITEM(obj, 1), Py_EQ);
     if (same < 0) throw py::error_already_set();
     if (same == 1) return py::reinterpret_borrow<py::object>(tensor);
   }
-  return attr(engine, n.unpack)(packed);  // the step's first unpack, an offloaded tensor, or an error
+  if (!py::isinstance<SavedActivation>(packed)) {
+    return call(engine, n.unpack, packed);  // the step's first unpack of a kept tensor, or an error
+  }
+  const SavedActivation& saved = packed.cast<const SavedActivation&>();
+  if (!truthy(attr(engine, n.backward_seen))) attr(engine, n.backward_starts)();  // the step's first unpack
+  ActivationGroup& group = *saved.native;
+  const bool first = group.n_unpacked == 0;
+  if (first) {
+    const py::object observer = attr(engine, n.observer);
+    if (!observer.is_none()) call(observer, n.unpacked, saved.group);
+  }
+  py::object result;
+  if (group.holds_device_tensors) {  // still on the device (copy in flight, or kept)
+    result = group.unpack_held(saved);
+  } else {
+    group.check_not_modified(saved);
+    if (group.fetched < group.nbytes_aligned || !group.ready_on(current_stream())) {
+      call(engine, n.make_ready, saved.group);  // fetch what no planned point fetched, wait for it
+    }
+    result = group.restored_view(saved);
+  }
+  if (first) call(engine, n.prefetch, saved.group);
+  group.n_unpacked += 1;
+  if (group.n_unpacked >= group.n_handles && group.state != kKept) call(engine, n.release, saved.group);
+  return result;
+}
+
+PackTable& table_of(py::handle table, const char* hook) {
+  if (!py::isinstance<PackTable>(table)) {
+    throw py::type_error(std::string("offload._C.") + hook + ": table must be an offload._C.PackTable, got " +
+                         Py_TYPE(table.ptr())->tp_name);
+  }
+  return table.cast<PackTable&>();
+}
+
+py::object pack_saved_tensor(py::handle table, py::handle tensor) {
+  return table_of(table, "pack_saved_tensor").pack(tensor);
+}
+
+py::object unpack_saved_tensor(py::handle table, py::handle packed) {
+  return table_of(table, "unpack_saved_tensor").unpack(packed);
 }
 
 // The hooks as plain C functions taking (engine, x) by the vectorcall protocol: autograd calls
@@ -179,7 +437,7 @@ py::object unpack_saved_tensor(py::handle engine, py::handle packed) {
 template <py::object (*Hook)(py::handle, py::handle)>
 PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) {
-    PyErr_Format(PyExc_TypeError, "offload._C hook: expected 2 arguments (engine, tensor or packed), got %zd", nargs);
+    PyErr_Format(PyExc_TypeError, "offload._C hook: expected 2 arguments (table, tensor or packed), got %zd", nargs);
     return nullptr;
   }
   try {
@@ -198,18 +456,60 @@ PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
 
 PyMethodDef hook_defs[] = {
     {"pack_saved_tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call<pack_saved_tensor>)),
-     METH_FASTCALL, "The activation engine's pack hook: pack_saved_tensor(engine, tensor) (bind the engine with "
+     METH_FASTCALL, "The activation engine's pack hook: pack_saved_tensor(table, tensor) (bind its PackTable with "
      "functools.partial)"},
     {"unpack_saved_tensor",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call<unpack_saved_tensor>)), METH_FASTCALL,
-     "The activation engine's unpack hook: unpack_saved_tensor(engine, packed) (bind the engine with "
+     "The activation engine's unpack hook: unpack_saved_tensor(table, packed) (bind its PackTable with "
      "functools.partial)"},
 };
+
+py::object block_or_none(const at::Tensor& t) {
+  return t.defined() ? py::cast(t) : py::none();
+}
 
 void bind(py::module_& m) {
   m.def("offload_extent", &offload_extent, py::arg("tensor"), py::arg("min_bytes"), py::arg("device"),
         "Whether the activation engine may offload `tensor` (a plain tensor saved in a group): "
         "None, or (storage data_ptr, first byte, end byte, whether its base has no grad_fn)");
+  // groups.py's `Group` is the reference for every member: the Python subclass `NativeGroup`
+  // there adds the engine's per-layer fields (name, layer, prev, part, split, auto, ...).
+  py::class_<ActivationGroup>(m, "ActivationGroup")
+      .def(py::init<bool>(), py::arg("offload"))
+      .def_readwrite("state", &ActivationGroup::state)
+      .def_readwrite("n_handles", &ActivationGroup::n_handles)
+      .def_readwrite("n_unpacked", &ActivationGroup::n_unpacked)
+      .def_readwrite("capped", &ActivationGroup::capped)
+      .def_readwrite("new_spans", &ActivationGroup::new_spans)
+      .def_readwrite("nbytes", &ActivationGroup::nbytes)
+      .def_readwrite("nbytes_aligned", &ActivationGroup::nbytes_aligned)
+      .def_readwrite("fetched", &ActivationGroup::fetched)
+      .def_readonly("holds_device_tensors", &ActivationGroup::holds_device_tensors)
+      .def_readonly("has_spans", &ActivationGroup::has_spans)
+      .def_property(
+          "device_block", [](const ActivationGroup& g) { return block_or_none(g.device_block); },
+          [](ActivationGroup& g, c10::optional<at::Tensor> block) { g.device_block = block.value_or(at::Tensor()); })
+      .def("seal", &ActivationGroup::seal)
+      .def("copy_out", &ActivationGroup::copy_out, py::arg("pool"), py::arg("stream"), py::arg("chunk_bytes"),
+           py::arg("timing"))
+      .def("drop_spans", &ActivationGroup::drop_spans)
+      .def("drop_held", &ActivationGroup::drop_held)
+      .def("let_sources_go", &ActivationGroup::let_sources_go, py::arg("stream"))
+      .def("reset_restore", &ActivationGroup::reset_restore)
+      .def("ready_on", &ActivationGroup::ready_on, py::arg("stream"))
+      .def("mark_ready", &ActivationGroup::mark_ready, py::arg("stream"));
+  py::class_<SavedActivation>(m, "SavedActivation")
+      .def_property_readonly("group", [](const SavedActivation& s) { return s.group; })
+      .def_readonly("slot", &SavedActivation::slot);
+  py::class_<PackTable>(m, "PackTable")
+      .def(py::init<const py::object&, int64_t, c10::Device, bool>(), py::arg("engine"), py::arg("min_tensor_bytes"),
+           py::arg("device"), py::arg("on_accel"))
+      .def_property("open_group", &PackTable::open_group, &PackTable::set_open_group)
+      .def_readwrite("params_pending", &PackTable::params_pending)
+      .def_readwrite("params_needed", &PackTable::params_needed)
+      .def("add_params", &PackTable::add_params, py::arg("tensors"))
+      .def("__len__", &PackTable::size)
+      .def("clear", &PackTable::clear);
   for (PyMethodDef& def : hook_defs) {
     PyObject* fn = PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr());
     if (fn == nullptr) throw py::error_already_set();

@@ -3,8 +3,9 @@ back ahead of backward. See docs/activation.md.
 
 The runtime (this package's modules): api (the user API and its handle), engine (the saved-tensor
 hooks, groups opened and closed at layer boundaries, the copies out, the window, statistics),
-backward (groups' copies back and their release in backward), groups (the data model),
-saved_tensors (per-tensor helpers), layers (layer discovery and wrapping), step_stats (per-step
+backward (groups' copies back and their release in backward), groups (the data model: the
+Python twin of the core's groups), pack_table (what the pack hook consults: the Python twin of
+the core's table), saved_tensors (per-tensor helpers), layers (layer discovery and wrapping), step_stats (per-step
 counters and the device timings that feed them).
 
 Auto mode (auto/, see its docstring for its modules: planner, shared, measure, memory, schedule,

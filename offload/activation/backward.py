@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 
 from ..core import _device
-from ..core.copy import copy_to_device
 from .groups import (COPYING, FETCHED, KEPT, OPEN, RESTORED, SPAN_ALIGN, Group, Packed, on_host_only,
                      with_earlier_parts)
 from .saved_tensors import describe, modified_error, not_traced, when_gradient_of
@@ -57,6 +56,9 @@ class BackwardSide:
         when_gradient_of(output, self, _start_backward)  # else marked at the first unpack
 
     def unpack(self, packed):
+        """The unpack hook without the core, and the core's for what it does not serve (the step's
+        first unpack of a kept tensor, a kept tensor modified in place): the core's
+        `unpack_saved_tensor` serves offloaded tensors the same way in C."""
         if not self.backward_seen:  # the step's first unpack: its backward starts
             self._backward_starts()
         if type(packed) is tuple:
@@ -80,7 +82,7 @@ class BackwardSide:
                 desc = f"{str(packed.dtype).replace('torch.', '')} {list(packed.size)}"
                 raise modified_error(desc, watch[1], watch[0]._version)
             result = self._restore(group, packed)
-        if group.n_unpacked == 0 and self.mode != "sync":
+        if group.n_unpacked == 0:
             self._prefetch(group)
         group.n_unpacked += 1
         if group.n_unpacked >= group.n_handles and group.state != KEPT:
@@ -88,7 +90,8 @@ class BackwardSide:
         return result
 
     def _prefetch(self, group: Group) -> None:
-        if self.schedule is None:  # else fetched at the backward points the schedule chose
+        """Backward reached `group` (its first unpack): fetch the one before it."""
+        if self.mode != "sync" and self.schedule is None:  # else fetched at the points the schedule chose
             # The group before it, and if that is the last part of a layer copied in parts, its
             # earlier parts too, the last first: fetched one by one at each part's first unpack,
             # a part's copy would start only once backward is in the layer. (At a part's own
@@ -179,8 +182,6 @@ class BackwardSide:
                 # SMs), and each restored view keeps the original's 512-byte alignment.
                 group.device_block = torch.empty(group.nbytes_aligned, dtype=torch.uint8, device=self.device)
                 group.fetch_stream = _device.current_stream(self.device) if self.on_accel else None
-                group.typed_blocks = {}
-                group.waited = set()
             if group.fetched == 0 and end == group.nbytes_aligned:
                 # Copied from the D2H handle, the core makes the copy stream wait for that copy
                 # too (a group let go at a release point was seen complete on the device only),
@@ -189,13 +190,13 @@ class BackwardSide:
             else:
                 if group.fetched == 0:  # the first piece: the copy stream waits for the copy out
                     if self.on_accel:
-                        group.d2h.wait_stream(_device.copy_streams(self.device)[1])
+                        group.d2h.wait_stream(self._copy_streams()[1])
                     else:
                         group.d2h.synchronize()
                 source = [group.d2h.tensors[0][group.fetched:end]]
                 out = [group.device_block[group.fetched:end]]
             # Pieces queue on one copy stream in order: the last one done means all are.
-            group.h2d.append(copy_to_device(source, self.device, out=out, pool=self.pool, timing=self.timing))
+            group.h2d.append(self._copy_back(source, out))
         if self.timing:
             self._timings.copy(self.counters, "h2d_seconds", group.h2d[-1].copy_timer())
         start = group.fetched
@@ -207,11 +208,13 @@ class BackwardSide:
         if self._listeners:
             self._emit(FETCHED, group, end - start, start)
 
-    def _restore(self, group: Group, packed: Packed) -> torch.Tensor:
+    def _make_ready(self, group: Group) -> None:
+        """Fetch what no planned point fetched of `group`, and make its reader on the current stream
+        (the host, without one) wait for the copy back, once per stream and backward."""
         if group.fetched < group.nbytes_aligned:
-            self._fetch(group)  # what no planned point fetched
+            self._fetch(group)
         stream = _device.current_stream(self.device) if self.on_accel else None
-        if stream not in group.waited:
+        if not group.ready_on(stream):
             begun = self.observer.wait_begins() if self.observer is not None else None
             if self.mode == "sync" or not self.on_accel:
                 t0 = time.perf_counter()
@@ -230,9 +233,13 @@ class BackwardSide:
                 self._timed_end("backward_wait_seconds", start, stream)
             if begun is not None:
                 self.observer.wait_ended(group.layer, begun, backward=True)
-            if self._listeners and not group.waited:  # the group's first read in this backward
+            if group.mark_ready(stream) and self._listeners:  # the group's first read in this backward
                 self._emit(RESTORED, group, group.nbytes)
-            group.waited.add(stream)
+
+    def _restore(self, group: Group, packed: Packed) -> torch.Tensor:
+        """The Python path's view of `packed` in its group's restored block (the core's
+        ActivationGroup.restored_view)."""
+        self._make_ready(group)
         key = (packed.entry, packed.dtype, packed.size, packed.stride, packed.offset)
         view = group.views.get(key)
         if view is None:
@@ -253,31 +260,25 @@ class BackwardSide:
     def _let_sources_go(self, group: Group) -> None:
         """The copy engine's references to a copying group's sources go now, the copy stream
         protecting their memory until it has passed the copy (Note [served groups' sources])."""
-        if not self.on_accel or not group.spans:
+        if not self.on_accel or not group.has_spans:
             return
-        stream = _device.copy_streams(self.device)[0]  # the one `copy_spans_to_host` copies on
-        for span in group.spans:
-            span.tensor.record_stream(stream)
+        stream = self._copy_streams()[0]  # the one the group's copy out ran on
+        group.let_sources_go(stream)
         group.d2h.release_sources(stream)
 
     def _release(self, group: Group) -> None:
         """Every handle of the group was unpacked: drop its device copies (the host copy stays)."""
         if group.state in (OPEN,):
             return
-        if group.held is not None and group.d2h is not None and not group.d2h.ready():
+        if group.holds_device_tensors and group.d2h is not None and not group.d2h.ready():
             # Served from the device, its copy not seen done (a query that finds it done also lets
             # the copy engine drop the sources). Never a wait for the copy: a host wait would hold
             # the host back in backward and one on the compute stream would stall it.
             self._let_sources_go(group)
-        if group.held is not None:
+        if group.holds_device_tensors:
             self._mark_copied(group)
-        group.device_block = None
-        group.typed_blocks = {}
+        group.reset_restore()
         group.h2d = []
-        group.fetched = 0
-        group.views = {}
-        group.waited = set()
-        group.n_unpacked = 0
 
 def _start_backward(engine) -> None:
     if not engine.backward_seen:

@@ -15,19 +15,18 @@ import functools
 import time
 import warnings
 import weakref
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..core import _backend, _device
-from ..core.copy import copy_spans_to_host, copy_to_device
+from ..core.copy import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_BYTES, CopyHandle, copy_to_device
 from ..core.checks import check_bool, check_int
 from ..core.pool import HostPool, check_pool, default_host_pool
-from .groups import (CLOSED, COPYING, HOST, KEPT, OPEN, RELEASED, SPAN_ALIGN, ActivationEvent, AutoState, Group,
-                     Packed, Span, aligned_layout, on_host_only, with_earlier_parts)
+from .groups import CLOSED, COPYING, HOST, KEPT, OPEN, RELEASED, ActivationEvent, AutoState, Group, group_class
 from .backward import BackwardSide
-from .saved_tensors import drop_held, make_not_traced, not_traced, offload_extent, storage_ptrs, top_pack_hook
+from .pack_table import PackTable
+from .saved_tensors import make_not_traced, not_traced, offload_extent, top_pack_hook
 from .step_stats import StepTimings, new_counters
 
 # A layer whose copy would start on an idle device-to-host stream is copied in this many
@@ -89,7 +88,7 @@ TAIL_POINT = 0.5
 #
 # Note [storages and views]: each storage is offloaded once per group: all saved views of it
 # share one copied byte span [lo, hi) of the storage (all of it where the first view reads
-# nearly all, `WHOLE_STORAGE`: the storage's other views then share that copy, also from a
+# nearly all, pack_table.py's `WHOLE_STORAGE`: the storage's other views then share that copy, also from a
 # later part of the layer), and each view is rebuilt with `as_strided` on the restored span
 # with its exact size, stride and storage offset, so a transpose, slice, expand or
 # overlapping view is restored exactly (rebuilding with `.view(shape)` from a deduplicated
@@ -109,7 +108,7 @@ TAIL_POINT = 0.5
 # Note [parameter walk]: which storages are parameters, buffers or the forward's inputs is read
 # by walking the model's tensors each forward (FSDP's parameters change storage between steps),
 # O(parameters) of host time. It is read only when a saved tensor may share such a storage (one
-# no recorded op made, see `pack_extent`): a forward without one never walks. A forward that needed
+# no recorded op made, see pack_table.py's `pack_extent`): a forward without one never walks. A forward that needed
 # it has the next one walk as its capture begins, before the model's own host work. There the host
 # is ahead of the device, or about to wait for it: a Hugging Face model reads its attention mask
 # on the host before the first layer, so the host reaches the first layer with no lead over the
@@ -137,9 +136,6 @@ DEFAULT_MIN_TENSOR_BYTES = 1 << 20
 # (min_group_bytes' default): a group costs host time of its own (its copy out, its copy back,
 # their waits), more than a small group's bytes take on the bus.
 GROUP_BYTES_PER_TENSOR_BYTE = 32
-# A new span that reads at least this share of its storage copies the whole storage (Note
-# [storages and views]).
-WHOLE_STORAGE = 7 / 8
 
 
 def check_options(fn: str, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx) -> None:
@@ -179,12 +175,13 @@ class ActivationEngine(BackwardSide):
       The observer is called with the group (its `layer`, `nbytes`, `capped`, `auto`):
       `opened`, `closed`, `saved_bytes`, `unpacked`, and `backward_started()`,
       `saved_after_layers(m)`.
-    The saved-tensor hooks (the Python ones, `pack`/`unpack`, and the core's in
-    csrc/python/saved_tensor_hooks.cpp, which read these as plain attributes per tensor):
-      `open_group` (None outside an offloaded or measured span), `pack(t)`,
-      `pack_extent(t, ptr, first, last, check_params)`, `unpack(packed)`,
-      `counters["tensors_kept"]` (incremented for a tensor that stays), `min_tensor_bytes`,
-      `device`, `backward_seen`.
+    The saved-tensor hooks (the Python ones, `pack`/`unpack` over pack_table.py's `PackTable`,
+    or the core's over its PackTable, csrc/python/saved_tensor_hooks.cpp) call, per tensor
+    where Python decides and otherwise per group: `pack(t)` (no group open), `unpack(packed)`
+    (what the core does not serve), `_keep(t)`, `_walk_params()`, `_profiled(group)`,
+    `_split(group)`, `_backward_starts()`, `_make_ready(group)`, `_prefetch(group)`,
+    `_release(group)`, `observer.unpacked(group)`; and read `counters["tensors_kept"]`
+    (incremented for a tensor that stays), `backward_seen`, `observer`.
     """
 
     def __init__(
@@ -212,29 +209,33 @@ class ActivationEngine(BackwardSide):
         self.on_accel = _device.is_accelerator(self.device)
         self.timing = timing and self.on_accel
         self.nvtx = nvtx
-        # The hooks: the core's where it is loaded (the per-tensor tests in C; a tensor that
-        # stays never enters the interpreter), else the Python methods (OFFLOAD_FORCE_FALLBACK=1,
-        # or `_backend.force_fallback()` around the engine's making, chooses them). Bound with
-        # partial, which the garbage collector traverses (the engine and its hooks form a cycle).
-        core = _backend.loaded_core()
-        if core is not None:
-            pack, unpack = (functools.partial(core.pack_saved_tensor, self),
-                            functools.partial(core.unpack_saved_tensor, self))
+        # The hooks and the groups: the core's where it is loaded and the pool is its own (a saved
+        # tensor costs no interpreter call, Note [group twins] in groups.py), else the Python
+        # methods and groups (OFFLOAD_FORCE_FALLBACK=1, or `_backend.force_fallback()` around the
+        # engine's making, chooses them). The core's table holds the engine weakly; the Python
+        # hooks are bound methods (the engine and its hooks form a cycle the collector sees).
+        core = self._core = _backend.loaded_core()
+        self._streams = None  # the device's copy streams, read at the first copy (`_copy_streams`)
+        self._native = core is not None and self.pool.native
+        self._group_class = group_class(self._native)
+        if self._native:
+            self._table = core.PackTable(self, min_tensor_bytes, self.device, self.on_accel)
+            self._copy_pool = self.pool.native_pool
+            pack, unpack = (functools.partial(core.pack_saved_tensor, self._table),
+                            functools.partial(core.unpack_saved_tensor, self._table))
         else:
+            self._table = PackTable()
+            self._copy_pool = self.pool
             pack, unpack = self.pack, self.unpack
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.hooks_in_groups_only = False  # Note [hooks in groups only]
         self._hooks_on = False  # the outermost capture's hooks are on the default-hooks stack
         self._hooks_base = None  # the stack's top pack hook when the outermost capture began
         self.capturing = 0
-        self.open_group: Optional[Group] = None
         self._last_offloaded = None  # weakref to the last offloaded group of this forward
-        self._storages: Dict[int, tuple] = {}  # storage data_ptr -> (group, index of its Span, StorageWeakRef)
-        self._param_ptrs: set = set()
-        # Iterables of tensors whose storages join _param_ptrs when a saved tensor first needs the
-        # set (Note [parameter walk]).
+        # Iterables of tensors whose storages join the table's storages that stay when a saved
+        # tensor first needs them (Note [parameter walk]).
         self._param_pending: list = []
-        self._params_needed = False  # a saved tensor of this forward needed _param_ptrs
         self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
         self.backward_seen = False
         self._step = 0
@@ -253,6 +254,15 @@ class ActivationEngine(BackwardSide):
         self._layer_sizes: dict = {}
         self._warned_pool_full = False  # Note [pool full]
         self._listeners: tuple = ()  # callbacks given ActivationEvents (Note [events])
+
+    @property
+    def open_group(self) -> Optional[Group]:
+        """The group saved tensors join now (None outside an offloaded or measured span)."""
+        return self._table.open_group
+
+    @open_group.setter
+    def open_group(self, group) -> None:
+        self._table.open_group = group  # the core's table reads the group's auto state and parts here
 
     def use_plan(self, schedule, observer=None) -> None:
         """Run the next forwards by auto mode's `schedule` (a `schedule.Schedule`; None: the
@@ -350,11 +360,12 @@ class ActivationEngine(BackwardSide):
         if self.capturing == 0:
             self._start_step_after_backward()
             self._poll()
-            self._param_ptrs = set()
+            self._table.clear()
             self._param_pending = [params]
-            if self._params_needed:  # the last forward needed the walk: make it here (Note [parameter walk])
+            self._table.params_pending = True
+            if self._table.params_needed:  # the last forward needed the walk: make it here (Note [parameter walk])
                 self._walk_params()
-            self._params_needed = False
+            self._table.params_needed = False
             self._last_offloaded = None
             self._due = []
             self._layer_groups = {}
@@ -372,9 +383,9 @@ class ActivationEngine(BackwardSide):
         self.capturing -= 1
         if self.capturing == 0:
             self.boundary(None)
-            self._storages.clear()
-            self._param_ptrs = set()
+            self._table.clear()
             self._param_pending = []
+            self._table.params_pending = False
 
     # Opaque to dynamo: inside a compiled layer these run eagerly at a graph break, so the
     # copies, events and pool stay out of the traced graph.
@@ -386,6 +397,7 @@ class ActivationEngine(BackwardSide):
         unsharded parameters exist): `params` may be a lazy iterable.
         """
         self._param_pending.append(params)
+        self._table.params_pending = True
 
     @not_traced
     def boundary(self, name=None, offload: bool = True, layer=None) -> None:
@@ -418,8 +430,7 @@ class ActivationEngine(BackwardSide):
         observer = self.observer
         if offload or observer is not None:
             first = self._last_offloaded is None
-            group = Group(name, layer, offload, self._last_offloaded)
-            self.open_group = group
+            group = self._group_class(name, layer, offload, self._last_offloaded)
             if offload:
                 self._last_offloaded = weakref.ref(group)
                 if layer is not None:
@@ -438,6 +449,7 @@ class ActivationEngine(BackwardSide):
                 size = self._layer_sizes.get(layer)
                 if size is not None and size[0] > 0:
                     group.auto.profile = [size[0] * k // PROFILE_POINTS for k in range(1, PROFILE_POINTS)]
+            self.open_group = group  # last: the core's table reads its auto state and parts here
         self._hooks_follow_groups()
 
     def _first_layer_parts(self, layer: int):
@@ -479,32 +491,23 @@ class ActivationEngine(BackwardSide):
     def _close(self, group: Group) -> None:
         if group.layer is not None and group.state == OPEN:
             self._layer_sizes[group.layer] = (group.capped, group.new_spans)  # its last part's: the layer's
-        starts = []
-        for span in group.spans:
-            starts.append(span.lo)
-            group.nbytes += span.hi - span.lo
-            span.version = span.tensor._version  # a later save may share this copy only at this version
-        group.span_starts = starts
+        spans = group.seal()  # each span's start, version (a later save shares the copy only at it), bytes
         if self.observer is not None:
             self.observer.closed(group)
         if group.state == KEPT:
-            group.spans = None
+            group.drop_spans()
             return
-        if not group.spans:
+        if not spans:
             self._mark_copied(group)
             return
-        # One pooled host block per group, spans at aligned offsets: one pool request per
-        # layer instead of one per tensor, and the same block size every step (cache hits).
-        sizes = [span.hi - span.lo for span in group.spans]
-        offsets, group.nbytes_aligned = aligned_layout(sizes)
-        group.offsets = offsets
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
-            # One call for the group's spans, into a block the core acquires from the pool and
-            # times itself: the core makes no tensor per span, and no Python event or stream
-            # object is made per group (a launch-bound step pays for each on the host).
+            # One call for the group's spans, into one pooled host block at aligned offsets (one
+            # pool request per layer, the same size every step) that the core acquires and times
+            # itself: no tensor per span, and no Python event or stream object per group (a
+            # launch-bound step pays for each on the host).
             try:
-                group.d2h = copy_spans_to_host([span.tensor for span in group.spans], starts, sizes,
-                                               group.nbytes_aligned, offsets, pool=self.pool, timing=self.timing)
+                group.d2h = CopyHandle(group.copy_out(self._copy_pool, self._copy_streams()[0], DEFAULT_CHUNK_BYTES,
+                                                      self.timing))
             except torch.OutOfMemoryError as exc:
                 self._keep_on_device(group, exc)
                 return
@@ -515,7 +518,7 @@ class ActivationEngine(BackwardSide):
         c["d2h_bytes"] += group.d2h.nbytes
         c["groups_offloaded"] += 1
         c["layers_offloaded"] += group.n_layers
-        c["tensors_offloaded"] += len(group.held)
+        c["tensors_offloaded"] += group.n_handles
         if self._listeners:
             self._emit(CLOSED, group, group.nbytes)
         if self.mode == "sync":
@@ -563,10 +566,28 @@ class ActivationEngine(BackwardSide):
                 self.observer.wait_ended(group.layer, begun, backward=False)
             self._mark_copied(oldest)
 
+    def _copy_streams(self) -> tuple:
+        """(device-to-host, host-to-device) copy streams of the engine's device, (None, None) on the host."""
+        if self._streams is None:
+            self._streams = _device.copy_streams(self.device) if self.on_accel else (None, None)
+        return self._streams
+
+    def _copy_back(self, source, out: list) -> CopyHandle:
+        """One copy back to the device into `out` (a group's restored block, or a piece of it) from
+        `source` (its copy out's handle, or a piece of its host block). On the native path through
+        the core directly: the engine's own arguments need none of `copy_to_device`'s checks, host
+        time a launch-bound step pays per group."""
+        if not self._native:
+            return copy_to_device(source, self.device, out=out, pool=self.pool, timing=self.timing)
+        handle = source._impl if isinstance(source, CopyHandle) else None
+        return CopyHandle(self._core.copy_to_device(None if handle is not None else source, handle, self.device,
+                                                    self._copy_pool, self._copy_streams()[1], out, True,
+                                                    DEFAULT_SMALL_BYTES, DEFAULT_CHUNK_BYTES, self.timing))
+
     def _keep_on_device(self, group: Group, exc: BaseException) -> None:
         """The pool is at its limit: `group` stays on the device (Note [pool full])."""
         group.state = KEPT
-        group.spans = None
+        group.drop_spans()
         if not self._warned_pool_full:
             self._warned_pool_full = True
             warnings.warn(
@@ -617,15 +638,15 @@ class ActivationEngine(BackwardSide):
 
     def _mark_copied(self, group: Group) -> None:
         """The D2H copy is complete (or will be before any reader): drop the device tensors."""
-        drop_held(group)
-        group.spans = None
+        group.drop_held()
+        group.drop_spans()
         group.state = HOST
         if self._listeners and group.d2h is not None:
             self._emit(RELEASED, group, group.nbytes)
 
     def pack(self, t: torch.Tensor):
-        """The pack hook without the core (the core's `pack_saved_tensor` makes the same tests in C
-        and passes what may be offloaded to `pack_extent`)."""
+        """The pack hook without the core, and the core's where no group is open (the core's
+        `pack_saved_tensor` makes the same tests in C)."""
         # Cheapest tests first: most saved tensors of a step are parameters (a subclass) or
         # below the size threshold, and leave after two attribute reads.
         group = self.open_group
@@ -636,78 +657,15 @@ class ActivationEngine(BackwardSide):
         extent = offload_extent(t, self.min_tensor_bytes, self.device)
         if extent is None:
             return self._keep(t)
-        return self.pack_extent(t, *extent)
-
-    def pack_extent(self, t: torch.Tensor, ptr: int, first: int, last: int, check_params: bool):
-        """Pack `t`, which `offload_extent` found may be offloaded: it reads bytes [first, last)
-        of the storage at `ptr`. `check_params`: it may share a parameter's or input's storage.
-
-        An op's recorded output (its base has a grad_fn) was allocated by that op. Only a tensor
-        without one can share a parameter's memory (frozen weights, buffers, DTensor local
-        shards, their views; also, conservatively, anything computed without grad, such as int
-        or bool outputs) or be a forward's input, and only those read the storages of the
-        parameters and inputs (`_param_ptrs`), which costs a walk of every layer's parameters.
-        """
-        group = self.open_group
-        if check_params:
-            self._params_needed = True
-            if self._param_pending:
-                self._walk_params()
-            if ptr in self._param_ptrs:
-                return self._keep(t)
-        hit = self._storages.get(ptr)
-        entry = None
-        if hit is not None and not hit[2].expired():
-            owner, index, _ = hit
-            if owner is group:  # the group still collecting: widen the span to cover this view
-                span = group.spans[index]
-                if first < span.lo or last > span.hi:
-                    span.lo = min(span.lo, first - first % SPAN_ALIGN)
-                    span.hi = max(span.hi, last)
-                entry = index
-            elif owner.state == COPYING:  # its copy is queued: share it if it holds these bytes, unchanged
-                span = owner.spans[index]
-                if span.lo <= first and last <= span.hi and span.version == t._version:
-                    group, entry = owner, index
-        split = False
-        if entry is None:
-            storage = t.untyped_storage()
-            lo = first - first % SPAN_ALIGN
-            size = storage.nbytes()
-            if WHOLE_STORAGE * size <= last - lo:
-                # Nearly all of its storage: copy all of it, so that the storage's other views
-                # (q, k and v of one fused projection each read all but a different sliver)
-                # lie in this copy, also when the layer is split into parts between them.
-                lo, last = 0, size
-            span_bytes = last - lo
-            auto = group.auto
-            if auto is not None:
-                if auto.cap is not None and group.capped + span_bytes > auto.cap:
-                    return self._keep(t)  # auto mode offloads this layer in part: its first spans
-                if auto.span_ends is not None:  # measuring
-                    auto.span_ends.append(group.capped + span_bytes)
-            group.capped += span_bytes
-            group.new_spans += 1
-            if auto is not None and auto.profile and group.capped >= auto.profile[0]:
-                self._profiled(group)
-            ends = group.split
-            split = ends is not None and group.part < len(ends) and group.capped >= ends[group.part]
-            entry = len(group.spans)
-            group.spans.append(Span(t, lo, last))
-            self._storages[ptr] = (group, entry, StorageWeakRef(storage))
-        slot = len(group.held)
-        group.held.append((t, t._version))
-        group.n_handles += 1
-        packed = Packed(group, entry, slot, t.dtype, t.shape, t.stride(), first)  # first: its offset in bytes
-        if split:
-            self._split(group)
-        return packed
+        return self._table.pack_extent(self, t, *extent)
 
     def _walk_params(self) -> None:
-        """Add the storages of the pending iterables of tensors to `_param_ptrs` (Note [parameter walk])."""
-        for params in self._param_pending:
-            self._param_ptrs |= storage_ptrs(params)
-        self._param_pending = []
+        """Add the storages of the pending iterables of tensors to the table's storages that stay
+        (Note [parameter walk])."""
+        pending, self._param_pending = self._param_pending, []
+        self._table.params_pending = False
+        for params in pending:
+            self._table.add_params(params)
 
     def _profiled(self, group: Group) -> None:
         """Auto mode measuring: the layer has saved the next share of its bytes (see `AutoState.profile`)."""
@@ -723,7 +681,7 @@ class ActivationEngine(BackwardSide):
         later view of a storage copied here shares that copy if it lies in it unchanged,
         else the new group copies its bytes again.
         """
-        part = Group(group.name, group.layer, True, self._last_offloaded)
+        part = self._group_class(group.name, group.layer, True, self._last_offloaded)
         part.capped, part.split, part.continued = group.capped, group.split, True
         if group.auto is not None:
             part.auto = AutoState()

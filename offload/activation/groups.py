@@ -13,7 +13,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-OPEN, COPYING, HOST, KEPT = "open", "copying", "host", "kept"
+from .saved_tensors import drop_held
+
+# A group's states (ints: the core's ActivationGroup keeps the same numbers, activation_group.h).
+OPEN, COPYING, HOST, KEPT = 0, 1, 2, 3
 
 # The kinds of `ActivationEvent`, in the order a group meets them.
 CLOSED, RELEASED, FETCHED, RESTORED = "closed", "released", "fetched", "restored"
@@ -44,7 +47,14 @@ class AutoState:
 
 
 class Group:
-    """The saved tensors of one forward span (one layer, a part of one, or several small ones)."""
+    """The saved tensors of one forward span (one layer, a part of one, or several small ones).
+
+    Note [group twins]: with the core loaded the engine's groups are `NativeGroup`s, whose data
+    plane (spans, held tensors, restored views: what the hooks touch per saved tensor) is the
+    core's ActivationGroup (csrc/python/activation_group.h); this class is its Python twin for the
+    path without the core, with the same attributes and methods. The engine's per-layer fields
+    (`LayerFields`) are the same Python attributes in both.
+    """
 
     __slots__ = (
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_block",
@@ -54,16 +64,12 @@ class Group:
     )
 
     def __init__(self, name, layer, offload: bool, prev):
-        self.name = name
-        self.serial = next(_serials)  # unique in the process (ActivationEvent.serial)
-        self.layer = layer  # index in the layer list (auto-mode statistics), or None
+        init_layer_fields(self, name, layer, prev)
         self.state = OPEN if offload else KEPT
         self.held: Optional[list] = []  # per handle slot: (tensor, version), while device data is valid
         self.modified = None  # slot -> (tensor, saved version, version): modified before the copy was confirmed
         self.watch = None  # per slot, once held is dropped: (tensor sharing its version counter, version) or None
-        self.spans: list = []  # per entry: a Span (bytes of its storage to copy)
-        self.d2h = None  # CopyHandle of the group's spans to host; its one tensor is their pooled host block
-        self.h2d: list = []  # CopyHandles of the block back to the device (backward): one, or a piece each
+        self.spans: Optional[list] = []  # per entry: a Span (bytes of its storage to copy)
         self.fetched = 0  # bytes of the block copied back so far (or queued to be)
         self.device_block = None  # the restored uint8 block on the device, laid out as the host block
         self.typed_blocks: dict = {}  # dtype -> device_block viewed as that dtype (views are made from it)
@@ -71,20 +77,138 @@ class Group:
         self.waited = set()  # streams that already wait for h2d
         self.n_handles = 0
         self.n_unpacked = 0
-        self.prev = prev  # weakref to the previous offloaded group of the same forward
         self.nbytes = 0  # bytes of its storage spans
         self.span_starts: list = []  # per entry: where its copied span starts in the storage (bytes)
         self.nbytes_aligned = 0  # bytes of the group's host (and restored device) block
-        self.stream = None  # the stream its tensors were saved on (current when it closed), on an accelerator
         self.capped = 0  # bytes of its layer's new spans so far (counted against a cap and the part ends)
-        self.split = None  # its layer's part ends in bytes of new spans (Note [layer parts]), or None
-        self.part = 0  # the index of its layer's part it ends (its release point)
-        self.continued = False  # a later part of a layer copied in parts
         self.new_spans = 0  # new storage spans of its layer so far (with capped: its layer's size)
-        self.n_layers = 1  # layers it holds: more when small layers share it (min_group_bytes), 0 for a later part
-        self.fetch_stream = None  # the stream its restored device block was allocated on (owns it)
         self.offsets: list = []  # per entry: where its copied span starts in the group's blocks (bytes)
-        self.auto: Optional[AutoState] = None  # auto mode's cap and measurements, else None
+
+    @property
+    def holds_device_tensors(self) -> bool:
+        """The held tensors are valid: the device data is still what was saved."""
+        return self.held is not None
+
+    @property
+    def has_spans(self) -> bool:
+        return self.spans is not None
+
+    def hold(self, t, version: int) -> int:
+        """The handle slot of `t` (saved at `version`) in this group."""
+        self.held.append((t, version))
+        self.n_handles += 1
+        return len(self.held) - 1
+
+    def seal(self) -> int:
+        """Close: each span's start and version; its bytes into `nbytes`. Returns the span count."""
+        starts = []
+        for span in self.spans:
+            starts.append(span.lo)
+            self.nbytes += span.hi - span.lo
+            span.version = span.tensor._version  # a later save may share this copy only at this version
+        self.span_starts = starts
+        return len(starts)
+
+    def copy_out(self, pool, stream, chunk_bytes: int, timing: bool):
+        """Close: one copy of the spans into a pooled host block at aligned offsets (Note [one
+        copy per group] in engine.py); the transfer (a CopyHandle's implementation)."""
+        from ..core.copy import copy_spans_to_host
+
+        sizes = [span.hi - span.lo for span in self.spans]
+        self.offsets, self.nbytes_aligned = aligned_layout(sizes)
+        return copy_spans_to_host([span.tensor for span in self.spans], self.span_starts, sizes, self.nbytes_aligned,
+                                  self.offsets, pool=pool, stream=stream, chunk_bytes=chunk_bytes,
+                                  timing=timing)._impl
+
+    def drop_spans(self) -> None:
+        self.spans = None
+
+    def drop_held(self) -> None:
+        """The copy is complete (or ordered before every reader): drop the held tensors."""
+        drop_held(self)
+
+    def let_sources_go(self, stream) -> None:
+        """The spans' memory is protected by `stream` (the copy stream) until it passes the copy."""
+        for span in self.spans:
+            span.tensor.record_stream(stream)
+
+    def reset_restore(self) -> None:
+        """Backward let go of the group: its restored block, views and waits go."""
+        self.device_block = None
+        self.typed_blocks = {}
+        self.views = {}
+        self.waited = set()
+        self.fetched = 0
+        self.n_unpacked = 0
+
+    def ready_on(self, stream) -> bool:
+        """The consumer on `stream` (None: the host) already waits for the copy back."""
+        return stream in self.waited
+
+    def mark_ready(self, stream) -> bool:
+        """Records that it does; True if it is the group's first reader in this backward."""
+        first = not self.waited
+        self.waited.add(stream)
+        return first
+
+
+class LayerFields:
+    """The engine's per-layer fields of a group, the same in `Group` and `NativeGroup`
+    (documentation only: `init_layer_fields` sets them)."""
+
+    name: str  # its (first) layer's name, or activation_offload's group name
+    serial: int  # unique in the process (ActivationEvent.serial)
+    layer: Optional[int]  # index in the layer list (auto-mode statistics), or None
+    prev: object  # weakref to the previous offloaded group of the same forward
+    d2h: object  # CopyHandle of the group's spans to host; its one tensor is their pooled host block
+    h2d: list  # CopyHandles of the block back to the device (backward): one, or a piece each
+    stream: object  # the stream its tensors were saved on (current when it closed), on an accelerator
+    split: Optional[list]  # its layer's part ends in bytes of new spans (Note [layer parts]), or None
+    part: int  # the index of its layer's part it ends (its release point)
+    continued: bool  # a later part of a layer copied in parts
+    n_layers: int  # layers it holds: more when small layers share it (min_group_bytes), 0 for a later part
+    fetch_stream: object  # the stream its restored device block was allocated on (owns it)
+    auto: Optional[AutoState]  # auto mode's cap and measurements, else None
+
+
+def init_layer_fields(group, name, layer, prev) -> None:
+    group.name = name
+    group.serial = next(_serials)
+    group.layer = layer
+    group.prev = prev
+    group.d2h = None
+    group.h2d = []
+    group.stream = None
+    group.split = None
+    group.part = 0
+    group.continued = False
+    group.n_layers = 1
+    group.fetch_stream = None
+    group.auto = None
+
+
+_native_group_class = None
+
+
+def group_class(native: bool):
+    """`NativeGroup` (the core's ActivationGroup with the per-layer fields), or `Group`."""
+    global _native_group_class
+    if not native:
+        return Group
+    if _native_group_class is None:
+        from ..core import _backend
+
+        core_group = _backend.core().ActivationGroup
+
+        class NativeGroup(core_group):
+            """A group whose data plane is the core's (Note [group twins])."""
+
+            def __init__(self, name, layer, offload: bool, prev):
+                super().__init__(offload)
+                init_layer_fields(self, name, layer, prev)
+
+        _native_group_class = NativeGroup
+    return _native_group_class
 
 
 @dataclass(frozen=True)
