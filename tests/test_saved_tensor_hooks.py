@@ -107,10 +107,16 @@ class _Net(nn.Module):
         return x
 
 
-def test_engine_uses_the_core_hooks_and_counts_as_python():
-    """An engine hooks through the core where it is loaded; the same step on the pure-PyTorch
-    path (what OFFLOAD_FORCE_FALLBACK=1 gives a user) hooks through the Python methods, and gives
-    bitwise the same gradients and counts the same kept and offloaded tensors."""
+# The counters a step on the native path and on the pure-PyTorch path must give alike.
+_SAME_STATS = ("tensors_kept", "tensors_offloaded", "groups_offloaded", "layers_offloaded", "d2h_bytes", "h2d_bytes",
+               "groups_fetched", "groups_prefetched")
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_engine_uses_the_core_hooks_and_counts_as_python(mode):
+    """An engine hooks through the core where it is loaded; the same steps on the pure-PyTorch
+    path (what OFFLOAD_FORCE_FALLBACK=1 gives a user) hook through the Python methods, and give
+    bitwise the same gradients, the same counters and the same group events in the same order."""
     device = _device.current_device()
     x = torch.randn(8, 16, device=device)
     results = {}
@@ -118,21 +124,27 @@ def test_engine_uses_the_core_hooks_and_counts_as_python():
     for native in (True, False):
         with contextlib.nullcontext() if native else _backend.force_fallback():
             model = _Net().to(device)
-            handle = api.enable_activation_offload(model, "async", min_tensor_bytes=0, verbose=False)
+            handle = api.enable_activation_offload(model, mode, min_tensor_bytes=0, min_group_bytes=0, keep_last=0,
+                                                   verbose=False)
             hooks = []  # the pack hook on top of the stack inside an offloaded layer
             model.blocks[1][0].register_forward_pre_hook(
                 lambda *_: hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False)[0]))
-            model(x).sum().backward()
-            (pack,) = hooks
-            assert (getattr(pack, "func", None) is core.pack_saved_tensor) == native
-            stats = handle.stats()
-            results[native] = ([p.grad for p in model.parameters()], stats["tensors_kept"],
-                               stats["tensors_offloaded"])
+            events = []
+            handle.add_listener(lambda e: events.append((e.kind, e.layer, e.part, e.nbytes, e.offset, e.block_bytes)))
+            steps = []
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                model(x).sum().backward()
+                stats = handle.stats()
+                steps.append(([p.grad.clone() for p in model.parameters()], {k: stats[k] for k in _SAME_STATS}))
+            assert all((getattr(pack, "func", None) is core.pack_saved_tensor) == native for pack in hooks)
+            results[native] = (steps, events)
             handle.disable()
-    (grads_n, kept_n, off_n), (grads_p, kept_p, off_p) = results[True], results[False]
-    assert kept_n == kept_p and kept_n > 0
-    assert off_n == off_p and off_n > 0
-    assert all(torch.equal(g, h) for g, h in zip(grads_n, grads_p))
+    (steps_n, events_n), (steps_p, events_p) = results[True], results[False]
+    for (grads_n, stats_n), (grads_p, stats_p) in zip(steps_n, steps_p):
+        assert stats_n == stats_p and stats_n["tensors_offloaded"] > 0 and stats_n["tensors_kept"] > 0
+        assert all(torch.equal(g, h) for g, h in zip(grads_n, grads_p))
+    assert events_n == events_p and events_n
 
 
 def test_core_unpack_raises_for_a_kept_tensor_modified():
