@@ -8,13 +8,14 @@ copy of it), in the same process:
   `out.square().mean()` per step. The device's work is a few microseconds per layer, so the
   step time is host time: the variants are no handle; `async` with every layer offloaded
   (`min_tensor_bytes=1, min_group_bytes=0, keep_last=0`); the same handle inside
-  `handle.paused()`; `auto` (settled first: on the CPU its plan offloads nothing). Host time
+  `handle.paused()`; `auto` (settled first: on the CPU its plan offloads nothing); `verify`, the
+  async handle with `verify=True` (what its checksums cost). Host time
   per offloaded layer per step = (async - no handle) / the layers the step offloaded
   (`handle.stats()`). Targets: async at most 1.25x the no-handle step, paused at most 1.01x.
   On a machine with an accelerator the engine offloads only tensors of the accelerator, so
   this measure runs in a subprocess that sees none.
 - GPU (cuda, npu): the bench's Llama (d2048, 8 layers, bf16, batch 1, `transformers` built
-  from a config) at seq 2048 (and 8192 with --full): no handle, `async`, paused and `auto` (the library's
+  from a config) at seq 2048 (and 8192 with --full): no handle, `async`, paused, `auto` and `verify` (the library's
   defaults otherwise), blocks of 5 back-to-back steps timed with device events, one block of
   each per round, the order reversed in every other round.
 
@@ -59,6 +60,8 @@ CPU_LAYERS, CPU_WIDTH, CPU_INPUT = 8, 64, (4, 16, 64)
 # GPU measure: rounds of one block of GPU_BLOCK back-to-back steps per variant.
 GPU_ROUNDS, GPU_QUICK_ROUNDS, GPU_BLOCK, GPU_WARMUP = 8, 2, 5, 2
 GPU_SEQS = (2048, 8192)
+# The variants, in the order of a round: verify is async with verify=True (its checksums' cost).
+VARIANTS = ("none", "async", "paused", "auto", "verify")
 
 
 def applies(device_type: str) -> bool:
@@ -211,26 +214,29 @@ def _offloaded(handle, step):
 
 
 def _measure_variants(what, model, loss_fn, options, rounds, block, warmup, clock, copies):
-    """No handle, async, paused and auto on `copies(model)` copies (one per handle), timed in alternation."""
+    """No handle, async, paused, auto and async with verify=True on `copies(model)` copies (one per
+    handle), timed in alternation."""
     import offload
 
-    with_async, with_auto = copies(model), copies(model)
+    with_async, with_auto, with_verify = copies(model), copies(model), copies(model)
     handle = offload.enable_activation_offload(with_async, "async", verbose=False, **options["async"])
     auto = offload.enable_activation_offload(with_auto, "auto", verbose=False, **options["auto"])
+    verified = offload.enable_activation_offload(with_verify, "async", verbose=False, verify=True, **options["async"])
     try:
         steps = {
             "none": _train_step(model, lambda: loss_fn(model)),
             "async": _train_step(with_async, lambda: loss_fn(with_async)),
             "auto": _train_step(with_auto, lambda: loss_fn(with_auto)),
+            "verify": _train_step(with_verify, lambda: loss_fn(with_verify)),
         }
         steps["paused"] = _paused(handle, steps["async"])
         settled_after = _settle(auto, steps["auto"])
-        for name in ("none", "async", "paused"):
+        for name in ("none", "async", "paused", "verify"):
             for _ in range(warmup):
                 steps[name]()
         offloaded = {"async": _offloaded(handle, steps["async"]), "auto": _offloaded(auto, steps["auto"]),
-                     "paused": (0, 0)}
-        variants = [Variant(name, steps[name]) for name in ("none", "async", "paused", "auto")]
+                     "paused": (0, 0), "verify": _offloaded(verified, steps["verify"])}
+        variants = [Variant(name, steps[name]) for name in VARIANTS]
         timed = alternate(variants, rounds, block, clock)
         for name, (layers, nbytes) in offloaded.items():
             timed[name].layers_offloaded, timed[name].offloaded_bytes = layers, nbytes
@@ -238,6 +244,7 @@ def _measure_variants(what, model, loss_fn, options, rounds, block, warmup, cloc
     finally:
         handle.disable()
         auto.disable()
+        verified.disable()
 
 
 def cpu_measure(quick: bool) -> Measure:
@@ -289,7 +296,7 @@ def _cpu_rows(ctx) -> list:
 
     from offload.core import _device
 
-    ctx.progress("CPU measure: no handle, async, paused, auto")
+    ctx.progress("CPU measure: no handle, async, paused, auto, verify")
     measure = cpu_measure(ctx.quick) if _device.accelerator_type() is None else _cpu_measure_elsewhere(ctx.quick)
     v = measure.variants
     none_us = v["none"].median_ms * 1e3
@@ -299,7 +306,7 @@ def _cpu_rows(ctx) -> list:
     rows, lines = [], [f"{measure.what}: forward+backward step, median of {v['none'].steps} steps per variant",
                        f"  {'variant':8} {'step us':>9} {'x none':>7} {'paired x':>9} {'round spread':>13} "
                        f"{'layers off':>11}  target"]
-    for name in ("none", "async", "paused", "auto"):
+    for name in VARIANTS:
         t = v[name]
         us = t.median_ms * 1e3
         target = TARGETS.get(name)
@@ -311,7 +318,8 @@ def _cpu_rows(ctx) -> list:
         if name == "none":
             continue
         label = {"async": f"async, all {layers} layers offloaded", "paused": "async handle inside handle.paused()",
-                 "auto": f"auto (settled, {t.layers_offloaded} layers offloaded)"}[name]
+                 "auto": f"auto (settled, {t.layers_offloaded} layers offloaded)",
+                 "verify": f"async with verify=True, all {t.layers_offloaded} layers offloaded"}[name]
         extra = dict(variant=name, layers_offloaded=t.layers_offloaded, offloaded_bytes=t.offloaded_bytes,
                      spread_pct=t.spread_pct, paired_ratio=measure.paired_ratio(name), **common)
         if target is not None:
@@ -364,7 +372,7 @@ def _gpu_rows(ctx) -> list:
     rows = []
     rounds = GPU_QUICK_ROUNDS if ctx.quick else GPU_ROUNDS
     for seq in GPU_SEQS if ctx.full else GPU_SEQS[:1]:
-        ctx.progress(f"Llama seq {seq}: no handle, async, paused, auto")
+        ctx.progress(f"Llama seq {seq}: no handle, async, paused, auto, verify")
         model, loss_fn = _llama(ctx.device, seq)
         what = f"Llama d2048 8 layers bf16, batch 1, seq {seq}"
         try:
@@ -378,7 +386,7 @@ def _gpu_rows(ctx) -> list:
         none_ms = v["none"].median_ms
         print(f"{what}: median of {v['none'].steps} steps per variant ({rounds} rounds of {GPU_BLOCK} "
               f"back-to-back steps, device events)", flush=True)
-        for name in ("none", "async", "paused", "auto"):
+        for name in VARIANTS:
             t = v[name]
             print(f"  {name:8} {t.median_ms:9.2f} ms {t.median_ms / none_ms:7.3f}x none "
                   f"(paired by round {measure.paired_ratio(name):.3f}x), round spread {t.spread_pct:.1f}%"
@@ -388,7 +396,7 @@ def _gpu_rows(ctx) -> list:
                 continue
             offloaded = f"{t.layers_offloaded} layers, {t.offloaded_bytes / 2**30:.2f} GiB offloaded"
             label = {"async": f"async ({offloaded})", "paused": "async inside paused()",
-                     "auto": f"auto ({offloaded})"}[name]
+                     "auto": f"auto ({offloaded})", "verify": f"async with verify=True ({offloaded})"}[name]
             rows.append(row(SECTION, f"Llama seq{seq} step, {label}", offload=t.median_ms, baseline=none_ms,
                             unit="ms", baseline_name=BASELINE, higher_is_better=False, measure="gpu", what=what,
                             variant=name, layers_offloaded=t.layers_offloaded, offloaded_bytes=t.offloaded_bytes,

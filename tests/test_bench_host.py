@@ -63,7 +63,7 @@ def test_bench_host_section_runs_on_the_cpu_in_quick_mode(bench_host, capsys):
     assert torch.get_num_threads() == threads  # one thread while it measures, restored after
     assert ctx.skipped == []
     steps = {r["variant"]: r for r in rows if r["unit"] == "us" and r["baseline"] is not None}
-    assert set(steps) == {"async", "paused", "auto"}
+    assert set(steps) == {"async", "paused", "auto", "verify"}
     for variant, r in steps.items():
         for key in ("section", "case", "offload", "baseline", "baseline_name", "unit", "ratio", "layers_offloaded",
                     "steps_timed", "spread_pct"):
@@ -71,7 +71,7 @@ def test_bench_host_section_runs_on_the_cpu_in_quick_mode(bench_host, capsys):
         assert r["section"] == "host" and r["baseline_name"].startswith("no handle")
         assert r["offload"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
         assert r["steps_timed"] > 0
-    assert steps["async"]["layers_offloaded"] == 8  # every layer, the last one too
+    assert steps["async"]["layers_offloaded"] == steps["verify"]["layers_offloaded"] == 8  # every layer, the last too
     assert steps["async"]["target_ratio"] == 1.25 and steps["paused"]["target_ratio"] == 1.01
     assert isinstance(steps["async"]["target_met"], bool)
     per_layer = [r for r in rows if "per offloaded layer" in r["case"]]

@@ -64,6 +64,7 @@ std::shared_ptr<Transfer> ActivationGroup::copy_out(HostPool& pool, const c10::o
     at += (span.hi - span.lo + kSpanAlign - 1) / kSpanAlign * kSpanAlign;
   }
   nbytes_aligned = at;
+  sizes_ = sizes;
   CopyOptions options;
   options.require_pinned = true;
   options.small_bytes = 0;
@@ -73,6 +74,29 @@ std::shared_ptr<Transfer> ActivationGroup::copy_out(HostPool& pool, const c10::o
   py::gil_scoped_release no_gil;
   return copy_spans_to_host(tensors, span_starts_, sizes, at::Tensor(), nbytes_aligned, offsets_, pool, stream,
                             options);
+}
+
+std::vector<at::Tensor> ActivationGroup::span_bytes() const {
+  std::vector<at::Tensor> out;
+  for (const SavedSpan& span : spans) {
+    const auto options = at::TensorOptions().dtype(at::kByte).device(span.tensor.device());
+    out.push_back(at::empty({0}, options).set_(span.tensor.storage(), span.lo, {span.hi - span.lo}, {1}));
+  }
+  return out;
+}
+
+std::vector<std::string> ActivationGroup::span_descriptions() const {
+  std::vector<std::string> out;
+  for (const SavedSpan& span : spans) out.push_back(describe(span.tensor.scalar_type(), span.tensor.sizes()));
+  return out;
+}
+
+std::vector<at::Tensor> ActivationGroup::block_spans(const at::Tensor& block) const {
+  TORCH_CHECK(offsets_.size() == span_starts_.size() && spans.size() <= offsets_.size(),
+              "offload: a group's block spans are read before its copy out");
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < offsets_.size(); ++i) out.push_back(block.narrow(0, offsets_[i], sizes_[i]));
+  return out;
 }
 
 void ActivationGroup::drop_spans() {

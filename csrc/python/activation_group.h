@@ -126,6 +126,12 @@ class ActivationGroup {
   bool ready_on(const c10::optional<c10::Stream>& stream) const;
   // Records that it does; true if it is the group's first reader in this backward.
   bool mark_ready(const c10::optional<c10::Stream>& stream);
+  // verify=True (offload/activation/verify.py), while the spans are held: each span's bytes
+  // as a uint8 tensor of its storage, and "dtype [sizes]" of the tensor it was saved through.
+  std::vector<at::Tensor> span_bytes() const;
+  std::vector<std::string> span_descriptions() const;
+  // After copy_out: each span's bytes in `block` (the host block or the restored one).
+  std::vector<at::Tensor> block_spans(const at::Tensor& block) const;
   // The held tensor of `packed`, while the group holds them; raises autograd's error for
   // a tensor modified in place after it was saved.
   py::object unpack_held(const SavedActivation& packed) const;
@@ -138,6 +144,7 @@ class ActivationGroup {
 
   std::vector<int64_t> offsets_;  // per span: where it starts in the block (bytes)
   std::vector<int64_t> span_starts_;  // per span: where it starts in its storage (bytes)
+  std::vector<int64_t> sizes_;  // per span: its bytes (set by copy_out)
   // After drop_held, per slot: a tensor sharing the saved tensor's version counter and
   // no storage, and the version at save; undefined where nothing else could change it.
   std::vector<std::pair<at::Tensor, int64_t>> watch_;

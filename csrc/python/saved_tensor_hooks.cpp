@@ -497,7 +497,10 @@ void bind(py::module_& m) {
       .def("let_sources_go", &ActivationGroup::let_sources_go, py::arg("stream"))
       .def("reset_restore", &ActivationGroup::reset_restore)
       .def("ready_on", &ActivationGroup::ready_on, py::arg("stream"))
-      .def("mark_ready", &ActivationGroup::mark_ready, py::arg("stream"));
+      .def("mark_ready", &ActivationGroup::mark_ready, py::arg("stream"))
+      .def("span_bytes", &ActivationGroup::span_bytes)
+      .def("span_descriptions", &ActivationGroup::span_descriptions)
+      .def("block_spans", &ActivationGroup::block_spans, py::arg("block"));
   py::class_<SavedActivation>(m, "SavedActivation")
       .def_property_readonly("group", [](const SavedActivation& s) { return s.group; })
       .def_readonly("slot", &SavedActivation::slot);

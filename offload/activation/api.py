@@ -438,6 +438,7 @@ def enable_activation_offload(
     nvtx: bool = False,
     verbose: bool = True,
     process_group=None,
+    verify: bool = False,
 ) -> ActivationOffload:
     """Offload the activations autograd saves in `model`'s layers to pinned host memory.
 
@@ -466,6 +467,9 @@ def enable_activation_offload(
             plan from their combined measurements and settle on the same plan at the same step,
             since a copy one rank does not hide stalls them all at the next collective. Every
             rank must then run the same input shapes in the same order (docs/activation.md).
+        verify: checksum each offloaded group on the device as it leaves and when it is back, and
+            raise `offload.activation.verify.ActivationMismatch` naming the layer and the tensor on
+            a difference (a debugging aid: a host wait per group in backward).
 
     Forwards under no_grad, inference_mode or in eval mode pass through untouched.
 
@@ -477,7 +481,8 @@ def enable_activation_offload(
     fn = "offload.enable_activation_offload"
     check_bool(fn, "verbose", verbose)
     engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
-                              pool=pool, timing=timing, nvtx=nvtx, fn=fn, min_group_bytes=min_group_bytes)
+                              pool=pool, timing=timing, nvtx=nvtx, fn=fn, min_group_bytes=min_group_bytes,
+                              verify=verify)
     memory_budget_bytes = _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes)
     process_group = check_process_group(fn, process_group, mode)
     found = _layers.find_layers(model, layers, fn)
@@ -516,10 +521,10 @@ class activation_offload:  # noqa: N801 - used as a context manager, like torch'
 
     def __init__(self, mode: str = "async", *, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
                  resident_groups: int = 2, pool: Optional[HostPool] = None, params=(), timing: bool = True,
-                 nvtx: bool = False, engine: Optional[ActivationEngine] = None):
+                 nvtx: bool = False, engine: Optional[ActivationEngine] = None, verify: bool = False):
         fn = "offload.activation_offload"
         # Every option is checked here, also those an explicit `engine` makes unused.
-        check_options(fn, mode, min_tensor_bytes, resident_groups, None, pool, timing, nvtx)
+        check_options(fn, mode, min_tensor_bytes, resident_groups, None, pool, timing, nvtx, verify)
         if mode == "auto":
             raise ValueError(f"{fn}: mode='auto' needs layers to measure; use enable_activation_offload(model, "
                              "mode='auto'), or mode='async' or 'sync' here")
@@ -528,7 +533,7 @@ class activation_offload:  # noqa: N801 - used as a context manager, like torch'
         params = _check_params(fn, params)
         if engine is None:
             engine = ActivationEngine(mode, min_tensor_bytes=min_tensor_bytes, resident_groups=resident_groups,
-                                      pool=pool, timing=timing, nvtx=nvtx, fn=fn)
+                                      pool=pool, timing=timing, nvtx=nvtx, fn=fn, verify=verify)
         self.engine = engine
         self._params = params
         self._count = 0

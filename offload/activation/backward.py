@@ -233,8 +233,11 @@ class BackwardSide:
                 self._timed_end("backward_wait_seconds", start, stream)
             if begun is not None:
                 self.observer.wait_ended(group.layer, begun, backward=True)
-            if group.mark_ready(stream) and self._listeners:  # the group's first read in this backward
-                self._emit(RESTORED, group, group.nbytes)
+            if group.mark_ready(stream):  # the group's first read in this backward
+                if group.checksums is not None:
+                    group.checksums.check(group, group.device_block)  # Note [verify]
+                if self._listeners:
+                    self._emit(RESTORED, group, group.nbytes)
 
     def _restore(self, group: Group, packed: Packed) -> torch.Tensor:
         """The Python path's view of `packed` in its group's restored block (the core's

@@ -26,6 +26,7 @@ from ..core.pool import HostPool, check_pool, default_host_pool
 from .groups import CLOSED, COPYING, HOST, KEPT, OPEN, RELEASED, ActivationEvent, AutoState, Group, group_class
 from .backward import BackwardSide
 from .pack_table import PackTable
+from .verify import GroupChecksums
 from .saved_tensors import make_not_traced, not_traced, offload_extent, top_pack_hook
 from .step_stats import StepTimings, new_counters
 
@@ -138,7 +139,8 @@ DEFAULT_MIN_TENSOR_BYTES = 1 << 20
 GROUP_BYTES_PER_TENSOR_BYTE = 32
 
 
-def check_options(fn: str, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx) -> None:
+def check_options(fn: str, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx,
+                  verify=False) -> None:
     """The engine's options, checked for `fn` (the public function that was given them)."""
     allowed = ", ".join(map(repr, MODES))
     if not isinstance(mode, str):
@@ -153,6 +155,7 @@ def check_options(fn: str, mode, min_tensor_bytes, resident_groups, min_group_by
     check_pool(fn, pool)
     check_bool(fn, "timing", timing)
     check_bool(fn, "nvtx", nvtx)
+    check_bool(fn, "verify", verify)
 
 
 class ActivationEngine(BackwardSide):
@@ -195,8 +198,9 @@ class ActivationEngine(BackwardSide):
         nvtx: bool = False,
         fn: str = "offload.activation_offload",
         min_group_bytes: Optional[int] = None,
+        verify: bool = False,
     ):
-        check_options(fn, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx)
+        check_options(fn, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx, verify)
         make_not_traced()  # before any forward of this engine can be traced (Note [not traced, lazily])
         if min_group_bytes is None:
             min_group_bytes = GROUP_BYTES_PER_TENSOR_BYTE * min_tensor_bytes
@@ -209,6 +213,7 @@ class ActivationEngine(BackwardSide):
         self.on_accel = _device.is_accelerator(self.device)
         self.timing = timing and self.on_accel
         self.nvtx = nvtx
+        self.verify = verify  # Note [verify] in verify.py
         # The hooks and the groups: the core's where it is loaded and the pool is its own (a saved
         # tensor costs no interpreter call, Note [group twins] in groups.py), else the Python
         # methods and groups (OFFLOAD_FORCE_FALLBACK=1, or `_backend.force_fallback()` around the
@@ -500,6 +505,8 @@ class ActivationEngine(BackwardSide):
         if not spans:
             self._mark_copied(group)
             return
+        if self.verify:  # summed on this stream, which the copy out waits for (Note [verify])
+            group.checksums = GroupChecksums(group)
         with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
             # One call for the group's spans, into one pooled host block at aligned offsets (one
             # pool request per layer, the same size every step) that the core acquires and times

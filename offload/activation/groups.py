@@ -13,7 +13,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-from .saved_tensors import drop_held
+import torch
+
+from .saved_tensors import describe, drop_held
 
 # A group's states (ints: the core's ActivationGroup keeps the same numbers, activation_group.h).
 OPEN, COPYING, HOST, KEPT = 0, 1, 2, 3
@@ -60,7 +62,7 @@ class Group:
         "name", "layer", "state", "held", "modified", "watch", "spans", "d2h", "h2d", "device_block",
         "typed_blocks", "views", "waited", "n_handles", "n_unpacked", "prev", "nbytes", "span_starts",
         "nbytes_aligned", "stream", "capped", "split", "part", "continued", "fetch_stream", "offsets",
-        "new_spans", "n_layers", "auto", "fetched", "serial", "__weakref__",
+        "new_spans", "n_layers", "auto", "fetched", "serial", "checksums", "span_sizes", "__weakref__",
     )
 
     def __init__(self, name, layer, offload: bool, prev):
@@ -83,6 +85,7 @@ class Group:
         self.capped = 0  # bytes of its layer's new spans so far (counted against a cap and the part ends)
         self.new_spans = 0  # new storage spans of its layer so far (with capped: its layer's size)
         self.offsets: list = []  # per entry: where its copied span starts in the group's blocks (bytes)
+        self.span_sizes: list = []  # per entry: its bytes (set by copy_out)
 
     @property
     def holds_device_tensors(self) -> bool:
@@ -114,7 +117,7 @@ class Group:
         copy per group] in engine.py); the transfer (a CopyHandle's implementation)."""
         from ..core.copy import copy_spans_to_host
 
-        sizes = [span.hi - span.lo for span in self.spans]
+        sizes = self.span_sizes = [span.hi - span.lo for span in self.spans]
         self.offsets, self.nbytes_aligned = aligned_layout(sizes)
         return copy_spans_to_host([span.tensor for span in self.spans], self.span_starts, sizes, self.nbytes_aligned,
                                   self.offsets, pool=pool, stream=stream, chunk_bytes=chunk_bytes,
@@ -122,6 +125,19 @@ class Group:
 
     def drop_spans(self) -> None:
         self.spans = None
+
+    def span_bytes(self) -> list:
+        """verify=True, while the spans are held: each span's bytes, a uint8 tensor of its storage."""
+        return [torch.empty(0, dtype=torch.uint8, device=span.tensor.device).set_(
+            span.tensor.untyped_storage(), span.lo, (span.hi - span.lo,), (1,)) for span in self.spans]
+
+    def span_descriptions(self) -> list:
+        """verify=True: "dtype [sizes]" of the tensor each span was saved through."""
+        return [describe(span.tensor) for span in self.spans]
+
+    def block_spans(self, block) -> list:
+        """After copy_out: each span's bytes in `block` (the host block or the restored one)."""
+        return [block.narrow(0, at, size) for at, size in zip(self.offsets, self.span_sizes)]
 
     def drop_held(self) -> None:
         """The copy is complete (or ordered before every reader): drop the held tensors."""
@@ -169,6 +185,7 @@ class LayerFields:
     n_layers: int  # layers it holds: more when small layers share it (min_group_bytes), 0 for a later part
     fetch_stream: object  # the stream its restored device block was allocated on (owns it)
     auto: Optional[AutoState]  # auto mode's cap and measurements, else None
+    checksums: object  # verify=True: its spans' sums as they left (verify.py's GroupChecksums), else None
 
 
 def init_layer_fields(group, name, layer, prev) -> None:
@@ -185,6 +202,7 @@ def init_layer_fields(group, name, layer, prev) -> None:
     group.n_layers = 1
     group.fetch_stream = None
     group.auto = None
+    group.checksums = None
 
 
 _native_group_class = None
