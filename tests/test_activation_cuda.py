@@ -88,6 +88,27 @@ def test_activation_cuda_bitwise(mode, dtype, deterministic):
     assert stats["d2h_gbps"] is not None and stats["d2h_gbps"] > 0.1
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_activation_cuda_verify_passes_and_stays_bitwise(mode, deterministic):
+    """verify=True sums every group on the device out and back (Note [verify]): the copies of the
+    engine pass, over steps whose first layer goes in parts, and gradients stay bitwise."""
+    ref = _stack()
+    model = copy.deepcopy(ref)
+    handle = offload.enable_activation_offload(model, mode, min_tensor_bytes=0, verify=True, verbose=False)
+    x = torch.randn(2, 64, 256, device=_device.current_device())
+    ref.zero_grad()
+    loss_ref = ref(x)
+    loss_ref.backward()
+    for _ in range(3):
+        model.zero_grad()
+        loss = model(x)
+        loss.backward()
+        assert torch.equal(loss, loss_ref)
+        for a, b in zip(_grads(ref), _grads(model)):
+            assert torch.equal(a, b)
+    assert handle.stats()["groups_fetched"] >= 1
+
+
 def test_activation_cuda_llama_bitwise(deterministic):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
