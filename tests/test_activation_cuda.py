@@ -61,6 +61,16 @@ def _grads(model):
 
 
 
+def _step_bitwise(ref, model, x, loss_ref) -> None:
+    """A step of `model` whose loss and gradients equal `ref`'s (which ran its step already) bit for bit."""
+    model.zero_grad()
+    loss = model(x)
+    loss.backward()
+    assert torch.equal(loss, loss_ref)
+    for a, b in zip(_grads(ref), _grads(model)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["sync", "async", "auto"])
 def test_activation_cuda_bitwise(mode, dtype, deterministic):
@@ -75,12 +85,7 @@ def test_activation_cuda_bitwise(mode, dtype, deterministic):
     # then probes its plan in steps alternated with steps without offload: go on to a step
     # of the plan (the sync and async modes offload every step).
     for step in range(8):
-        model.zero_grad()
-        loss = model(x)
-        loss.backward()
-        assert torch.equal(loss, loss_ref)
-        for a, b in zip(_grads(ref), _grads(model)):
-            assert torch.equal(a, b)
+        _step_bitwise(ref, model, x, loss_ref)
         if step >= 2 and (handle.plan is not None or mode != "auto") and handle.stats()["groups_offloaded"]:
             break
     stats = handle.stats()
@@ -100,12 +105,7 @@ def test_activation_cuda_verify_passes_and_stays_bitwise(mode, deterministic):
     loss_ref = ref(x)
     loss_ref.backward()
     for _ in range(3):
-        model.zero_grad()
-        loss = model(x)
-        loss.backward()
-        assert torch.equal(loss, loss_ref)
-        for a, b in zip(_grads(ref), _grads(model)):
-            assert torch.equal(a, b)
+        _step_bitwise(ref, model, x, loss_ref)
     assert handle.stats()["groups_fetched"] >= 1
 
 
