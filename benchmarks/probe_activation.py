@@ -32,8 +32,6 @@ import sys
 import tempfile
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_activation  # noqa: E402
 import bench_frontier  # noqa: E402
@@ -41,8 +39,6 @@ from common import Context  # noqa: E402
 
 import offload  # noqa: E402
 from offload.core import _device  # noqa: E402
-from offload.activation import engine as _activation  # noqa: E402
-from offload.activation import backward as _activation_backward  # noqa: E402
 from offload.activation.auto.schedule import Schedule  # noqa: E402
 
 GiB = float(1 << 30)
@@ -119,13 +115,18 @@ def probe_host(ctx, model, loss_fn, handle, n):
                 calls[name] += 1
         return wrapper
 
-    engine_cls = _activation.ActivationEngine
-    for name in ("pack", "unpack", "boundary", "_close", "_fetch", "_restore", "_release_due", "_mark_copied"):
-        setattr(engine_cls, name, timed(name, getattr(engine_cls, name)))
-    _activation.copy_spans_to_host = timed("copy_spans_to_host", _activation.copy_spans_to_host)
-    _activation_backward.copy_to_device = timed("copy_to_device", _activation_backward.copy_to_device)
-    # The hooks were bound when the engine was made: make them again to see the timed methods.
-    handle.engine._hooks = torch.autograd.graph.saved_tensors_hooks(handle.engine.pack, handle.engine.unpack)
+    # The engine's Python runs per group (the per-tensor work is the core's, or the Python twins'
+    # without it): time its per-group methods, the engine's and its backward side's. The hooks
+    # take the backward side's methods through the engine's attributes set when it was made, so
+    # those are timed on the instance.
+    engine = handle.engine
+    for name in ("boundary", "_close", "_release_due", "_mark_copied", "_copy_back", "_walk_params"):
+        setattr(engine, name, timed(name, getattr(engine, name)))
+    side = engine.backward
+    for name in ("fetch", "fetch_groups", "starts"):
+        setattr(side, name, timed(f"backward.{name}", getattr(side, name)))
+    for name, method in (("_make_ready", side.make_ready), ("_prefetch", side.prefetch), ("_release", side.release)):
+        setattr(engine, name, timed(f"backward.{name.lstrip('_')}", method))
 
     def run(label, steps=5):
         for _ in range(3):

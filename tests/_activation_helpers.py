@@ -309,9 +309,9 @@ def spy_offloaded(monkeypatch, on_offload):
 def spy_unpacked(monkeypatch, on_unpack):
     """Call `on_unpack(t)` with each tensor the engines made from now on give back to autograd:
     through the core's unpack hook (patched before an engine binds it) where the core is loaded,
-    else the engine's Python `unpack` (the core's hook calls that one too, for what it does not
-    serve: patched only where it is the hook)."""
-    from offload.activation.engine import ActivationEngine
+    else the backward side's Python `unpack` (the core's hook calls that one too, for what it
+    does not serve: patched only where it is the hook; an engine binds it when made)."""
+    from offload.activation.backward import BackwardSide
     from offload.core import _backend
 
     core = _backend.loaded_core()
@@ -325,14 +325,14 @@ def spy_unpacked(monkeypatch, on_unpack):
 
         monkeypatch.setattr(core, "unpack_saved_tensor", hook)
         return
-    real_unpack = ActivationEngine.unpack
+    real_unpack = BackwardSide.unpack
 
     def unpack(self, packed):
         t = real_unpack(self, packed)
         on_unpack(t)
         return t
 
-    monkeypatch.setattr(ActivationEngine, "unpack", unpack)
+    monkeypatch.setattr(BackwardSide, "unpack", unpack)
 
 
 def spy_packs(monkeypatch, on_pack):

@@ -9,6 +9,7 @@ import torch
 import offload
 from offload.core import _device
 from offload.activation import engine as act
+from offload.activation.backward import BackwardSide
 from offload.activation.verify import ActivationMismatch, checksums
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     assert_bitwise_equal, one_thread, pool, small_model, train_step,
@@ -49,14 +50,14 @@ def test_verify_names_the_layer_and_tensor_of_a_corrupted_copy(pool, monkeypatch
             out[0][0] += 1
         return handle
 
-    real_fetch = act.ActivationEngine._fetch
+    real_fetch = BackwardSide.fetch
 
     def fetch(self, group, upto=None):
-        self._fetching_layer = group.layer
+        self.engine._fetching_layer = group.layer
         return real_fetch(self, group, upto)
 
     monkeypatch.setattr(act.ActivationEngine, "_copy_back", corrupting)
-    monkeypatch.setattr(act.ActivationEngine, "_fetch", fetch)
+    monkeypatch.setattr(BackwardSide, "fetch", fetch)
     for verify in (False, True):
         ref = small_model()
         model = copy.deepcopy(ref)

@@ -202,7 +202,7 @@ class ActivationOffload:
             with engine.capture(itertools.chain(module_tensors(model), input_tensors(args, kwargs))):
                 out = original(*args, **kwargs)
             if engine.hooks_in_groups_only:
-                engine.mark_backward_start(out)
+                engine.backward.mark_backward_start(out)
             return out
 
         return forward
@@ -250,7 +250,7 @@ class ActivationOffload:
                 out = original(*args, **kwargs)
             schedule = engine.schedule
             if schedule is not None and index in schedule.fetch_at:
-                engine.fetch_when_backward_reaches(out, schedule.fetch_at[index], schedule.shares_at(index))
+                engine.backward.fetch_when_backward_reaches(out, schedule.fetch_at[index], schedule.shares_at(index))
             if index == last:
                 engine.boundary(None, layer=last + 1)  # the point after the last layer (auto mode's schedule)
             return out

@@ -158,7 +158,7 @@ def check_options(fn: str, mode, min_tensor_bytes, resident_groups, min_group_by
     check_bool(fn, "verify", verify)
 
 
-class ActivationEngine(BackwardSide):
+class ActivationEngine:
     """Packs saved tensors into groups, copies them out and brings them back.
 
     Note [engine interface]: what other modules use; nothing else of the engine's is read
@@ -166,7 +166,8 @@ class ActivationEngine(BackwardSide):
     Driving it (api.py's handle and `activation_offload`):
       `capture(params)` the scope where saved tensors are hooked;
       `boundary(name, offload, layer)` a new group starts; `add_params(tensors)` storages
-      that stay; `mark_backward_start(output)`; `fetch_when_backward_reaches(output, layers)`;
+      that stay; `backward.mark_backward_start(output)`;
+      `backward.fetch_when_backward_reaches(output, layers)`;
       `pass_through_step()`; `hooks_in_groups_only` (set by the handle); `stats()`;
       `capturing` (read: > 0 inside a capture); `schedule` (read: the plan in use, or None);
       `add_listener(callback)` / `remove_listener(callback)` (Note [events]).
@@ -183,7 +184,8 @@ class ActivationEngine(BackwardSide):
     where Python decides and otherwise per group: `pack(t)` (no group open), `unpack(packed)`
     (what the core does not serve), `_keep(t)`, `_walk_params()`, `_profiled(group)`,
     `_split(group)`, `_backward_starts()`, `_make_ready(group)`, `_prefetch(group)`,
-    `_release(group)`, `observer.unpacked(group)`; and read `counters["tensors_kept"]`
+    `_release(group)` (`unpack` and these four are the backward side's methods, set on the
+    engine when it is made), `observer.unpacked(group)`; and read `counters["tensors_kept"]`
     (incremented for a tensor that stays), `backward_seen`, `observer`.
     """
 
@@ -219,6 +221,14 @@ class ActivationEngine(BackwardSide):
         # methods and groups (OFFLOAD_FORCE_FALLBACK=1, or `_backend.force_fallback()` around the
         # engine's making, chooses them). The core's table holds the engine weakly; the Python
         # hooks are bound methods (the engine and its hooks form a cycle the collector sees).
+        # The backward side (backward.py), a collaborator; the hooks call its methods through the
+        # engine's attributes below (Note [engine interface]).
+        self.backward = BackwardSide(self)
+        self.unpack = self.backward.unpack
+        self._backward_starts = self.backward.starts
+        self._make_ready = self.backward.make_ready
+        self._prefetch = self.backward.prefetch
+        self._release = self.backward.release
         core = self._core = _backend.loaded_core()
         self._streams = None  # the device's copy streams, read at the first copy (`_copy_streams`)
         self._native = core is not None and self.pool.native
