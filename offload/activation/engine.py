@@ -559,8 +559,13 @@ class ActivationEngine:
             if at is not None:
                 self._due.append((at, weakref.ref(group)))
             return
-        # The window (Note [resident window]): the group now opening plus those still copying
-        # may not exceed it.
+        self._keep_window(group.layer, stream)
+
+    def _keep_window(self, layer, stream) -> None:
+        """The window (Note [resident window]): the group now opening plus those still copying
+        may not exceed it; `layer` (the group just closed) and `stream` (its stream) as `_close`
+        has them."""
+        c = self.counters
         while len(self._inflight) > self.resident_groups - 1:
             oldest = self._inflight.popleft()()
             if oldest is None or oldest.state != COPYING:
@@ -580,7 +585,7 @@ class ActivationEngine:
                 oldest.d2h.synchronize()
                 c["forward_wait_seconds"] += time.perf_counter() - t0
             if begun is not None:
-                self.observer.wait_ended(group.layer, begun, backward=False)
+                self.observer.wait_ended(layer, begun, backward=False)
             self._mark_copied(oldest)
 
     def _copy_streams(self) -> tuple:

@@ -233,8 +233,9 @@ def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> Non
 
 
 @torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
-def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, chunk_bytes, timing=False) -> PyTransfer:
-    fn = "offload.copy_to_device"
+def _check_to_device(fn: str, sources, device, pool, out, require_pinned) -> None:
+    """What the core checks before a copy to the device: host sources (pinned, or the pool's own
+    blocks, where asked), and `out` matching them on the destination."""
     for i, h in enumerate(sources):
         _check_source(fn, i, h, "cpu", sources[0])
         # The pool's own blocks count as pinned, as in the core: where the accelerator has no
@@ -251,6 +252,10 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
             _check_out(fn, i, h, o, device.type, require_pinned)
             if o.device != device:
                 raise ValueError(f"{fn}: out[{i}] is on {o.device} but the destination is {device}")
+
+
+def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, chunk_bytes, timing=False) -> PyTransfer:
+    _check_to_device("offload.copy_to_device", sources, device, pool, out, require_pinned)
     restore = handle.restore_specs() if handle is not None else [None] * len(sources)
     on_accel = _device.is_accelerator(device)
     copy_stream = (stream or _device.copy_streams(device)[1]) if on_accel else None

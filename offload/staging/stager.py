@@ -227,15 +227,7 @@ class AsyncStager(_StagerProtocol):
                     self._lower_budget(plan, excess)
                 continue  # another set takes the save (_acquire_set waits or raises), or a plan with fewer pool bytes
             break
-        if plan.pageable_bytes and not self._warned_pageable:
-            self._warned_pageable = True
-            warnings.warn(
-                f"{fn}: the state dict's {plan.copy_bytes} bytes of tensors do not fit limit_bytes={self._limit} of "
-                f"pooled host buffers, so {plan.pageable_bytes} bytes ({plan.pageable_units} tensors) are staged to "
-                "pageable host memory, copied before stage() returns (slower, the same values); raise "
-                "AsyncStager(limit_bytes=...) to stage them all asynchronously. Warned once per stager.",
-                stacklevel=3,
-            )
+        self._warn_pageable_once(fn, plan)
         allocated_bytes = max(0, buffer_set.held_bytes - held_before)
         if not buffer_set.marked:
             buffer_set.mark_baseline()
@@ -248,28 +240,29 @@ class AsyncStager(_StagerProtocol):
         self._saves += 1
         self._log.add(
             {
-                "save": self._saves,
-                "set": buffer_set.index,
-                "bytes": plan.copy_bytes,
-                "tensors": len(plan.meta),
-                "copies": len(plan.units),
-                "blocked_ms": entered.stop().ms(),
-                "waited_ms": waited_ms,
-                "copy_ms": None if timing else copy_ms,
-                "gbps": None,
-                "replanned": replanned,
-                "buffers_reused": reused,
-                "buffers_allocated": allocated,
-                "allocated_bytes": allocated_bytes,
-                "host_bytes": self.host_bytes(),
-                "pageable_bytes": plan.pageable_bytes,
-                "_timing": timing,
+                "save": self._saves, "set": buffer_set.index, "bytes": plan.copy_bytes, "tensors": len(plan.meta),
+                "copies": len(plan.units), "blocked_ms": entered.stop().ms(), "waited_ms": waited_ms,
+                "copy_ms": None if timing else copy_ms, "gbps": None, "replanned": replanned,
+                "buffers_reused": reused, "buffers_allocated": allocated, "allocated_bytes": allocated_bytes,
+                "host_bytes": self.host_bytes(), "pageable_bytes": plan.pageable_bytes, "_timing": timing,
             }
         )
         self._read_timings()
         if self._return_future:
             return future
         return future.result()
+
+    def _warn_pageable_once(self, fn: str, plan) -> None:
+        """Once per stager: the plan stages some tensors to pageable memory (over limit_bytes)."""
+        if plan.pageable_bytes and not self._warned_pageable:
+            self._warned_pageable = True
+            warnings.warn(
+                f"{fn}: the state dict's {plan.copy_bytes} bytes of tensors do not fit limit_bytes={self._limit} of "
+                f"pooled host buffers, so {plan.pageable_bytes} bytes ({plan.pageable_units} tensors) are staged to "
+                "pageable host memory, copied before stage() returns (slower, the same values); raise "
+                "AsyncStager(limit_bytes=...) to stage them all asynchronously. Warned once per stager.",
+                stacklevel=4,
+            )
 
     def _read_timings(self, final: bool = False) -> None:
         self._log.read_timings(final)

@@ -364,11 +364,7 @@ class IpcSender:
             channel.send(peer, _HEADER, version, self._plan_id, int(fresh), payload or None)
         try:
             if share:
-                for peer in channel.peers:
-                    hello = _expect(fn, channel, peer, _now() + self.timeout_s, self.timeout_s, _HELLO,
-                                    "answer to the buffers")
-                    self._released[peer] = [_device.open_ipc_event(self.device, h) for h in hello[4]]
-                self._shared = True
+                self._receive_hellos(fn)
             if plan.num_buckets:  # Note [IPC control messages]
                 for peer in channel.peers:
                     channel.post_next(peer)
@@ -381,22 +377,7 @@ class IpcSender:
                     self._released_message(fn, k - 2)
                     outstanding.remove(k - 2)
                 self._wait_released(slot, stream)
-                sources = []
-                dtensors = any(type(tensors[e.name]).__name__ == "DTensor" for e in spans.entries)
-                with timer.phase("gather") if dtensors else contextlib.nullcontext():
-                    for e in spans.entries:
-                        src_t = gathered.get(e.name)
-                        if src_t is None:
-                            t = tensors[e.name]
-                            src_t = t.full_tensor() if type(t).__name__ == "DTensor" else t
-                            if e.chunk + 1 < e.num_chunks:
-                                gathered[e.name] = src_t
-                        elif e.chunk + 1 == e.num_chunks:
-                            del gathered[e.name]
-                        sources.append(src_t)
-                if dtensors:
-                    for e, s in zip(spans.entries, sources):
-                        check_source(fn, e.name, s, self.device, "ipc")
+                sources = self._bucket_sources(fn, spans, tensors, gathered, timer, check_source)
                 data = self._buffers[slot][: plan.bucket_sizes[k]]
                 with timer.phase("pack"):
                     copy_spans(data, sources, spans, pack=True)
@@ -415,6 +396,36 @@ class IpcSender:
         timer.mark_span("transfer")
         channel.flush(_now() + self.timeout_s)
         return timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
+
+    def _receive_hellos(self, fn: str) -> None:
+        """Each receiver's answer to the shared buffers: the events it records as it releases them."""
+        channel = self.channel
+        for peer in channel.peers:
+            hello = _expect(fn, channel, peer, _now() + self.timeout_s, self.timeout_s, _HELLO,
+                            "answer to the buffers")
+            self._released[peer] = [_device.open_ipc_event(self.device, h) for h in hello[4]]
+        self._shared = True
+
+    def _bucket_sources(self, fn: str, spans, tensors: dict, gathered: dict, timer, check_source) -> list:
+        """The source tensor of each entry of a bucket: DTensors gathered whole (timed as "gather"),
+        kept in `gathered` while later buckets still take chunks of them, and checked once gathered."""
+        sources = []
+        dtensors = any(type(tensors[e.name]).__name__ == "DTensor" for e in spans.entries)
+        with timer.phase("gather") if dtensors else contextlib.nullcontext():
+            for e in spans.entries:
+                src_t = gathered.get(e.name)
+                if src_t is None:
+                    t = tensors[e.name]
+                    src_t = t.full_tensor() if type(t).__name__ == "DTensor" else t
+                    if e.chunk + 1 < e.num_chunks:
+                        gathered[e.name] = src_t
+                elif e.chunk + 1 == e.num_chunks:
+                    del gathered[e.name]
+                sources.append(src_t)
+        if dtensors:
+            for e, s in zip(spans.entries, sources):
+                check_source(fn, e.name, s, self.device, "ipc")
+        return sources
 
     def _released_message(self, fn: str, k: int) -> None:
         for peer in self.channel.peers:

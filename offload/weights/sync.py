@@ -221,28 +221,45 @@ class WeightSender:
         self._ipc = None
         self._many = None
         if senders is not None:
-            senders = check_senders(fn, senders)
-            _check_many(fn, group, mode, transport)
-            self._many = ManySender(fn, senders, ranks, backend, bucket_bytes, DEFAULT_SYNC_BUCKET_BYTES, dtype,
-                                    keep_dtype, alignment, reserve_sms, timeout_s)
-            self.mode, self.src, self.senders, self.member = mode, None, senders, self._many.member
-            self.is_src = self._many.index >= 0
-            self.device, self.bucket_bytes = self._many.device, self._many.bucket_bytes
-            self._next_version = 0
-            self._snapshots: "OrderedDict[int, _Snapshot]" = OrderedDict()
-            self._lock = threading.Lock()
-            return
-        if transport == "ipc":
-            if mode != "device":
-                raise ValueError(f"{fn}: transport 'ipc' packs from the device (mode 'device'), got mode={mode!r}")
-            if ranks is not None:
-                raise ValueError(f"{fn}: transport 'ipc' takes a group (or a channel), not ranks")
-            self._ipc = IpcSender(fn, group, channel, int(src), bucket_bytes, dtype, keep_dtype, alignment,
-                                  DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s)
-            self.mode, self.src, self.is_src, self.member = mode, int(src), True, True
-            self.device, self.bucket_bytes = self._ipc.device, self._ipc.bucket_bytes
-            self._next_version = 0
-            return
+            self._init_many(fn, senders, group, ranks, backend, bucket_bytes, dtype, keep_dtype, alignment, mode,
+                            transport, reserve_sms, timeout_s)
+        elif transport == "ipc":
+            self._init_ipc(fn, group, ranks, channel, src, bucket_bytes, dtype, keep_dtype, alignment, mode,
+                           timeout_s)
+        else:
+            self._init_broadcast(fn, group, ranks, backend, src, bucket_bytes, dtype, keep_dtype, alignment, mode,
+                                 keep_versions, pool, reserve_sms, timeout_s)
+
+    def _init_many(self, fn, senders, group, ranks, backend, bucket_bytes, dtype, keep_dtype, alignment, mode,
+                   transport, reserve_sms, timeout_s) -> None:
+        """Every trainer rank sends what it owns (Note [many senders] in many_senders.py)."""
+        senders = check_senders(fn, senders)
+        _check_many(fn, group, mode, transport)
+        self._many = ManySender(fn, senders, ranks, backend, bucket_bytes, DEFAULT_SYNC_BUCKET_BYTES, dtype,
+                                keep_dtype, alignment, reserve_sms, timeout_s)
+        self.mode, self.src, self.senders, self.member = mode, None, senders, self._many.member
+        self.is_src = self._many.index >= 0
+        self.device, self.bucket_bytes = self._many.device, self._many.bucket_bytes
+        self._next_version = 0
+        self._snapshots: "OrderedDict[int, _Snapshot]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _init_ipc(self, fn, group, ranks, channel, src, bucket_bytes, dtype, keep_dtype, alignment, mode,
+                  timeout_s) -> None:
+        """Receivers in other processes on this device (Note [IPC protocol] in ipc.py)."""
+        if mode != "device":
+            raise ValueError(f"{fn}: transport 'ipc' packs from the device (mode 'device'), got mode={mode!r}")
+        if ranks is not None:
+            raise ValueError(f"{fn}: transport 'ipc' takes a group (or a channel), not ranks")
+        self._ipc = IpcSender(fn, group, channel, int(src), bucket_bytes, dtype, keep_dtype, alignment,
+                              DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s)
+        self.mode, self.src, self.is_src, self.member = mode, int(src), True, True
+        self.device, self.bucket_bytes = self._ipc.device, self._ipc.bucket_bytes
+        self._next_version = 0
+
+    def _init_broadcast(self, fn, group, ranks, backend, src, bucket_bytes, dtype, keep_dtype, alignment, mode,
+                        keep_versions, pool, reserve_sms, timeout_s) -> None:
+        """One sender broadcasts to the group's receivers ("device" or "host_cache" mode)."""
         self.group = resolve_group(fn, group, ranks, backend)
         self.src = int(src)
         self.mode = mode
@@ -297,14 +314,7 @@ class WeightSender:
         items = weight_sources.named_sources(fn, source)  # references: nothing is gathered yet
         names = [n for n, _ in items]
         if not self.is_src:  # an FSDP peer: it takes part in the gathers; only src keeps a copy
-            self._gather_only(items, version)  # one tensor at a time, dropped at once
-            with self._lock:
-                version = self._next_version if version is None else version
-                self._next_version = max(self._next_version, version + 1)
-                self._snapshots[version] = _Snapshot(version, names, [], [], None)
-                while len(self._snapshots) > self.keep_versions:
-                    self._snapshots.popitem(last=False)
-            return version
+            return self._snapshot_as_peer(items, names, version)
         groups = weight_sources.gather_groups(items, self.bucket_bytes)
         layout = weight_sources.layout_of(groups)
         device = items[0][1].device if items else _device.current_device()  # a DTensor's: its local shard's
@@ -326,6 +336,28 @@ class WeightSender:
             self._gather_only(items, version)
             raise ValueError(f"{fn}: version {version} is already cached; pass a new version")
         copy_span = Span(device)  # on the current stream, which the gathers and copies follow
+        handles = self._copy_groups(fn, items, groups, reuse, oldest, version)
+        self._stop_at_copies_end(copy_span, handles, device)
+        snap = _Snapshot(version, names, layout, handles, copy_span)
+        with self._lock:
+            self._snapshots[version] = snap
+        return version
+
+    def _snapshot_as_peer(self, items, names, version: Optional[int]) -> int:
+        """`snapshot` on an FSDP peer of src: it takes part in the gathers and keeps no copy."""
+        self._gather_only(items, version)  # one tensor at a time, dropped at once
+        with self._lock:
+            version = self._next_version if version is None else version
+            self._next_version = max(self._next_version, version + 1)
+            self._snapshots[version] = _Snapshot(version, names, [], [], None)
+            while len(self._snapshots) > self.keep_versions:
+                self._snapshots.popitem(last=False)
+        return version
+
+    def _copy_groups(self, fn, items, groups, reuse, oldest, version) -> list:
+        """`snapshot`'s copies: each gather group gathered and copied to host (into `reuse`'s
+        buffers where given); on a full pool, `oldest` (the snapshot evicted for this one) is put
+        back where its buffers were not written, and the error names what to do."""
         handles = []
         try:
             for k, group in enumerate(groups):
@@ -357,6 +389,10 @@ class WeightSender:
                 f"bytes, {len(self._snapshots)} snapshot(s) cached (keep_versions={self.keep_versions}) ({exc}). "
                 "The weights are unchanged; raise the pool's limit (HostPool(limit_bytes=...), "
                 "OFFLOAD_HOST_POOL_LIMIT) or lower keep_versions") from exc
+        return handles
+
+    def _stop_at_copies_end(self, copy_span: Span, handles: list, device) -> None:
+        """End `copy_span` when `handles`' copies are done, without the current stream waiting."""
         if copy_span.on_accel:
             # A private stream waits for the copies, so the end event marks their
             # completion without the current (training) stream waiting for anything.
@@ -367,10 +403,6 @@ class WeightSender:
             copy_span.stop(self._marker_stream)
         else:
             copy_span.stop()  # host copies are done when queued
-        snap = _Snapshot(version, names, layout, handles, copy_span)
-        with self._lock:
-            self._snapshots[version] = snap
-        return version
 
     def wait_snapshot(self, version: Optional[int] = None, stream=None) -> None:
         """Make `stream` (default: current) wait, on the device, until the snapshot's copy has read the weights."""
