@@ -202,6 +202,8 @@ class ActivationEngine:
         min_group_bytes: Optional[int] = None,
         verify: bool = False,
     ):
+        # The engine's whole state is set here, each attribute with what it holds: one place to
+        # read it (the longest method of the runtime, and only declarations).
         check_options(fn, mode, min_tensor_bytes, resident_groups, min_group_bytes, pool, timing, nvtx, verify)
         make_not_traced()  # before any forward of this engine can be traced (Note [not traced, lazily])
         if min_group_bytes is None:
