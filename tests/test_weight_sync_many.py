@@ -164,6 +164,46 @@ def _scenario(rank, device, trainers: int, receivers: int, tp: bool, tied: bool)
     _check(got, want, "cast")
 
 
+def _host_cache_scenario(rank, device, trainers: int):
+    """mode="host_cache": each sender snapshots what it owns, training goes on, and a later send delivers the
+    snapshot's weights (not the trained-on ones); the next snapshot goes as the latest version."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    senders = list(range(trainers))
+    mesh_group = dist.new_group(senders)
+    if rank < trainers:
+        sender = offload.WeightSender(senders=senders, mode="host_cache", bucket_bytes=BUCKET, timeout_s=60)
+        model = _model(False)
+        mesh = DeviceMesh.from_group(mesh_group, device.type)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        _train_step(model, 0)
+        assert sender.snapshot(model) == 0 and sender.versions == [0]
+        _train_step(model, 1)  # the snapshot holds step 0's weights whatever training does now
+        t = sender.send(version=0)
+        per_rank, total = t["bytes_per_sender"], t["model_bytes"]
+        assert t["version"] == 0 and t["bytes_sent"] == per_rank[rank] and t["gather_ms"] == 0.0
+        assert max(per_rank) <= 1.1 * total / trainers, (per_rank, total)
+        assert sender.snapshot(model) == 1 and sender.versions == [0, 1]
+        assert sender.send()["version"] == 1  # the latest
+        with pytest.raises(ValueError, match="version 0 is already cached"):
+            sender.snapshot(model, version=0)
+        return
+    receiver = offload.WeightReceiver(senders=senders, timeout_s=60)
+    target = {n: torch.zeros_like(t) for n, t in _model(False).state_dict().items()}
+    receiver.load(target)
+    assert receiver.version == 0
+    _check(target, _expected(False, 1, cast=False), "host_cache snapshot of step 0, sent after step 1")
+    _check(dict(receiver.receive()), _expected(False, 2, cast=False), "host_cache, the latest snapshot")
+
+
+@pytest.mark.slow
+def test_weight_sync_many_host_cache_sends_the_snapshot():
+    spawn_world(functools.partial(_host_cache_scenario, trainers=2), world=3)
+
+
 def _run(trainers: int, receivers: int, tp: bool = False, tied: bool = False):
     spawn_world(functools.partial(_scenario, trainers=trainers, receivers=receivers, tp=tp, tied=tied),
                 world=trainers + receivers)
@@ -223,8 +263,9 @@ def test_weight_sync_many_rejects_bad_arguments():
         offload.WeightReceiver(senders=[0], slices=[0, 1, 2])
     with pytest.raises(ValueError, match="WeightReceiver: slices= takes parts of tensors that several senders="):
         offload.WeightReceiver(slices={"w": (0, 0, 1)})
-    with pytest.raises(ValueError, match="WeightSender: senders= sends from the device .* got mode='host_cache'"):
-        offload.WeightSender(senders=[0], mode="host_cache")
+    with pytest.raises(ValueError, match="WeightSender: senders= sends over process groups \\(transport 'nccl'\\), "
+                                         "got transport='ipc'"):
+        offload.WeightSender(senders=[0], transport="ipc")
 
 
 def test_weight_sync_many_rejects_a_world_without_receivers(gloo_world):  # noqa: F811 (the fixture)

@@ -9,6 +9,7 @@ collectives go through a `Link` (timeouts, Note [failed syncs]).
 from __future__ import annotations
 
 import random
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -17,6 +18,8 @@ import torch.distributed as dist
 
 from ..core import _device
 from ..core.checks import is_int
+from ..core.copy import CopyHandle, copy_to_host
+from ..core.pool import HostPool, default_host_pool
 from ..core.timing import PhaseTimer
 from . import sources as weight_sources
 from .buckets import (
@@ -73,6 +76,13 @@ PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 #   arrived. Senders send in model order, so those are a window of a few tensors.
 # - A failure on any sender's group ends the receiver's sync and aborts all its groups
 #   (Note [failed syncs]); the other senders' waits then fail or time out in turn.
+# - `mode="host_cache"`: each sender's `snapshot()` copies the pieces it owns (its shards,
+#   its whole tensors: about 1/N of the model, nothing gathered) to pinned host memory,
+#   asynchronously, and returns at once; a later `send(version=v)` sends that snapshot,
+#   packing on the host into pinned buckets copied up to the device before their broadcast
+#   (on the sender's own stream), so training goes on while the weights leave. The wire is
+#   the device mode's: receivers cannot tell the two apart. Every sender snapshots and
+#   sends the same versions in the same order.
 
 
 def check_senders(fn: str, senders) -> List[int]:
@@ -254,11 +264,22 @@ def assign(fn: str, items, senders: List[int], policy: DtypePolicy) -> List[List
     return [[(piece, i) for i, piece in sorted(own, key=lambda o: o[0])] for own in owned]
 
 
+@dataclass
+class HostSnapshot:
+    """One version of a sender's pieces in pinned host memory (mode "host_cache")."""
+
+    version: int
+    plan: "SenderPlan"
+    plan_id: int
+    handle: Optional[CopyHandle]  # the copy of the pieces, in the plan's order; None off the sync group
+
+
 class ManySender:
     """One trainer rank's side of a many-sender sync (Note [many senders]); built by `WeightSender(senders=...)`."""
 
     def __init__(self, fn: str, senders: List[int], ranks, backend, bucket_bytes: Optional[int], default_cap: int,
-                 dtype, keep_dtype, alignment: int, reserve_sms: int, timeout_s):
+                 dtype, keep_dtype, alignment: int, reserve_sms: int, timeout_s, keep_versions: int = 2,
+                 pool: Optional[HostPool] = None):
         self.senders = senders
         self.groups, self.members, self.receivers = build_groups(fn, senders, ranks, backend)
         rank = dist.get_rank()
@@ -284,6 +305,14 @@ class ManySender:
         self._spans: List[BucketSpans] = []
         self._plan_id = 0
         self._owned: List[Tuple[Piece, int]] = []
+        # Plan ids sent on this group lately: a plan goes with its first send (receivers keep
+        # their last 8 by id, so these few are known to every receiver).
+        self._sent_plans: deque = deque(maxlen=4)
+        self.keep_versions = keep_versions
+        self._pool = pool
+        self.snapshots: "OrderedDict[int, HostSnapshot]" = OrderedDict()
+        self._host_buckets: List[Optional[torch.Tensor]] = [None, None]
+        self._send_stream = None  # host_cache sends run here, never on the trainer's stream
 
     def _make_plan(self, fn: str, items) -> Tuple[SenderPlan, int, bool]:
         signature = [(n, tuple(t.shape), t.dtype, _layout_key(t)) for n, t in items]
@@ -303,11 +332,9 @@ class ManySender:
         self._plan_id = random.getrandbits(62) + 1
         return plan, self._plan_id, True
 
-    def send(self, fn: str, items, version: int) -> dict:
-        if not self.member:  # a world rank outside the sync group: it only built the groups
-            return PhaseTimer(torch.device("cpu"), PHASES).result(bytes=0, buckets=0, version=version, bytes_sent=0)
-        self._link.check(fn)
-        plan, plan_id, fresh = self._make_plan(fn, items)
+    def _local_sources(self, fn: str, items) -> List[torch.Tensor]:
+        """The tensors this sender sends, one per piece of its plan, checked (before a header
+        goes out: receivers wait for buckets once it is)."""
         sources = []
         for piece, i in self._owned:  # checked before the header: receivers wait for buckets once it is out
             t = items[i][1]
@@ -318,10 +345,82 @@ class ManySender:
                                  f"expected {list(piece.local_shape)} (rows [{piece.start}, {piece.stop}) of dim "
                                  f"{piece.dim}, torch.chunk's rule)")
             sources.append(local)
+        return sources
+
+    def send(self, fn: str, items, version: int) -> dict:
+        if not self.member:  # a world rank outside the sync group: it only built the groups
+            return PhaseTimer(torch.device("cpu"), PHASES).result(bytes=0, buckets=0, version=version, bytes_sent=0)
+        self._link.check(fn)
+        plan, plan_id, _ = self._make_plan(fn, items)
+        sources = self._local_sources(fn, items)
+        return self._send_pieces(fn, plan, plan_id, dict(zip((p.name for p in plan.pieces), sources)), version,
+                                 PhaseTimer(self.device, PHASES), on_host=False)
+
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:
+            self._pool = default_host_pool()
+        return self._pool
+
+    def snapshot(self, fn: str, items, version: int) -> None:
+        """Copy the pieces this sender owns to pinned host memory, asynchronously (mode "host_cache")."""
+        if version in self.snapshots:
+            raise ValueError(f"{fn}: version {version} is already cached; pass a new version")
+        if not self.member:
+            snap = HostSnapshot(version, None, 0, None)
+        else:
+            plan, plan_id, _ = self._make_plan(fn, items)
+            # The copy stream waits for the current stream, and the engine holds the sources
+            # until the copy is done: training may change them as soon as this returns.
+            snap = HostSnapshot(version, plan, plan_id, copy_to_host(self._local_sources(fn, items), pool=self.pool))
+        self.snapshots[version] = snap
+        while len(self.snapshots) > self.keep_versions:
+            self.snapshots.popitem(last=False)
+
+    def _snapshot(self, fn: str, version: Optional[int]) -> HostSnapshot:
+        if not self.snapshots:
+            raise ValueError(f"{fn}: no snapshot cached; call snapshot() (or send(source)) first")
+        if version is None:
+            version = next(reversed(self.snapshots))
+        snap = self.snapshots.get(version)
+        if snap is None:
+            raise ValueError(f"{fn}: version {version} is not cached (cached: {list(self.snapshots)}; "
+                             f"keep_versions={self.keep_versions})")
+        return snap
+
+    def wait_snapshot(self, fn: str, version: Optional[int], stream) -> None:
+        """`stream` (None: the current one) waits, on the device, for the snapshot's copy."""
+        snap = self._snapshot(fn, version)
+        if snap.handle is not None:
+            snap.handle.wait_stream(stream)
+
+    def send_snapshot(self, fn: str, version: Optional[int]) -> dict:
+        """Send the snapshot `version` (None: the latest): packed on the host, copied up, broadcast."""
+        snap = self._snapshot(fn, version)
+        version = snap.version
+        if not self.member:
+            return PhaseTimer(torch.device("cpu"), PHASES).result(bytes=0, buckets=0, version=version, bytes_sent=0)
+        self._link.check(fn)
         timer = PhaseTimer(self.device, PHASES)
+        with timer.phase("host_copy"):
+            tensors = snap.handle.wait()  # host wait for the device-to-host copy
+        on_accel = _device.is_accelerator(self.device)
+        if on_accel and self._send_stream is None:
+            self._send_stream = _device.new_stream(self.device)
+        # The uploads and the broadcasts are queued on the sender's own stream (which owns the
+        # device buckets): a send from another thread never puts work in the trainer's stream.
+        with _device.stream_context(self._send_stream if on_accel else None):
+            return self._send_pieces(fn, snap.plan, snap.plan_id, dict(zip((p.name for p in snap.plan.pieces),
+                                                                             tensors)),
+                                     version, timer, on_host=on_accel)
+
+    def _send_pieces(self, fn: str, plan: "SenderPlan", plan_id: int, tensors: dict, version: int,
+                     timer: PhaseTimer, on_host: bool) -> dict:
+        fresh = plan_id not in self._sent_plans
+        if fresh:
+            self._sent_plans.append(plan_id)
         try:
-            self._send_planned(plan, plan_id, fresh, dict(zip((p.name for p in plan.pieces), sources)), version,
-                               timer)
+            self._send_planned(plan, plan_id, fresh, tensors, version, timer, on_host)
         except BaseException as exc:  # the receivers are mid-sync (Note [failed syncs])
             if self._link.failure is None:
                 self._link.fail(f"the sender raised {type(exc).__name__} during the sync of version {version}")
@@ -333,7 +432,9 @@ class ManySender:
                             bytes_per_sender=list(plan.bytes_per_sender), model_bytes=plan.model_bytes)
 
     def _send_planned(self, plan: SenderPlan, plan_id: int, fresh: bool, tensors: dict, version: int,
-                      timer: PhaseTimer) -> None:
+                      timer: PhaseTimer, on_host: bool = False) -> None:
+        """The header, the plan where it is new, then the buckets, two in flight; `on_host`: the
+        sources are host tensors (a snapshot), packed into pinned host buckets and copied up."""
         link = self._link
         flag = torch.tensor([version, plan_id, int(fresh)], dtype=torch.int64, device=self.device)
         link.wait(link.broadcast(flag, "the header"), "the header", host=False)
@@ -341,14 +442,27 @@ class ManySender:
             link.send_object(plan.to_dict(), "the bucket plan")
         n = plan.buckets.num_buckets
         works: List = [None, None]
-        for k, spans in enumerate(self._spans):  # two buckets in flight (Note [bucket pipeline])
+        uploads: List = [None, None]  # events: a host bucket's upload is done, the slot free again
+        spans_of = self._spans if plan is self._plan else bucket_spans(plan.buckets)  # a snapshot's older plan
+        for k, spans in enumerate(spans_of):  # two buckets in flight (Note [bucket pipeline])
             slot = k % 2
             if works[slot] is not None:
                 link.wait(works[slot], f"bucket {k - 2} of {n}", host=False)
             data = self._buffer(slot, plan.buckets.bucket_sizes[k])
-            with timer.phase("pack"):
-                copy_spans(data, [tensors[e.name] for e in spans.entries], spans, pack=True,
-                           max_blocks=self._max_blocks)
+            sources = [tensors[e.name] for e in spans.entries]
+            if on_host:
+                if uploads[slot] is not None:
+                    uploads[slot].synchronize()  # the host writes this slot next
+                host = self._host_bucket(slot, plan.buckets.bucket_sizes[k])
+                with timer.phase("pack"):
+                    copy_spans(host, sources, spans, pack=True)
+                with timer.phase("host_copy"):
+                    data.copy_(host, non_blocking=True)
+                uploads[slot] = _device.new_event(self.device)
+                uploads[slot].record(_device.current_stream(self.device))
+            else:
+                with timer.phase("pack"):
+                    copy_spans(data, sources, spans, pack=True, max_blocks=self._max_blocks)
             if k == 0:
                 timer.mark_span("transfer")
             works[slot] = link.broadcast(data, f"bucket {k} of {n}")
@@ -360,6 +474,13 @@ class ManySender:
         buf = self._buffers[slot]
         if buf is None or buf.numel() < nbytes:
             buf = self._buffers[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+    def _host_bucket(self, slot: int, nbytes: int) -> torch.Tensor:
+        """A pinned host bucket of the pool (a host_cache send packs into it, then copies it up)."""
+        buf = self._host_buckets[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._host_buckets[slot] = self.pool.acquire(max(nbytes, 1))
         return buf[:nbytes]
 
 

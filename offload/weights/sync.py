@@ -184,8 +184,8 @@ class WeightSender:
             tensors every trainer holds whole), on a group of its own with the receivers,
             the rest of the sync group (`ranks`, or the world). Every rank of the world
             constructs a sender (the trainer ranks) or a receiver with the same senders
-            and ranks (`new_group` is collective). Mode "device", transport "nccl"; `src`
-            and `group` are not used.
+            and ranks (`new_group` is collective). Mode "device", or "host_cache" (each
+            sender snapshots what it owns); transport "nccl"; `src` and `group` are not used.
     """
 
     def __init__(
@@ -222,7 +222,7 @@ class WeightSender:
         self._many = None
         if senders is not None:
             self._init_many(fn, senders, group, ranks, backend, bucket_bytes, dtype, keep_dtype, alignment, mode,
-                            transport, reserve_sms, timeout_s)
+                            transport, reserve_sms, timeout_s, keep_versions, pool)
         elif transport == "ipc":
             self._init_ipc(fn, group, ranks, channel, src, bucket_bytes, dtype, keep_dtype, alignment, mode,
                            timeout_s)
@@ -231,12 +231,12 @@ class WeightSender:
                                  keep_versions, pool, reserve_sms, timeout_s)
 
     def _init_many(self, fn, senders, group, ranks, backend, bucket_bytes, dtype, keep_dtype, alignment, mode,
-                   transport, reserve_sms, timeout_s) -> None:
+                   transport, reserve_sms, timeout_s, keep_versions, pool) -> None:
         """Every trainer rank sends what it owns (Note [many senders] in many_senders.py)."""
         senders = check_senders(fn, senders)
-        _check_many(fn, group, mode, transport)
+        _check_many(fn, group, transport)
         self._many = ManySender(fn, senders, ranks, backend, bucket_bytes, DEFAULT_SYNC_BUCKET_BYTES, dtype,
-                                keep_dtype, alignment, reserve_sms, timeout_s)
+                                keep_dtype, alignment, reserve_sms, timeout_s, keep_versions, pool)
         self.mode, self.src, self.senders, self.member = mode, None, senders, self._many.member
         self.is_src = self._many.index >= 0
         self.device, self.bucket_bytes = self._many.device, self._many.bucket_bytes
@@ -309,9 +309,9 @@ class WeightSender:
         _check_version(fn, version)
         if self._ipc is not None:
             raise ValueError(f"{fn}: transport 'ipc' sends from the device; snapshots need transport 'nccl'")
-        if self._many is not None:
-            raise ValueError(f"{fn}: senders= sends from the device (mode 'device'); snapshots need one sender")
         items = weight_sources.named_sources(fn, source)  # references: nothing is gathered yet
+        if self._many is not None:
+            return self._snapshot_many(fn, items, version)
         names = [n for n, _ in items]
         if not self.is_src:  # an FSDP peer: it takes part in the gathers; only src keeps a copy
             return self._snapshot_as_peer(items, names, version)
@@ -341,6 +341,16 @@ class WeightSender:
         snap = _Snapshot(version, names, layout, handles, copy_span)
         with self._lock:
             self._snapshots[version] = snap
+        return version
+
+    def _snapshot_many(self, fn: str, items, version: Optional[int]) -> int:
+        """Each sender copies the pieces it owns to host memory (Note [many senders])."""
+        if self.mode != "host_cache":
+            raise ValueError(f"{fn}: snapshots need mode 'host_cache', this sender has mode {self.mode!r}")
+        with self._lock:
+            version = self._next_version if version is None else version
+            self._next_version = max(self._next_version, version + 1)
+            self._many.snapshot(fn, items, version)
         return version
 
     def _snapshot_as_peer(self, items, names, version: Optional[int]) -> int:
@@ -408,18 +418,25 @@ class WeightSender:
         """Make `stream` (default: current) wait, on the device, until the snapshot's copy has read the weights."""
         fn = "offload.WeightSender.wait_snapshot"
         check_stream(fn, stream)
+        if self._many is not None:
+            self._many.wait_snapshot(fn, version, stream)
+            return
         snap = self._get_snapshot(fn, version)
         snap.wait_stream(stream)
 
     def snapshot_ms(self, version: Optional[int] = None) -> float:
         """Device time of the snapshot's copy to host (events on the copy stream); waits (host) for the copy."""
-        snap = self._get_snapshot("offload.WeightSender.snapshot_ms", version)
+        fn = "offload.WeightSender.snapshot_ms"
+        if self._many is not None:
+            raise ValueError(f"{fn}: a sender of senders= does not time its snapshots' copies; time them with "
+                             "wait_snapshot() on a stream of yours")
+        snap = self._get_snapshot(fn, version)
         return snap.copy_ms() if snap.handles else 0.0
 
     @property
     def versions(self) -> List[int]:
         with self._lock:
-            return list(self._snapshots)
+            return list(self._many.snapshots if self._many is not None else self._snapshots)
 
     def _get_snapshot(self, fn: str, version: Optional[int], reader: bool = False) -> _Snapshot:
         _check_version(fn, version)
@@ -448,6 +465,8 @@ class WeightSender:
         if self.mode == "host_cache":
             if source is not None:
                 version = self.snapshot(source, version)
+            if self._many is not None:
+                return self._many.send_snapshot(fn, version)
             return self._send_snapshot(fn, self._get_snapshot(fn, version, reader=True))
         if source is None:
             raise ValueError(f"{fn}: mode 'device' needs a source (a module, state dict or (name, tensor) pairs)")
@@ -607,14 +626,13 @@ def _check_common(fn: str, group, src, ranks, backend, reserve_sms) -> Optional[
     return check_group_args(fn, group, ranks, backend)
 
 
-def _check_many(fn: str, group, mode, transport) -> None:
+def _check_many(fn: str, group, transport) -> None:
     """What `senders=` (Note [many senders]) goes with."""
     if group is not None:
         raise ValueError(f"{fn}: senders= builds a group per sender from ranks= (or the world), which every rank "
                          "of the world must know; pass ranks=, not group")
-    if mode != "device" or transport != "nccl":
-        raise ValueError(f"{fn}: senders= sends from the device over process groups (mode 'device', transport "
-                         f"'nccl'), got mode={mode!r}, transport={transport!r}")
+    if transport != "nccl":
+        raise ValueError(f"{fn}: senders= sends over process groups (transport 'nccl'), got transport={transport!r}")
 
 
 def _check_transport(fn: str, transport, channel) -> None:
@@ -656,7 +674,7 @@ class WeightReceiver:
         self.timings: dict = {}
         if senders is not None:
             senders = check_senders(fn, senders)
-            _check_many(fn, group, "device", transport)
+            _check_many(fn, group, transport)
             self._many = ManyReceiver(fn, senders, ranks, backend, slices, reserve_sms, timeout_s)
             self.src, self.senders, self.device = None, senders, self._many.device
             return
