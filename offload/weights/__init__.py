@@ -10,7 +10,8 @@ from .buckets import (
     unpack_bucket,
 )
 from .param_offload import offload_params, params_offloaded, reload_params
-from .sync import WeightReceiver, WeightSender
+from .receiver import WeightReceiver
+from .sync import WeightSender
 
 __all__ = [
     "BucketEntry",

@@ -1,0 +1,75 @@
+"""What a `WeightSender` and a `WeightReceiver` share: the defaults, the checks of the arguments
+they both take, and the double buffer of buckets (sync.py, receiver.py)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..core.checks import check_int
+from ..core.pool import HostPool
+from .link import check_group_args
+
+PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
+MODES = ("device", "host_cache")
+TRANSPORTS = ("nccl", "ipc")
+# Buckets default to at most this (less where free memory is short,
+# `offload.default_bucket_bytes`): the first pack and the last unpack are not
+# overlapped with the wire (Note [bucket pipeline]), so a smaller bucket fills and
+# drains the pipeline sooner; above a few hundred MiB a broadcast gains nothing.
+DEFAULT_SYNC_BUCKET_BYTES = 256 << 20
+# SMs left free for the collective while a bucket is packed or unpacked beside it
+# (Note [SMs left to the collective]). NCCL runs one block per channel and uses at
+# most 32 channels within a node by default (NCCL_MAX_NCHANNELS); a block needs
+# most of an SM's register file.
+DEFAULT_RESERVE_SMS = 32
+
+
+def _check_version(fn: str, version) -> None:
+    """A version tag given to a sender: an int >= 0, or None (the next one, or the latest snapshot)."""
+    if version is not None:
+        check_int(fn, "version", version, 0, "a version tag, or None")
+
+
+def _check_common(fn: str, group, src, ranks, backend, reserve_sms) -> Optional[List[int]]:
+    """The arguments a sender and a receiver share, checked before torch.distributed is asked
+    (those that need the group, such as whether src is in it, are checked once it is known);
+    returns `ranks` as a list."""
+    check_int(fn, "src", src, 0, "the global rank of the sender")
+    check_int(fn, "reserve_sms", reserve_sms, 0)
+    return check_group_args(fn, group, ranks, backend)
+
+
+def _check_many(fn: str, group, transport) -> None:
+    """What `senders=` (Note [many senders]) goes with."""
+    if group is not None:
+        raise ValueError(f"{fn}: senders= builds a group per sender from ranks= (or the world), which every rank "
+                         "of the world must know; pass ranks=, not group")
+    if transport != "nccl":
+        raise ValueError(f"{fn}: senders= sends over process groups (transport 'nccl'), got transport={transport!r}")
+
+
+def _check_transport(fn: str, transport, channel) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{fn}: transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if channel is not None and transport != "ipc":
+        raise ValueError(f"{fn}: channel is the control channel of transport 'ipc'; transport {transport!r} uses "
+                         "the group")
+
+
+class _Buffers:
+    """Two bucket buffers, grown (never shrunk) to the largest bucket of a sync."""
+
+    def __init__(self):
+        self.slots: List[Optional[torch.Tensor]] = [None, None]
+
+    def get(self, slot: int, nbytes: int, device, pool: Optional[HostPool] = None) -> torch.Tensor:
+        buf = self.slots[slot]
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            if pool is not None:  # host buckets that are copied up: pinned, from the pool
+                buf = pool.acquire(max(nbytes, 1))
+            else:
+                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self.slots[slot] = buf
+        return buf[:nbytes]
