@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/rl_weight_update.py --placement colocated   # both on GPU 0
     torchrun --nproc-per-node 2 examples/rl_weight_update.py --device cpu            # gloo, host memory
     torchrun --nproc-per-node 3 examples/rl_weight_update.py --trainer-ranks 2 --rollout-ranks 1  # many senders
+    torchrun --nproc-per-node 3 examples/rl_weight_update.py --trainer-ranks 2 --snapshot  # ... from host snapshots
 
 Rank 0 is the trainer, rank 1 the rollout engine. Each iteration the trainer
 takes an optimizer step, sends its weights cast to bf16 (`offload.WeightSender`),
@@ -61,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--rollout-ranks", type=int, default=1, help="rollout ranks, with --trainer-ranks")
     p.add_argument("--rollout-tp", type=int, default=1,
                    help="with --trainer-ranks: rollout ranks per engine, each keeping a tensor-parallel slice")
+    p.add_argument("--snapshot", action="store_true",
+                   help="with --trainer-ranks: each trainer rank snapshots its shards to host memory after its step "
+                        "(mode host_cache) and sends from the snapshot")
     args = p.parse_args(argv)
     if args.trainer_ranks:  # trainers and rollouts on ranks (devices) of their own
         args.placement = "separate"
@@ -210,11 +214,15 @@ def run_many_senders(args, device: torch.device) -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        sender = offload.WeightSender(senders=trainers, dtype=torch.bfloat16, bucket_bytes=bucket)
+        sender = offload.WeightSender(senders=trainers, dtype=torch.bfloat16, bucket_bytes=bucket,
+                                      mode="host_cache" if args.snapshot else "device")
         for it in range(args.iterations):
             loss = train_step(model, optimizer, args, it, device)
             start = time.perf_counter()
-            timings = sender.send(model)
+            if args.snapshot:  # the shards go to host memory now; the send could run while the next step trains
+                timings = sender.send(version=sender.snapshot(model))
+            else:
+                timings = sender.send(model)
             seconds.append(time.perf_counter() - start)
             sent, model_bytes = timings["bytes_sent"], timings["model_bytes"]
             digests = expected_digests(model, tp)

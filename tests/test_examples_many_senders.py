@@ -24,14 +24,14 @@ TINY = ["--device", "cpu", "--iterations", "2", "--hidden", "128", "--layers", "
 _LAUNCHER_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
-def _summary(trainers: int, rollouts: int, tp: int = 1) -> dict:
+def _summary(trainers: int, rollouts: int, tp: int = 1, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
     # The worktree's offload, not an installed one.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(trainers + rollouts),
            str(ROOT / "examples" / "rl_weight_update.py"), *TINY, "--trainer-ranks", str(trainers),
-           "--rollout-ranks", str(rollouts), "--rollout-tp", str(tp)]
+           "--rollout-ranks", str(rollouts), "--rollout-tp", str(tp), *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     lines = re.findall(r"^summary (\{.*\})$", done.stdout, re.M)
@@ -42,9 +42,10 @@ def _summary(trainers: int, rollouts: int, tp: int = 1) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainers,rollouts,tp", [(2, 1, 1), (3, 1, 1), (2, 2, 2)])
-def test_examples_rl_weight_update_many_senders(trainers, rollouts, tp):
-    summary = _summary(trainers, rollouts, tp)
+@pytest.mark.parametrize("trainers,rollouts,tp,extra", [(2, 1, 1, ()), (3, 1, 1, ()), (2, 2, 2, ()),
+                                                        (2, 1, 1, ("--snapshot",))])
+def test_examples_rl_weight_update_many_senders(trainers, rollouts, tp, extra):
+    summary = _summary(trainers, rollouts, tp, *extra)
     assert summary["bitwise"] is True
     per_rank, model = summary["bytes_sent_per_rank"], summary["model_bytes"]
     assert len(per_rank) == trainers and model > 0 and summary["seconds"] > 0
