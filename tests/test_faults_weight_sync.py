@@ -109,10 +109,10 @@ def _raising_sender_world(rank, init_file, results):
         if rank == 0:
             sender = offload.WeightSender(group, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
             sender.send(_weights(0))
-            from offload.weights import sync
+            from offload.weights import sync_options  # the senders' packing (SenderBuckets)
 
             packed = []
-            real = sync.copy_spans
+            real = sync_options.copy_spans
 
             def fail_second_bucket(*args, **kw):
                 packed.append(1)
@@ -120,12 +120,12 @@ def _raising_sender_world(rank, init_file, results):
                     raise RuntimeError("injected pack failure")
                 return real(*args, **kw)
 
-            sync.copy_spans = fail_second_bucket
+            sync_options.copy_spans = fail_second_bucket
             try:
                 with pytest.raises(RuntimeError, match="injected pack failure"):
                     sender.send(_weights(1))
             finally:
-                sync.copy_spans = real
+                sync_options.copy_spans = real
             _check_refuses_again(lambda: sender.send(_weights(1)))
             elapsed = None
         else:
@@ -171,9 +171,9 @@ def _dying_world(rank, victim, first_file, second_file, results):
             sender = offload.WeightSender(group, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
             sender.send(_weights(0))
             if not survivor:
-                from offload.weights import sync
+                from offload.weights import sync_options  # the senders' packing (SenderBuckets)
 
-                real = sync.copy_spans
+                real = sync_options.copy_spans
                 count = []
 
                 def die_at_second_bucket(*args, **kw):
@@ -182,7 +182,7 @@ def _dying_world(rank, victim, first_file, second_file, results):
                         os.kill(os.getpid(), signal.SIGKILL)
                     return real(*args, **kw)
 
-                sync.copy_spans = die_at_second_bucket
+                sync_options.copy_spans = die_at_second_bucket
                 sender.send(_weights(1))
                 raise AssertionError("the sender outlived its own SIGKILL")
             error, elapsed = _timed_failure(lambda: sender.send(_weights(1)))

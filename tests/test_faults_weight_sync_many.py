@@ -90,10 +90,11 @@ def _check_old_or_new(target: dict, old: dict, new: dict) -> tuple:
 
 
 def _fail_at_second_bucket(how: str):
-    """Patch the sender's packing so that its second bucket of the next sync raises or kills the process."""
-    from offload.weights import many_senders
+    """Patch the sender's packing (sync_options.SenderBuckets, every sender's) so that its second bucket of the
+    next sync raises or kills the process."""
+    from offload.weights import sync_options
 
-    real, count = many_senders.copy_spans, []
+    real, count = sync_options.copy_spans, []
 
     def failing(*args, **kw):
         count.append(1)
@@ -103,7 +104,7 @@ def _fail_at_second_bucket(how: str):
             os._exit(17)  # dies as a lost node would: no cleanup, no message
         return real(*args, **kw)
 
-    many_senders.copy_spans = failing
+    sync_options.copy_spans = failing
 
 
 def _rank_main(rank, scenario, init_file, release, results):

@@ -35,6 +35,7 @@ from .buckets import (
     plan_buckets,
 )
 from .link import AFTER_FAILURE, Link, check_ranks, collective_max_blocks, transport_device
+from .sync_options import BucketBuffers, SenderBuckets
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 
@@ -299,7 +300,7 @@ class ManySender:
         self._max_blocks = collective_max_blocks(fn, self.device, reserve_sms)
         self._link = Link(fn, self.group, rank, timeout_s, self.device) if self.member else None
         self._backend = dist.get_backend(self.group) if self.member else None
-        self._buffers: List[Optional[torch.Tensor]] = [None, None]
+        self._buckets = SenderBuckets()
         self._signature = None
         self._plan: Optional[SenderPlan] = None
         self._spans: List[BucketSpans] = []
@@ -311,7 +312,6 @@ class ManySender:
         self.keep_versions = keep_versions
         self._pool = pool
         self.snapshots: "OrderedDict[int, HostSnapshot]" = OrderedDict()
-        self._host_buckets: List[Optional[torch.Tensor]] = [None, None]
         self._send_stream = None  # host_cache sends run here, never on the trainer's stream
 
     def _make_plan(self, fn: str, items) -> Tuple[SenderPlan, int, bool]:
@@ -442,27 +442,14 @@ class ManySender:
             link.send_object(plan.to_dict(), "the bucket plan")
         n = plan.buckets.num_buckets
         works: List = [None, None]
-        uploads: List = [None, None]  # events: a host bucket's upload is done, the slot free again
         spans_of = self._spans if plan is self._plan else bucket_spans(plan.buckets)  # a snapshot's older plan
         for k, spans in enumerate(spans_of):  # two buckets in flight (Note [bucket pipeline])
             slot = k % 2
             if works[slot] is not None:
                 link.wait(works[slot], f"bucket {k - 2} of {n}", host=False)
-            data = self._buffer(slot, plan.buckets.bucket_sizes[k])
-            sources = [tensors[e.name] for e in spans.entries]
-            if on_host:
-                if uploads[slot] is not None:
-                    uploads[slot].synchronize()  # the host writes this slot next
-                host = self._host_bucket(slot, plan.buckets.bucket_sizes[k])
-                with timer.phase("pack"):
-                    copy_spans(host, sources, spans, pack=True)
-                with timer.phase("host_copy"):
-                    data.copy_(host, non_blocking=True)
-                uploads[slot] = _device.new_event(self.device)
-                uploads[slot].record(_device.current_stream(self.device))
-            else:
-                with timer.phase("pack"):
-                    copy_spans(data, sources, spans, pack=True, max_blocks=self._max_blocks)
+            data = self._buckets.pack(slot, plan.buckets.bucket_sizes[k], self.device,
+                                      [tensors[e.name] for e in spans.entries], spans, timer,
+                                      host_pool=self.pool if on_host else None, max_blocks=self._max_blocks)
             if k == 0:
                 timer.mark_span("transfer")
             works[slot] = link.broadcast(data, f"bucket {k} of {n}")
@@ -470,18 +457,6 @@ class ManySender:
             link.wait(works[k % 2], f"bucket {k} of {n}", host=True)
         timer.mark_span("transfer")
 
-    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        buf = self._buffers[slot]
-        if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
-        return buf[:nbytes]
-
-    def _host_bucket(self, slot: int, nbytes: int) -> torch.Tensor:
-        """A pinned host bucket of the pool (a host_cache send packs into it, then copies it up)."""
-        buf = self._host_buckets[slot]
-        if buf is None or buf.numel() < nbytes:
-            buf = self._host_buckets[slot] = self.pool.acquire(max(nbytes, 1))
-        return buf[:nbytes]
 
 
 def _layout_key(t) -> tuple:
@@ -569,7 +544,7 @@ class ManyReceiver:
         self.device = transport_device(self.groups[0])
         self._max_blocks = collective_max_blocks(fn, self.device, reserve_sms)
         self._links = [Link(fn, g, s, timeout_s, self.device) for g, s in zip(self.groups, senders)]
-        self._buffers: Dict[Tuple[int, int], torch.Tensor] = {}  # (sender index, slot) -> bucket buffer
+        self._buffers = [BucketBuffers() for _ in senders]  # per sender: its two bucket buffers
         self._plans: List[Dict[int, SenderPlan]] = [{} for _ in senders]  # by plan id, per sender
         self._programs: Dict[Tuple[int, int], _Program] = {}  # (sender index, plan id) -> program
         self._wanted: Dict[Tuple[str, Tuple[int, ...]], Optional[Tuple[int, int, int]]] = {}
@@ -687,10 +662,7 @@ class ManyReceiver:
             link.fail(what)
 
     def _buffer(self, index: int, slot: int, nbytes: int) -> torch.Tensor:
-        buf = self._buffers.get((index, slot))
-        if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[(index, slot)] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
-        return buf[:nbytes]
+        return self._buffers[index].get(slot, nbytes, self.device)
 
     # ------------------------------------------------------------ buckets
 

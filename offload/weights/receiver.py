@@ -23,7 +23,7 @@ from .buckets import (
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver
 from .link import AFTER_FAILURE, Link, check_src, collective_max_blocks, is_member, resolve_group, transport_device
 from .many_senders import ManyReceiver, check_senders, check_slices
-from .sync_options import DEFAULT_RESERVE_SMS, PHASES, _Buffers, _check_common, _check_many, _check_transport
+from .sync_options import DEFAULT_RESERVE_SMS, PHASES, BucketBuffers, _check_common, _check_many, _check_transport
 
 class WeightReceiver:
     """Receives what a `WeightSender` broadcasts.
@@ -79,7 +79,7 @@ class WeightReceiver:
         self.device = transport_device(self.group)
         self._max_blocks = collective_max_blocks(fn, self.device, reserve_sms)
         self._link = Link(fn, self.group, self.src, timeout_s, self.device)
-        self._buffers = _Buffers()
+        self._buffers = BucketBuffers()
         self.version: Optional[int] = None
         self.timings: dict = {}
         # Plans seen, by id, with their per-bucket spans; a sender resends only a changed plan.

@@ -38,7 +38,6 @@ from .buckets import (
     BucketSpans,
     bucket_spans,
     check_bucket_options,
-    copy_spans,
     default_bucket_bytes,
     plan_buckets,
 )
@@ -46,7 +45,7 @@ from . import sources as weight_sources
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcSender
 from .link import AFTER_FAILURE, Link, check_src, collective_max_blocks, is_member, resolve_group, transport_device
 from .many_senders import ManySender, check_senders
-from .sync_options import (DEFAULT_RESERVE_SMS, DEFAULT_SYNC_BUCKET_BYTES, MODES, PHASES, _Buffers, _check_common,
+from .sync_options import (DEFAULT_RESERVE_SMS, DEFAULT_SYNC_BUCKET_BYTES, MODES, PHASES, SenderBuckets, _check_common,
                            _check_many, _check_transport, _check_version)
 
 # Note [bucket pipeline]
@@ -248,8 +247,7 @@ class WeightSender:
         self.alignment = alignment
         self._pool = pool
         self.is_src = dist.get_rank() == self.src
-        self._buffers = _Buffers()
-        self._host_buffers = _Buffers()
+        self._buckets = SenderBuckets()
         self._snapshots: "OrderedDict[int, _Snapshot]" = OrderedDict()
         self._next_version = 0
         self._signature = None  # names, shapes, dtypes of the last plan sent on this group
@@ -526,7 +524,6 @@ class WeightSender:
         tensors = dict(items)
         staged = pack_device != self.device  # host snapshot sent over NCCL: pack on the host, then copy up
         works: List = [None, None]
-        uploads: List = [None, None]  # events: host bucket slot free again (its upload has completed)
         gathered: Dict[str, torch.Tensor] = {}
         for k, spans in enumerate(self._cached_spans):
             entries = spans.entries
@@ -551,21 +548,8 @@ class WeightSender:
             for e, s in zip(entries, sources):  # the plan checked names, shapes and dtypes
                 if gathers and weight_sources.is_dtensor(tensors[e.name]):  # the others were checked before the header
                     weight_sources.check_source(fn, e.name, s, pack_device, self._backend)
-            if staged:
-                if uploads[slot] is not None:
-                    uploads[slot].synchronize()  # the host writes this slot next
-                host = self._host_buffers.get(slot, size, torch.device("cpu"), self.pool)
-                with timer.phase("pack"):
-                    copy_spans(host, sources, spans, pack=True)
-                data = self._buffers.get(slot, size, self.device)
-                with timer.phase("host_copy"):
-                    data.copy_(host, non_blocking=True)
-                uploads[slot] = _device.new_event(self.device)
-                uploads[slot].record(_device.current_stream(self.device))
-            else:
-                data = self._buffers.get(slot, size, self.device)
-                with timer.phase("pack"):
-                    copy_spans(data, sources, spans, pack=True, max_blocks=self._max_blocks)
+            data = self._buckets.pack(slot, size, self.device, sources, spans, timer,
+                                      host_pool=self.pool if staged else None, max_blocks=self._max_blocks)
             if k == 0:
                 timer.mark_span("transfer")
             with _device.nvtx_range(f"offload.weight_sync.bucket{k}"):

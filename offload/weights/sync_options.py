@@ -1,5 +1,5 @@
 """What a `WeightSender` and a `WeightReceiver` share: the defaults, the checks of the arguments
-they both take, and the double buffer of buckets (sync.py, receiver.py)."""
+they both take, and the double buffer of buckets (sync.py, receiver.py, many_senders.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from typing import List, Optional
 
 import torch
 
+from ..core import _device
 from ..core.checks import check_int
 from ..core.pool import HostPool
+from .buckets import copy_spans
 from .link import check_group_args
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
@@ -58,7 +60,7 @@ def _check_transport(fn: str, transport, channel) -> None:
                          "the group")
 
 
-class _Buffers:
+class BucketBuffers:
     """Two bucket buffers, grown (never shrunk) to the largest bucket of a sync."""
 
     def __init__(self):
@@ -73,3 +75,34 @@ class _Buffers:
                 buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
             self.slots[slot] = buf
         return buf[:nbytes]
+
+
+class SenderBuckets:
+    """A sender's two bucket buffers on the device (Note [bucket pipeline] in sync.py), and for a send
+    from host memory (a host_cache snapshot) two pinned host buckets, packed on the host and copied up
+    on the current stream, which owns the device buffers."""
+
+    def __init__(self):
+        self.device_buffers = BucketBuffers()
+        self.host_buffers = BucketBuffers()
+        self._uploads: List = [None, None]  # events: a host bucket's upload is done, the slot free again
+
+    def pack(self, slot: int, size: int, device, sources, spans, timer, host_pool: Optional[HostPool] = None,
+             max_blocks=None) -> torch.Tensor:
+        """Bucket `slot` of `size` bytes packed from `sources` on `device` (on the host and copied up
+        where `host_pool` is given: the sources are host tensors), for its broadcast."""
+        data = self.device_buffers.get(slot, size, device)
+        if host_pool is None:
+            with timer.phase("pack"):
+                copy_spans(data, sources, spans, pack=True, max_blocks=max_blocks)
+            return data
+        if self._uploads[slot] is not None:
+            self._uploads[slot].synchronize()  # the host writes this slot next
+        host = self.host_buffers.get(slot, size, torch.device("cpu"), host_pool)
+        with timer.phase("pack"):
+            copy_spans(host, sources, spans, pack=True)
+        with timer.phase("host_copy"):
+            data.copy_(host, non_blocking=True)
+        self._uploads[slot] = _device.new_event(device)
+        self._uploads[slot].record(_device.current_stream(device))
+        return data
