@@ -276,34 +276,42 @@ def async_logging_fetches(pool, **model_kw):
     return model, handle, log, x, grads_ref
 
 
+def _spy_on(monkeypatch, owner, name, before=None, after=None):
+    """Replace `owner.name` (a function of a module, or a method of a class) by a call of it that
+    gives `before(args)` what it is called with and `after(args, result)` what it returned."""
+    real = getattr(owner, name)
+
+    def spied(*args):
+        if before is not None:
+            before(args)
+        result = real(*args)
+        if after is not None:
+            after(args, result)
+        return result
+
+    monkeypatch.setattr(owner, name, spied)
+
+
+def _core_hooks():
+    """The loaded core, whose hooks an engine binds when it is made (None: the Python hooks)."""
+    from offload.core import _backend
+
+    return _backend.loaded_core()
+
+
 def spy_offloaded(monkeypatch, on_offload):
     """Call `on_offload(t)` for each saved tensor the engines made from now on offload, on either
     hooks' path: the core's pack hook (an engine binds it when made, so patched first) and the
     Python table's `pack_extent`. What they return for a tensor that stays is a (tensor, version)
     tuple; anything else is an offloaded tensor's handle."""
     from offload.activation.pack_table import PackTable
-    from offload.core import _backend
 
-    core = _backend.loaded_core()
-    if core is not None:
-        real_hook = core.pack_saved_tensor
-
-        def hook(table, t):
-            packed = real_hook(table, t)
-            if type(packed) is not tuple and isinstance(t, torch.Tensor):
-                on_offload(t)
-            return packed
-
-        monkeypatch.setattr(core, "pack_saved_tensor", hook)
-    real_pack = PackTable.pack_extent
-
-    def pack_extent(self, engine, t, *extent):
-        packed = real_pack(self, engine, t, *extent)
-        if type(packed) is not tuple:
-            on_offload(t)
-        return packed
-
-    monkeypatch.setattr(PackTable, "pack_extent", pack_extent)
+    core = _core_hooks()
+    if core is not None:  # (table, tensor)
+        _spy_on(monkeypatch, core, "pack_saved_tensor", after=lambda args, packed: on_offload(args[1])
+                if type(packed) is not tuple and isinstance(args[1], torch.Tensor) else None)
+    _spy_on(monkeypatch, PackTable, "pack_extent",  # (table, engine, tensor, *extent)
+            after=lambda args, packed: on_offload(args[2]) if type(packed) is not tuple else None)
 
 
 def spy_unpacked(monkeypatch, on_unpack):
@@ -312,49 +320,18 @@ def spy_unpacked(monkeypatch, on_unpack):
     else the backward side's Python `unpack` (the core's hook calls that one too, for what it
     does not serve: patched only where it is the hook; an engine binds it when made)."""
     from offload.activation.backward import BackwardSide
-    from offload.core import _backend
 
-    core = _backend.loaded_core()
-    if core is not None:
-        real_hook = core.unpack_saved_tensor
-
-        def hook(table, packed):
-            t = real_hook(table, packed)
-            on_unpack(t)
-            return t
-
-        monkeypatch.setattr(core, "unpack_saved_tensor", hook)
-        return
-    real_unpack = BackwardSide.unpack
-
-    def unpack(self, packed):
-        t = real_unpack(self, packed)
-        on_unpack(t)
-        return t
-
-    monkeypatch.setattr(BackwardSide, "unpack", unpack)
+    core = _core_hooks()
+    owner, name = (core, "unpack_saved_tensor") if core is not None else (BackwardSide, "unpack")
+    _spy_on(monkeypatch, owner, name, after=lambda args, t: on_unpack(t))
 
 
 def spy_packs(monkeypatch, on_pack):
     """Call `on_pack(in_group)` for each saved tensor that reaches the engines' pack hook from
-    now on (`in_group`: a group was open), on the hook's path as `spy_unpacked` picks it."""
+    now on (`in_group`: a group was open), on the hook's path as `spy_unpacked` picks it: the
+    first argument is the core's table or the engine, both with `open_group`."""
     from offload.activation.engine import ActivationEngine
-    from offload.core import _backend
 
-    core = _backend.loaded_core()
-    if core is not None:
-        real_hook = core.pack_saved_tensor
-
-        def hook(table, t):
-            on_pack(table.open_group is not None)
-            return real_hook(table, t)
-
-        monkeypatch.setattr(core, "pack_saved_tensor", hook)
-        return
-    real_pack = ActivationEngine.pack
-
-    def pack(self, t):
-        on_pack(self.open_group is not None)
-        return real_pack(self, t)
-
-    monkeypatch.setattr(ActivationEngine, "pack", pack)
+    core = _core_hooks()
+    owner, name = (core, "pack_saved_tensor") if core is not None else (ActivationEngine, "pack")
+    _spy_on(monkeypatch, owner, name, before=lambda args: on_pack(args[0].open_group is not None))
