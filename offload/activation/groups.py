@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..core.copy import copy_spans_to_host
 from .saved_tensors import describe, drop_held
 
 # A group's states (ints: the core's ActivationGroup keeps the same numbers, activation_group.h).
@@ -115,8 +116,6 @@ class Group:
     def copy_out(self, pool, stream, chunk_bytes: int, timing: bool):
         """Close: one copy of the spans into a pooled host block at aligned offsets (Note [one
         copy per group] in engine.py); the transfer (a CopyHandle's implementation)."""
-        from ..core.copy import copy_spans_to_host
-
         sizes = self.span_sizes = [span.hi - span.lo for span in self.spans]
         self.offsets, self.nbytes_aligned = aligned_layout(sizes)
         return copy_spans_to_host([span.tensor for span in self.spans], self.span_starts, sizes, self.nbytes_aligned,
