@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload.core import _device
 from offload.activation import engine as act
-from offload.activation.saved_tensors import storage_ptrs
+from offload.activation.saved_tensors import module_tensors, storage_ptrs
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     PairModel, assert_bitwise_equal, async_logging_fetches, grads_of, log_events, one_thread, pool, small_model,
     spy_offloaded, spy_packs, spy_unpacked, train_step,
@@ -334,7 +334,8 @@ def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_neede
     real = act.ActivationEngine._walk_params
 
     def counted(self):  # a private spy: no seam reports the walk, a cost and not a behaviour
-        self._param_pending = [list(params) for params in self._param_pending]  # read twice below
+        self._param_pending = [list(module_tensors(params) if isinstance(params, nn.Module) else params)
+                               for params in self._param_pending]  # read twice below
         order.append(("walk", len(storage_ptrs(t for params in self._param_pending for t in params))))
         return real(self)
 

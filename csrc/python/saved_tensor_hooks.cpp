@@ -238,18 +238,40 @@ class PackTable {
 
   // The storages of `tensors` (parameters, buffers, inputs: any iterable) stay: saved_tensors.py's
   // `storage_ptrs` in C, a walk each forward that needs it (Note [parameter walk]), where Python
-  // would make a storage object per tensor. A DTensor counts by its local shard; a tensor
-  // without storage (meta, fake) is skipped.
+  // would make a storage object per tensor.
   void add_params(const py::iterable& tensors) {
-    static PyObject* local_name = PyUnicode_InternFromString("_local_tensor");
-    for (const py::handle item : tensors) {
-      if (!THPVariable_Check(item.ptr())) continue;
-      int64_t ptr = storage_ptr(THPVariable_Unpack(item.ptr()));
-      if (ptr == 0 && !THPVariable_CheckExact(item.ptr()) && PyObject_HasAttr(item.ptr(), local_name)) {
-        const py::object local = attr(item, local_name);  // a DTensor: its local shard's storage
-        if (THPVariable_Check(local.ptr())) ptr = storage_ptr(THPVariable_Unpack(local.ptr()));
+    for (const py::handle item : tensors) add_param(item);
+  }
+
+  // The storages of `root`'s parameters and buffers and its submodules' stay: saved_tensors.py's
+  // `module_tensors` walk in C, over the modules' own dicts (a module reached twice is read
+  // once), without a Python generator frame per module and tensor.
+  void add_module_params(const py::handle& root) {
+    static PyObject* modules_name = PyUnicode_InternFromString("_modules");
+    static PyObject* parameters_name = PyUnicode_InternFromString("_parameters");
+    static PyObject* buffers_name = PyUnicode_InternFromString("_buffers");
+    std::vector<py::object> stack{py::reinterpret_borrow<py::object>(root)};
+    std::unordered_set<PyObject*> seen;  // the stack and the tree hold every module while we walk
+    while (!stack.empty()) {
+      const py::object module = std::move(stack.back());
+      stack.pop_back();
+      if (!seen.insert(module.ptr()).second) continue;
+      for (PyObject* name : {parameters_name, buffers_name}) {
+        const py::object members = attr(module, name);
+        if (!PyDict_Check(members.ptr())) continue;
+        PyObject* key = nullptr;
+        PyObject* value = nullptr;  // borrowed
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(members.ptr(), &pos, &key, &value)) add_param(value);
       }
-      if (ptr != 0) param_ptrs_.insert(ptr);
+      const py::object children = attr(module, modules_name);
+      if (!PyDict_Check(children.ptr())) continue;
+      PyObject* key = nullptr;
+      PyObject* child = nullptr;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(children.ptr(), &pos, &key, &child)) {
+        if (child != Py_None) stack.push_back(py::reinterpret_borrow<py::object>(child));
+      }
     }
   }
 
@@ -278,6 +300,19 @@ class PackTable {
   }
 
   py::object pack_new_span(py::handle engine, py::handle tensor, const at::Tensor& t, const Extent& extent);
+
+  // One parameter, buffer or input: its storage stays. A DTensor counts by its local shard; a
+  // tensor without storage (meta, fake) and anything not a tensor (None) are skipped.
+  void add_param(const py::handle& item) {
+    static PyObject* local_name = PyUnicode_InternFromString("_local_tensor");
+    if (!THPVariable_Check(item.ptr())) return;
+    int64_t ptr = storage_ptr(THPVariable_Unpack(item.ptr()));
+    if (ptr == 0 && !THPVariable_CheckExact(item.ptr()) && PyObject_HasAttr(item.ptr(), local_name)) {
+      const py::object local = attr(item, local_name);  // a DTensor: its local shard's storage
+      if (THPVariable_Check(local.ptr())) ptr = storage_ptr(THPVariable_Unpack(local.ptr()));
+    }
+    if (ptr != 0) param_ptrs_.insert(ptr);
+  }
 
   py::object engine_;  // a weak reference: the engine holds the table
   int64_t min_bytes_;
@@ -511,6 +546,7 @@ void bind(py::module_& m) {
       .def_readwrite("params_pending", &PackTable::params_pending)
       .def_readwrite("params_needed", &PackTable::params_needed)
       .def("add_params", &PackTable::add_params, py::arg("tensors"))
+      .def("add_module_params", &PackTable::add_module_params, py::arg("root"))
       .def("__len__", &PackTable::size)
       .def("clear", &PackTable::clear);
   for (PyMethodDef& def : hook_defs) {

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import warnings
 import weakref
 from typing import List, Optional
@@ -25,7 +24,7 @@ from ..core.pool import HostPool
 from . import layers as _layers
 from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
 from .groups import ActivationEvent  # noqa: F401 (the listeners' record, exported by offload.activation)
-from .saved_tensors import input_tensors, module_tensors, not_traced, other_hooks_active
+from .saved_tensors import input_tensors, not_traced, other_hooks_active
 
 # Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
 # under torch's non-reentrant checkpoint, inside the layer's group: the checkpoint saves the
@@ -199,7 +198,7 @@ class ActivationOffload:
             # Walked only where a saved tensor needs it (Note [parameter walk] in engine.py). The
             # forward's own inputs stay too: the caller holds them through the forward, so a copy
             # would free nothing.
-            with engine.capture(itertools.chain(module_tensors(model), input_tensors(args, kwargs))):
+            with engine.capture(model, input_tensors(args, kwargs)):
                 out = original(*args, **kwargs)
             if engine.hooks_in_groups_only:
                 engine.backward.mark_backward_start(out)
@@ -261,7 +260,7 @@ class ActivationOffload:
     def _add_layer_params(self, index) -> None:
         module = self._modules[index]()
         if module is not None:
-            self.engine.add_params(module_tensors(module))
+            self.engine.add_params(module)
 
     def add_listener(self, callback) -> None:
         """Call `callback(event)` with an `ActivationEvent` each time a group's copy to the host is

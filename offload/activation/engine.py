@@ -353,8 +353,9 @@ class ActivationEngine:
 
     # ------------------------------------------------------------ forward side
 
-    def capture(self, params=()):
-        """Context: saved tensors in it are hooked; `params` are never offloaded."""
+    def capture(self, *params):
+        """Context: saved tensors in it are hooked; the tensors of `params` (modules, whose
+        parameters and buffers count, or iterables of tensors) are never offloaded."""
         return _Capture(self, params)
 
     def _start_step_after_backward(self) -> None:
@@ -378,7 +379,7 @@ class ActivationEngine:
             self._start_step_after_backward()
             self._poll()
             self._table.clear()
-            self._param_pending = [params]
+            self._param_pending = list(params)
             self._table.params_pending = True
             if self._table.params_needed:  # the last forward needed the walk: make it here (Note [parameter walk])
                 self._walk_params()
@@ -411,7 +412,8 @@ class ActivationEngine:
         """Storages of `params` stay on the device (FSDP2 unsharded parameters of a layer).
 
         Read when a saved tensor first needs them (normally inside the layer, while FSDP2's
-        unsharded parameters exist): `params` may be a lazy iterable.
+        unsharded parameters exist): `params` is a module (its parameters and buffers and its
+        submodules') or an iterable of tensors, which may be lazy.
         """
         self._param_pending.append(params)
         self._table.params_pending = True
@@ -689,7 +691,10 @@ class ActivationEngine:
         pending, self._param_pending = self._param_pending, []
         self._table.params_pending = False
         for params in pending:
-            self._table.add_params(params)
+            if isinstance(params, torch.nn.Module):
+                self._table.add_module_params(params)
+            else:
+                self._table.add_params(params)
 
     def _profiled(self, group: Group) -> None:
         """Auto mode measuring: the layer has saved the next share of its bytes (see `AutoState.profile`)."""

@@ -13,7 +13,7 @@ from typing import Dict
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .groups import COPYING, SPAN_ALIGN, Packed, Span
-from .saved_tensors import storage_ptrs
+from .saved_tensors import module_tensors, storage_ptrs
 
 # A new span that reads at least this share of its storage copies the whole storage (Note
 # [storages and views] in engine.py; the core compares 7 * size <= 8 * bytes).
@@ -35,6 +35,10 @@ class PackTable:
     def add_params(self, tensors) -> None:
         """The storages of `tensors` (any iterable) stay (Note [parameter walk] in engine.py)."""
         self._param_ptrs |= storage_ptrs(tensors)
+
+    def add_module_params(self, root) -> None:
+        """The storages of `root`'s parameters and buffers and its submodules' stay."""
+        self._param_ptrs |= storage_ptrs(module_tensors(root))
 
     def __len__(self) -> int:
         """The storages recorded in this forward (each holds its group)."""
