@@ -6,7 +6,9 @@ copy of it), in the same process:
 - CPU (on every machine, on the CPU, one thread): 8 residual layers `x + lin2(gelu(lin1(x)))`
   of two `Linear(64, 64)`, input 4x16x64 fp32, a forward and a backward of
   `out.square().mean()` per step. The device's work is a few microseconds per layer, so the
-  step time is host time: the variants are no handle; `async` with every layer offloaded
+  step time is host time: the variants are no handle; `hooks`, the same model under autograd's
+  saved-tensor hooks that return what they get (the floor of any hook-based offload); `async`
+  with every layer offloaded
   (`min_tensor_bytes=1, min_group_bytes=0, keep_last=0`); the same handle inside
   `handle.paused()`; `auto` (settled first: on the CPU its plan offloads nothing); `verify`, the
   async handle with `verify=True` (what its checksums cost). Host time
@@ -15,9 +17,9 @@ copy of it), in the same process:
   On a machine with an accelerator the engine offloads only tensors of the accelerator, so
   this measure runs in a subprocess that sees none.
 - GPU (cuda, npu): the bench's Llama (d2048, 8 layers, bf16, batch 1, `transformers` built
-  from a config) at seq 2048 (and 8192 with --full): no handle, `async`, paused, `auto` and `verify` (the library's
-  defaults otherwise), blocks of 5 back-to-back steps timed with device events, one block of
-  each per round, the order reversed in every other round.
+  from a config) at seq 2048 (and 8192 with --full): no handle, `hooks`, `async`, paused,
+  `auto` and `verify` (the library's defaults otherwise), blocks of 5 back-to-back steps timed
+  with device events, one block of each per round, the order reversed in every other round.
 
 Per variant the median step of all rounds counts, its ratio to the no-handle median is the
 row's; the spread is that of the rounds' medians. The rounds alternate the variants so that
@@ -60,8 +62,11 @@ CPU_LAYERS, CPU_WIDTH, CPU_INPUT = 8, 64, (4, 16, 64)
 # GPU measure: rounds of one block of GPU_BLOCK back-to-back steps per variant.
 GPU_ROUNDS, GPU_QUICK_ROUNDS, GPU_BLOCK, GPU_WARMUP = 8, 2, 5, 2
 GPU_SEQS = (2048, 8192)
-# The variants, in the order of a round: verify is async with verify=True (its checksums' cost).
-VARIANTS = ("none", "async", "paused", "auto", "verify")
+# The variants, in the order of a round: hooks is the model with no handle under autograd's
+# saved-tensor hooks that return what they get (the floor any hook-based offload pays: autograd
+# calls a pack hook per saved tensor and an unpack hook per read); verify is async with
+# verify=True (its checksums' cost).
+VARIANTS = ("none", "hooks", "async", "paused", "auto", "verify")
 
 
 def applies(device_type: str) -> bool:
@@ -182,6 +187,18 @@ def _train_step(model, loss_fn):
     return step
 
 
+def _identity(t):
+    return t
+
+
+def _under_identity_hooks(step):
+    def hooked_step():
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            step()
+
+    return hooked_step
+
+
 def _paused(handle, step):
     def paused_step():
         with handle.paused():
@@ -230,8 +247,9 @@ def _measure_variants(what, model, loss_fn, options, rounds, block, warmup, cloc
             "verify": _train_step(with_verify, lambda: loss_fn(with_verify)),
         }
         steps["paused"] = _paused(handle, steps["async"])
+        steps["hooks"] = _under_identity_hooks(steps["none"])
         settled_after = _settle(auto, steps["auto"])
-        for name in ("none", "async", "paused", "verify"):
+        for name in ("none", "hooks", "async", "paused", "verify"):
             for _ in range(warmup):
                 steps[name]()
         offloaded = {"async": _offloaded(handle, steps["async"]), "auto": _offloaded(auto, steps["auto"]),
@@ -296,7 +314,7 @@ def _cpu_rows(ctx) -> list:
 
     from offload.core import _device
 
-    ctx.progress("CPU measure: no handle, async, paused, auto, verify")
+    ctx.progress("CPU measure: no handle, identity hooks, async, paused, auto, verify")
     measure = cpu_measure(ctx.quick) if _device.accelerator_type() is None else _cpu_measure_elsewhere(ctx.quick)
     v = measure.variants
     none_us = v["none"].median_ms * 1e3
@@ -317,7 +335,8 @@ def _cpu_rows(ctx) -> list:
                      f"{'-' if t.layers_offloaded is None else t.layers_offloaded:>11}  {said}")
         if name == "none":
             continue
-        label = {"async": f"async, all {layers} layers offloaded", "paused": "async handle inside handle.paused()",
+        label = {"hooks": "autograd's saved-tensor hooks alone (identity pack and unpack, no handle)",
+                 "async": f"async, all {layers} layers offloaded", "paused": "async handle inside handle.paused()",
                  "auto": f"auto (settled, {t.layers_offloaded} layers offloaded)",
                  "verify": f"async with verify=True, all {t.layers_offloaded} layers offloaded"}[name]
         extra = dict(variant=name, layers_offloaded=t.layers_offloaded, offloaded_bytes=t.offloaded_bytes,
@@ -327,6 +346,10 @@ def _cpu_rows(ctx) -> list:
         rows.append(row(SECTION, f"CPU step, {label}" + ("" if target is None else f" (target <= {target:.2f}x)"),
                         offload=us, baseline=none_us, unit="us", baseline_name=BASELINE, higher_is_better=False,
                         **extra))
+    hooks_us = v["hooks"].median_ms * 1e3 - none_us
+    rows.append(row(SECTION, "CPU host time autograd's saved-tensor hooks alone add per step", offload=hooks_us,
+                    baseline=None, unit="us", baseline_name="identity-hooks step - no-handle step", variant="hooks",
+                    **common))
     async_us = v["async"].median_ms * 1e3
     per_step = async_us - none_us
     per_layer = per_step / layers if layers else None
@@ -338,6 +361,7 @@ def _cpu_rows(ctx) -> list:
                     variant="async", layers_offloaded=layers, **common))
     lines.append(f"  async adds {per_step:.1f} us per step, "
                  + (f"{per_layer:.1f} us per offloaded layer" if per_layer is not None else "no layer offloaded")
+                 + f" ({hooks_us:.1f} us of it autograd's hooks alone pay)"
                  + f"; auto settled after {measure.auto_settled_after} steps")
     for line in lines:
         print(line, flush=True)
@@ -372,7 +396,7 @@ def _gpu_rows(ctx) -> list:
     rows = []
     rounds = GPU_QUICK_ROUNDS if ctx.quick else GPU_ROUNDS
     for seq in GPU_SEQS if ctx.full else GPU_SEQS[:1]:
-        ctx.progress(f"Llama seq {seq}: no handle, async, paused, auto, verify")
+        ctx.progress(f"Llama seq {seq}: no handle, identity hooks, async, paused, auto, verify")
         model, loss_fn = _llama(ctx.device, seq)
         what = f"Llama d2048 8 layers bf16, batch 1, seq {seq}"
         try:
@@ -394,8 +418,10 @@ def _gpu_rows(ctx) -> list:
                      f", {t.layers_offloaded} layers, {t.offloaded_bytes / 2**30:.2f} GiB offloaded"), flush=True)
             if name == "none":
                 continue
-            offloaded = f"{t.layers_offloaded} layers, {t.offloaded_bytes / 2**30:.2f} GiB offloaded"
-            label = {"async": f"async ({offloaded})", "paused": "async inside paused()",
+            offloaded = ("" if t.offloaded_bytes is None else
+                         f"{t.layers_offloaded} layers, {t.offloaded_bytes / 2**30:.2f} GiB offloaded")
+            label = {"hooks": "identity saved-tensor hooks, no handle",
+                     "async": f"async ({offloaded})", "paused": "async inside paused()",
                      "auto": f"auto ({offloaded})", "verify": f"async with verify=True ({offloaded})"}[name]
             rows.append(row(SECTION, f"Llama seq{seq} step, {label}", offload=t.median_ms, baseline=none_ms,
                             unit="ms", baseline_name=BASELINE, higher_is_better=False, measure="gpu", what=what,

@@ -63,7 +63,7 @@ def test_bench_host_section_runs_on_the_cpu_in_quick_mode(bench_host, capsys):
     assert torch.get_num_threads() == threads  # one thread while it measures, restored after
     assert ctx.skipped == []
     steps = {r["variant"]: r for r in rows if r["unit"] == "us" and r["baseline"] is not None}
-    assert set(steps) == {"async", "paused", "auto", "verify"}
+    assert set(steps) == {"hooks", "async", "paused", "auto", "verify"}
     for variant, r in steps.items():
         for key in ("section", "case", "offload", "baseline", "baseline_name", "unit", "ratio", "layers_offloaded",
                     "steps_timed", "spread_pct"):
@@ -79,4 +79,8 @@ def test_bench_host_section_runs_on_the_cpu_in_quick_mode(bench_host, capsys):
     assert per_layer[0]["offload"] == pytest.approx(
         (steps["async"]["offload"] - steps["async"]["baseline"]) / 8)
     assert "host time per offloaded layer" in rows[-1]["case"]
+    assert steps["hooks"]["layers_offloaded"] is None  # no handle: autograd's hooks alone
+    floor = [r for r in rows if "hooks alone add" in r["case"]]
+    assert len(floor) == 1
+    assert floor[0]["offload"] == pytest.approx(steps["hooks"]["offload"] - steps["hooks"]["baseline"])
     assert "target" in capsys.readouterr().out  # the printed table states the targets
