@@ -22,18 +22,9 @@ from ..core.copy import CopyHandle, copy_to_host
 from ..core.pool import HostPool, default_host_pool
 from ..core.timing import PhaseTimer
 from . import sources as weight_sources
-from .buckets import (
-    BucketPlan,
-    BucketSpans,
-    DtypePolicy,
-    bucket_spans,
-    check_bucket_options,
-    check_received_into,
-    copy_spans,
-    default_bucket_bytes,
-    destinations,
-    plan_buckets,
-)
+from .bucket_pack import BucketSpans, bucket_spans, check_received_into, copy_spans, destinations
+from .bucket_plan import BucketPlan
+from .bucket_planner import DtypePolicy, check_bucket_options, default_bucket_bytes, plan_buckets
 from .link import AFTER_FAILURE, Link, check_ranks, collective_max_blocks, transport_device
 from .sync_options import BucketBuffers, SenderBuckets
 

@@ -10,8 +10,7 @@ import torch.distributed as dist
 
 from ..core.checks import check_bool, is_int
 from ..core.timing import PhaseTimer
-from .buckets import (
-    BucketPlan,
+from .bucket_pack import (
     BucketSpans,
     bucket_spans,
     bucket_tensors,
@@ -20,6 +19,7 @@ from .buckets import (
     copy_spans,
     destinations,
 )
+from .bucket_plan import BucketPlan
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver
 from .link import AFTER_FAILURE, Link, check_src, collective_max_blocks, is_member, resolve_group, transport_device
 from .many_senders import ManyReceiver, check_senders, check_slices

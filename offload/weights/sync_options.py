@@ -10,7 +10,7 @@ import torch
 from ..core import _device
 from ..core.checks import check_int
 from ..core.pool import HostPool
-from .buckets import copy_spans
+from .bucket_pack import copy_spans
 from .link import check_group_args
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
