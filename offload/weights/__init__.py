@@ -12,7 +12,10 @@ Modules:
 - sync_options: what sender and receiver share: defaults, argument checks, the double buffer of buckets.
 - link: a sync's collectives over a process group, with bounded waits (Note [failed syncs]).
 - sources: what a sync sends: (name, tensor) references and their checks.
-- many_senders: every trainer rank sends what it owns (`ManySender`, Note [many senders]).
+- many_senders: every trainer rank sends what it owns (`ManySender`, Note [many senders]), and what
+  its senders and receivers share (the groups, `Piece`, `SenderPlan`).
+- many_receiver: a rollout rank's side of a many-sender sync (`ManyReceiver`): what it keeps of each
+  sender's buckets, received round-robin.
 - ipc: colocated sync through shared device buffers (`transport="ipc"`).
 - param_offload: `offload_params` / `reload_params`, a model parked in pinned host memory.
 - parked: what a parked module allows, and the errors where it would be misread.

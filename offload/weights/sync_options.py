@@ -1,5 +1,6 @@
 """What a `WeightSender` and a `WeightReceiver` share: the defaults, the checks of the arguments
-they both take, and the double buffer of buckets (sync.py, receiver.py, many_senders.py)."""
+they both take, and the double buffer of buckets (sync.py, receiver.py, many_senders.py,
+many_receiver.py)."""
 
 from __future__ import annotations
 
