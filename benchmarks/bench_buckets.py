@@ -19,7 +19,8 @@ import torch
 from common import gbps, row, time_ms
 from model_shapes import label, llama3_8b, materialize, qwen2_5_1_5b
 from offload.core import _device
-from offload.weights.buckets import default_bucket_bytes, pack_into, plan_buckets
+from offload.weights.bucket_pack import pack_into
+from offload.weights.bucket_planner import default_bucket_bytes, plan_buckets
 
 SECTION = "buckets"
 REQUIRES = ("transformers",)  # the tensor lists come from transformers' model configs

@@ -83,7 +83,8 @@ def _copy_kernels(tensors: dict, bucket_bytes: int, pack: bool, device) -> dict:
     into one buffer holding everything, and with `bucket_bytes` buckets in two alternating
     buffers (the transport's plan, no other process involved); one D2D copy of the bytes."""
     from offload.core import _device
-    from offload.weights.buckets import BucketSpans, copy_spans, plan_buckets
+    from offload.weights.bucket_pack import BucketSpans, copy_spans
+    from offload.weights.bucket_planner import plan_buckets
 
     items = list(tensors.items())
     out = {}

@@ -1,8 +1,11 @@
 """What the torch.distributed tests share: spawned ranks of a world (their worker processes,
-the rendezvous, FSDP2 sharding, a comparison of weights), and a one-rank gloo world in this process."""
+the rendezvous, the report every fault-test rank makes, FSDP2 sharding, a comparison of weights),
+and a one-rank gloo world in this process."""
 
+import contextlib
 import datetime
 import faulthandler
+import gc
 import os
 import shutil
 import sys
@@ -54,6 +57,39 @@ def leave_passed_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def reporting_rank(results, rank, destroy_group: bool = True):
+    """Around the body of a fault-test rank: what it reports reaches the parent, whatever happens.
+
+    Yields put(kind, value), which puts (kind, rank, value) into `results` (a multiprocessing
+    Queue the parent reads). The rank prints its stack if it aborts (watch_for_aborts). An
+    exception is put as ("error", rank, its traceback) and raised again, so the process exits
+    non-zero. A body that ends normally then, with `destroy_group`, destroys the process group and
+    collects what referred to it, as the interpreter's teardown would: multiprocessing ends a
+    worker with os._exit, which skips that teardown, and a group's backend and its threads go only
+    with the last references to it (a caught error's traceback holds the sender or receiver in a
+    cycle). The body drops its own references first (`del`): its frame outlives the context.
+    Either way `results` is flushed before the context ends, so the worker may os._exit after it.
+    """
+    watch_for_aborts()
+
+    def put(kind, value):
+        results.put((kind, rank, value))
+
+    try:
+        yield put
+        if destroy_group:
+            dist.destroy_process_group()
+            gc.collect()
+    except BaseException:
+        put("error", traceback.format_exc())
+        raise
+    finally:
+        results.close()
+        results.join_thread()  # what was put reaches the parent before the process ends
+        sys.stdout.flush()
 
 
 def run_ranks(target, args, world: int, timeout_s: float) -> None:

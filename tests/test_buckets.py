@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import offload
-from offload.weights.buckets import BucketEntry, BucketPlan
+from offload import BucketEntry, BucketPlan
+from offload.weights import bucket_planner
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.int8]
@@ -42,7 +43,7 @@ def _expected(t, name, dtype, keep):
     return t.to(dtype)
 
 
-def _round_trip(tensors, bucket_bytes, dtype=None, keep=(), alignment=offload.weights.buckets.DEFAULT_ALIGNMENT):
+def _round_trip(tensors, bucket_bytes, dtype=None, keep=(), alignment=bucket_planner.DEFAULT_ALIGNMENT):
     """Pack, then unpack both ways; check views and in-place loads against the expected values."""
     buckets = list(offload.pack_buckets(tensors, bucket_bytes, dtype=dtype, keep_dtype=keep, alignment=alignment))
     plan = offload.plan_buckets(tensors, bucket_bytes, dtype=dtype, keep_dtype=keep, alignment=alignment)
@@ -152,11 +153,11 @@ def test_buckets_metadata_is_plain_data(device):
 
 
 def test_buckets_default_size_is_documented_range(device):
-    size = offload.weights.buckets.default_bucket_bytes(device)
+    size = bucket_planner.default_bucket_bytes(device)
     if device.type == "cpu":
-        assert size == offload.weights.buckets.CPU_DEFAULT_BUCKET_BYTES
+        assert size == bucket_planner.CPU_DEFAULT_BUCKET_BYTES
     else:
-        assert offload.weights.buckets.MIN_DEFAULT_BUCKET_BYTES <= size <= offload.weights.buckets.MAX_DEFAULT_BUCKET_BYTES
+        assert bucket_planner.MIN_DEFAULT_BUCKET_BYTES <= size <= bucket_planner.MAX_DEFAULT_BUCKET_BYTES
 
 
 # ---------------------------------------------------------------- fuzz

@@ -13,18 +13,14 @@ import multiprocessing.connection
 import os
 import queue
 import signal
-import sys
-import tempfile
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import offload
-from _workers import context, gloo_world, watch_for_aborts  # noqa: F401 (fixture: gloo_world)
+from _workers import context, gloo_world, reporting_rank  # noqa: F401 (fixture: gloo_world)
 
 TIMEOUT_S = 4.0
 # How much later than `timeout_s` the error may come on a loaded shared machine (spawned
@@ -85,25 +81,11 @@ def _check_refuses_again(call) -> None:
         call()
 
 
-def _report(results, rank, fn):
-    """Run fn(), put ("ok", rank, value) or ("error", rank, traceback) into `results`."""
-    watch_for_aborts()
-    try:
-        results.put(("ok", rank, fn()))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-        raise
-    finally:
-        results.close()
-        results.join_thread()  # the result reaches the parent before os._exit
-        sys.stdout.flush()
-
-
 # ------------------------------------------------------------ sender raises (both processes live on)
 
 
 def _raising_sender_world(rank, init_file, results):
-    def body():
+    with reporting_rank(results, rank, destroy_group=False) as put:
         _init(rank, init_file)
         group = dist.new_group([0, 1])
         if rank == 0:
@@ -138,9 +120,7 @@ def _raising_sender_world(rank, init_file, results):
             assert "bucket" in str(error) and "new group" in str(error), error
             _check_refuses_again(lambda: receiver.load(_zeros_like(_weights(1))))
         _sync_on_new_group(rank, 2)
-        return elapsed
-
-    _report(results, rank, body)
+        put("ok", elapsed)
     os._exit(0)  # the results are out; the exit after a failed sync is test_faults_timed_out_sync_...'s
 
 
@@ -164,7 +144,7 @@ def _dying_world(rank, victim, first_file, second_file, results):
     timeout, then (world two, with a fresh peer) sync bitwise."""
     survivor = rank != victim
 
-    def body():
+    with reporting_rank(results, rank, destroy_group=False) as put:
         _init(rank, first_file)
         group = dist.new_group([0, 1])
         if rank == 0:
@@ -205,19 +185,15 @@ def _dying_world(rank, victim, first_file, second_file, results):
         dist.destroy_process_group()
         _init(rank, second_file)
         _sync_on_new_group(rank, 2)
-        return elapsed
-
-    _report(results, rank, body)
+        put("ok", elapsed)
     os._exit(0)
 
 
 def _fresh_peer(rank, second_file, results):
-    def body():
+    with reporting_rank(results, f"fresh {rank}", destroy_group=False) as put:
         _init(rank, second_file)
         _sync_on_new_group(rank, 2)
-        return None
-
-    _report(results, f"fresh {rank}", body)
+        put("ok", None)
     os._exit(0)
 
 
@@ -278,8 +254,7 @@ def _timed_out_world(rank, scenario, init_file, release, results):
     "wrong_src": the receiver names itself as the sender, so both sides broadcast as the root and
     both time out. "never_sent": the sender constructs but never sends, and stays alive (until
     `release`) while the receiver times out."""
-    watch_for_aborts()
-    try:
+    with reporting_rank(results, rank) as put:  # then the group destroyed, and the process's exit
         _init(rank, init_file)
         start = time.monotonic()  # system-wide on Linux: the parent measures the exit against it
         error = None
@@ -292,19 +267,8 @@ def _timed_out_world(rank, scenario, init_file, release, results):
         else:
             held = offload.WeightReceiver(src=1 if scenario == "wrong_src" else 0, timeout_s=EXIT_TIMEOUT_S)
             error, _ = _timed_failure(lambda: held.load(_zeros_like(_weights(0))))
-        results.put(("sync_over", rank, (start, None if error is None else str(error))))
-        dist.destroy_process_group()
-        # What the interpreter's teardown does at exit, done here since multiprocessing ends a
-        # worker with os._exit, which skips it: the last references to the group go (the error's
-        # traceback holds the sender or receiver), and with them its backend and its threads.
-        del held, error
-        gc.collect()
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-        raise
-    finally:
-        results.close()
-        results.join_thread()
+        put("sync_over", (start, None if error is None else str(error)))
+        del held, error  # the group's last references, for the collect after its destroy
 
 
 @pytest.mark.parametrize("scenario", ["wrong_src", "never_sent"])

@@ -15,19 +15,17 @@ receivers hold afterwards is checked bitwise (docs/weight_sync.md, "When a sync 
 """
 
 import datetime
-import gc
 import multiprocessing.connection
 import os
 import queue
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import offload
-from _workers import context, watch_for_aborts
+from _workers import context, reporting_rank
 
 TIMEOUT_S = 2.0
 # How long after the failed sync's start a process may take to raise, destroy its group and exit:
@@ -112,8 +110,7 @@ def _rank_main(rank, scenario, init_file, release, results):
     (start, what happened)) before the group is destroyed and the process exits. A sender that
     raised holds its groups (alive, connections open) until `release`: the others must not learn
     of its failure from a closed connection, only from their bounded waits."""
-    watch_for_aborts()
-    try:
+    with reporting_rank(results, rank) as put:  # then the groups destroyed, and the process's exit
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                                 timeout=_INIT_TIMEOUT)
         torch.set_num_threads(1)
@@ -143,7 +140,7 @@ def _rank_main(rank, scenario, init_file, release, results):
                 with pytest.raises(RuntimeError, match="cannot sync again"):
                     held.send(source)
             if scenario in ("sender_raises", "sender_refuses") and rank == 1:
-                results.put(("sync_over", rank, (start, outcome)))
+                put("sync_over", (start, outcome))
                 release.wait(_JOIN_TIMEOUT_S)
                 outcome = None
         else:
@@ -177,18 +174,8 @@ def _rank_main(rank, scenario, init_file, release, results):
                     assert got.keys() == new.keys()
                 outcome += (sorted(got),)
         if outcome is not None:
-            results.put(("sync_over", rank, (start, outcome)))
-        dist.destroy_process_group()
-        # What the interpreter's teardown does at exit, done here since multiprocessing ends a worker
-        # with os._exit: the last references to the groups go, and with them their threads.
-        del held, mesh_group
-        gc.collect()
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-        raise
-    finally:
-        results.close()
-        results.join_thread()
+            put("sync_over", (start, outcome))
+        del held, mesh_group  # the groups' last references, for the collect after their destroy
 
 
 def _run(scenario: str, init_file: str) -> tuple:

@@ -38,7 +38,7 @@ def test_package_names_no_accelerator_outside_the_device_module():
 # Every "cuda" string literal in offload/ outside the device module, with why it names CUDA.
 _CUDA_LITERALS = {
     ("offload/core/_backend.py", 'device_type == "cuda"'): "a CPU-only build has no CUDA kernels",
-    ("offload/weights/buckets.py", '("cpu", "cuda")'): "the bucket kernels exist for the CPU and CUDA only",
+    ("offload/weights/bucket_pack.py", '("cpu", "cuda")'): "the bucket kernels exist for the CPU and CUDA only",
     ("offload/weights/link.py", 'device.type == "cuda"'): "SMs left to a collective are a CUDA kernel's cap",
 }
 _CUDA_LITERAL_FILES = {

@@ -232,7 +232,7 @@ def test_weight_sync_many_fsdp2_tensor_parallel_receivers():
 def test_weight_sync_many_assigns_whole_tensors_by_bytes():
     """Plain tensors are spread over the senders by bytes, the same way on every rank: the busiest sends
     at most its share plus the largest tensor."""
-    from offload.weights.buckets import DtypePolicy
+    from offload.weights.bucket_planner import DtypePolicy
     from offload.weights.many_senders import assign
 
     sizes = [1000, 10, 999, 500, 501, 3, 7, 250, 250, 1, 64, 64]

@@ -161,7 +161,21 @@ class CopyBatch:
 # the reverse. The budget starts at the limit and counts each unit as
 # `pool_bytes_estimate` does; where the pool's rounding makes the blocks a save
 # took pass the limit anyway, the stager lowers the budget by the excess and
-# plans again (AsyncStager._stage), so the pooled bytes stay within the limit.
+# plans again (AsyncStager._enqueue_save), so the pooled bytes stay within the limit.
+
+
+def _check_devices(fn: str, meta, tensor_paths) -> set:
+    """The devices of the tensors (`meta`, as META gives it), each the compute device's type or the host's."""
+    compute = _device.compute_device_type()
+    devices = {device for _, _, device in meta}
+    for device in devices:
+        if device.type not in (compute, "cpu"):
+            slot = next(i for i, (_, _, d) in enumerate(meta) if d == device)
+            raise ValueError(
+                f"{fn}: state_dict{''.join(f'[{k!r}]' for k in tensor_paths[slot])} is on {device}; "
+                f"staging copies tensors from {compute} or the host"
+            )
+    return devices
 
 
 class CopyPlan:
@@ -184,15 +198,7 @@ class CopyPlan:
         self.ptrs_version = 0
         self.specs = specs
         self.units: List[CopyUnit] = []
-        compute = _device.compute_device_type()
-        devices = {device for _, _, device in self.meta}
-        for device in devices:
-            if device.type not in (compute, "cpu"):
-                slot = next(i for i, (_, _, d) in enumerate(self.meta) if d == device)
-                raise ValueError(
-                    f"{fn}: state_dict{''.join(f'[{k!r}]' for k in tensor_paths[slot])} is on {device}; "
-                    f"staging copies tensors from {compute} or the host"
-                )
+        devices = _check_devices(fn, self.meta, tensor_paths)
         self._group(local_tensors, tensor_paths)
         for unit in self.units if forward_paths or forward_ptrs else ():
             unit.copied_first = any(
@@ -201,6 +207,17 @@ class CopyPlan:
             )
         if pinned_budget is not None:
             self._spill(pinned_budget, block_bytes)
+        self.batches = self._batch(local_tensors, devices)
+        self._slots_to_compare(local_tensors)
+        self.copy_bytes = sum(u.nbytes for u in self.units)
+        self.pageable_bytes = sum(u.nbytes for u in self.units if u.pageable)
+        self.pageable_units = sum(u.pageable for u in self.units)
+        self.signature = tuple((u.key, u.slots, u.copied_first, u.expanded) for b in self.batches for u in b.units)
+
+    def _batch(self, local_tensors, devices) -> List[CopyBatch]:
+        """The units in batches, one per (copied first, pageable, device), each with what its copy
+        picks from the state dict's tensors."""
+        compute = _device.compute_device_type()
         batches: Dict[Tuple, CopyBatch] = {}
         names = {device: str(device) for device in devices}
         for unit in self.units:
@@ -211,8 +228,8 @@ class CopyPlan:
                 asynchronous = unit.device.type == compute and not unit.pageable
                 batch = batches[key] = CopyBatch(unit.device, unit.copied_first, asynchronous, unit.pageable)
             batch.units.append(unit)
-        self.batches = [batches[k] for k in sorted(batches)]
-        for batch in self.batches:
+        ordered = [batches[k] for k in sorted(batches)]
+        for batch in ordered:
             if any(u.kind == "span" for u in batch.units):
                 batch.units.sort(key=lambda u: u.kind == "span")
             batch.src_slots = [u.slots[0] for u in batch.units if u.kind == "tensor"]
@@ -222,6 +239,10 @@ class CopyPlan:
             # The sources list is changed in place where spans or expanded sources go in.
             changed = bool(batch.spans or batch.expanded) or not batch.asynchronous
             batch.pick_sources = make_picker(batch.src_slots, len(local_tensors), fresh=changed)
+        return ordered
+
+    def _slots_to_compare(self, local_tensors) -> None:
+        """The tensors whose address or layout a save with this plan compares itself; the copies check the rest."""
         # Tensors a refill through the core checks the address of itself (copy_to_host's
         # same_sources; see AsyncStager._resolve): the one source of each tensor unit
         # of a batch the core copies, when not empty. The rest are compared here.
@@ -240,10 +261,6 @@ class CopyPlan:
                 watched.update(unit.slots)
         self.watched_slots = sorted(watched)
         self.watched_layouts = [layout_of(local_tensors[s])[1:] for s in self.watched_slots]
-        self.copy_bytes = sum(u.nbytes for u in self.units)
-        self.pageable_bytes = sum(u.nbytes for u in self.units if u.pageable)
-        self.pageable_units = sum(u.pageable for u in self.units)
-        self.signature = tuple((u.key, u.slots, u.copied_first, u.expanded) for b in self.batches for u in b.units)
 
     def _spill(self, budget: int, block_bytes) -> None:
         """Mark `pageable` the units that do not fit `budget` pool bytes, forward buffers

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -26,7 +26,7 @@ from .growth import PoolGrowth, start_growth
 from .host_copy import copy_on_host
 from .metrics import SaveLog
 from .host_copy import copy_to_pageable
-from .plan import META, CopyPlan, layout_of, make_picker, pick, pool_bytes_estimate, same_data_ptrs
+from .plan import META, CopyBatch, CopyPlan, layout_of, make_picker, pick, pool_bytes_estimate, same_data_ptrs
 from .ring import BufferRing, BufferSet, OverLimit
 from .state_tree import Mismatch, StateTree
 
@@ -73,6 +73,21 @@ GROUP_BYTES = 32 << 20
 # stager and are handed out read-only in the staged dict.
 
 
+class _Enqueued(NamedTuple):
+    """A save's copy, enqueued into a buffer set: what `AsyncStager._stage` logs of it."""
+
+    leaves: list
+    plan: CopyPlan
+    buffer_set: BufferSet
+    timing: Optional[Dict[Any, list]]  # per device, the timed copies' handles (None: copy_ms is the copy's time)
+    copy_ms: float  # host time of the enqueue (of the whole copy where nothing is timed on a device)
+    waited_ms: float  # for a free buffer set
+    reused: int  # the set's buffers reused for this plan
+    allocated: int  # and allocated for it
+    held_before: int  # bytes the set held before this save
+    replanned: bool  # the save made a new plan
+
+
 class _ReplanNeeded(Exception):
     """A copy refused a tensor the cached plan did not expect: plan again, checking every tensor."""
 
@@ -85,6 +100,21 @@ def _async_save_takes_futures() -> bool:
         return hasattr(state_dict_saver, "AsyncSaveResponse")
     except Exception:  # pragma: no cover - builds without torch.distributed
         return True
+
+
+def _batch_sources(batch: CopyBatch, local_tensors) -> list:
+    """What one batch copies, in its units' order: its tensors, then a uint8 view of each byte span
+    (overlapping views of one storage, copied as one span)."""
+    sources = batch.pick_sources(local_tensors)
+    for unit in batch.spans:
+        first = local_tensors[unit.slots[0]]
+        storage = first.untyped_storage()
+        offset = first.data_ptr() - storage.data_ptr() + unit.span_start
+        span = torch.empty(0, dtype=torch.uint8, device=first.device)
+        sources.append(span.set_(storage, offset, (unit.nbytes,), (1,)))
+    for i in batch.expanded:  # the host keeps one copy of broadcast elements
+        sources[i] = compact(sources[i])[0]
+    return sources
 
 
 class AsyncStager(_StagerProtocol):
@@ -185,6 +215,38 @@ class AsyncStager(_StagerProtocol):
 
     def _stage(self, fn, state_dict):
         entered = Span()
+        save = self._enqueue_save(fn, state_dict)
+        plan, buffer_set = save.plan, save.buffer_set
+        self._warn_pageable_once(fn, plan)
+        allocated_bytes = max(0, buffer_set.held_bytes - save.held_before)
+        if not buffer_set.marked:
+            buffer_set.mark_baseline()
+        # The future makes the staged dict when first asked for it (DCP's upload
+        # thread), not here; until then its own list of the host tensors keeps the
+        # set busy, and it keeps the other leaves as they are now.
+        scalars = self._leaf_pickers[2](save.leaves)
+        future = StagingFuture(plan.tree.build, scalars, list(buffer_set.host_leaves), buffer_set.handles,
+                               self._log.spent)
+        self._saves += 1
+        self._log.add(
+            {
+                "save": self._saves, "set": buffer_set.index, "bytes": plan.copy_bytes, "tensors": len(plan.meta),
+                "copies": len(plan.units), "blocked_ms": entered.stop().ms(), "waited_ms": save.waited_ms,
+                "copy_ms": None if save.timing else save.copy_ms, "gbps": None, "replanned": save.replanned,
+                "buffers_reused": save.reused, "buffers_allocated": save.allocated, "allocated_bytes": allocated_bytes,
+                "host_bytes": self.host_bytes(), "pageable_bytes": plan.pageable_bytes, "_timing": save.timing,
+            }
+        )
+        self._read_timings()
+        if self._return_future:
+            return future
+        return future.result()
+
+    def _enqueue_save(self, fn, state_dict) -> _Enqueued:
+        """Plan (or reuse the cached plan), take a buffer set and enqueue the copy into it; again,
+        checking every tensor, when a copy refuses a tensor the cached plan did not expect, and
+        with fewer pool bytes when the set's blocks pass limit_bytes (Note [staging past limit_bytes] in
+        plan.py)."""
         thorough = replanned = False
         while True:
             leaves, plan, local_tensors, checked = self._resolve(fn, state_dict, thorough)
@@ -226,31 +288,8 @@ class AsyncStager(_StagerProtocol):
                 if not self._ring.give_back_over_limit(buffer_set, plan, new_set=len(self._ring.sets) > sets_before):
                     self._lower_budget(plan, excess)
                 continue  # another set takes the save (_acquire_set waits or raises), or a plan with fewer pool bytes
-            break
-        self._warn_pageable_once(fn, plan)
-        allocated_bytes = max(0, buffer_set.held_bytes - held_before)
-        if not buffer_set.marked:
-            buffer_set.mark_baseline()
-        # The future makes the staged dict when first asked for it (DCP's upload
-        # thread), not here; until then its own list of the host tensors keeps the
-        # set busy, and it keeps the other leaves as they are now.
-        scalars = self._leaf_pickers[2](leaves)
-        future = StagingFuture(plan.tree.build, scalars, list(buffer_set.host_leaves), buffer_set.handles,
-                               self._log.spent)
-        self._saves += 1
-        self._log.add(
-            {
-                "save": self._saves, "set": buffer_set.index, "bytes": plan.copy_bytes, "tensors": len(plan.meta),
-                "copies": len(plan.units), "blocked_ms": entered.stop().ms(), "waited_ms": waited_ms,
-                "copy_ms": None if timing else copy_ms, "gbps": None, "replanned": replanned,
-                "buffers_reused": reused, "buffers_allocated": allocated, "allocated_bytes": allocated_bytes,
-                "host_bytes": self.host_bytes(), "pageable_bytes": plan.pageable_bytes, "_timing": timing,
-            }
-        )
-        self._read_timings()
-        if self._return_future:
-            return future
-        return future.result()
+            return _Enqueued(leaves, plan, buffer_set, timing, copy_ms, waited_ms, reused, allocated, held_before,
+                             replanned)
 
     def _warn_pageable_once(self, fn: str, plan) -> None:
         """Once per stager: the plan stages some tensors to pageable memory (over limit_bytes)."""
@@ -347,34 +386,11 @@ class AsyncStager(_StagerProtocol):
         compared here: the layouts of `CopyPlan.watched_slots` and the addresses of
         `CopyPlan.host_slots`. The copies check every other tensor's layout against
         the buffers they refill, and its address (same_sources) where they refill
-        a set bound to this plan (else `_stage` compares those addresses); a copy
+        a set bound to this plan (else `_enqueue_save` compares those addresses); a copy
         that refuses a tensor raises ValueError, and `stage` then plans again with
         `thorough` set. `checked` says every tensor was compared here.
         """
-        tree = self._tree
-        leaves = None
-        if tree is not None:
-            try:
-                leaves = tree.leaves(state_dict)
-            except Mismatch:
-                tree = None
-        if tree is None:
-            tree = StateTree(fn, state_dict)
-            leaves = tree.leaves(state_dict)
-            self._tree = tree
-        if self._leaf_pickers[0] is not tree:
-            count = len(tree.leaf_types)
-            # The tensors: a list no one changes (local_tensors is a copy where it differs).
-            self._leaf_pickers = (tree, make_picker(tree.tensor_pos, count, fresh=False),
-                                  make_picker(tree.scalar_pos, count))
-        tensors = self._leaf_pickers[1](leaves)
-        specs = None
-        local_tensors = tensors
-        if tree.dtensor_slots:
-            local_tensors = list(tensors)
-            for slot in tree.dtensor_slots:
-                local_tensors[slot] = tensors[slot]._local_tensor
-            specs = [tensors[slot]._spec for slot in tree.dtensor_slots]
+        tree, leaves, local_tensors, specs = self._flatten(fn, state_dict)
         plan = self._plan
         if plan is None and not self._ring.sets:
             self._growth = start_growth(self._host_pool(), local_tensors, self._limit, GROUP_BYTES)
@@ -410,6 +426,35 @@ class AsyncStager(_StagerProtocol):
                 plan = fresh
             return leaves, plan, local_tensors, True
         return leaves, plan, local_tensors, thorough
+
+    def _flatten(self, fn, state_dict):
+        """(tree, leaves, local tensors, the DTensors' specs or None) of `state_dict`, with the cached
+        tree where the state dict still has its shape; a DTensor's local tensor is its shard."""
+        tree = self._tree
+        leaves = None
+        if tree is not None:
+            try:
+                leaves = tree.leaves(state_dict)
+            except Mismatch:
+                tree = None
+        if tree is None:
+            tree = StateTree(fn, state_dict)
+            leaves = tree.leaves(state_dict)
+            self._tree = tree
+        if self._leaf_pickers[0] is not tree:
+            count = len(tree.leaf_types)
+            # The tensors: a list no one changes (local_tensors is a copy where it differs).
+            self._leaf_pickers = (tree, make_picker(tree.tensor_pos, count, fresh=False),
+                                  make_picker(tree.scalar_pos, count))
+        tensors = self._leaf_pickers[1](leaves)
+        specs = None
+        local_tensors = tensors
+        if tree.dtensor_slots:
+            local_tensors = list(tensors)
+            for slot in tree.dtensor_slots:
+                local_tensors[slot] = tensors[slot]._local_tensor
+            specs = [tensors[slot]._spec for slot in tree.dtensor_slots]
+        return tree, leaves, local_tensors, specs
 
     def _host_pool(self) -> HostPool:
         return self._pool if self._pool is not None else default_host_pool()
@@ -480,15 +525,7 @@ class AsyncStager(_StagerProtocol):
                     for handle in forward_handles:
                         handle.wait_stream()
                     forward_handles = []
-                sources = batch.pick_sources(local_tensors)
-                for unit in batch.spans:
-                    first = local_tensors[unit.slots[0]]
-                    storage = first.untyped_storage()
-                    offset = first.data_ptr() - storage.data_ptr() + unit.span_start
-                    span = torch.empty(0, dtype=torch.uint8, device=first.device)
-                    sources.append(span.set_(storage, offset, (unit.nbytes,), (1,)))
-                for i in batch.expanded:  # the host keeps one copy of broadcast elements
-                    sources[i] = compact(sources[i])[0]
+                sources = _batch_sources(batch, local_tensors)
                 device = batch.device
                 timed = False
                 if batch.pageable:

@@ -28,8 +28,10 @@ from torch.multiprocessing import reductions
 from ..core import _device
 from ..core.checks import check_int
 from ..core.timing import PhaseTimer
-from .buckets import (BucketPlan, BucketSpans, bucket_spans, bucket_tensors, check_destinations, check_not_parked,
-                      copy_spans, destinations, plan_buckets)
+from .bucket_pack import (BucketSpans, bucket_spans, bucket_tensors, check_destinations, check_not_parked, copy_spans,
+                          destinations)
+from .bucket_plan import BucketPlan
+from .bucket_planner import plan_buckets
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 DEFAULT_IPC_TIMEOUT_S = 120.0

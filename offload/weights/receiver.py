@@ -10,8 +10,7 @@ import torch.distributed as dist
 
 from ..core.checks import check_bool, is_int
 from ..core.timing import PhaseTimer
-from .buckets import (
-    BucketPlan,
+from .bucket_pack import (
     BucketSpans,
     bucket_spans,
     bucket_tensors,
@@ -20,9 +19,11 @@ from .buckets import (
     copy_spans,
     destinations,
 )
+from .bucket_plan import BucketPlan
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver
 from .link import AFTER_FAILURE, Link, check_src, collective_max_blocks, is_member, resolve_group, transport_device
-from .many_senders import ManyReceiver, check_senders, check_slices
+from .many_receiver import ManyReceiver, check_slices
+from .many_senders import check_senders
 from .sync_options import DEFAULT_RESERVE_SMS, PHASES, BucketBuffers, _check_common, _check_many, _check_transport
 
 class WeightReceiver:

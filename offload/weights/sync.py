@@ -32,15 +32,9 @@ from ..core.checks import check_int, check_stream
 from ..core.copy import copy_to_host
 from ..core.pool import HostPool, check_pool, default_host_pool
 from ..core.timing import PhaseTimer, Span
-from .buckets import (
-    DEFAULT_ALIGNMENT,
-    BucketPlan,
-    BucketSpans,
-    bucket_spans,
-    check_bucket_options,
-    default_bucket_bytes,
-    plan_buckets,
-)
+from .bucket_pack import BucketSpans, bucket_spans
+from .bucket_plan import BucketPlan
+from .bucket_planner import DEFAULT_ALIGNMENT, check_bucket_options, default_bucket_bytes, plan_buckets
 from . import sources as weight_sources
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcSender
 from .link import AFTER_FAILURE, Link, check_src, collective_max_blocks, is_member, resolve_group, transport_device

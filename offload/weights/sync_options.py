@@ -1,5 +1,6 @@
 """What a `WeightSender` and a `WeightReceiver` share: the defaults, the checks of the arguments
-they both take, and the double buffer of buckets (sync.py, receiver.py, many_senders.py)."""
+they both take, and the double buffer of buckets (sync.py, receiver.py, many_senders.py,
+many_receiver.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from ..core import _device
 from ..core.checks import check_int
 from ..core.pool import HostPool
-from .buckets import copy_spans
+from .bucket_pack import copy_spans
 from .link import check_group_args
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
