@@ -229,6 +229,123 @@ def test_weight_sync_many_fsdp2_tensor_parallel_receivers():
     _run(2, 2, tp=True)
 
 
+def _mesh_2x2(device):
+    """A 2x2 mesh over trainer ranks 0..3 ([[0, 1], [2, 3]]); every rank of the world builds its four groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # mesh dim 1: ranks that differ in column
+    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # mesh dim 0: ranks that differ in row
+    rank = dist.get_rank()
+    if rank >= 4:
+        return None
+    return DeviceMesh.from_group([columns[rank % 2], rows[rank // 2]], device.type,
+                                 mesh=torch.arange(4).view(2, 2), mesh_dim_names=("outer", "inner"))
+
+
+def _mesh_scenario(rank, device, layout: str):
+    """Four trainer ranks on a 2x2 mesh: HSDP (FSDP2 over the mesh: Replicate() on the outer dim, Shard(0) on
+    the inner one) or 2-D sharding ((Shard(0), Shard(1)) for matrices, (Shard(0), Replicate()) for vectors);
+    a receiver of whole tensors and a tensor-parallel half, each checked bit for bit; fp32, then bf16."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    senders = [0, 1, 2, 3]
+    mesh = _mesh_2x2(device)
+    if mesh is not None:
+        plain = offload.WeightSender(senders=senders, bucket_bytes=BUCKET, timeout_s=60)
+        cast = offload.WeightSender(senders=senders, bucket_bytes=BUCKET, dtype=torch.bfloat16, keep_dtype=KEEP,
+                                    timeout_s=60)
+        model = _model(False)
+        if layout == "hsdp":
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            source = model
+            assert {tuple(p.placements) for p in model.parameters()} == {(Replicate(), Shard(0))}
+        else:
+            source = {}
+            for name, t in model.state_dict().items():
+                if t.dim() == 2:
+                    source[name] = distribute_tensor(t, mesh, [Shard(0), Shard(1)], src_data_rank=None)
+                elif t.dim() == 1:
+                    source[name] = distribute_tensor(t, mesh, [Shard(0), Replicate()], src_data_rank=None)
+                else:
+                    source[name] = t
+        for sender in (plain, cast):
+            t = sender.send(source)
+            per_rank, total = t["bytes_per_sender"], t["model_bytes"]
+            assert t["bytes_sent"] == per_rank[rank] and t["gather_ms"] == 0.0 and len(per_rank) == 4
+            # The busiest sender: its share plus at most one box several ranks hold (Note [many senders]), here
+            # at most half a tensor, and each piece's alignment in the buckets.
+            largest_box = max(t.numel() * t.element_size() for t in _model(False).state_dict().values()) // 2
+            assert max(per_rank) <= total / 4 + largest_box + (4 << 10), (per_rank, total, largest_box)
+            if rank == 0:
+                print(f"many senders, {layout} on 2x2: bytes per sender {per_rank}, model {total} "
+                      f"({max(per_rank) * 4 / total:.3f} x 1/N)", flush=True)
+        return
+    slices = _tp_slices(1) if rank == 5 else None
+    receiver = offload.WeightReceiver(senders=senders, slices=slices, timeout_s=60)
+    cast_receiver = offload.WeightReceiver(senders=senders, slices=slices, timeout_s=60)
+    specs = {n: (slices(n, tuple(t.shape)) if slices else None) for n, t in _model(False).state_dict().items()}
+    _check(dict(receiver.receive()), {n: _cut(t, specs[n]) for n, t in _expected(False, 0, cast=False).items()},
+           f"{layout}, fp32")
+    _check(dict(cast_receiver.receive()), {n: _cut(t, specs[n]) for n, t in _expected(False, 0, cast=True).items()},
+           f"{layout}, bf16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["hsdp", "2d"])
+def test_weight_sync_many_from_a_two_dimensional_mesh(layout):
+    spawn_world(functools.partial(_mesh_scenario, layout=layout), world=6)
+
+
+def test_weight_sync_many_boxes_match_dtensor_local_shards():
+    """The box each mesh coordinate holds (Note [shard boxes]) is DTensor's own local shape and offset, for
+    uneven sizes, a dim sharded twice, and shards left empty."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as local_shape_and_offset
+
+    from offload.weights.many_senders import _box_of
+
+    for shape in [(7,), (301, 96), (5, 3), (2, 9, 4)]:
+        for mesh_shape in [(3,), (2, 2), (2, 3), (4, 2)]:
+            choices = [Replicate()] + [Shard(d) for d in range(len(shape))]
+            for placements in itertools.product(choices, repeat=len(mesh_shape)):
+                for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+                    want_shape, want_offset = local_shape_and_offset(shape, mesh_shape, list(coordinate), placements)
+                    ranges = [[0, n] for n in shape]
+                    for dim, start, stop in _box_of(shape, placements, mesh_shape, coordinate):
+                        ranges[dim] = [start, stop]
+                    what = (shape, mesh_shape, placements, coordinate)
+                    assert tuple(stop - start for start, stop in ranges) == tuple(want_shape), what
+                    if all(want_shape):  # an empty shard's offset says nothing
+                        assert tuple(start for start, _ in ranges) == tuple(want_offset), what
+
+
+def test_weight_sync_many_rejects_strided_shards(monkeypatch):
+    """FSDP2 over a tensor-parallel shard of the same dim interleaves rows: refused by name, not sent wrong."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from offload.weights import sources
+    from offload.weights.many_senders import _boxes
+
+    # A DTensor needs a world of four ranks for this mesh; what _boxes reads of it is faked instead.
+    monkeypatch.setattr(sources, "is_dtensor", lambda t: True)
+
+    class FakeDTensor:  # what _boxes reads of a DTensor: placements, mesh, shape
+        placements = (_StridedShard(0, split_factor=2), Shard(0))
+        shape = (8, 4)
+
+        class device_mesh:  # noqa: N801 (an attribute standing in for DeviceMesh)
+            mesh = torch.arange(4).view(2, 2)
+
+    with pytest.raises(ValueError, match="tensor 'w' has placements .* _StridedShard is not one of them"):
+        _boxes("test", "w", FakeDTensor(), [0, 1, 2, 3])
+
+
 def test_weight_sync_many_assigns_whole_tensors_by_bytes():
     """Plain tensors are spread over the senders by bytes, the same way on every rank: the busiest sends
     at most its share plus the largest tensor."""

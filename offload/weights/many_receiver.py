@@ -79,7 +79,7 @@ def _narrow(t: torch.Tensor, cuts: list) -> torch.Tensor:
 def _overlap(piece: Piece, want: Optional[Tuple[int, int, int]]):
     """(src cuts, dst cuts) of the piece's intersection with the wanted slice, or None when they do not meet."""
     shape = piece.shape
-    have = {piece.dim: (piece.start, piece.stop)} if piece.dim is not None else {}
+    have = {dim: (start, stop) for dim, start, stop in piece.cuts}
     keep = {want[0]: (want[1], want[2])} if want is not None else {}
     src, dst = [], []
     for d in sorted(set(have) | set(keep)):

@@ -10,10 +10,11 @@ the receiving side is many_receiver.py's.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,18 +37,18 @@ from .sync_options import PHASES, SenderBuckets
 # each trainer rank holds and gathers the model through its own memory. With
 # `senders=[...]` every trainer rank sends what it owns instead:
 # - Ownership is computed alike on every trainer rank from names, shapes, dtypes and
-#   placements, without a message. A DTensor sharded on one dimension of a 1-D mesh
-#   (FSDP2's Shard(0)) goes as its shards, each from the rank that holds it (torch's
-#   chunk rule: ceil(n / mesh size) rows per rank); nothing is gathered. A tensor every
-#   trainer holds whole (plain, or a replicated DTensor) goes whole from one owner:
-#   largest first to the owner with the fewest bytes so far (ties: model order, then
-#   sender order), so the busiest owner sends at most its share plus one whole tensor.
+#   placements, without a message. A sharded DTensor goes as its local boxes (Note
+#   [shard boxes]), each from a rank that holds it; nothing is gathered. A box one rank
+#   holds goes from it; a box several ranks hold (HSDP's replicas, a tensor every
+#   trainer holds whole: plain, or a replicated DTensor) goes from one of them: largest
+#   first to the holder with the fewest bytes so far (ties: model order, then sender
+#   order), so the busiest owner sends at most its share plus one such box.
 # - Transport: one process group per sender, {sender} + every receiver, built once at
 #   construction (`new_group`, collective over the world). On its own group each sender
 #   runs the single-sender protocol: a header (version, plan id, whether the plan is
 #   new), its plan when it changed (receivers cache plans by id), then its buckets, two
 #   in flight (Note [bucket pipeline]). A plan is the sender's pieces (name, full shape,
-#   and the slice `dim, start, stop` of the full tensor each carries) and the buckets of
+#   and the box `[dim, start, stop], ...` of the full tensor each carries) and the buckets of
 #   `plan_buckets` over those pieces, so the cast, the alignment and the splitting of a
 #   large piece are the single sender's. Broadcast, not point to point: each sender
 #   pays for its own bytes once however many receivers there are (replicated rollout
@@ -75,6 +76,19 @@ from .sync_options import PHASES, SenderBuckets
 #   (on the sender's own stream), so training goes on while the weights leave. The wire is
 #   the device mode's: receivers cannot tell the two apart. Every sender snapshots and
 #   sends the same versions in the same order.
+
+# Note [shard boxes]
+# ~~~~~~~~~~~~~~~~~~
+# A DTensor's local tensor on the rank at mesh coordinate c is a box of the full tensor:
+# DTensor applies its placements in mesh-dim order, and a Shard(d) on mesh dim i cuts
+# what the earlier placements left of tensor dim d into mesh.size(i) pieces by
+# torch.chunk's rule (ceil(n / size) each, the last ones shorter or empty) and keeps
+# piece c[i]; Replicate() keeps all of it. So FSDP2 (Shard(0) on a 1-D mesh), HSDP
+# (Replicate(), Shard(0)), and FSDP2 beside tensor parallelism on another dim
+# ((Shard(0), Shard(1))) all give boxes, computed here for every coordinate from the
+# mesh's shape and ranks alone, and checked against each sender's own local tensor
+# before it sends. `_StridedShard` (FSDP2 over a tensor-parallel shard of the same dim)
+# interleaves rows instead and is refused by name, as is Partial (not yet a weight).
 
 
 def check_senders(fn: str, senders) -> List[int]:
@@ -105,34 +119,48 @@ def build_groups(fn: str, senders: List[int], ranks: Optional[List[int]], backen
 
 @dataclass(frozen=True)
 class Piece:
-    """The part of a full tensor one sender carries: [start, stop) along `dim`, or the whole (dim None)."""
+    """The part of a full tensor one sender carries: a box, [start, stop) along each dim of `cuts`
+    (sorted by dim), the whole tensor along the others; no cuts: the whole tensor."""
 
     name: str
     shape: Tuple[int, ...]  # of the full tensor
-    dim: Optional[int] = None
-    start: int = 0
-    stop: int = 0
+    cuts: Tuple[Tuple[int, int, int], ...] = ()  # (dim, start, stop)
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
-        if self.dim is None:
-            return self.shape
-        return self.shape[:self.dim] + (self.stop - self.start,) + self.shape[self.dim + 1:]
+        shape = list(self.shape)
+        for dim, start, stop in self.cuts:
+            shape[dim] = stop - start
+        return tuple(shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.local_shape:
+            n *= s
+        return n
+
+    def describe(self) -> str:
+        if not self.cuts:
+            return "the whole tensor"
+        return ", ".join(f"[{start}, {stop}) of dim {dim}" for dim, start, stop in self.cuts)
 
     def to_list(self) -> list:
-        return [self.name, list(self.shape), self.dim, self.start, self.stop]
+        return [self.name, list(self.shape), [list(c) for c in self.cuts]]
 
     @classmethod
     def from_list(cls, fn: str, data) -> "Piece":
-        if not (isinstance(data, list) and len(data) == 5 and isinstance(data[0], str)
+        if not (isinstance(data, list) and len(data) == 3 and isinstance(data[0], str)
                 and isinstance(data[1], list) and all(is_int(s) and s >= 0 for s in data[1])
-                and (data[2] is None or is_int(data[2])) and is_int(data[3]) and is_int(data[4])):
-            raise ValueError(f"{fn}: a piece must be [name, shape, dim, start, stop], got {data!r:.120}")
-        piece = cls(data[0], tuple(data[1]), data[2], data[3], data[4])
-        if piece.dim is not None and not (0 <= piece.dim < len(piece.shape)
-                                          and 0 <= piece.start <= piece.stop <= piece.shape[piece.dim]):
-            raise ValueError(f"{fn}: piece of tensor {piece.name!r} holds [{piece.start}, {piece.stop}) of dim "
-                             f"{piece.dim} of a tensor of shape {list(piece.shape)}")
+                and isinstance(data[2], list)
+                and all(isinstance(c, list) and len(c) == 3 and all(is_int(v) for v in c) for c in data[2])):
+            raise ValueError(f"{fn}: a piece must be [name, shape, [[dim, start, stop], ...]], got {data!r:.120}")
+        piece = cls(data[0], tuple(data[1]), tuple(tuple(c) for c in data[2]))
+        dims = [dim for dim, _, _ in piece.cuts]
+        if dims != sorted(set(dims)) or not all(0 <= dim < len(piece.shape) and 0 <= start <= stop <= piece.shape[dim]
+                                                for dim, start, stop in piece.cuts):
+            raise ValueError(f"{fn}: piece of tensor {piece.name!r} holds {piece.describe()} of a tensor of shape "
+                             f"{list(piece.shape)}")
         return piece
 
 
@@ -178,9 +206,9 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return n * _itemsize(dtype)
 
 
-def _shards(fn: str, name: str, t, senders: List[int]) -> Optional[List[Tuple[int, Piece]]]:
-    """(sender index, piece) per shard of a DTensor sharded on one dim of a 1-D mesh; None for a tensor
-    every trainer holds whole (plain, or replicated)."""
+def _boxes(fn: str, name: str, t, senders: List[int]) -> Optional[List[Tuple[List[int], Piece]]]:
+    """(the indices in `senders` of the ranks that hold it, piece) per distinct local box of a DTensor
+    (Note [shard boxes]); None for a tensor every trainer holds whole (plain, or replicated)."""
     if not weight_sources.is_dtensor(t):
         return None
     from torch.distributed.tensor import Replicate, Shard
@@ -188,24 +216,42 @@ def _shards(fn: str, name: str, t, senders: List[int]) -> Optional[List[Tuple[in
     placements = tuple(t.placements)
     if all(isinstance(p, Replicate) for p in placements):
         return None
-    if t.device_mesh.ndim != 1 or type(placements[0]) is not Shard:
-        raise ValueError(f"{fn}: tensor {name!r} has placements {placements} on a {t.device_mesh.ndim}-D mesh; "
-                         "senders= sends DTensors sharded on one dimension of a 1-D mesh (FSDP2's Shard(0)) or "
-                         "replicated, and plain tensors")
+    for p in placements:
+        if type(p) is not Shard and not isinstance(p, Replicate):
+            raise ValueError(f"{fn}: tensor {name!r} has placements {placements}; senders= sends DTensors whose "
+                             "placements are Shard(dim) or Replicate() on each mesh dimension (FSDP2, HSDP, FSDP2 "
+                             "with tensor parallelism on another dim), and plain tensors; "
+                             f"{type(p).__name__} is not one of them")
     shape = tuple(t.shape)
-    dim = placements[0].dim % len(shape)
-    ranks = t.device_mesh.mesh.flatten().tolist()
-    rows = shape[dim]
-    chunk = -(-rows // len(ranks))  # torch.chunk's rule, which DTensor and FSDP2 shard by
-    out = []
-    for i, r in enumerate(ranks):
-        if r not in senders:
-            raise ValueError(f"{fn}: tensor {name!r} has a shard on rank {r}, which is not in senders {senders}")
-        start = min(i * chunk, rows)
-        stop = min(start + chunk, rows)
-        if stop > start or i == 0:  # a tensor with no rows still goes once, from the first rank
-            out.append((senders.index(r), Piece(name, shape, dim, start, stop)))
-    return out
+    mesh = t.device_mesh.mesh
+    boxes: Dict[Tuple[Tuple[int, int, int], ...], List[int]] = {}
+    for coordinate in itertools.product(*(range(n) for n in mesh.shape)):
+        rank = int(mesh[coordinate])
+        if rank not in senders:
+            raise ValueError(f"{fn}: tensor {name!r} has a shard on rank {rank}, which is not in senders {senders}")
+        box = _box_of(shape, placements, tuple(mesh.shape), coordinate)
+        boxes.setdefault(box, []).append(senders.index(rank))
+    pieces = [(holders, Piece(name, shape, box)) for box, holders in boxes.items()]
+    kept = [(holders, piece) for holders, piece in pieces if piece.numel > 0]
+    return kept or pieces[:1]  # a tensor with no elements still goes once, from its first holder
+
+
+def _box_of(shape, placements, mesh_shape, coordinate) -> Tuple[Tuple[int, int, int], ...]:
+    """The box of the full tensor the rank at `coordinate` holds: each mesh dim's Shard(d), in mesh-dim
+    order, cuts what the earlier ones left of dim d into torch.chunk's pieces (ceil(n / size) each)."""
+    from torch.distributed.tensor import Shard
+
+    ranges = {}
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, Shard):  # Replicate: every coordinate along it holds the same box
+            continue
+        dim = placement.dim % len(shape)
+        start, stop = ranges.get(dim, (0, shape[dim]))
+        length = stop - start
+        chunk = -(-length // mesh_shape[mesh_dim])
+        lo = min(coordinate[mesh_dim] * chunk, length)
+        ranges[dim] = (start + lo, start + min(lo + chunk, length))
+    return tuple((dim, lo, hi) for dim, (lo, hi) in sorted(ranges.items()) if (lo, hi) != (0, shape[dim]))
 
 
 def assign(fn: str, items, senders: List[int], policy: DtypePolicy) -> List[List[Tuple[Piece, int]]]:
@@ -214,19 +260,23 @@ def assign(fn: str, items, senders: List[int], policy: DtypePolicy) -> List[List
     Depends only on names, shapes, dtypes and placements: every trainer rank computes the same."""
     owned: List[List[Tuple[int, Piece]]] = [[] for _ in senders]
     load = [0] * len(senders)
-    whole = []
+    shared = []  # (-bytes, item index, holders, piece): pieces several ranks hold, placed by load
+    everyone = list(range(len(senders)))
     for i, (name, t) in enumerate(items):
-        shards = _shards(fn, name, t, senders)
+        boxes = _boxes(fn, name, t, senders)
         dtype = policy.target(name, t.dtype)
-        if shards is None:
-            whole.append((-_nbytes(t.shape, dtype), i, name, t))
-            continue
-        for owner, piece in shards:
-            owned[owner].append((i, piece))
-            load[owner] += _nbytes(piece.local_shape, dtype)
-    for minus_bytes, i, name, t in sorted(whole, key=lambda w: (w[0], w[1])):
-        owner = min(range(len(senders)), key=lambda k: (load[k], k))
-        owned[owner].append((i, Piece(name, tuple(t.shape))))
+        if boxes is None:
+            boxes = [(everyone, Piece(name, tuple(t.shape)))]
+        for holders, piece in boxes:
+            nbytes = _nbytes(piece.local_shape, dtype)
+            if len(holders) == 1:
+                owned[holders[0]].append((i, piece))
+                load[holders[0]] += nbytes
+            else:
+                shared.append((-nbytes, i, holders, piece))
+    for minus_bytes, i, holders, piece in sorted(shared, key=lambda w: (w[0], w[1], w[3].cuts)):
+        owner = min(holders, key=lambda k: (load[k], k))
+        owned[owner].append((i, piece))
         load[owner] -= minus_bytes
     return [[(piece, i) for i, piece in sorted(own, key=lambda o: o[0])] for own in owned]
 
@@ -308,8 +358,7 @@ class ManySender:
             weight_sources.check_source(fn, piece.name, local, self.device, self._backend)
             if tuple(local.shape) != piece.local_shape:
                 raise ValueError(f"{fn}: the local shard of tensor {piece.name!r} has shape {list(local.shape)}, "
-                                 f"expected {list(piece.local_shape)} (rows [{piece.start}, {piece.stop}) of dim "
-                                 f"{piece.dim}, torch.chunk's rule)")
+                                 f"expected {list(piece.local_shape)} ({piece.describe()}, torch.chunk's rule)")
             sources.append(local)
         return sources
 
