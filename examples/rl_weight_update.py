@@ -59,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--trainer-ranks", type=int, default=0,
                    help="many senders: this many ranks train under FSDP2 and each sends its own shards, to "
                         "--rollout-ranks ranks (placement separate); 0: one trainer, one rollout")
+    p.add_argument("--trainer-replicas", type=int, default=1,
+                   help="with --trainer-ranks: HSDP, the trainer ranks as this many replicas of an FSDP2 shard group "
+                        "(a 2-D mesh); each shard goes from one of its replicas")
     p.add_argument("--rollout-ranks", type=int, default=1, help="rollout ranks, with --trainer-ranks")
     p.add_argument("--rollout-tp", type=int, default=1,
                    help="with --trainer-ranks: rollout ranks per engine, each keeping a tensor-parallel slice")
@@ -185,31 +188,48 @@ def train_step(model, optimizer, args, it: int, device: torch.device) -> torch.T
     return loss
 
 
+def trainer_mesh(n: int, replicas: int, device: torch.device):
+    """The trainers' device mesh (None on a rollout rank), built on every rank: `new_group` is collective over
+    the world. One replica: FSDP2 over ranks 0..n-1. Several: HSDP's 2-D mesh, `replicas` rows of n / replicas
+    ranks; FSDP2 shards along a row and replicates down a column."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = dist.get_rank()
+    if replicas == 1:
+        group = dist.new_group(list(range(n)))
+        return DeviceMesh.from_group(group, device.type) if rank < n else None
+    width = n // replicas
+    rows = [dist.new_group(list(range(r * width, (r + 1) * width))) for r in range(replicas)]
+    columns = [dist.new_group(list(range(c, n, width))) for c in range(width)]
+    if rank >= n:
+        return None
+    return DeviceMesh.from_group([columns[rank % width], rows[rank // width]], device.type,
+                                 mesh=torch.arange(n).view(replicas, width), mesh_dim_names=("replicate", "shard"))
+
+
 def run_many_senders(args, device: torch.device) -> None:
     """--trainer-ranks N --rollout-ranks M: ranks 0..N-1 train under FSDP2 and each sends its own shards
     (`WeightSender(senders=...)`, nothing gathered); ranks N.. are rollout engines, in groups of --rollout-tp
     ranks that each keep a tensor-parallel slice (`WeightReceiver(slices=...)`). Every received tensor is checked
     bit for bit (sha256) against the trainer's; rank 0 ends with `summary {json}`."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    n, m, tp = args.trainer_ranks, args.rollout_ranks, args.rollout_tp
+    n, m, tp, replicas = args.trainer_ranks, args.rollout_ranks, args.rollout_tp, args.trainer_replicas
     rank, world = dist.get_rank(), dist.get_world_size()
     name = os.path.basename(__file__)
-    if world != n + m or m < 1 or tp < 1 or m % tp:
-        raise SystemExit(f"{name}: --trainer-ranks {n} --rollout-ranks {m} --rollout-tp {tp} runs under torchrun "
-                         f"--nproc-per-node {n + m} (got {world} processes), with --rollout-ranks a multiple of "
-                         "--rollout-tp")
+    if world != n + m or m < 1 or tp < 1 or m % tp or replicas < 1 or n % replicas:
+        raise SystemExit(f"{name}: --trainer-ranks {n} --rollout-ranks {m} --rollout-tp {tp} --trainer-replicas "
+                         f"{replicas} runs under torchrun --nproc-per-node {n + m} (got {world} processes), with "
+                         "--rollout-ranks a multiple of --rollout-tp and --trainer-ranks one of --trainer-replicas")
     # Collective over the world, in this order on every rank: the control group, the trainers' mesh, then the
     # sender's groups (one per trainer rank, built by WeightSender / WeightReceiver alike).
     control = dist.new_group(backend="gloo") if device.type != "cpu" else dist.group.WORLD
     trainers = list(range(n))
-    mesh_group = dist.new_group(trainers)
+    mesh = trainer_mesh(n, replicas, device)
     bucket = None if args.bucket_mib is None else args.bucket_mib << 20
     seconds, sent, ok = [], 0, True
     if rank < n:
         model = build_model(args, device)
-        mesh = DeviceMesh.from_group(mesh_group, device.type)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -255,7 +275,8 @@ def run_many_senders(args, device: torch.device) -> None:
     every = [None] * world
     dist.all_gather_object(every, (seconds, sent, ok), group=control)
     if rank == 0:
-        summary = {"trainer_ranks": n, "rollout_ranks": m, "rollout_tp": tp, "iterations": args.iterations,
+        summary = {"trainer_ranks": n, "trainer_replicas": replicas, "rollout_ranks": m, "rollout_tp": tp,
+                   "iterations": args.iterations,
                    "bitwise": all(o for _, _, o in every),
                    # send() on the slowest trainer rank (a rollout's clock also runs while the trainers train)
                    "seconds": max(s[-1] for s, _, _ in every[:n]),
