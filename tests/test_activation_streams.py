@@ -78,6 +78,7 @@ def test_activation_views_of_one_storage_copied_once_across_parts(mode, monkeypa
         if mode == "auto":  # the schedule's parts
             use_schedule(engine, 3, release_at={0: [2, 3] if parts else 3}, split_at={0: [1]} if parts else {})
         else:  # async mode's first layer in parts, as many as its saves allow
+            # A private patch: async mode splits its first layer by what it saved last forward; no option sets it.
             monkeypatch.setattr(engine, "_first_layer_parts", lambda layer: [1] if parts else None)
         closed = []
         log_events(handle, closed, kinds=("closed",))

@@ -9,7 +9,6 @@ import torch
 import offload
 from offload.core import _device
 from offload.activation import engine as act
-from offload.activation.backward import BackwardSide
 from offload.activation.verify import ActivationMismatch, checksums
 from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     assert_bitwise_equal, one_thread, pool, small_model, train_step,
@@ -42,27 +41,25 @@ def test_verify_names_the_layer_and_tensor_of_a_corrupted_copy(pool, monkeypatch
     """One byte changed in the copy back of the second layer's group: its backward raises, naming
     the layer and the tensor, where without verify the step would end with wrong gradients."""
     real = act.ActivationEngine._copy_back
+    copied_back = []  # the destinations of the copies back, the latest last
 
-    def corrupting(self, source, out):  # a private patch: only the copy itself can be corrupted
+    def landed(self, source, out):  # a private patch: only the copy itself can be corrupted
         handle = real(self, source, out)
         handle.synchronize()
-        if self._fetching_layer == 1:
-            out[0][0] += 1
+        copied_back.append(out)
         return handle
 
-    real_fetch = BackwardSide.fetch
+    def corrupt(event):  # a group's "fetched" event follows the copy back it issued
+        if event.kind == "fetched" and event.layer == 1:
+            copied_back[-1][0][0] += 1
 
-    def fetch(self, group, upto=None):
-        self.engine._fetching_layer = group.layer
-        return real_fetch(self, group, upto)
-
-    monkeypatch.setattr(act.ActivationEngine, "_copy_back", corrupting)
-    monkeypatch.setattr(BackwardSide, "fetch", fetch)
+    monkeypatch.setattr(act.ActivationEngine, "_copy_back", landed)
     for verify in (False, True):
         ref = small_model()
         model = copy.deepcopy(ref)
-        offload.enable_activation_offload(model, "sync", min_tensor_bytes=0, min_group_bytes=0, keep_last=0,
-                                          pool=pool, verify=verify, verbose=False)
+        handle = offload.enable_activation_offload(model, "sync", min_tensor_bytes=0, min_group_bytes=0, keep_last=0,
+                                                   pool=pool, verify=verify, verbose=False)
+        handle.add_listener(corrupt)
         x = torch.randn(8, 16)
         _, grads_ref = train_step(ref, x)
         if not verify:

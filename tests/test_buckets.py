@@ -328,6 +328,7 @@ def test_buckets_core_used_only_for_devices_it_was_built_for(monkeypatch):
     tensors = {"a": _random((33, 5), torch.float32, "cpu", gen), "b": _random((7,), torch.bfloat16, "cpu", gen),
                "i": _random((9,), torch.int32, "cpu", gen)}
     core = _CoreWithoutThisDevice()
+    # A private patch: the loaded core is what is faked here; no public seam loads another one.
     monkeypatch.setattr(offload.core._backend, "_core", core)
     monkeypatch.setattr(offload.core._backend, "built_for", lambda device_type: False)  # not built for this device
     buckets = _round_trip(tensors, 256, dtype=torch.float16)  # the pure-PyTorch path, bit for bit
@@ -339,6 +340,7 @@ def test_buckets_core_used_only_for_devices_it_was_built_for(monkeypatch):
 
 
 def test_buckets_built_for_reads_the_build_target(monkeypatch):
+    # Private patches: the build's metadata is what is faked here; only a build writes it.
     monkeypatch.setattr(offload.core._backend, "_core", object())
     monkeypatch.setattr(offload.core._backend, "_build_info", {"target": "cpu"})
     assert offload.core._backend.built_for("cpu") and not offload.core._backend.built_for("cuda")

@@ -43,7 +43,7 @@ def test_copy_defer_refills_a_handle_bitwise(backend, device):
     if backend == "native" and core is not None:
         from offload.core import copy as _copy
 
-        assert _copy._worker_waited_at_exit  # the worker is waited for at exit
+        assert _copy._worker_waited_at_exit  # a private flag: the first deferred copy registers the wait at exit
         core.wait_copy_worker()  # nothing pending: returns at once
 
 

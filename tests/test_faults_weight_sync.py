@@ -370,6 +370,7 @@ def test_faults_snapshot_pool_full_raises_and_keeps_weights(gloo_world, backend_
             assert torch.equal(t, weights[n]), n
         assert sender.versions == [v0]
         assert pool.stats()["in_use_bytes"] == held
+        # A private read: a snapshot's host tensors are reached only by sending them.
         for t, want in zip(sender._get_snapshot("test", v0).tensors(), weights.values()):
             assert t.device.type == "cpu" and torch.equal(t, want.cpu())
         pool.limit_bytes = 0  # room again: the next snapshot works

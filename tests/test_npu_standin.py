@@ -37,7 +37,8 @@ def test_npu_standin_pool_and_copy_engine_run_natively():
     x = torch.arange(1000, dtype=torch.float32, device="npu").view(10, 100)
     sources = [x, x.t(), x[:, ::3], torch.zeros(0, device="npu")]
     handle = offload.copy_to_host(sources, pool=pool)
-    assert not isinstance(handle._impl, PyTransfer)  # the core's transfer, not the pure-PyTorch one
+    # A private read: no public attribute says which engine made a handle; here the core's, not PyTorch's.
+    assert not isinstance(handle._impl, PyTransfer)
     hosts = handle.wait()
     assert all(h.device.type == "cpu" for h in hosts) and pool.owns(hosts[0])
     for s, h in zip(sources, hosts):

@@ -22,6 +22,7 @@ def test_staging_object_scans_match_the_python_loops(impl):
         scan = core
     else:
         scan = _object_scan
+    # Private names: these loops are the stager's internals, compared here with their C twins.
     refcount_sum, types_equal, storage_bytes = scan._refcount_sum, scan._types_equal, scan._storage_bytes
     objects = [torch.ones(2), torch.zeros(3), object()]
     base = refcount_sum(objects)

@@ -43,7 +43,7 @@ def test_staging_kept_tensor_or_view_keeps_set_busy(backend, device):
     part = kept[4:8]  # a new view of the host buffer, not the object handed out
     del kept
     gc.collect()
-    if offload.staging.ring._use_count is not None:
+    if offload.staging.ring._use_count is not None:  # a private read: whether this torch counts storage users
         with pytest.raises(RuntimeError, match="busy"):
             stager.stage({"w": w, "n": 3})
     assert torch.equal(part, torch.ones(4))
@@ -91,7 +91,7 @@ def test_staging_busy_ignores_copy_backend_references(backend, device, monkeypat
     w = torch.ones(32, device=device)
     part = stager.stage({"w": w}).result()["w"][4:8]  # a reader keeps a view
     held.clear()  # ... while the backend lets go of its references
-    if offload.staging.ring._use_count is not None:
+    if offload.staging.ring._use_count is not None:  # a private read: whether this torch counts storage users
         with pytest.raises(RuntimeError, match="busy"):
             stager.stage({"w": w * 2})
     assert torch.equal(part, torch.ones(4))

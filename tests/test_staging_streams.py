@@ -21,7 +21,7 @@ def test_staging_forward_buffers_and_protect(backend, device):
     future = stager.stage(state)
     train_step(model, optimizer, device)  # forward changes BatchNorm statistics, step changes the rest
     assert_same(future.result(), expected)
-    plan = stager._plan
+    plan = stager._plan  # a private read: no seam says which tensors a save copies first
     early = [u for b in plan.batches if b.copied_first for u in b.units]
     assert len(early) == 3  # running_mean, running_var, num_batches_tracked
     hook.remove()

@@ -162,7 +162,7 @@ def _scenario_bad_source(rank, device):
         liar = offload.WeightSender(src=SRC, bucket_bytes=64 << 10)
         lie = offload.plan_buckets(good, 64 << 10).to_dict()
         lie["entries"] = [dict(e, shape=[40]) if e["name"] == "b" else e for e in lie["entries"]]
-        plan_of = liar._plan
+        plan_of = liar._plan  # a private patch: no public call makes a sender send a plan it does not pack by
 
         def lying_plan(items):
             plan, plan_id, fresh = plan_of(items)
@@ -325,7 +325,7 @@ def _scenario_fsdp2_host_cache_per_layer(rank, device):
         assert versions == [2 * step, 2 * step + 1]
         for v, want in zip(versions, wants):
             if rank == SRC:
-                snap = sender._snapshots[v]
+                snap = sender._snapshots[v]  # a private read: no seam reports a snapshot's copies and buffers
                 assert len(snap.handles) > 2  # several groups, several copies
                 buffers[v] = [t.data_ptr() for t in snap.tensors()]
                 t = sender.send(version=v)

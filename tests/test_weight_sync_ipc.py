@@ -59,7 +59,7 @@ def _scenario_three_syncs(rank, device):
             t = sender.send(weights)
             assert set(t) == TIMING_KEYS and t["buckets"] > 4 and t["version"] == step and t["pack_ms"] > 0
             assert t["host_copy_ms"] == 0.0 and t["gather_ms"] == 0.0 and t["transfer_ms"] > 0
-            ptrs = [b.data_ptr() for b in sender._ipc._buffers]
+            ptrs = [b.data_ptr() for b in sender._ipc._buffers]  # a private read: no seam reports the shared buffers
             assert buffers is None or ptrs == buffers, "the shared buffers are reused across syncs"
             buffers = ptrs
         cast = offload.WeightSender(src=SRC, transport="ipc", bucket_bytes=bucket, dtype=torch.bfloat16,
@@ -183,7 +183,8 @@ def test_weight_sync_ipc_pipe_channel_three_syncs():
     for step in range(3):
         _change(weights, step)
         assert sender.send(weights)["buckets"] > 4
-        # The buffers follow the tensors, not the host's accelerator (Note [IPC stand-in]).
+        # The buffers follow the tensors, not the host's accelerator (Note [IPC stand-in]); a private
+        # read: no seam reports the shared buffers themselves.
         assert sender.device == torch.device("cpu") and sender._ipc._buffers[0].device == torch.device("cpu")
     _finish(proc)
     assert result.get() == "ok"

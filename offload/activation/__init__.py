@@ -6,7 +6,8 @@ hooks, groups opened and closed at layer boundaries, the copies out, the window,
 backward (groups' copies back and their release in backward), groups (the data model: the
 Python twin of the core's groups), pack_table (what the pack hook consults: the Python twin of
 the core's table), saved_tensors (per-tensor helpers), layers (layer discovery and wrapping), step_stats (per-step
-counters and the device timings that feed them).
+counters and the device timings that feed them), verify (`verify=True`: each group's checksums out
+and back).
 
 Auto mode (auto/, see its docstring for its modules: planner, shared, measure, memory, schedule,
 probes, search, budget, budget_plan, budget_checks, ranks) is built on the runtime and

@@ -76,6 +76,51 @@ def _repeated_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return best
 
 
+def _named_layers(model: nn.Module, layers, fn: str) -> List[Tuple[str, nn.Module]]:
+    """(qualified name, module) of each layer the user named (`layers`: names or submodules of
+    `model`, or one of them), checked: each a submodule, none twice, none inside another."""
+    if isinstance(layers, (str, nn.Module)):
+        layers = [layers]
+    else:
+        try:
+            layers = list(layers)
+        except TypeError:
+            raise TypeError(f"{fn}: layers must be a list of module names or modules (or one of them, or "
+                            f"None), got {type(layers).__name__}") from None
+    found = []
+    by_module = {id(m): n for n, m in model.named_modules()}
+    for item in layers:
+        if isinstance(item, nn.Module):
+            if id(item) not in by_module or item is model:
+                raise ValueError(f"{fn}: layers contains a module that is not a submodule of model "
+                                 f"({type(item).__name__})")
+            found.append((by_module[id(item)], item))
+        elif isinstance(item, str):
+            try:
+                module = model.get_submodule(item)
+            except AttributeError:
+                known = [n for n, _ in model.named_modules() if n][:8]
+                raise ValueError(
+                    f"{fn}: layers names {item!r}, which is not a submodule of model; "
+                    f"names look like {known}"
+                ) from None
+            if module is model:
+                raise ValueError(f"{fn}: layers may not name the model itself ({item!r})")
+            found.append((item, module))
+        else:
+            raise TypeError(f"{fn}: layers must hold module names or modules, got {type(item).__name__}")
+    if not found:
+        raise ValueError(f"{fn}: layers is empty; pass None to find the layers automatically")
+    if len({id(m) for _, m in found}) != len(found):
+        raise ValueError(f"{fn}: layers names the same module twice")
+    names = [n for n, _ in found]
+    for outer in names:
+        inner = [n for n in names if n.startswith(outer + ".")]
+        if inner:
+            raise ValueError(f"{fn}: layers names {outer!r} and {inner[0]!r} inside it; name only one of them")
+    return found
+
+
 def find_layers(
     model: nn.Module, layers: Optional[Sequence] = None, fn: str = "offload"
 ) -> List[Tuple[str, nn.Module]]:
@@ -83,46 +128,7 @@ def find_layers(
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
     if layers is not None:
-        if isinstance(layers, (str, nn.Module)):
-            layers = [layers]
-        else:
-            try:
-                layers = list(layers)
-            except TypeError:
-                raise TypeError(f"{fn}: layers must be a list of module names or modules (or one of them, or "
-                                f"None), got {type(layers).__name__}") from None
-        found = []
-        by_module = {id(m): n for n, m in model.named_modules()}
-        for item in layers:
-            if isinstance(item, nn.Module):
-                if id(item) not in by_module or item is model:
-                    raise ValueError(f"{fn}: layers contains a module that is not a submodule of model "
-                                     f"({type(item).__name__})")
-                found.append((by_module[id(item)], item))
-            elif isinstance(item, str):
-                try:
-                    module = model.get_submodule(item)
-                except AttributeError:
-                    known = [n for n, _ in model.named_modules() if n][:8]
-                    raise ValueError(
-                        f"{fn}: layers names {item!r}, which is not a submodule of model; "
-                        f"names look like {known}"
-                    ) from None
-                if module is model:
-                    raise ValueError(f"{fn}: layers may not name the model itself ({item!r})")
-                found.append((item, module))
-            else:
-                raise TypeError(f"{fn}: layers must hold module names or modules, got {type(item).__name__}")
-        if not found:
-            raise ValueError(f"{fn}: layers is empty; pass None to find the layers automatically")
-        if len({id(m) for _, m in found}) != len(found):
-            raise ValueError(f"{fn}: layers names the same module twice")
-        names = [n for n, _ in found]
-        for outer in names:
-            inner = [n for n in names if n.startswith(outer + ".")]
-            if inner:
-                raise ValueError(f"{fn}: layers names {outer!r} and {inner[0]!r} inside it; name only one of them")
-        return found
+        return _named_layers(model, layers, fn)
     if next(model.parameters(), None) is None and not list(model.children()):
         raise ValueError(f"{fn}: model has no submodules and no parameters, so there are no layers to offload")
     found = _fsdp_units(model) or _repeated_blocks(model)

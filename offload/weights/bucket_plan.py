@@ -155,7 +155,8 @@ def entry_problem(e: BucketEntry) -> Optional[str]:
         return (f"has shape {list(e.shape)} ({total} elements) but holds elements [{e.start}, {e.start + e.numel}) "
                 "in its only chunk")
     if e.start + e.numel > total:
-        return f"holds elements [{e.start}, {e.start + e.numel}) of a tensor of shape {list(e.shape)} ({total} elements)"
+        return (f"holds elements [{e.start}, {e.start + e.numel}) of a tensor of shape {list(e.shape)} "
+                f"({total} elements)")
     itemsize = dtype_itemsize(dtype)
     if e.nbytes != e.numel * itemsize:
         return f"claims {e.nbytes} bytes for {e.numel} {e.dtype} elements ({e.numel * itemsize} bytes)"

@@ -194,12 +194,17 @@ class Planner:
             self.cursor = min(_align_up(total, self.alignment), self.bucket_bytes)
             self.open_entries = 1
             return [entry], closed
-        # Split: chunks hold whole alignment units, so the next chunk starts aligned in
+        return self._split(common, numel, itemsize, closed), closed
+
+    def _split(self, common: dict, numel: int, itemsize: int, closed: List[int]) -> List[BucketEntry]:
+        """The chunks of a tensor larger than a bucket (`common`: the fields its entries share), from
+        the open bucket on; the index of each bucket it fills is appended to `closed`."""
+        # Chunks hold whole alignment units, so the next chunk starts aligned in
         # both the bucket and the source (a multiple of alignment bytes in, too).
         unit = max(1, self.alignment // itemsize)
         if unit * itemsize > self.bucket_bytes:
             raise ValueError(
-                f"{self.fn}: tensor {name!r} ({dtype_name(target)}) needs buckets of at least "
+                f"{self.fn}: tensor {common['name']!r} ({common['dtype']}) needs buckets of at least "
                 f"{unit * itemsize} bytes, got bucket_bytes={self.bucket_bytes}"
             )
         pieces = []
@@ -220,7 +225,7 @@ class Planner:
                         **common)
             for i, (b, o, s, c) in enumerate(pieces)
         ]
-        return entries, closed
+        return entries
 
     def finish(self) -> List[int]:
         """Close the last bucket (if it holds anything); returns its index."""

@@ -525,17 +525,21 @@ def plan(costs: Sequence[LayerCost], bus: Bus, budget: Optional[int], fixed: int
         # among those evaluated whenever one fits.
         rival = _pick([p for p in seen.values() if OFFLOAD not in p.kinds], budget)
 
-    def keep_inputs(p: Prediction) -> Prediction:
-        """Note [recomputed inputs kept]: the latest recomputed layers' inputs first."""
-        kept = [False] * len(costs)
-        for i in reversed(range(len(costs))):
-            if p.kinds[i] == RECOMPUTE and _copied(RECOMPUTE, costs[i]):
-                kept[i] = True
-                trial = predict(p.kinds, step, kept)
-                if trial.fits(budget) and trial.step_s <= p.step_s * (1 + 1e-9):
-                    p = trial
-                else:
-                    kept[i] = False
-        return p
+    return BudgetPlan(_keep_inputs(chosen, step, budget), True, least.peak_bytes, len(seen),
+                      rival and _keep_inputs(rival, step, budget))
 
-    return BudgetPlan(keep_inputs(chosen), True, least.peak_bytes, len(seen), rival and keep_inputs(rival))
+
+def _keep_inputs(p: Prediction, step: StepCosts, budget: Optional[int]) -> Prediction:
+    """`p` with the inputs of recomputed layers kept on the device where that still fits `budget`
+    and is no slower, the latest recomputed layers' first (Note [recomputed inputs kept])."""
+    costs = step.costs
+    kept = [False] * len(costs)
+    for i in reversed(range(len(costs))):
+        if p.kinds[i] == RECOMPUTE and _copied(RECOMPUTE, costs[i]):
+            kept[i] = True
+            trial = predict(p.kinds, step, kept)
+            if trial.fits(budget) and trial.step_s <= p.step_s * (1 + 1e-9):
+                p = trial
+            else:
+                kept[i] = False
+    return p
