@@ -3,7 +3,7 @@
 //
 // Moves: spans of contiguous elements, [start, start + numel) of each tensor, to
 // and from byte offsets of one bucket. Layout: Python plans it
-// (offload/weights/buckets.py); every tensor is contiguous and on the bucket's
+// (offload/weights/bucket_planner.py); every tensor is contiguous and on the bucket's
 // device, every offset aligned to its dtype. This file checks the plan against the
 // tensors, turns it into flat spans and copies them: on the CPU with
 // at::parallel_for, on CUDA with the multi-tensor kernel of cuda/bucket_pack.cu

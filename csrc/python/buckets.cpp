@@ -1,5 +1,5 @@
 // Python bindings of bucket packing (include/offload/buckets.h): offload._C.pack_bucket
-// and unpack_bucket, which offload/weights/buckets.py calls with its plan.
+// and unpack_bucket, which offload/weights/bucket_pack.py calls with its plan.
 //
 // Bound with pybind11 rather than TORCH_LIBRARY: the ops take parallel lists of
 // offsets and dtypes and write into a caller-owned bucket or caller-owned

@@ -26,7 +26,7 @@ from ..core.pool import HostPool, default_host_pool
 from ..core.timing import PhaseTimer
 from . import sources as weight_sources
 from .bucket_pack import BucketSpans, bucket_spans
-from .bucket_plan import BucketPlan
+from .bucket_plan import BucketPlan, dtype_itemsize
 from .bucket_planner import DtypePolicy, check_bucket_options, default_bucket_bytes, plan_buckets
 from .link import AFTER_FAILURE, Link, check_ranks, collective_max_blocks, transport_device
 from .sync_options import PHASES, SenderBuckets
@@ -195,15 +195,11 @@ class SenderPlan:
         return cls(pieces, buckets, list(data["bytes_per_sender"]), int(data["model_bytes"]))
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def _nbytes(shape, dtype: torch.dtype) -> int:
     n = 1
     for s in shape:
         n *= s
-    return n * _itemsize(dtype)
+    return n * dtype_itemsize(dtype)
 
 
 def _boxes(fn: str, name: str, t, senders: List[int]) -> Optional[List[Tuple[List[int], Piece]]]:
