@@ -5,6 +5,9 @@
     torchrun --nproc-per-node 2 examples/rl_weight_update.py --device cpu            # gloo, host memory
     torchrun --nproc-per-node 3 examples/rl_weight_update.py --trainer-ranks 2 --rollout-ranks 1  # many senders
     torchrun --nproc-per-node 3 examples/rl_weight_update.py --trainer-ranks 2 --snapshot  # ... from host snapshots
+    torchrun --nproc-per-node 5 examples/rl_weight_update.py --trainer-ranks 4 --trainer-replicas 2  # from HSDP
+    torchrun --nproc-per-node 4 examples/rl_weight_update.py --trainer-ranks 2 --rollout-ranks 2 \
+        --placement colocated  # rollout rank 2+i beside trainer rank i on GPU i, over IPC
 
 Rank 0 is the trainer, rank 1 the rollout engine. Each iteration the trainer
 takes an optimizer step, sends its weights cast to bf16 (`offload.WeightSender`),
@@ -46,8 +49,10 @@ def parse_args(argv=None):
     # One set of defaults for every device: the model is small enough for the CPU to run the loop in seconds.
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--placement", choices=("separate", "colocated"), default="colocated",
-                   help="separate: a device each, weights over NCCL; colocated: one device, weights over IPC")
+    p.add_argument("--placement", choices=("separate", "colocated"), default=None,
+                   help="separate: a device each, weights over NCCL; colocated: trainer and rollout share a device, "
+                        "weights over IPC (with --trainer-ranks N: rollout rank N+i beside trainer rank i). "
+                        "Default: colocated, separate with --trainer-ranks")
     p.add_argument("--device", default="auto",
                    help="auto (the host's accelerator if it has one, else the CPU), cpu, or an accelerator type")
     p.add_argument("--iterations", type=int, default=3, help="training steps, each followed by a weight update")
@@ -58,7 +63,7 @@ def parse_args(argv=None):
                    help="bucket size in MiB (default: %(default)s, offload's own)")
     p.add_argument("--trainer-ranks", type=int, default=0,
                    help="many senders: this many ranks train under FSDP2 and each sends its own shards, to "
-                        "--rollout-ranks ranks (placement separate); 0: one trainer, one rollout")
+                        "--rollout-ranks ranks; 0: one trainer, one rollout")
     p.add_argument("--trainer-replicas", type=int, default=1,
                    help="with --trainer-ranks: HSDP, the trainer ranks as this many replicas of an FSDP2 shard group "
                         "(a 2-D mesh); each shard goes from one of its replicas")
@@ -69,8 +74,8 @@ def parse_args(argv=None):
                    help="with --trainer-ranks: each trainer rank snapshots its shards to host memory after its step "
                         "(mode host_cache) and sends from the snapshot")
     args = p.parse_args(argv)
-    if args.trainer_ranks:  # trainers and rollouts on ranks (devices) of their own
-        args.placement = "separate"
+    if args.placement is None:  # many senders: trainers and rollouts on ranks (devices) of their own
+        args.placement = "separate" if args.trainer_ranks else "colocated"
     return args
 
 
@@ -221,11 +226,17 @@ def run_many_senders(args, device: torch.device) -> None:
         raise SystemExit(f"{name}: --trainer-ranks {n} --rollout-ranks {m} --rollout-tp {tp} --trainer-replicas "
                          f"{replicas} runs under torchrun --nproc-per-node {n + m} (got {world} processes), with "
                          "--rollout-ranks a multiple of --rollout-tp and --trainer-ranks one of --trainer-replicas")
+    colocated = args.placement == "colocated"
+    if colocated and (m != n or tp != 1 or args.snapshot):
+        raise SystemExit(f"{name}: --placement colocated pairs each trainer rank with one rollout rank on its device "
+                         f"(whole tensors, from the device): --rollout-ranks {n}, --rollout-tp 1, no --snapshot")
     # Collective over the world, in this order on every rank: the control group, the trainers' mesh, then the
     # sender's groups (one per trainer rank, built by WeightSender / WeightReceiver alike).
     control = dist.new_group(backend="gloo") if device.type != "cpu" else dist.group.WORLD
     trainers = list(range(n))
     mesh = trainer_mesh(n, replicas, device)
+    # Colocated: trainer rank i hands the weights to rollout rank n + i over their own (host) group.
+    pairs = [dist.new_group([i, n + i], backend="gloo") for i in range(n)] if colocated else None
     bucket = None if args.bucket_mib is None else args.bucket_mib << 20
     seconds, sent, ok = [], 0, True
     if rank < n:
@@ -234,8 +245,9 @@ def run_many_senders(args, device: torch.device) -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        over = {"transport": "ipc", "group": pairs[rank]} if colocated else {}
         sender = offload.WeightSender(senders=trainers, dtype=torch.bfloat16, bucket_bytes=bucket,
-                                      mode="host_cache" if args.snapshot else "device")
+                                      mode="host_cache" if args.snapshot else "device", **over)
         for it in range(args.iterations):
             loss = train_step(model, optimizer, args, it, device)
             start = time.perf_counter()
@@ -252,7 +264,10 @@ def run_many_senders(args, device: torch.device) -> None:
                     f"{timings['bytes_per_sender']} of {model_bytes}")
     else:
         tp_rank = (rank - n) % tp
-        receiver = offload.WeightReceiver(senders=trainers, slices=tp_slice(tp_rank, tp))
+        if colocated:
+            receiver = offload.WeightReceiver(senders=trainers, transport="ipc", group=pairs[rank - n], src=rank - n)
+        else:
+            receiver = offload.WeightReceiver(senders=trainers, slices=tp_slice(tp_rank, tp))
         rollout = Rollout(build_model(args, device, torch.bfloat16)) if tp == 1 else None
         for it in range(args.iterations):
             start = time.perf_counter()
@@ -301,10 +316,16 @@ def main(argv=None):
     if args.placement == "separate":  # a device per process
         device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)),
                              int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.placement)
+    elif args.trainer_ranks:  # trainer rank i and rollout rank N + i on device i
+        n = args.trainer_ranks
+        device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", 0)) % n, n, args.placement)
     else:
         device = pick_device(args.device, 0, 1, args.placement)
     separate_gpus = device.type != "cpu" and args.placement == "separate"
-    dist.init_process_group("nccl" if separate_gpus and device.type == "cuda" else "gloo")
+    if device.type == "cuda" and args.placement == "colocated" and args.trainer_ranks:
+        dist.init_process_group("cuda:nccl,cpu:gloo")  # the trainers' gathers on the devices, IPC signals on the host
+    else:
+        dist.init_process_group("nccl" if separate_gpus and device.type == "cuda" else "gloo")
     if args.trainer_ranks:
         return run_many_senders(args, device)
     if dist.get_world_size() != 2:

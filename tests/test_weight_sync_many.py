@@ -380,9 +380,11 @@ def test_weight_sync_many_rejects_bad_arguments():
         offload.WeightReceiver(senders=[0], slices=[0, 1, 2])
     with pytest.raises(ValueError, match="WeightReceiver: slices= takes parts of tensors that several senders="):
         offload.WeightReceiver(slices={"w": (0, 0, 1)})
-    with pytest.raises(ValueError, match="WeightSender: senders= sends over process groups \\(transport 'nccl'\\), "
-                                         "got transport='ipc'"):
-        offload.WeightSender(senders=[0], transport="ipc")
+    with pytest.raises(ValueError, match="WeightReceiver: with senders= and transport 'ipc' the rollout process takes "
+                                         "whole tensors"):
+        offload.WeightReceiver(senders=[0], transport="ipc", slices={"w": (0, 0, 1)})
+    with pytest.raises(ValueError, match="WeightSender: transport 'ipc' packs from the device"):
+        offload.WeightSender(senders=[0], transport="ipc", mode="host_cache")
 
 
 def test_weight_sync_many_rejects_a_world_without_receivers(gloo_world):  # noqa: F811 (the fixture)

@@ -316,8 +316,10 @@ def bucket_tensors(data: torch.Tensor, bucket, partial: dict, timer, device, cop
     """Yield (name, tensor) for what bucket `bucket` (a BucketSpans) completes in `data`.
 
     A tensor whole in the bucket is a view of `data` (a clone with `copy=True`); one split
-    across buckets is assembled in `partial` (name -> tensor, kept by the caller across
-    buckets) and yielded with its last chunk. Assembly is timed as `timer`'s "unpack".
+    across buckets is assembled in `partial` (kept by the caller across buckets: name ->
+    [tensor, chunks still to come]) and yielded once all its chunks have arrived, in
+    whatever order (a colocated sync from many senders interleaves theirs). Assembly is
+    timed as `timer`'s "unpack".
     """
     for e in bucket.entries:
         view = data[e.offset : e.offset + e.nbytes].view(e.torch_dtype)
@@ -326,12 +328,13 @@ def bucket_tensors(data: torch.Tensor, bucket, partial: dict, timer, device, cop
             yield e.name, (tensor.clone() if copy else tensor)
             continue
         with timer.phase("unpack"):
-            whole = partial.get(e.name)
-            if whole is None:
-                whole = partial[e.name] = torch.empty(e.shape, dtype=e.torch_dtype, device=device)
-            whole.view(-1)[e.start : e.start + e.numel].copy_(view)
-        if e.chunk + 1 == e.num_chunks:
-            yield e.name, partial.pop(e.name)
+            held = partial.get(e.name)
+            if held is None:
+                held = partial[e.name] = [torch.empty(e.shape, dtype=e.torch_dtype, device=device), e.num_chunks]
+            held[0].view(-1)[e.start : e.start + e.numel].copy_(view)
+            held[1] -= 1
+        if held[1] == 0:
+            yield e.name, partial.pop(e.name)[0]
 
 
 def destinations(fn: str, target) -> dict:

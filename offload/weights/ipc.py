@@ -324,7 +324,7 @@ class IpcSender:
                 buf.share_memory_()
         self._shared = False
 
-    def _bind(self, fn: str, items, check_source) -> None:
+    def bind(self, fn: str, items, check_source) -> None:
         """Checks the sources; the first sync's fix the device of the buffers (Note [IPC stand-in])."""
         device = self.device
         if not self._bound:
@@ -347,11 +347,36 @@ class IpcSender:
             self.device, self._bound = device, True
             self._ready = [_device.new_ipc_event(device) for _ in range(2)]
 
+    def adopt_plan(self, plan: BucketPlan) -> bool:
+        """Send by `plan`, made elsewhere (Note [colocated senders] in colocated_many.py); whether it
+        is new to the receivers (a plan object seen last time is not)."""
+        if plan is self._plan:
+            return False
+        self._signature, self._plan, self._spans = None, plan, bucket_spans(plan)
+        self._plan_id = random.getrandbits(62) + 1
+        return True
+
     def send(self, fn: str, items, version: int, check_source) -> dict:
         _check_broken(fn, self.broken)
-        self._bind(fn, items, check_source)
-        timer = PhaseTimer(self.device, PHASES)
+        self.bind(fn, items, check_source)
         plan, fresh = self._plan_for(items)
+        tensors = dict(items)
+        gathered: Dict[str, torch.Tensor] = {}
+
+        def fill(k: int, data: torch.Tensor, spans: BucketSpans, timer: PhaseTimer) -> None:
+            sources = self._bucket_sources(fn, spans, tensors, gathered, timer, check_source)
+            with timer.phase("pack"):
+                copy_spans(data, sources, spans, pack=True)
+
+        return self.send_planned(fn, plan, fresh, version, fill)
+
+    def send_planned(self, fn: str, plan: BucketPlan, fresh: bool, version: int, fill,
+                     figures: Optional[dict] = None) -> dict:
+        """One sync by the current plan: `fill(k, data, spans, timer)` writes bucket k into `data`, a
+        slot of the shared buffers, on the current stream (Note [IPC protocol]). `figures` (plain
+        data) go to the receivers with the header, into their timings."""
+        _check_broken(fn, self.broken)
+        timer = PhaseTimer(self.device, PHASES)
         stream = _device.current_stream(self.device)
         self._grow(max(plan.bucket_sizes, default=0), stream)
         share = not self._shared
@@ -361,6 +386,8 @@ class IpcSender:
         if share:
             payload["buffers"] = [_share(b) for b in self._buffers]
             payload["events"] = [_device.ipc_event_handle(e) for e in self._ready]
+        if figures:
+            payload["figures"] = figures
         channel = self.channel
         for peer in channel.peers:
             channel.send(peer, _HEADER, version, self._plan_id, int(fresh), payload or None)
@@ -370,8 +397,6 @@ class IpcSender:
             if plan.num_buckets:  # Note [IPC control messages]
                 for peer in channel.peers:
                     channel.post_next(peer)
-            tensors = dict(items)
-            gathered: Dict[str, torch.Tensor] = {}
             outstanding: List[int] = []  # buckets signalled, not yet released (host)
             for k, spans in enumerate(self._spans):
                 slot = k % 2
@@ -379,10 +404,7 @@ class IpcSender:
                     self._released_message(fn, k - 2)
                     outstanding.remove(k - 2)
                 self._wait_released(slot, stream)
-                sources = self._bucket_sources(fn, spans, tensors, gathered, timer, check_source)
-                data = self._buffers[slot][: plan.bucket_sizes[k]]
-                with timer.phase("pack"):
-                    copy_spans(data, sources, spans, pack=True)
+                fill(k, self._buffers[slot][: plan.bucket_sizes[k]], spans, timer)
                 if self._ready[slot] is not None:
                     self._ready[slot].record(stream)
                 if k == 0:
@@ -463,6 +485,7 @@ class IpcReceiver:
         self._ready: List = [None, None]
         self._released: List = [None, None]
         self._plans: Dict[int, Tuple[BucketPlan, List[BucketSpans]]] = {}
+        self._figures: dict = {}  # the sender's figures of the running sync, for the timings
         self.version: Optional[int] = None
         self.timings: dict = {}
         self.broken: Optional[str] = None  # as IpcSender.broken
@@ -473,6 +496,7 @@ class IpcReceiver:
     def _header(self, fn: str):
         _, version, plan_id, fresh, payload = self._expect(fn, _HEADER, "sync header")
         payload = payload or {}
+        self._figures = dict(payload.get("figures") or {})
         if fresh:
             plan = BucketPlan.from_dict(payload["plan"]).validate(f"{fn}: the sender's plan")
             self._plans[plan_id] = (plan, bucket_spans(plan))
@@ -538,14 +562,15 @@ class IpcReceiver:
     def _finish(self, timer, plan, version) -> dict:
         """A sync's end: the channel's last messages out, the timings kept."""
         self.channel.flush(_now() + self.timeout_s)
-        self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)
+        self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version,
+                                    **self._figures)
         return self.timings
 
     def receive(self, copy: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
         fn = "offload.WeightReceiver.receive"
         plan, spans, version = self._begin(fn)
         timer = PhaseTimer(self.device, PHASES)
-        partial: Dict[str, torch.Tensor] = {}
+        partial: Dict[str, list] = {}  # bucket_tensors: name -> [tensor, chunks to come]
         try:
             for data, bucket in self._buckets(fn, plan, spans, timer):
                 yield from bucket_tensors(data, bucket, partial, timer, self.device, copy)

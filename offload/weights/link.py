@@ -184,6 +184,21 @@ class Link:
         except Exception as exc:  # a peer that died is seen here on some backends
             raise self._error(what, exc) from exc
 
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, what: str):
+        """Every member's `mine` into `out`, in group-rank order (each `mine.numel()` bytes long):
+        its waits bounded as a broadcast's (Note [sync timeouts])."""
+        try:
+            if self.timeout_s is None or self.on_device:
+                return dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True)
+            # A host collective that ends by itself within the timeout (Note [failed syncs]).
+            from torch.distributed.distributed_c10d import AllgatherOptions
+
+            opts = AllgatherOptions()
+            opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+            return self.group._allgather_base(out, mine, opts)
+        except Exception as exc:  # a peer that died is seen here on some backends
+            raise self._error(what, exc) from exc
+
     def wait(self, work, what: str, host: bool = True) -> None:
         """Wait for `work`: bounded by the timeout where the host waits (Note [sync timeouts])."""
         if self.timeout_s is None or (self.on_device and not host):

@@ -278,6 +278,41 @@ def assign(fn: str, items, senders: List[int], policy: DtypePolicy) -> List[List
 
 
 @dataclass
+class SendersPlan:
+    """Every sender's share of a sync, as each trainer rank computes it alike (Note [many senders])."""
+
+    owned: List[List[Tuple[Piece, int]]]  # per sender: (piece, index of its item) in model order
+    plans: List[BucketPlan]  # per sender: the buckets of its pieces
+    model_bytes: int  # bytes of every full tensor in its bucket dtype
+
+
+def plan_senders(fn: str, items, senders: List[int], policy: DtypePolicy, bucket_bytes: int, dtype, keep_dtype,
+                 alignment: int) -> SendersPlan:
+    """Who sends which piece of `items` ((name, tensor) pairs), and every sender's buckets (metadata only)."""
+    owned = assign(fn, items, senders, policy)
+    plans = []
+    for own in owned:
+        meta = [(p.name, torch.empty(p.local_shape, dtype=items[i][1].dtype, device="meta")) for p, i in own]
+        plans.append(plan_buckets(meta, bucket_bytes, dtype=dtype, keep_dtype=keep_dtype, alignment=alignment))
+    model_bytes = sum(_nbytes(t.shape, policy.target(n, t.dtype)) for n, t in items)
+    return SendersPlan(owned, plans, model_bytes)
+
+
+def local_sources(fn: str, owned: List[Tuple[Piece, int]], items, device: torch.device, backend) -> List[torch.Tensor]:
+    """The local tensor of each of this sender's pieces (a DTensor's shard), checked against its piece."""
+    sources = []
+    for piece, i in owned:
+        t = items[i][1]
+        local = t.to_local() if weight_sources.is_dtensor(t) else t
+        weight_sources.check_source(fn, piece.name, local, device, backend)
+        if tuple(local.shape) != piece.local_shape:
+            raise ValueError(f"{fn}: the local shard of tensor {piece.name!r} has shape {list(local.shape)}, "
+                             f"expected {list(piece.local_shape)} ({piece.describe()}, torch.chunk's rule)")
+        sources.append(local)
+    return sources
+
+
+@dataclass
 class HostSnapshot:
     """One version of a sender's pieces in pinned host memory (mode "host_cache")."""
 
@@ -330,16 +365,11 @@ class ManySender:
         signature = [(n, tuple(t.shape), t.dtype, _layout_key(t)) for n, t in items]
         if signature == self._signature:
             return self._plan, self._plan_id, False
-        owned = assign(fn, items, self.senders, self.policy)
-        plans = []
-        for own in owned:  # every sender's buckets, for the bytes each sends (metadata only)
-            meta = [(p.name, torch.empty(p.local_shape, dtype=items[i][1].dtype, device="meta")) for p, i in own]
-            plans.append(plan_buckets(meta, self.bucket_bytes, dtype=self.dtype, keep_dtype=self.keep_dtype,
-                                      alignment=self.alignment))
-        model_bytes = sum(_nbytes(t.shape, self.policy.target(n, t.dtype)) for n, t in items)
-        sizes = [sum(p.bucket_sizes) for p in plans]
-        self._owned = owned[self.index]  # (piece, item index): the items of later sends have the same order
-        plan = SenderPlan([p for p, _ in self._owned], plans[self.index], sizes, model_bytes)
+        every = plan_senders(fn, items, self.senders, self.policy, self.bucket_bytes, self.dtype, self.keep_dtype,
+                             self.alignment)
+        sizes = [sum(p.bucket_sizes) for p in every.plans]
+        self._owned = every.owned[self.index]  # (piece, item index): the items of later sends have the same order
+        plan = SenderPlan([p for p, _ in self._owned], every.plans[self.index], sizes, every.model_bytes)
         self._signature, self._plan, self._spans = signature, plan, bucket_spans(plan.buckets)
         self._plan_id = random.getrandbits(62) + 1
         return plan, self._plan_id, True
@@ -347,16 +377,7 @@ class ManySender:
     def _local_sources(self, fn: str, items) -> List[torch.Tensor]:
         """The tensors this sender sends, one per piece of its plan, checked (before a header
         goes out: receivers wait for buckets once it is)."""
-        sources = []
-        for piece, i in self._owned:  # checked before the header: receivers wait for buckets once it is out
-            t = items[i][1]
-            local = t.to_local() if weight_sources.is_dtensor(t) else t
-            weight_sources.check_source(fn, piece.name, local, self.device, self._backend)
-            if tuple(local.shape) != piece.local_shape:
-                raise ValueError(f"{fn}: the local shard of tensor {piece.name!r} has shape {list(local.shape)}, "
-                                 f"expected {list(piece.local_shape)} ({piece.describe()}, torch.chunk's rule)")
-            sources.append(local)
-        return sources
+        return local_sources(fn, self._owned, items, self.device, self._backend)
 
     def send(self, fn: str, items, version: int) -> dict:
         if not self.member:  # a world rank outside the sync group: it only built the groups

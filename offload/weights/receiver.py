@@ -55,6 +55,18 @@ class WeightReceiver:
         self._many = None
         self.version: Optional[int] = None
         self.timings: dict = {}
+        if senders is not None and transport == "ipc":
+            # Colocated (Note [colocated senders] in colocated_many.py): the trainer on this device sends the
+            # gathered buckets as one IPC sender does; the trainers' gather group is collective over the world.
+            senders = check_senders(fn, senders)
+            if slices is not None or ranks is not None:
+                raise ValueError(f"{fn}: with senders= and transport 'ipc' the rollout process takes whole tensors "
+                                 "from the trainer on its device, over its group (or channel): no slices, no ranks")
+            dist.new_group(senders)
+            self._ipc = IpcReceiver(fn, group, channel, int(src),
+                                    DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s)
+            self.src, self.senders = int(src), senders
+            return
         if senders is not None:
             senders = check_senders(fn, senders)
             _check_many(fn, group, transport)
@@ -193,7 +205,7 @@ class WeightReceiver:
             return
         plan, spans, version = self._header("offload.WeightReceiver.receive")
         timer = PhaseTimer(self.device, PHASES)
-        partial: Dict[str, torch.Tensor] = {}
+        partial: Dict[str, list] = {}  # bucket_tensors: name -> [tensor, chunks to come]
         for data, bucket in self._buckets(plan, spans, timer):
             yield from bucket_tensors(data, bucket, partial, timer, self.device, copy)
         self.timings = timer.result(bytes=sum(plan.bucket_sizes), buckets=plan.num_buckets, version=version)

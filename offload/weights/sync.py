@@ -38,6 +38,7 @@ from .bucket_planner import DEFAULT_ALIGNMENT, check_bucket_options, default_buc
 from . import sources as weight_sources
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcSender
 from .link import AFTER_FAILURE, Link, check_src, collective_max_blocks, is_member, resolve_group, transport_device
+from .colocated_many import ColocatedManySender
 from .many_senders import ManySender, check_senders
 from .sync_options import (DEFAULT_RESERVE_SMS, DEFAULT_SYNC_BUCKET_BYTES, MODES, PHASES, SenderBuckets, _check_common,
                            _check_many, _check_transport, _check_version)
@@ -178,9 +179,10 @@ class WeightSender:
         check_pool(fn, pool)
         self._ipc = None
         self._many = None
+        self._colocated = None
         if senders is not None:
             self._init_many(fn, senders, group, ranks, backend, bucket_bytes, dtype, keep_dtype, alignment, mode,
-                            transport, reserve_sms, timeout_s, keep_versions, pool)
+                            transport, channel, reserve_sms, timeout_s, keep_versions, pool)
         elif transport == "ipc":
             self._init_ipc(fn, group, ranks, channel, src, bucket_bytes, dtype, keep_dtype, alignment, mode,
                            timeout_s)
@@ -189,10 +191,14 @@ class WeightSender:
                                  keep_versions, pool, reserve_sms, timeout_s)
 
     def _init_many(self, fn, senders, group, ranks, backend, bucket_bytes, dtype, keep_dtype, alignment, mode,
-                   transport, reserve_sms, timeout_s, keep_versions, pool) -> None:
+                   transport, channel, reserve_sms, timeout_s, keep_versions, pool) -> None:
         """Every trainer rank sends what it owns (Note [many senders] in many_senders.py)."""
         senders = check_senders(fn, senders)
         _check_many(fn, group, transport)
+        if transport == "ipc":
+            self._init_colocated(fn, senders, group, ranks, channel, bucket_bytes, dtype, keep_dtype, alignment, mode,
+                                 timeout_s)
+            return
         self._many = ManySender(fn, senders, ranks, backend, bucket_bytes, DEFAULT_SYNC_BUCKET_BYTES, dtype,
                                 keep_dtype, alignment, reserve_sms, timeout_s, keep_versions, pool)
         self.mode, self.src, self.senders, self.member = mode, None, senders, self._many.member
@@ -201,6 +207,20 @@ class WeightSender:
         self._next_version = 0
         self._snapshots: "OrderedDict[int, _Snapshot]" = OrderedDict()
         self._lock = threading.Lock()
+
+    def _init_colocated(self, fn, senders, group, ranks, channel, bucket_bytes, dtype, keep_dtype, alignment, mode,
+                        timeout_s) -> None:
+        """Every trainer rank hands the weights to the rollout process on its device (Note [colocated
+        senders] in colocated_many.py)."""
+        if mode != "device":
+            raise ValueError(f"{fn}: transport 'ipc' packs from the device (mode 'device'), got mode={mode!r}")
+        if ranks is not None:
+            raise ValueError(f"{fn}: transport 'ipc' takes a group (or a channel), not ranks")
+        self._colocated = ColocatedManySender(fn, senders, group, channel, bucket_bytes, dtype, keep_dtype, alignment,
+                                              DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s)
+        self.mode, self.src, self.senders, self.member, self.is_src = mode, None, senders, True, True
+        self.device, self.bucket_bytes = self._colocated.device, self._colocated.bucket_bytes
+        self._next_version = 0
 
     def _init_ipc(self, fn, group, ranks, channel, src, bucket_bytes, dtype, keep_dtype, alignment, mode,
                   timeout_s) -> None:
@@ -264,7 +284,7 @@ class WeightSender:
         """Copy `source`'s weights to pinned host memory, asynchronously; returns the version tag."""
         fn = "offload.WeightSender.snapshot"
         _check_version(fn, version)
-        if self._ipc is not None:
+        if self._ipc is not None or self._colocated is not None:
             raise ValueError(f"{fn}: transport 'ipc' sends from the device; snapshots need transport 'nccl'")
         items = weight_sources.named_sources(fn, source)  # references: nothing is gathered yet
         if self._many is not None:
@@ -433,6 +453,11 @@ class WeightSender:
         self._next_version = max(self._next_version, version + 1)
         if self._many is not None:
             return self._many.send(fn, items, version)
+        if self._colocated is not None:
+            try:
+                return self._colocated.send(fn, items, version)
+            finally:  # the first sync's tensors fix the device of the IPC buffers
+                self.device = self._colocated.device
         if self._ipc is not None:
             try:
                 return self._ipc.send(fn, items, version, weight_sources.check_source)

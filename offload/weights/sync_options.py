@@ -45,12 +45,14 @@ def _check_common(fn: str, group, src, ranks, backend, reserve_sms) -> Optional[
 
 
 def _check_many(fn: str, group, transport) -> None:
-    """What `senders=` (Note [many senders]) goes with."""
+    """What `senders=` (Note [many senders]) goes with: over process groups it builds itself, or
+    colocated (transport 'ipc', Note [colocated senders]) with the pair's group or channel."""
+    if transport == "ipc":
+        return
     if group is not None:
         raise ValueError(f"{fn}: senders= builds a group per sender from ranks= (or the world), which every rank "
-                         "of the world must know; pass ranks=, not group")
-    if transport != "nccl":
-        raise ValueError(f"{fn}: senders= sends over process groups (transport 'nccl'), got transport={transport!r}")
+                         "of the world must know; pass ranks=, not group (but with transport 'ipc': the group of "
+                         "this device's trainer and rollout ranks)")
 
 
 def _check_transport(fn: str, transport, channel) -> None:
