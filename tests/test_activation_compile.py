@@ -173,6 +173,21 @@ def test_compile_llama(llama_case, when):
     handle.disable()
 
 
+@pytest.mark.slow
+def test_compile_frozen_model_runs_without_offload():
+    """Nothing requires grad: AOTAutograd compiles no backward, so no marker is recorded and the
+    compiled forward runs as without offload."""
+    model = Blocks(8, 3)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
+    torch._dynamo.reset()
+    model.compile()
+    out = model(torch.randn(2, 8))
+    assert out.shape == () and handle.stats()["compiled_steps"] == 0
+    handle.disable()
+
+
 # ---------------------------------------------------------------- what is not served
 
 

@@ -181,8 +181,9 @@ class ActivationOffload:
 
         def forward(*args, **kwargs):
             if _compiling():  # traced whole (Note [torch.compile]); the checks below read as dynamo guards
-                if self._enabled and not self._paused and torch.is_grad_enabled():
-                    return self._compiled.traced_forward(original, args, kwargs)
+                model = self._model()
+                if self._enabled and not self._paused and torch.is_grad_enabled() and model is not None:
+                    return self._compiled.traced_forward(model, original, args, kwargs)
                 return original(*args, **kwargs)
             model = self._model()
             if (

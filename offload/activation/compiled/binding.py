@@ -9,6 +9,7 @@ runs eagerly.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
@@ -55,10 +56,15 @@ class CompiledBinding:
 
     # ------------------------------------------------------------ tracing
 
-    def traced_forward(self, original, args, kwargs):
+    def traced_forward(self, model, original, args, kwargs):
         """The model's forward while dynamo traces it: the marker, then the forward itself.
-        Nothing else of offload's runs in the trace, so nothing breaks the graph."""
-        ops.compiled_step(self.runtime, False, "")
+        Nothing else of offload's runs in the trace, so nothing breaks the graph. The marker
+        only where autograd will record a backward (a parameter or an input requires grad):
+        AOTAutograd compiles any other graph without a partition, which would leave it unserved.
+        The checks read as dynamo guards."""
+        if any(p.requires_grad for p in model.parameters()) or any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in itertools.chain(args, kwargs.values())):
+            ops.compiled_step(self.runtime, False, "")
         return original(*args, **kwargs)
 
     # ------------------------------------------------------------ partition

@@ -120,7 +120,7 @@ def unserved_reason() -> str:
     why = partitioner_hook()
     if why is not None:
         return f"{why.capitalize()}: {_WHAT_TO_DO}."
-    return f"Its backend is not inductor: {_WHAT_TO_DO}."
+    return f"Its backend is not inductor (or does not call inductor's partitioner): {_WHAT_TO_DO}."
 
 
 ops.set_unserved_reason(unserved_reason())
