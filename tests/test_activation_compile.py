@@ -128,6 +128,7 @@ def test_compile_blocks_budget_recomputes_in_the_compiled_graph(blocks_case):
     plan = handle.stats()["compiled_plan"]
     assert any(plan["recompute"])
     _assert_same_grads(expected, model)
+    handle.disable()
 
 
 def _llama():
