@@ -38,8 +38,9 @@ from .saved_tensors import input_tensors, not_traced, other_hooks_active
 
 # Note [torch.compile]: a compiled layer's activations are saved at run time by
 # AOTAutograd's autograd function, so they are offloaded like any other (the boundaries are
-# opaque to dynamo, `not_traced`); a model compiled whole bypasses the layer wrappers and is
-# passed through with a warning.
+# opaque to dynamo, `not_traced`). A model compiled whole is traced through the model's
+# wrapper, which then records only the handle's marker (compiled/binding.py); offload's
+# partitioner rewrites the graphs that hold it (docs/design/compile.md).
 
 
 def _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes):
@@ -110,6 +111,8 @@ class ActivationOffload:
 
             self._auto = AutoPlanner(self, memory_budget_bytes, verbose, process_group)
         self._wrapped = []  # weak references to the modules whose forward is wrapped
+        # The model compiled whole (Note [torch.compile]).
+        self._compiled = _bind_compiled(self, [type(module) for _, module in layers], memory_budget_bytes)
         self._layer_targets = [weakref.ref(_wrap_target(module)) for _, module in layers]
         self._layers_wrapped = False
         try:
@@ -176,8 +179,10 @@ class ActivationOffload:
         engine = self.engine
 
         def forward(*args, **kwargs):
-            if _compiling():
-                _warn_compiled()
+            if _compiling():  # traced whole (Note [torch.compile]); the checks below read as dynamo guards
+                model = self._model()
+                if self._enabled and not self._paused and torch.is_grad_enabled() and model is not None:
+                    return self._compiled.traced_forward(model, original, args, kwargs)
                 return original(*args, **kwargs)
             model = self._model()
             if (
@@ -280,6 +285,7 @@ class ActivationOffload:
         out["offloaded_layers"] = self.offloaded_layers()
         out["recomputed_layers"] = self.recomputed_layers()
         out["plan"] = self.plan
+        self._compiled.add_stats(out)
         return out
 
     @contextlib.contextmanager
@@ -305,6 +311,7 @@ class ActivationOffload:
     def disable(self) -> None:
         """Restore every wrapped forward; saved tensors already offloaded still come back."""
         self._enabled = False
+        self._compiled.close()
         for ref in self._wrapped:
             module = ref()
             if module is not None:
@@ -369,18 +376,10 @@ def _compiling() -> bool:
     return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
 
 
-_warned_compiled = []
+def _bind_compiled(handle, classes, memory_budget_bytes):
+    from .compiled import bind
 
-
-def _warn_compiled() -> None:
-    if not _warned_compiled:
-        _warned_compiled.append(True)
-        warnings.warn(
-            "offload.enable_activation_offload: the model's forward is being traced by torch.compile, so its "
-            "activations are not offloaded; compile the layers instead (layer.compile()): what a compiled "
-            "layer saves for backward is offloaded",
-            stacklevel=3,
-        )
+    return bind(handle, classes, memory_budget_bytes)
 
 
 def _check_params(fn: str, params) -> tuple:
@@ -405,6 +404,15 @@ def _check_params(fn: str, params) -> tuple:
 
 def _wrap_target(module):
     return _layers.forward_target(module)
+
+
+def _compiled_root(fn: str, model):
+    """The module to wrap: `model`, or the module torch.compile(model) wraps; RuntimeError where
+    `model` is compiled in a way offload cannot serve (compiled/support.py)."""
+    from .compiled.support import check_served, uncompiled
+
+    check_served(fn, model)
+    return uncompiled(model)
 
 
 def _check_not_enabled(fn: str, model, layers) -> None:
@@ -484,6 +492,7 @@ def enable_activation_offload(
                               verify=verify)
     memory_budget_bytes = _check_common(fn, mode, min_tensor_bytes, resident_groups, memory_budget_bytes)
     process_group = check_process_group(fn, process_group, mode)
+    model = _compiled_root(fn, model)
     found = _layers.find_layers(model, layers, fn)
     _check_not_enabled(fn, model, found)
     check_int(fn, "keep_first", keep_first, 0)
@@ -498,7 +507,7 @@ def enable_activation_offload(
             "lower keep_first/keep_last or name finer layers with layers=[...]",
             stacklevel=2,
         )
-    # Compiled layers are supported, a compiled model is passed through (Note [torch.compile]).
+    # Compiled layers and models compiled whole are supported (Note [torch.compile]).
     return ActivationOffload(model, found, engine, keep, memory_budget_bytes, verbose, process_group)
 
 

@@ -1,0 +1,238 @@
+"""Rewrite a partitioned forward and backward graph so that each offloaded layer's saved
+tensors leave as one host block and come back before backward needs them.
+
+Input: the forward and backward graphs the partitioner made (the forward returns the user's
+outputs, then the saved tensors, then saved symbolic sizes; the backward takes them in the
+order Note [saved order] gives), the layer of each forward node (layer_map.py) and the plan.
+The ops and the order they keep are transport.py's Note [compiled streams].
+
+Note [saved order]: AOTAutograd reads the saved values positionally: the forward returns
+(tensors checked for in-place changes, tensors not checked, opaque objects, symbolic sizes),
+the backward takes (symbolic sizes, the same tensors in the same order, opaque objects,
+tangents). The rewrite removes the offloaded tensors from both lists and adds one host block
+per group at the end of the checked tensors, in both.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from . import ops
+from .layout import DTYPES, flatten_specs, specs_of
+
+HOST_PREFIX = "offload_host_"
+
+
+@dataclass
+class SavedGroup:
+    """The saved tensors of one offloaded layer, as forward nodes in forward order."""
+
+    layer: int
+    nodes: List[fx.Node]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    runtime: int  # the handle's transport id, baked into the ops' arguments
+    resident_groups: int  # groups that may be on the device at once (Note [resident window])
+    min_tensor_bytes: int
+    device: torch.device
+
+
+def _val(node) -> Optional[torch.Tensor]:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _static(val: torch.Tensor) -> bool:
+    return all(type(n) is int for n in val.shape) and all(type(s) is int for s in val.stride()) \
+        and type(val.storage_offset()) is int
+
+
+def _view_root(node: fx.Node) -> fx.Node:
+    """The node whose memory `node` reads, following view ops."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and any(r.alias_info is not None and not r.alias_info.is_write for r in node.target._schema.returns) \
+            and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def saved_tensors(fw: fx.GraphModule, num_fwd_outputs: int) -> List[fx.Node]:
+    outs = fw.graph.output_node().args[0]
+    return [n for n in outs[num_fwd_outputs:] if _val(n) is not None]
+
+
+def choose_groups(fw: fx.GraphModule, num_fwd_outputs: int, layers: Dict[fx.Node, int], offload: Sequence[bool],
+                  options: RewriteOptions) -> List[SavedGroup]:
+    """The saved tensors to offload, grouped by layer: made in an offloaded layer, on the
+    handle's device, at least `min_tensor_bytes`, of static size, not a user output, not a
+    view of a graph input (a parameter or the forward's input: alive anyway, so a copy frees
+    nothing, as Note [what stays] in engine.py has it)."""
+    outs = fw.graph.output_node().args[0]
+    user_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    by_layer: Dict[int, SavedGroup] = {}
+    for node in saved_tensors(fw, num_fwd_outputs):
+        layer = layers.get(node)
+        val = _val(node)
+        if layer is None or not offload[layer] or node in user_outputs or node.op != "call_function":
+            continue
+        if node.meta.get("saved_tensor_with_no_vc_check", False) or val.dtype not in DTYPES:
+            continue
+        if val.device != options.device or val.layout != torch.strided or not _static(val) or val.numel() == 0:
+            continue
+        nbytes = val.numel() * val.element_size()
+        if nbytes < options.min_tensor_bytes or _view_root(node).op == "placeholder":
+            continue
+        group = by_layer.setdefault(layer, SavedGroup(layer, [], 0))
+        group.nodes.append(node)
+        group.nbytes += nbytes
+    return [by_layer[k] for k in sorted(by_layer)]
+
+
+def _set_val(node: fx.Node, op, *args) -> None:
+    """node.meta["val"]: `op` run under the graph's fake mode on its arguments' fake values."""
+    def fake(arg):
+        if isinstance(arg, fx.Node):
+            return arg.meta["val"]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(fake(a) for a in arg)
+        return arg
+
+    values = [fake(a) for a in args]
+    flat = [v for a in values for v in (a if isinstance(a, (list, tuple)) else [a])]
+    with detect_fake_mode([v for v in flat if isinstance(v, torch.Tensor)]):
+        node.meta["val"] = op(*values)
+
+
+def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[SavedGroup], layers: Dict[fx.Node, int],
+                    options: RewriteOptions) -> List[fx.Node]:
+    """Insert each group's `group_out` after its layer's last node and its `group_release` at its
+    release point; return the host block nodes (one per group, in `groups` order)."""
+    graph = fw.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_of_layer: Dict[int, fx.Node] = {}
+    for node, layer in layers.items():
+        if node in order and (layer not in last_of_layer or order[node] > order[last_of_layer[layer]]):
+            last_of_layer[layer] = node
+    hosts = []
+    for group in groups:
+        after = max([last_of_layer.get(group.layer, group.nodes[0])] + group.nodes, key=order.__getitem__)
+        with graph.inserting_after(after):
+            host = graph.create_node("call_function", ops.group_out, (list(group.nodes), options.runtime, group.layer),
+                                     name=f"{HOST_PREFIX}{group.layer}")
+        _set_val(host, ops.group_out, list(group.nodes), options.runtime, group.layer)
+        hosts.append(host)
+    output = graph.output_node()
+    window = max(1, options.resident_groups)
+    for k, (group, host) in enumerate(zip(groups, hosts)):
+        due = k + window - 1  # released once the group `window - 1` later has closed
+        anchor = hosts[due] if due < len(hosts) else None
+        where = graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(output)
+        with where:
+            release = graph.call_function(ops.group_release, (host, list(group.nodes), anchor, options.runtime))
+        release.meta["val"] = None
+    _replace_saved_outputs(fw, num_fwd_outputs, groups, hosts)
+    graph.lint()
+    fw.recompile()
+    return hosts
+
+
+def _replace_saved_outputs(fw: fx.GraphModule, num_fwd_outputs: int, groups, hosts) -> None:
+    """The forward's saved tensors without the offloaded ones, the host blocks after the checked
+    tensors (Note [saved order])."""
+    output = fw.graph.output_node()
+    outs = list(output.args[0])
+    gone = {n for g in groups for n in g.nodes}
+    head, saved = outs[:num_fwd_outputs], outs[num_fwd_outputs:]
+    at = len(saved)
+    for i, node in enumerate(saved):
+        if _val(node) is None or node.meta.get("saved_tensor_with_no_vc_check", False):
+            at = i
+            break
+    kept_before = [n for n in saved[:at] if n not in gone]
+    kept_after = [n for n in saved[at:] if n not in gone]
+    output.args = (tuple(head + kept_before + hosts + kept_after),) + tuple(output.args[1:])
+    descs = output.meta.get("desc")
+    if isinstance(descs, (list, tuple)) and len(descs) == len(outs):
+        # The descriptions of the saved outputs are positional (SavedForBackwards(i)): the first
+        # saved ones, as many as there are saved outputs now, in order.
+        saved_descs = list(descs[num_fwd_outputs:])
+        count = len(kept_before) + len(hosts) + len(kept_after)
+        output.meta["desc"] = list(descs[:num_fwd_outputs]) + saved_descs[:count]
+
+
+def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[fx.Node],
+                     options: RewriteOptions) -> None:
+    """Replace the offloaded tensors' placeholders with one host block placeholder per group,
+    each group brought back by `group_prefetch` (one group ahead of backward) and `group_in`
+    (before the group's first use)."""
+    graph = bw.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    by_name = {p.name: p for p in placeholders}
+    gone_names = {n.name for g in groups for n in g.nodes}
+    # The host placeholders go after the last checked saved tensor still there (Note [saved order]).
+    anchor = None
+    for p in placeholders:
+        if p.name in gone_names:
+            continue
+        if p.name.startswith("tangents") or p.meta.get("saved_tensor_with_no_vc_check", False):
+            break
+        if _val(p) is None and anchor is not None:
+            break
+        anchor = p
+    host_phs = []
+    for host in hosts:
+        where = graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(placeholders[0])
+        with where:
+            ph = graph.placeholder(host.name)
+        ph.meta.update(host.meta)
+        host_phs.append(ph)
+        anchor = ph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    firsts = []
+    for group, ph in zip(groups, host_phs):
+        olds = [by_name[n.name] for n in group.nodes]
+        users = [u for old in olds for u in old.users]
+        first = min(users, key=order.__getitem__) if users else graph.output_node()
+        firsts.append((order.get(first, len(order)), group, ph, olds, first))
+    firsts.sort(key=lambda item: item[0])
+    start = next(n for n in graph.nodes if n.op != "placeholder")
+    token = None
+    for j, (_, group, ph, olds, first) in enumerate(firsts):
+        specs = specs_of([n.meta["val"] for n in group.nodes])
+        sizes, strides, ranks, dtypes = flatten_specs(specs)
+        spec_args = (sizes, strides, ranks, dtypes, options.device)
+        if j == 0:
+            with graph.inserting_before(start):
+                token = _prefetch(graph, ph, None, spec_args, options)
+        with graph.inserting_before(first):
+            loaded = graph.call_function(ops.group_in, (token,) + spec_args + (options.runtime,))
+            _set_val(loaded, ops.group_in, token, *spec_args, options.runtime)
+            items = []
+            for i, old in enumerate(olds):
+                item = graph.call_function(operator.getitem, (loaded, i))
+                item.meta["val"] = loaded.meta["val"][i]
+                items.append(item)
+            if j + 1 < len(firsts):
+                _, nxt, nxt_ph, _, _ = firsts[j + 1]
+                nxt_specs = flatten_specs(specs_of([n.meta["val"] for n in nxt.nodes]))
+                token = _prefetch(graph, nxt_ph, items[0], tuple(nxt_specs) + (options.device,), options)
+        for old, item in zip(olds, items):
+            old.replace_all_uses_with(item)
+            graph.erase_node(old)
+    graph.lint()
+    bw.recompile()
+
+
+def _prefetch(graph: fx.Graph, block: fx.Node, anchor: Optional[fx.Node], spec_args, options) -> fx.Node:
+    node = graph.call_function(ops.group_prefetch, (block, anchor) + tuple(spec_args) + (options.runtime,))
+    _set_val(node, ops.group_prefetch, block, anchor, *spec_args, options.runtime)
+    return node

@@ -1,0 +1,276 @@
+"""Activation offload of a model compiled whole (offload/activation/compiled/, docs/design/compile.md).
+
+The compile tests run inductor on the CPU: the offloaded step's gradients are bitwise those of
+the same model compiled without offload, bytes leave for the host pool and come back, and no
+graph break is added. The other tests check the pure parts (layout, layer matching, budget
+plan) and the errors for what is not served, without inductor.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import offload
+from offload.activation.compiled import support
+from offload.activation.compiled.layer_map import LayerMatcher, normalize_path
+from offload.activation.compiled.layout import SPAN_ALIGN, TensorSpec, flatten_specs, group_layout, unflatten_specs
+from offload.activation.compiled.plan import SavedBytes, budget_plan
+
+pytestmark = pytest.mark.skipif(support.partitioner_hook() is not None,
+                                reason=f"needs inductor's custom partitioner hook: {support.partitioner_hook()}")
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a = nn.Linear(d, 4 * d)
+        self.b = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Blocks(nn.Module):
+    def __init__(self, d=32, n=4):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()
+
+
+def _graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same_grads(expected, model):
+    for (name, p), want in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=0, msg=f"gradient of {name}")
+
+
+def _blocks_step(model, x):
+    model(x).backward()
+
+
+@pytest.fixture(scope="module")
+def blocks_case():
+    """A Blocks model, its input and the gradients of that model compiled without offload."""
+    torch.manual_seed(0)
+    model = Blocks()
+    x = torch.randn(8, 32)
+    torch._dynamo.reset()
+    reference = copy.deepcopy(model)
+    reference.compile()
+    _blocks_step(reference, x)
+    return model, x, _grads(reference)
+
+
+def _check_offloaded(handle, expected, model, groups):
+    stats = handle.stats()
+    assert stats["compiled_steps"] >= 1
+    assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] == stats["d2h_bytes"]
+    assert stats["groups_offloaded"] == groups and stats["groups_fetched"] == groups
+    _assert_same_grads(expected, model)
+
+
+@pytest.mark.slow
+def test_compile_blocks_enabled_before_compile(blocks_case):
+    base, x, expected = blocks_case
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
+    model.compile()
+    breaks = _graph_breaks()
+    for _ in range(2):  # the second step runs the compiled graphs again: counters are per step
+        model.zero_grad()
+        _blocks_step(model, x)
+    assert _graph_breaks() == breaks
+    _check_offloaded(handle, expected, model, groups=3)  # keep_last=1: three of four layers
+    assert handle.stats()["compiled_steps"] == 2
+    handle.disable()
+
+
+@pytest.mark.slow
+def test_compile_blocks_enabled_after_compile(blocks_case):
+    base, x, expected = blocks_case
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    handle = offload.enable_activation_offload(compiled, min_tensor_bytes=0, mode="auto")
+    assert handle.layers == ["layers.0", "layers.1", "layers.2", "layers.3"]  # the user's names, not _orig_mod's
+    breaks = _graph_breaks()
+    _blocks_step(compiled, x)
+    assert _graph_breaks() == breaks
+    _check_offloaded(handle, expected, model, groups=3)
+    handle.disable()
+
+
+@pytest.mark.slow
+def test_compile_blocks_budget_recomputes_in_the_compiled_graph(blocks_case):
+    """A budget no offload can meet makes the compiler recompute layers: the plan says so, the
+    backward graph runs their ops again, and the gradients stay bitwise equal."""
+    base, x, expected = blocks_case
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    handle = offload.enable_activation_offload(model, mode="auto", memory_budget_bytes=1, min_tensor_bytes=0)
+    model.compile()
+    _blocks_step(model, x)
+    plan = handle.stats()["compiled_plan"]
+    assert any(plan["recompute"])
+    _assert_same_grads(expected, model)
+    handle.disable()
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    return model, torch.randint(0, 64, (2, 16))
+
+
+def _llama_step(model, ids):
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+@pytest.fixture(scope="module")
+def llama_case():
+    model, ids = _llama()
+    torch._dynamo.reset()
+    reference = copy.deepcopy(model)
+    reference.compile()
+    _llama_step(reference, ids)
+    return model, ids, _grads(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_compile_llama(llama_case, when):
+    base, ids, expected = llama_case
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    if when == "before":
+        handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
+        model.compile()
+    else:
+        model.compile()
+        handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
+    breaks = _graph_breaks()
+    _llama_step(model, ids)
+    assert _graph_breaks() == breaks
+    _check_offloaded(handle, expected, model, groups=2)
+    handle.disable()
+
+
+@pytest.mark.slow
+def test_compile_frozen_model_runs_without_offload():
+    """Nothing requires grad: AOTAutograd compiles no backward, so no marker is recorded and the
+    compiled forward runs as without offload."""
+    model = Blocks(8, 3)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
+    torch._dynamo.reset()
+    model.compile()
+    out = model(torch.randn(2, 8))
+    assert out.shape == () and handle.stats()["compiled_steps"] == 0
+    handle.disable()
+
+
+# ---------------------------------------------------------------- what is not served
+
+
+def test_compile_other_backend_refused_at_enable():
+    model = Blocks(8, 2)
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"enable_activation_offload: model is compiled with backend 'aot_eager'.*"
+                                           r"inductor backend"):
+        offload.enable_activation_offload(compiled)
+
+
+def test_compile_other_backend_raises_at_first_forward():
+    """Enabled before a compile with another backend: nothing can be said at the call, so the
+    first compiled forward says it, and names what to do."""
+    model = Blocks(8, 2)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(RuntimeError, match="not rewritten by offload's partitioner.*inductor backend"):
+        compiled(torch.randn(2, 8)).backward()
+    handle.disable()
+
+
+def test_compile_without_partitioner_hook_refused(monkeypatch):
+    monkeypatch.setattr(support, "partitioner_hook", lambda: "this torch has no custom partitioner hook")
+    model = Blocks(8, 2)
+    compiled = torch.compile(model)
+    with pytest.raises(RuntimeError, match="no custom partitioner hook.*compile its layers"):
+        offload.enable_activation_offload(compiled)
+
+
+def test_compile_eager_model_unaffected():
+    """A handle's binding costs an eager step nothing: the eager engine offloads as before."""
+    model = Blocks(256, 3)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, min_group_bytes=0)
+    model(torch.randn(64, 256)).backward()
+    stats = handle.stats()
+    assert stats["compiled_steps"] == 0 and stats["compiled_plan"] is None
+    assert stats["groups_offloaded"] > 0
+    handle.disable()
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_compile_layout_aligns_spans():
+    specs = [TensorSpec((3, 5), (5, 1), torch.float32), TensorSpec((4, 2), (1, 4), torch.bfloat16),
+             TensorSpec((7,), (2,), torch.int8)]
+    layout = group_layout(specs)
+    assert layout.span_bytes == (60, 16, 13)
+    assert layout.offsets == (0, SPAN_ALIGN, 2 * SPAN_ALIGN)
+    assert layout.total == 2 * SPAN_ALIGN + 13
+    assert unflatten_specs(*flatten_specs(specs)) == specs
+
+
+@pytest.mark.parametrize("path, want", [
+    ("L['self'].model.layers.0", "model.layers.0"),
+    ("L['self'].model.layers[0]", "model.layers.0"),
+    ("L['self']._modules['model']._modules['layers']._modules['0']", "model.layers.0"),
+    ("getattr(L['self'].model.layers, '0')", "model.layers.0"),
+    ("L['self']", ""),
+])
+def test_compile_normalize_path(path, want):
+    assert normalize_path(path) == want
+
+
+def test_compile_layer_matcher_matches_suffix_and_class():
+    matcher = LayerMatcher(["layers.0", "layers.1"], [Block, Block])
+    assert matcher.index_of_path("_call.__closure__.1.cell_contents().layers.1", Block) == 1
+    assert matcher.index_of_path("model.layers.1", Block) == 1
+    assert matcher.index_of_path("model.layers.11", Block) is None
+    assert matcher.index_of_path("model.layers.1", nn.Linear) is None  # another module at that path
+
+
+def test_compile_budget_plan_offloads_earliest_first_then_recomputes():
+    saved = SavedBytes([100, 100, 100, 100], other=10)
+    keep = [False, False, False, True]
+    plan = budget_plan(saved, keep, budget=10 + 100 + 100 + 100, base_bytes=0, resident_groups=1)
+    assert plan.offload == [True, False, False, False] and not any(plan.recompute)
+    plan = budget_plan(saved, keep, budget=10 + 100, base_bytes=0, resident_groups=1)
+    assert plan.offload == [True, True, True, False] and not any(plan.recompute)
+    plan = budget_plan(saved, keep, budget=10, base_bytes=0, resident_groups=1)
+    assert plan.recompute == [False, False, False, True] and plan.offload == [True, True, True, False]
+    plan = budget_plan(saved, keep, budget=10 + 400, base_bytes=0, resident_groups=2)
+    assert not any(plan.offload) and not any(plan.recompute)
