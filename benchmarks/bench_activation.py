@@ -86,6 +86,13 @@ class Stack(nn.Module):
 
 
 def _llama(ctx, seq):
+    model, loss_of = llama_case(ctx, seq)
+    return model, lambda: loss_of(model)
+
+
+def llama_case(ctx, seq):
+    """The bench's Llama (a tiny one with ctx.quick) and its loss as a function of the module that runs it
+    (the model itself, or a compiled wrapper of it)."""
     import transformers
 
     if ctx.quick:
@@ -108,16 +115,22 @@ def _llama(ctx, seq):
 
     model.set_checkpointing = set_checkpointing
     ids = torch.randint(0, config.vocab_size, (1, seq), device=ctx.device)
-    return model, lambda: model(input_ids=ids, labels=ids).loss
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
 
 
 def _stack(ctx):
+    model, loss_of = stack_case(ctx)
+    return model, lambda: loss_of(model)
+
+
+def stack_case(ctx):
+    """The block stack (a small one with ctx.quick) and its loss as a function of the module that runs it."""
     d, heads, n, batch, seq = (32, 4, 4, 2, 32) if ctx.quick else (4096, 32, 8, 2, 4096)
     dtype = torch.bfloat16 if _device.is_accelerator(ctx.device) else torch.float32
     with torch.device(ctx.device):
         model = Stack(d, heads, n).to(dtype)
     x = torch.randn(batch, seq, d, device=ctx.device, dtype=dtype)
-    return model, lambda: model(x)
+    return model, lambda m: m(x)
 
 
 def _bandwidth(device, rounds: int = 3):

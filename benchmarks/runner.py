@@ -60,6 +60,7 @@ ESTIMATES = {
     "activation": Estimate(50, 12, 50, "the Llama model at seq 2048 and 8192"),
     "buckets": Estimate(7, 5),
     "colocated": Estimate(20, 0),
+    "compile": Estimate(240, 100),
     "copy": Estimate(25, 17),
     "frontier": Estimate(600, 60),
     "host": Estimate(24, 1, 30, "the GPU measure's Llama at seq 8192"),

@@ -132,6 +132,23 @@ def test_bench_runner_skips_sections_without_transformers(section, tmp_path, mon
         section: {"status": "skipped", "reason": "needs transformers (not installed)"}}
 
 
+@pytest.mark.slow
+def test_bench_compile_section_offloads_a_model_compiled_whole(tmp_path, monkeypatch):
+    # The real section on the block stack (the Llama rows skipped without transformers): every variant
+    # measured but torch's own pass (an accelerator's), bytes offloaded under compile, no graph break.
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = tmp_path / "out"
+    assert runner.main(["--quick", "--only", "compile", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert _said(data["sections"]["compile"])["status"] == "ran"
+    rows = {r["variant"]: r for r in data["rows"] if r["section"] == "compile"}
+    assert set(rows) == {"async", "auto", "eager", "eager_async"}
+    assert rows["async"]["offloaded_bytes"] > 0 and rows["eager_async"]["offloaded_bytes"] > 0
+    assert rows["eager"]["offloaded_bytes"] == 0
+    assert all(r["graph_breaks"] == 0 for r in rows.values())
+
+
 def test_bench_runner_lists_the_sections_from_a_clone():
     result = subprocess.run([sys.executable, "-m", "benchmarks", "--list"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)

@@ -1,0 +1,162 @@
+"""Activation offload under a whole-model torch.compile, side by side in one run.
+
+Per model (the activation section's block stack, and its Llama at seq 2048 with `transformers`;
+small ones with --quick), each variant on its own copy of the model, compile caches reset
+between them:
+
+- `compiled`: `torch.compile(model)`, no offload (the baseline of every ratio);
+- `torch_offload`: the same with torch's own compile-time offload pass
+  (`torch._functorch.config.enable_activation_offloading`, on its separate stream, waits sunk,
+  reloads prefetched), where this torch has it and on an accelerator;
+- `async` and `auto`: `enable_activation_offload(model, mode)`, then `torch.compile(model)`;
+- `eager` and `eager_async`: the model not compiled, without and with async offload (the peak
+  that offload lowers in eager, which the compiled async should lower at least as much).
+
+Each row: median step time (device events) against the compiled step, peak activation memory
+above the idle model on an accelerator, bytes offloaded per step (`handle.stats()`), and the
+graph breaks the variant's compile added (`torch._dynamo.utils.counters`). Behind --full (or
+`--only compile`): every variant compiles its model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+
+import torch
+
+SECTION = "compile"
+FULL_ONLY = True  # each variant compiles the model: minutes on one GPU, behind --full (or --only compile)
+VARIANTS = ("compiled", "torch_offload", "async", "auto", "eager", "eager_async")
+BASELINE = "the model compiled whole, no offload"
+
+
+def applies(device_type: str) -> bool:
+    return True
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _torch_offload_patch():
+    """torch's own compile-time offload pass switched on, or None where this torch has none."""
+    config = torch._functorch.config
+    if not hasattr(config, "enable_activation_offloading"):
+        return None
+    options = {"enable_activation_offloading": True}
+    for name in ("activation_offload_separate_stream", "activation_offload_sink_wait", "activation_reload_prefetch"):
+        if hasattr(config, name):
+            options[name] = True
+    return config.patch(**options)
+
+
+def _measure(ctx, name: str, base, loss_of, min_tensor_bytes: int) -> dict:
+    """One variant on its own copy of `base`: median step ms, peak bytes (None on the host),
+    bytes offloaded per step, graph breaks its compile added."""
+    import offload
+    from common import time_ms
+
+    from offload.core import _device
+
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    handle = None
+    if name in ("async", "auto", "eager_async"):
+        handle = offload.enable_activation_offload(model, "auto" if name == "auto" else "async",
+                                                   min_tensor_bytes=min_tensor_bytes, verbose=False)
+    runs = model if name.startswith("eager") else torch.compile(model)
+    patch = _torch_offload_patch() if name == "torch_offload" else None
+    scope = patch if patch is not None else contextlib.nullcontext()
+    breaks = _graph_breaks()
+
+    def step():
+        model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the idle model
+        with scope:
+            loss_of(runs).backward()
+
+    try:
+        step()  # the compile, and the gradients' first allocation
+        breaks = _graph_breaks() - breaks
+        gc.collect()
+        _device.synchronize(ctx.device)
+        idle = _device.memory_allocated(ctx.device) if _device.is_accelerator(ctx.device) else None
+        if idle is not None:
+            _device.reset_peak_memory_stats(ctx.device)
+        timing = time_ms(step, ctx.device, warmup=1 if ctx.quick else 3, iters=3 if ctx.quick else 10)
+        peak = _device.max_memory_allocated(ctx.device) - idle if idle is not None else None
+        stats = handle.stats() if handle is not None else {}
+        return {"ms": timing["median_ms"], "peak": peak, "offloaded": stats.get("d2h_bytes", 0),
+                "graph_breaks": breaks}
+    finally:
+        if handle is not None:
+            handle.disable()
+        torch._dynamo.reset()
+        gc.collect()
+        _device.empty_cache()
+
+
+def _rows(ctx, label: str, results: dict) -> list:
+    from common import row
+
+    base = results["compiled"]
+    rows = []
+    print(f"{label}: step ms, peak above idle, bytes offloaded per step, graph breaks added", flush=True)
+    for name, r in results.items():
+        peak = "-" if r["peak"] is None else f"{r['peak'] / 2**30:.3f} GiB"
+        print(f"  {name:14} {r['ms']:9.2f} ms {peak:>12} {r['offloaded'] / 2**20:10.1f} MiB "
+              f"{r['graph_breaks']:3d} breaks", flush=True)
+        extra = dict(variant=name, offloaded_bytes=r["offloaded"], graph_breaks=r["graph_breaks"], peak_bytes=r["peak"])
+        if name != "compiled":
+            rows.append(row(SECTION, f"{label} {name} step", offload=r["ms"], baseline=base["ms"], unit="ms",
+                            baseline_name=BASELINE, higher_is_better=False, **extra))
+        if r["peak"] is not None and base["peak"]:
+            rows.append(row(SECTION, f"{label} {name} peak", offload=r["peak"] / 2**30, baseline=base["peak"] / 2**30,
+                            unit="GiB", baseline_name=BASELINE, higher_is_better=False, **extra))
+    return rows
+
+
+def _cases(ctx):
+    """(label, model, loss of the module that runs it, min_tensor_bytes) per model this run takes."""
+    from bench_activation import llama_case, stack_case
+
+    min_bytes = 0 if ctx.quick else 1 << 20
+    model, loss_of = stack_case(ctx)
+    yield ("blocks 4x32 quick" if ctx.quick else "blocks 8x4096 bs2 seq4096"), model, loss_of, min_bytes
+    del model, loss_of
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        ctx.skip("compile: Llama rows", "needs transformers (not installed)")
+        return
+    seq = 32 if ctx.quick else 2048
+    model, loss_of = llama_case(ctx, seq)
+    yield f"llama seq{seq}", model, loss_of, min_bytes
+
+
+def run(ctx):
+    from offload.core import _device
+
+    threads = torch.get_num_threads()
+    if not _device.is_accelerator(ctx.device):
+        torch.set_num_threads(1)  # tiny CPU models: no spin-wait contention on a shared host
+    rows = []
+    try:
+        for label, model, loss_of, min_bytes in _cases(ctx):
+            results = {}
+            for name in VARIANTS:
+                served = _device.is_accelerator(ctx.device) and _torch_offload_patch() is not None
+                if name == "torch_offload" and not served:
+                    ctx.skip(f"compile: {label} torch_offload", "torch's offload pass needs an accelerator and a "
+                             "torch that has it")
+                    continue
+                ctx.progress(f"compile: {label}: {name}")
+                results[name] = _measure(ctx, name, model, loss_of, min_bytes)
+            rows += _rows(ctx, label, results)
+            del model
+    finally:
+        torch.set_num_threads(threads)
+    return rows
