@@ -75,6 +75,15 @@ def blocks_case():
     return model, x, _grads(reference)
 
 
+def _step_offloads(step, handle, expected, model, groups):
+    """`step()` adds no graph break, offloads `groups` groups and leaves the expected gradients."""
+    breaks = _graph_breaks()
+    step()
+    assert _graph_breaks() == breaks
+    _check_offloaded(handle, expected, model, groups)
+    handle.disable()
+
+
 def _check_offloaded(handle, expected, model, groups):
     stats = handle.stats()
     assert stats["compiled_steps"] >= 1
@@ -108,11 +117,7 @@ def test_compile_blocks_enabled_after_compile(blocks_case):
     compiled = torch.compile(model)
     handle = offload.enable_activation_offload(compiled, min_tensor_bytes=0, mode="auto")
     assert handle.layers == ["layers.0", "layers.1", "layers.2", "layers.3"]  # the user's names, not _orig_mod's
-    breaks = _graph_breaks()
-    _blocks_step(compiled, x)
-    assert _graph_breaks() == breaks
-    _check_offloaded(handle, expected, model, groups=3)
-    handle.disable()
+    _step_offloads(lambda: _blocks_step(compiled, x), handle, expected, model, groups=3)
 
 
 @pytest.mark.slow
@@ -167,11 +172,7 @@ def test_compile_llama(llama_case, when):
     else:
         model.compile()
         handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
-    breaks = _graph_breaks()
-    _llama_step(model, ids)
-    assert _graph_breaks() == breaks
-    _check_offloaded(handle, expected, model, groups=2)
-    handle.disable()
+    _step_offloads(lambda: _llama_step(model, ids), handle, expected, model, groups=2)
 
 
 @pytest.mark.slow
