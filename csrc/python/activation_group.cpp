@@ -105,29 +105,16 @@ void ActivationGroup::drop_spans() {
   has_spans = false;
 }
 
-namespace {
-
-// An empty tensor of `t`'s dtype and device, made once: what a watch alias's data is set to.
-// Never freed: a device tensor destroyed at exit could outlive its runtime.
-const at::Tensor& empty_like_storage(const at::Tensor& t) {
-  static auto* empties = new std::vector<at::Tensor>();
-  for (const at::Tensor& e : *empties) {
-    if (e.scalar_type() == t.scalar_type() && e.device() == t.device()) return e;
-  }
-  empties->push_back(at::empty({0}, t.options()));
-  return empties->back();
-}
-
-}  // namespace
-
 void ActivationGroup::drop_held() {
-  // saved_tensors.py's `drop_held` gives the reasons: an alias sharing the version counter
-  // only for a tensor something else still reaches (a view, or one referenced beyond the
-  // group's own slots), so an in-place change after this point still raises at unpack.
+  // saved_tensors.py's `drop_held` gives the reasons: a watch on the version counter only
+  // for a tensor something else still reaches (a view, or one referenced beyond the group's
+  // own slots), so an in-place change after this point still raises at unpack. Python keeps
+  // an alias tensor for it (a detached tensor with no storage that shares the counter); here
+  // the counter itself is kept, which holds no tensor and costs no allocation.
   if (!holds_device_tensors) return;
   holds_device_tensors = false;
   drop_spans();
-  watch_.assign(held.size(), {at::Tensor(), 0});
+  watch_.assign(held.size(), {c10::VariableVersion(c10::VariableVersion::DISABLED), -1});
   modified_.clear();
   std::unordered_map<PyObject*, Py_ssize_t> slots_of;  // filled only if a tensor needs it
   for (size_t slot = 0; slot < held.size(); ++slot) {
@@ -149,11 +136,7 @@ void ActivationGroup::drop_held() {
         watch = refs > slots_of[h.tensor.ptr()];
       }
     }
-    if (watch) {
-      at::Tensor alias = t.detach();
-      alias.set_data(empty_like_storage(t));
-      watch_[slot] = {std::move(alias), h.version};
-    }
+    if (watch) watch_[slot] = {t.unsafeGetTensorImpl()->version_counter(), h.version};
   }
   held.clear();
   held.shrink_to_fit();
@@ -194,8 +177,8 @@ void ActivationGroup::check_not_modified(const SavedActivation& packed) const {
     raise_modified(std::get<0>(found->second), std::get<1>(found->second), std::get<2>(found->second));
   }
   const auto& watch = watch_[static_cast<size_t>(packed.slot)];
-  if (watch.first.defined() && watch.first._version() != watch.second) {
-    raise_modified(describe(packed.dtype, packed.size), watch.second, watch.first._version());
+  if (watch.second >= 0 && watch.first.current_version() != static_cast<uint32_t>(watch.second)) {
+    raise_modified(describe(packed.dtype, packed.size), watch.second, watch.first.current_version());
   }
 }
 

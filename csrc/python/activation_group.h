@@ -31,6 +31,7 @@
 #include <vector>
 
 #include <c10/core/Stream.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/extension.h>
 
@@ -145,9 +146,9 @@ class ActivationGroup {
   std::vector<int64_t> offsets_;  // per span: where it starts in the block (bytes)
   std::vector<int64_t> span_starts_;  // per span: where it starts in its storage (bytes)
   std::vector<int64_t> sizes_;  // per span: its bytes (set by copy_out)
-  // After drop_held, per slot: a tensor sharing the saved tensor's version counter and
-  // no storage, and the version at save; undefined where nothing else could change it.
-  std::vector<std::pair<at::Tensor, int64_t>> watch_;
+  // After drop_held, per slot: the saved tensor's version counter (shared, not a copy) and
+  // its version at save; -1 where nothing else could change it.
+  std::vector<std::pair<c10::VariableVersion, int64_t>> watch_;
   // Slots modified in place before the copy was confirmed: (description, saved, now).
   std::unordered_map<int64_t, std::tuple<std::string, int64_t, int64_t>> modified_;
   std::vector<std::pair<at::ScalarType, at::Tensor>> typed_blocks_;
