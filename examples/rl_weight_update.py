@@ -45,14 +45,20 @@ import offload
 TRAINER, ROLLOUT = 0, 1
 
 
+class _PlacementDefault:
+    """--placement's default, shown by --help: colocated, or separate with --trainer-ranks."""
+
+    def __str__(self) -> str:
+        return "colocated; separate with --trainer-ranks"
+
+
 def parse_args(argv=None):
     # One set of defaults for every device: the model is small enough for the CPU to run the loop in seconds.
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--placement", choices=("separate", "colocated"), default=None,
+    p.add_argument("--placement", choices=("separate", "colocated"), default=_PlacementDefault(),
                    help="separate: a device each, weights over NCCL; colocated: trainer and rollout share a device, "
-                        "weights over IPC (with --trainer-ranks N: rollout rank N+i beside trainer rank i). "
-                        "Default: colocated, separate with --trainer-ranks")
+                        "weights over IPC (with --trainer-ranks N: rollout rank N+i beside trainer rank i)")
     p.add_argument("--device", default="auto",
                    help="auto (the host's accelerator if it has one, else the CPU), cpu, or an accelerator type")
     p.add_argument("--iterations", type=int, default=3, help="training steps, each followed by a weight update")
@@ -74,7 +80,7 @@ def parse_args(argv=None):
                    help="with --trainer-ranks: each trainer rank snapshots its shards to host memory after its step "
                         "(mode host_cache) and sends from the snapshot")
     args = p.parse_args(argv)
-    if args.placement is None:  # many senders: trainers and rollouts on ranks (devices) of their own
+    if isinstance(args.placement, _PlacementDefault):  # many senders: trainers and rollouts on ranks of their own
         args.placement = "separate" if args.trainer_ranks else "colocated"
     return args
 

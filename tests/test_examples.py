@@ -161,7 +161,11 @@ def test_examples_help_shows_the_defaults(capsys):
 
     options = _help(_load_example("rl_weight_update"), capsys)
     assert all(text.endswith(")") and "(default: " in text for flag, text in options.items() if flag != "-h"), options
-    assert options["--placement"].endswith("(default: colocated)")
+    assert options["--placement"].endswith("(default: colocated; separate with --trainer-ranks)")
+    rl = _load_example("rl_weight_update")
+    assert rl.parse_args([]).placement == "colocated"
+    assert rl.parse_args(["--trainer-ranks", "2"]).placement == "separate"
+    assert rl.parse_args(["--trainer-ranks", "2", "--placement", "colocated"]).placement == "colocated"
     assert options["--iterations"].endswith("(default: 3)")
     assert options["--bucket-mib"].endswith("(default: None, offload's own)")
 
