@@ -233,9 +233,9 @@ def run_many_senders(args, device: torch.device) -> None:
                          f"{replicas} runs under torchrun --nproc-per-node {n + m} (got {world} processes), with "
                          "--rollout-ranks a multiple of --rollout-tp and --trainer-ranks one of --trainer-replicas")
     colocated = args.placement == "colocated"
-    if colocated and (m != n or tp != 1 or args.snapshot):
+    if colocated and (m != n or args.snapshot):
         raise SystemExit(f"{name}: --placement colocated pairs each trainer rank with one rollout rank on its device "
-                         f"(whole tensors, from the device): --rollout-ranks {n}, --rollout-tp 1, no --snapshot")
+                         f"(sending from the device): --rollout-ranks {n}, no --snapshot")
     # Collective over the world, in this order on every rank: the control group, the trainers' mesh, then the
     # sender's groups (one per trainer rank, built by WeightSender / WeightReceiver alike).
     control = dist.new_group(backend="gloo") if device.type != "cpu" else dist.group.WORLD
@@ -271,7 +271,8 @@ def run_many_senders(args, device: torch.device) -> None:
     else:
         tp_rank = (rank - n) % tp
         if colocated:
-            receiver = offload.WeightReceiver(senders=trainers, transport="ipc", group=pairs[rank - n], src=rank - n)
+            receiver = offload.WeightReceiver(senders=trainers, transport="ipc", group=pairs[rank - n], src=rank - n,
+                                              slices=tp_slice(tp_rank, tp))
         else:
             receiver = offload.WeightReceiver(senders=trainers, slices=tp_slice(tp_rank, tp))
         rollout = Rollout(build_model(args, device, torch.bfloat16)) if tp == 1 else None

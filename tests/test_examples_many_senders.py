@@ -45,7 +45,8 @@ def _summary(trainers: int, rollouts: int, tp: int = 1, *extra: str) -> dict:
 @pytest.mark.parametrize("trainers,rollouts,tp,extra", [(2, 1, 1, ()), (3, 1, 1, ()), (2, 2, 2, ()),
                                                         (2, 1, 1, ("--snapshot",)),
                                                         (4, 1, 1, ("--trainer-replicas", "2")),
-                                                        (2, 2, 1, ("--placement", "colocated"))])
+                                                        (2, 2, 1, ("--placement", "colocated")),
+                                                        (2, 2, 2, ("--placement", "colocated"))])
 def test_examples_rl_weight_update_many_senders(trainers, rollouts, tp, extra):
     summary = _summary(trainers, rollouts, tp, *extra)
     assert summary["bitwise"] is True

@@ -15,11 +15,12 @@ import torch.distributed as dist
 
 import offload
 from _workers import spawn_world
-from test_weight_sync_many import BUCKET, KEEP, _check, _expected, _mesh_2x2, _model, _train_step
+from test_weight_sync_many import BUCKET, KEEP, _check, _cut, _expected, _mesh_2x2, _model, _tp_slices, _train_step
 
 
-def _colocated_scenario(rank, device, trainers: int, hsdp: bool):
-    """Two syncs in fp32 (load into a target, then receive()), then one cast to bf16 with norms kept in fp32."""
+def _colocated_scenario(rank, device, trainers: int, hsdp: bool, tp: bool):
+    """Two syncs in fp32 (load into a target, then receive()), then one cast to bf16 with norms kept in fp32;
+    with `tp` each rollout process keeps its tensor-parallel half (rollout i the half i)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -47,21 +48,29 @@ def _colocated_scenario(rank, device, trainers: int, hsdp: bool):
             assert max(per_rank) <= 1.1 * total / trainers, (per_rank, total)
         return
     pair = rank - trainers
-    receiver = offload.WeightReceiver(senders=senders, transport="ipc", group=pairs[pair], src=pair, timeout_s=60)
+    slices = _tp_slices(pair % 2) if tp else None
+    receiver = offload.WeightReceiver(senders=senders, transport="ipc", group=pairs[pair], src=pair, slices=slices,
+                                      timeout_s=60)
     cast_receiver = offload.WeightReceiver(senders=senders, transport="ipc", group=pairs[pair], src=pair,
-                                           timeout_s=60)
-    target = {n: torch.zeros_like(t) for n, t in _model(False).state_dict().items()}
+                                           slices=slices, timeout_s=60)
+    specs = {n: (slices(n, tuple(t.shape)) if slices else None) for n, t in _model(False).state_dict().items()}
+
+    def expected(steps: int, cast: bool) -> dict:
+        return {n: _cut(t, specs[n]) for n, t in _expected(False, steps, cast=cast).items()}
+
+    target = {n: torch.zeros_like(t) for n, t in expected(1, False).items()}
     t = receiver.load(target)
-    _check(target, _expected(False, 1, cast=False), "colocated load, sync 0")
+    _check(target, expected(1, False), "colocated load, sync 0")
     assert t["model_bytes"] > 0 and len(t["bytes_per_sender"]) == trainers  # the many-sender figures, as over NCCL
-    _check(dict(receiver.receive(copy=True)), _expected(False, 2, cast=False), "colocated receive, sync 1")
-    _check(dict(cast_receiver.receive(copy=True)), _expected(False, 2, cast=True), "colocated, bf16")
+    _check(dict(receiver.receive(copy=True)), expected(2, False), "colocated receive, sync 1")
+    _check(dict(cast_receiver.receive(copy=True)), expected(2, True), "colocated, bf16")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainers,hsdp", [(2, False), (3, False), (4, True)])
-def test_weight_sync_colocated_many_senders(trainers, hsdp):
-    spawn_world(functools.partial(_colocated_scenario, trainers=trainers, hsdp=hsdp), world=2 * trainers)
+@pytest.mark.parametrize("trainers,hsdp,tp", [(2, False, False), (3, False, False), (4, True, False),
+                                              (2, False, True)])
+def test_weight_sync_colocated_many_senders(trainers, hsdp, tp):
+    spawn_world(functools.partial(_colocated_scenario, trainers=trainers, hsdp=hsdp, tp=tp), world=2 * trainers)
 
 
 FAULT_TIMEOUT_S = 2.0

@@ -381,8 +381,8 @@ def test_weight_sync_many_rejects_bad_arguments():
     with pytest.raises(ValueError, match="WeightReceiver: slices= takes parts of tensors that several senders="):
         offload.WeightReceiver(slices={"w": (0, 0, 1)})
     with pytest.raises(ValueError, match="WeightReceiver: with senders= and transport 'ipc' the rollout process takes "
-                                         "whole tensors"):
-        offload.WeightReceiver(senders=[0], transport="ipc", slices={"w": (0, 0, 1)})
+                                         "the weights from the trainer on its device, over their group"):
+        offload.WeightReceiver(senders=[0], transport="ipc", ranks=[0, 1])
     with pytest.raises(ValueError, match="WeightSender: transport 'ipc' packs from the device"):
         offload.WeightSender(senders=[0], transport="ipc", mode="host_cache")
 

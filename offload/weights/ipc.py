@@ -28,10 +28,11 @@ from torch.multiprocessing import reductions
 from ..core import _device
 from ..core.checks import check_int
 from ..core.timing import PhaseTimer
-from .bucket_pack import (BucketSpans, bucket_spans, bucket_tensors, check_destinations, check_not_parked, copy_spans,
-                          destinations)
+from .bucket_pack import (BucketSpans, bucket_spans, bucket_tensors, check_destinations, check_not_parked,
+                          check_received_into, copy_spans, destinations)
 from .bucket_plan import BucketPlan
 from .bucket_planner import plan_buckets
+from .slices import Slices
 
 PHASES = ("gather", "pack", "host_copy", "transfer", "unpack")
 DEFAULT_IPC_TIMEOUT_S = 120.0
@@ -474,10 +475,14 @@ class IpcSender:
 class IpcReceiver:
     """The receiving side of transport 'ipc' (Note [IPC protocol]); `WeightReceiver` delegates to it."""
 
-    def __init__(self, fn: str, group, channel, src: int, timeout_s: float):
+    def __init__(self, fn: str, group, channel, src: int, timeout_s: float, slices: Optional[Slices] = None):
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"{fn}: timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         self.channel = make_channel(fn, group, channel, src, is_sender=False)
+        # What this receiver keeps of each tensor (a colocated many-sender sync's tensor-parallel
+        # rank, Note [colocated senders]); None: every tensor whole.
+        self.slices = slices
+        self._split: Dict[int, list] = {}  # plan id -> per bucket (spans of whole tensors, entries of sliced ones)
         self.peer = self.channel.peers[0]
         self.timeout_s = float(timeout_s)
         self.device: Optional[torch.device] = None  # the sender's, known from its buffers
@@ -520,6 +525,7 @@ class IpcReceiver:
         plan, spans = self._plans[plan_id]
         if plan.num_buckets:  # Note [IPC control messages]
             self.channel.post_next(self.peer)
+        self._plan_id = plan_id
         return plan, spans, version
 
     def _buckets(self, fn: str, plan: BucketPlan, spans, timer) -> Iterator[Tuple[torch.Tensor, BucketSpans]]:
@@ -542,6 +548,46 @@ class IpcReceiver:
                 self._released[slot].record(stream)
             self.channel.send(self.peer, _CONSUMED, k)
         timer.mark_span("transfer")
+
+    def _check_sliced_destinations(self, fn: str, plan: BucketPlan, dsts: dict, strict: bool) -> None:
+        """`check_destinations` with each tensor in the shape of what this receiver keeps of it."""
+        sent = set()
+        for e in plan.entries:
+            if e.name in sent:
+                continue
+            if e.name not in dsts:
+                raise ValueError(f"{fn}: received tensor {e.name!r} but the target has no tensor of that name")
+            shape = self.slices.out_shape(fn, e.name, tuple(e.shape))
+            sliced = shape != tuple(e.shape)
+            check_received_into(fn, e.name, dsts[e.name], shape, e.dtype, self.device,
+                                "(its slice)" if sliced else "in the bucket")
+            sent.add(e.name)
+        missing = [n for n in dsts if n not in sent]
+        if strict and missing:
+            raise ValueError(f"{fn}: the target's tensor {missing[0]!r} was not sent ({len(missing)} missing); "
+                             "pass strict=False to allow it")
+
+    def _unpack_into(self, fn: str, plan: BucketPlan, k: int, data: torch.Tensor, bucket: BucketSpans, dsts: dict,
+                     partial: dict, timer) -> None:
+        """Bucket k into the destinations: whole tensors copied in place, sliced ones assembled whole
+        (across buckets, in `partial`) and their slice copied once complete."""
+        if self.slices is None:
+            copy_spans(data, [dsts[e.name] for e in bucket.entries], bucket, pack=False)
+            return
+        split = self._split.get(self._plan_id)
+        if split is None:
+            split = []
+            for spans in bucket_spans(plan):
+                whole = [e for e in spans.entries if self.slices.want(fn, e.name, tuple(e.shape)) is None]
+                sliced = [e for e in spans.entries if self.slices.want(fn, e.name, tuple(e.shape)) is not None]
+                split.append((BucketSpans(whole) if whole else None, BucketSpans(sliced)))
+            self._split = {self._plan_id: split}
+        whole, sliced = split[k]
+        if whole is not None:
+            copy_spans(data, [dsts[e.name] for e in whole.entries], whole, pack=False)
+        for name, t in bucket_tensors(data, sliced, partial, timer, self.device):
+            dim, start, stop = self.slices.want(fn, name, tuple(t.shape))
+            dsts[name].copy_(t.narrow(dim, start, stop - start))
 
     def _failed(self, exc: BaseException) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
@@ -573,7 +619,9 @@ class IpcReceiver:
         partial: Dict[str, list] = {}  # bucket_tensors: name -> [tensor, chunks to come]
         try:
             for data, bucket in self._buckets(fn, plan, spans, timer):
-                yield from bucket_tensors(data, bucket, partial, timer, self.device, copy)
+                for name, t in bucket_tensors(data, bucket, partial, timer, self.device, copy):
+                    want = None if self.slices is None else self.slices.want(fn, name, tuple(t.shape))
+                    yield name, (t if want is None else t.narrow(want[0], want[1], want[2] - want[1]).clone())
         except GeneratorExit:
             self._failed(RuntimeError("the receiver stopped reading before the last bucket"))
             raise
@@ -590,15 +638,19 @@ class IpcReceiver:
         error = None
         try:
             check_not_parked(fn, target)
-            check_destinations(fn, plan, dsts, self.device, strict)
+            if self.slices is None:
+                check_destinations(fn, plan, dsts, self.device, strict)
+            else:
+                self._check_sliced_destinations(fn, plan, dsts, strict)
         except (ValueError, TypeError) as exc:  # still release every bucket: the sender completes
             error = exc
+        partial: Dict[str, list] = {}  # bucket_tensors: name -> [tensor, chunks to come]
         try:
             with torch.no_grad():
-                for data, bucket in self._buckets(fn, plan, spans, timer):
+                for k, (data, bucket) in enumerate(self._buckets(fn, plan, spans, timer)):
                     if error is None:
                         with timer.phase("unpack"):
-                            copy_spans(data, [dsts[e.name] for e in bucket.entries], bucket, pack=False)
+                            self._unpack_into(fn, plan, k, data, bucket, dsts, partial, timer)
         except BaseException as exc:
             self._failed(exc)
             raise

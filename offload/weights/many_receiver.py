@@ -19,32 +19,8 @@ from ..core.timing import PhaseTimer
 from .bucket_pack import BucketSpans, bucket_spans, check_received_into, copy_spans, destinations
 from .link import AFTER_FAILURE, Link, collective_max_blocks, transport_device
 from .many_senders import Piece, SenderPlan, build_groups
+from .slices import Slices
 from .sync_options import PHASES, BucketBuffers
-
-
-def check_slices(fn: str, slices):
-    """None, a callable (name, full_shape) -> (dim, start, stop) or None, or a mapping name -> (dim, start, stop)."""
-    if slices is None or callable(slices):
-        return slices
-    if not hasattr(slices, "items"):
-        raise TypeError(f"{fn}: slices must be a mapping name -> (dim, start, stop), a callable (name, full_shape) "
-                        f"-> (dim, start, stop) or None, or None, got {type(slices).__name__}")
-    for name, spec in slices.items():
-        _check_slice(fn, name, spec)
-    return dict(slices)
-
-
-def _check_slice(fn: str, name: str, spec) -> Optional[Tuple[int, int, int]]:
-    if spec is None:
-        return None
-    if not (isinstance(spec, (tuple, list)) and len(spec) == 3 and all(is_int(v) for v in spec)):
-        raise TypeError(f"{fn}: the slice of tensor {name!r} must be (dim, start, stop), three ints, or None for "
-                        f"the whole tensor, got {spec!r}")
-    dim, start, stop = spec
-    if dim < 0 or start < 0 or stop < start:
-        raise ValueError(f"{fn}: the slice of tensor {name!r} must have dim >= 0 and 0 <= start <= stop, got "
-                         f"(dim={dim}, start={start}, stop={stop})")
-    return int(dim), int(start), int(stop)
 
 
 @dataclass
@@ -113,7 +89,7 @@ class ManyReceiver:
 
     def __init__(self, fn: str, senders: List[int], ranks, backend, slices, reserve_sms: int, timeout_s):
         self.senders = senders
-        self.slices = slices
+        self.slices = Slices(slices)
         self.groups, self.members, self.receivers = build_groups(fn, senders, ranks, backend)
         rank = dist.get_rank()
         if rank not in self.receivers:
@@ -126,33 +102,13 @@ class ManyReceiver:
         self._buffers = [BucketBuffers() for _ in senders]  # per sender: its two bucket buffers
         self._plans: List[Dict[int, SenderPlan]] = [{} for _ in senders]  # by plan id, per sender
         self._programs: Dict[Tuple[int, int], _Program] = {}  # (sender index, plan id) -> program
-        self._wanted: Dict[Tuple[str, Tuple[int, ...]], Optional[Tuple[int, int, int]]] = {}
         self.version: Optional[int] = None
         self.timings: dict = {}
 
     # ------------------------------------------------------------ plans
 
-    def _want(self, fn: str, name: str, shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
-        key = (name, shape)
-        if key not in self._wanted:
-            if self.slices is None:
-                spec = None
-            elif callable(self.slices):
-                spec = _check_slice(fn, name, self.slices(name, shape))
-            else:
-                spec = self.slices.get(name)
-            if spec is not None and (spec[0] >= len(shape) or spec[2] > shape[spec[0]]):
-                raise ValueError(f"{fn}: the slice of tensor {name!r} (dim={spec[0]}, start={spec[1]}, "
-                                 f"stop={spec[2]}) is outside its full shape {list(shape)}")
-            self._wanted[key] = spec
-        return self._wanted[key]
-
     def out_shape(self, name: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
-        spec = self._wanted[(name, shape)]
-        if spec is None:
-            return shape
-        dim, start, stop = spec
-        return shape[:dim] + (stop - start,) + shape[dim + 1:]
+        return self.slices.out_shape("offload.WeightReceiver", name, shape)
 
     def _program(self, fn: str, index: int, plan_id: int) -> _Program:
         key = (index, plan_id)
@@ -163,14 +119,14 @@ class ManyReceiver:
         spans = bucket_spans(plan.buckets)
         copies, direct, contributions = [], [], {}
         for p in plan.pieces:
-            overlap = _overlap(p, self._want(fn, p.name, p.shape))
+            overlap = _overlap(p, self.slices.want(fn, p.name, p.shape))
             if overlap is not None:
                 contributions[p.name] = 1
         for bucket in spans:
             mine = []
             for e in bucket.entries:
                 p = pieces[e.name]
-                overlap = _overlap(p, self._wanted[(p.name, p.shape)])
+                overlap = _overlap(p, self.slices.want(fn, p.name, p.shape))
                 if overlap is None:
                     continue
                 src, dst = overlap

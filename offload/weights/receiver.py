@@ -22,7 +22,8 @@ from .bucket_pack import (
 from .bucket_plan import BucketPlan
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver
 from .link import AFTER_FAILURE, Link, check_src, collective_max_blocks, is_member, resolve_group, transport_device
-from .many_receiver import ManyReceiver, check_slices
+from .many_receiver import ManyReceiver
+from .slices import Slices, check_slices
 from .many_senders import check_senders
 from .sync_options import DEFAULT_RESERVE_SMS, PHASES, BucketBuffers, _check_common, _check_many, _check_transport
 
@@ -59,12 +60,13 @@ class WeightReceiver:
             # Colocated (Note [colocated senders] in colocated_many.py): the trainer on this device sends the
             # gathered buckets as one IPC sender does; the trainers' gather group is collective over the world.
             senders = check_senders(fn, senders)
-            if slices is not None or ranks is not None:
-                raise ValueError(f"{fn}: with senders= and transport 'ipc' the rollout process takes whole tensors "
-                                 "from the trainer on its device, over its group (or channel): no slices, no ranks")
+            if ranks is not None:
+                raise ValueError(f"{fn}: with senders= and transport 'ipc' the rollout process takes the weights from "
+                                 "the trainer on its device, over their group (or channel), not ranks")
             dist.new_group(senders)
             self._ipc = IpcReceiver(fn, group, channel, int(src),
-                                    DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s)
+                                    DEFAULT_IPC_TIMEOUT_S if timeout_s is None else timeout_s,
+                                    None if slices is None else Slices(slices))
             self.src, self.senders = int(src), senders
             return
         if senders is not None:
