@@ -12,6 +12,10 @@ and back).
 Auto mode (auto/, see its docstring for its modules: planner, shared, measure, memory, schedule,
 probes, search, budget, budget_plan, budget_checks, ranks) is built on the runtime and
 imports it; the runtime imports auto mode only where api.py builds its planner.
+
+A model compiled whole (compiled/, see its docstring: ops, layout, transport, layer_map,
+rewrite, plan, partitioner, support, binding; docs/design/compile.md) is offloaded by offload's
+partitioner and ops inside the compiled graphs; api.py binds each handle to it.
 """
 
 from .api import ActivationEvent, ActivationOffload, activation_offload, enable_activation_offload

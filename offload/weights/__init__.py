@@ -16,7 +16,10 @@ Modules:
   its senders and receivers share (the groups, `Piece`, `SenderPlan`).
 - many_receiver: a rollout rank's side of a many-sender sync (`ManyReceiver`): what it keeps of each
   sender's buckets, received round-robin.
+- slices: what a receiver keeps of each tensor (`slices=`: a tensor-parallel rank's share).
 - ipc: colocated sync through shared device buffers (`transport="ipc"`).
+- colocated_many: colocated sync from many senders (`senders=` with `transport="ipc"`, Note
+  [colocated senders]): each bucket all-gathered over the trainers into the IPC buffer.
 - param_offload: `offload_params` / `reload_params`, a model parked in pinned host memory.
 - parked: what a parked module allows, and the errors where it would be misread.
 """
