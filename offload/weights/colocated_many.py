@@ -19,7 +19,7 @@ from .bucket_plan import BucketPlan
 from .bucket_planner import check_bucket_options
 from .ipc import DEFAULT_IPC_BUCKET_BYTES, IpcSender
 from .link import Link
-from .many_senders import Piece, local_sources, plan_senders
+from .many_senders import Piece, SendersPlan, local_sources, plan_senders
 
 # Note [colocated senders]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -50,6 +50,16 @@ from .many_senders import Piece, local_sources, plan_senders
 #   is about the IPC default.
 # - Failures: a trainer that fails or dies ends the all-gather on the others (bounded by
 #   `timeout_s`, Note [sync timeouts] in link.py), which abort their receivers (ipc.py).
+
+
+@dataclasses.dataclass
+class _GatheredSync:
+    """A sync's plans as every trainer rank computes them alike, for one signature of its tensors."""
+
+    every: SendersPlan  # who sends which piece, and every sender's buckets
+    plan: BucketPlan  # the gathered buckets, as the rollout processes receive them
+    slots: List[int]  # per gathered bucket: each sender's slot in it (bytes)
+    own_spans: list  # this sender's buckets' BucketSpans
 
 
 def _flat_start(fn: str, piece: Piece) -> int:
@@ -119,25 +129,26 @@ class ColocatedManySender:
         self._ipc = IpcSender(fn, group, channel, rank, bucket_bytes, dtype, keep_dtype, alignment, timeout_s)
         self._link: Optional[Link] = None  # on the device of the first sync's tensors
         self._signature = None
-        self._plans = None  # (SendersPlan, gathered plan, slot sizes, this sender's spans) of the last signature
+        self._sync: Optional[_GatheredSync] = None  # the plans of the last signature
         self._staging: Optional[torch.Tensor] = None  # this sender's bucket, the all-gather's input
 
     @property
     def device(self) -> torch.device:
         return self._ipc.device
 
-    def _plan(self, fn: str, items):
+    def _plan(self, fn: str, items) -> _GatheredSync:
         signature = [(n, tuple(t.shape), t.dtype, tuple(getattr(t, "placements", ()))) for n, t in items]
         if signature != self._signature:
             every = plan_senders(fn, items, self.senders, self.policy, self.bucket_bytes, self.dtype,
                                  self.keep_dtype, self.alignment)
             plan, slots = gathered_plan(fn, every.plans, every.owned, self.alignment)
             self._signature = signature
-            self._plans = (every, plan, slots, bucket_spans(every.plans[self.index]))
-        return self._plans
+            self._sync = _GatheredSync(every, plan, slots, bucket_spans(every.plans[self.index]))
+        return self._sync
 
     def send(self, fn: str, items, version: int) -> dict:
-        every, plan, slots, own_spans = self._plan(fn, items)
+        sync = self._plan(fn, items)
+        every, plan, slots, own_spans = sync.every, sync.plan, sync.slots, sync.own_spans
         owned = every.owned[self.index]
         locals_ = [(piece.name, items[i][1].to_local() if weight_sources.is_dtensor(items[i][1]) else items[i][1])
                    for piece, i in owned]
