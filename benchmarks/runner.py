@@ -63,7 +63,7 @@ ESTIMATES = {
     "compile": Estimate(240, 100),
     "copy": Estimate(25, 17),
     "frontier": Estimate(600, 60),
-    "host": Estimate(24, 1, 30, "the GPU measure's Llama at seq 8192"),
+    "host": Estimate(29, 1, 36, "the GPU measure's Llama at seq 8192"),
     "param_offload": Estimate(35, 1, 35, "three rounds of the module.to baseline instead of one"),
     "staging": Estimate(67, 13, 40, "two more DefaultStager option sets, five rounds of its training loop"),
     "train_fsdp2": Estimate(420, 0, gpus=2),
