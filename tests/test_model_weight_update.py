@@ -72,9 +72,11 @@ def test_model_weight_update_bad_input_raises(mwu):
 
 
 def test_model_weight_update_calibration_within_15_percent(mwu):
-    cal = mwu.calibration(mwu.measured_rates())
-    assert [c.name for c in cal] == [m.name for m in mwu.MEASURED]
-    for c in cal:
+    """Every measured point: the two default rows and the bucket sweep (4 to 240 buckets)."""
+    rates = mwu.measured_rates()
+    cal, sweep = mwu.calibration(rates), mwu.sweep_check(rates)
+    assert [c.name for c in cal] == [m.name for m in mwu.MEASURED] and len(sweep) == len(mwu.SWEEP)
+    for c in cal + sweep:
         assert abs(c.error) < 0.15, c
         assert c.model_s > c.ceiling_s  # never faster than one broadcast of all the bytes
 
