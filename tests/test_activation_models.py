@@ -6,7 +6,6 @@ import gc
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.core import _device
@@ -15,6 +14,7 @@ from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     AUTO_MEASURING_STEPS, Block, MODES, assert_bitwise_equal, grads_of, one_thread, pool, small_model, steps_to_run,
     spy_offloaded, train_step,
 )
+from _workers import gloo_world  # noqa: F401 (fixture)
 
 # These tests run models on the CPU, whose activations are host memory already:
 # where an accelerator exists the engine rightly leaves them alone, and
@@ -126,6 +126,14 @@ def test_activation_checkpoint_variants(ckpt, pool):
     assert stats["tensors_offloaded"] <= 3 * 2  # the checkpoint inputs (and its dummy), not the activations
 
 
+def needs_fsdp(kind: str) -> None:
+    """Skip where this torch has no FSDP of `kind` ("fsdp1", "fsdp2")."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if (kind == "fsdp2" and not hasattr(fsdp, "fully_shard")) or (
+            kind == "fsdp1" and not hasattr(fsdp, "FullyShardedDataParallel")):
+        pytest.skip(f"needs torch.distributed with {kind}")
+
+
 def _shard(kind, model):
     from torch.distributed import fsdp
 
@@ -152,40 +160,31 @@ def _full_grads(kind, model):
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
-def test_activation_fsdp_single_process(kind, pool, monkeypatch, tmp_path):
+def test_activation_fsdp_single_process(kind, pool, monkeypatch, gloo_world):
     """FSDP units are the layers; unsharded parameters are never offloaded (gloo, CPU)."""
-    dist = pytest.importorskip("torch.distributed")
-    fsdp = pytest.importorskip("torch.distributed.fsdp")
-    if not dist.is_available() or (kind == "fsdp2" and not hasattr(fsdp, "fully_shard")) or (
-            kind == "fsdp1" and not hasattr(fsdp, "FullyShardedDataParallel")):
-        pytest.skip(f"needs torch.distributed with {kind}")
-    # A file rendezvous: a port found by binding and releasing it can be taken by another process first.
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
-    try:
-        ref = _shard(kind, small_model())
-        model = _shard(kind, small_model())
-        clashes, offloaded = [], []
+    needs_fsdp(kind)
+    ref = _shard(kind, small_model())
+    model = _shard(kind, small_model())
+    clashes, offloaded = [], []
 
-        def spy(t):  # offloaded: compare with the parameters as they are now
-            live = storage_ptrs(model.parameters())
-            offloaded.append(t)
-            if t.untyped_storage().data_ptr() in live:
-                clashes.append(tuple(t.shape))
+    def spy(t):  # offloaded: compare with the parameters as they are now
+        live = storage_ptrs(model.parameters())
+        offloaded.append(t)
+        if t.untyped_storage().data_ptr() in live:
+            clashes.append(tuple(t.shape))
 
-        spy_offloaded(monkeypatch, spy)  # on either hooks' path
-        handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
-        prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
-        assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
-        x = torch.randn(8, 16)
-        for _ in range(2):
-            for m in (ref, model):
-                m.zero_grad()
-                m(x).backward()
-            assert_bitwise_equal(_full_grads(kind, ref), _full_grads(kind, model))
-        assert offloaded and not clashes
-        assert handle.stats()["layers_offloaded"] == 3
-    finally:
-        dist.destroy_process_group()
+    spy_offloaded(monkeypatch, spy)  # on either hooks' path
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
+    prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
+    assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        for m in (ref, model):
+            m.zero_grad()
+            m(x).backward()
+        assert_bitwise_equal(_full_grads(kind, ref), _full_grads(kind, model))
+    assert offloaded and not clashes
+    assert handle.stats()["layers_offloaded"] == 3
 
 
 class _Outer(nn.Module):
@@ -198,28 +197,23 @@ class _Outer(nn.Module):
 
 
 @pytest.mark.parametrize("shard_root", [False, True])
-def test_activation_fsdp2_nested_units_are_the_innermost(shard_root, pool, tmp_path):
+def test_activation_fsdp2_nested_units_are_the_innermost(shard_root, pool, gloo_world):
     """fully_shard on each block and on a module holding them: the blocks are the layers
     (was: the holding unit, the only layer, kept as the last one: nothing offloaded)."""
-    dist = pytest.importorskip("torch.distributed")
-    fsdp = pytest.importorskip("torch.distributed.fsdp")
-    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
-        pytest.skip("needs torch.distributed with fully_shard (FSDP2)")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
-    try:
-        ref, model = _Outer(), _Outer()
-        for m in (ref, model):
-            for block in m.inner.blocks:
-                fsdp.fully_shard(block, reshard_after_forward=False)
-            fsdp.fully_shard(m.inner, reshard_after_forward=False)
-            if shard_root:
-                fsdp.fully_shard(m, reshard_after_forward=False)
-        handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
-        assert handle.layers == [f"inner.blocks.{i}" for i in range(4)]
-        x = torch.randn(8, 16)
-        for m in (ref, model):
-            m(x).backward()
-        assert_bitwise_equal(_full_grads("fsdp2", ref), _full_grads("fsdp2", model))
-        assert handle.stats()["groups_offloaded"] == 3
-    finally:
-        dist.destroy_process_group()
+    needs_fsdp("fsdp2")
+    from torch.distributed import fsdp
+
+    ref, model = _Outer(), _Outer()
+    for m in (ref, model):
+        for block in m.inner.blocks:
+            fsdp.fully_shard(block, reshard_after_forward=False)
+        fsdp.fully_shard(m.inner, reshard_after_forward=False)
+        if shard_root:
+            fsdp.fully_shard(m, reshard_after_forward=False)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool, verbose=False)
+    assert handle.layers == [f"inner.blocks.{i}" for i in range(4)]
+    x = torch.randn(8, 16)
+    for m in (ref, model):
+        m(x).backward()
+    assert_bitwise_equal(_full_grads("fsdp2", ref), _full_grads("fsdp2", model))
+    assert handle.stats()["groups_offloaded"] == 3

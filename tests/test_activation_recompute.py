@@ -14,7 +14,8 @@ from _activation_helpers import (  # noqa: F401 (fixtures: one_thread, pool)
     assert_bitwise_equal, assert_step_matches, grads_of, one_thread, pool, predicted_peak_keeping_all, small_model,
     train_step,
 )
-from test_activation_models import _full_grads, _llama, _shard
+from _workers import gloo_world  # noqa: F401 (fixture)
+from test_activation_models import _full_grads, _llama, _shard, needs_fsdp
 
 pytestmark = pytest.mark.skipif(
     _device.accelerator_type() is not None,
@@ -127,40 +128,33 @@ def test_activation_recompute_llama_bitwise(user_checkpointing, pool):
     assert handle.stats()["tensors_offloaded"] > 0
 
 
-def test_activation_recompute_fsdp2_single_process(pool, tmp_path):
-    _recompute_fsdp("fsdp2", pool, tmp_path)
+def test_activation_recompute_fsdp2_single_process(pool, gloo_world):
+    _recompute_fsdp("fsdp2", pool)
 
 
-def test_activation_recompute_fsdp1_single_process(pool, tmp_path):
+def test_activation_recompute_fsdp1_single_process(pool, gloo_world):
     """FSDP1 units (use_orig_params) as the layers: recomputed ones run their unit's forward again
     under the checkpoint (parameters gathered again), offloaded ones copy out; gradients bitwise."""
-    _recompute_fsdp("fsdp1", pool, tmp_path)
+    _recompute_fsdp("fsdp1", pool)
 
 
-def _recompute_fsdp(kind, pool, tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    fsdp = pytest.importorskip("torch.distributed.fsdp")
-    if not dist.is_available() or (kind == "fsdp2" and not hasattr(fsdp, "fully_shard")) or (
-            kind == "fsdp1" and not hasattr(fsdp, "FullyShardedDataParallel")):
-        pytest.skip(f"needs torch.distributed with {kind}")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
-    try:
-        ref = _shard(kind, small_model())
-        model = _shard(kind, small_model())
-        handle = _recomputing(model, pool)
-        prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
-        assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
-        x = torch.randn(8, 16)
-        for _ in range(2):
-            for m in (ref, model):
-                m.zero_grad()
-                m(x).backward()
-            assert_bitwise_equal(_full_grads(kind, ref), _full_grads(kind, model))
-        stats = handle.stats()
-        assert stats["recomputed_layers"] == [f"{prefix}blocks.0", f"{prefix}blocks.2"]
-        assert stats["tensors_offloaded"] > 0
-    finally:
-        dist.destroy_process_group()
+def _recompute_fsdp(kind, pool):
+    """Inside the one-rank gloo world of the `gloo_world` fixture."""
+    needs_fsdp(kind)
+    ref = _shard(kind, small_model())
+    model = _shard(kind, small_model())
+    handle = _recomputing(model, pool)
+    prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
+    assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        for m in (ref, model):
+            m.zero_grad()
+            m(x).backward()
+        assert_bitwise_equal(_full_grads(kind, ref), _full_grads(kind, model))
+    stats = handle.stats()
+    assert stats["recomputed_layers"] == [f"{prefix}blocks.0", f"{prefix}blocks.2"]
+    assert stats["tensors_offloaded"] > 0
 
 
 def test_activation_auto_budget_mixes_recompute_bitwise(pool):
