@@ -177,6 +177,17 @@ def assert_equal_weights(got: dict, want: dict, what: str) -> None:
         assert got[n].dtype == want[n].dtype and torch.equal(got[n].cpu(), want[n].cpu()), f"{what}: {n}"
 
 
+def collect_outcomes(results, outcome: dict) -> dict:
+    """Add to `outcome` the first (kind, value) each rank put on `results` (a queue of (kind, rank,
+    value)), and fail with every rank's "error" report."""
+    while not results.empty():
+        kind, rank, value = results.get()
+        outcome.setdefault(rank, (kind, value))
+    errors = [value for kind, value in outcome.values() if kind == "error"]
+    assert not errors, "\n".join(errors)
+    return outcome
+
+
 @pytest.fixture
 def gloo_world():
     """A one-rank gloo world in this process, for the calls that need a process group."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import offload
-from _workers import context, gloo_world, reporting_rank  # noqa: F401 (fixture: gloo_world)
+from _workers import collect_outcomes, context, gloo_world, reporting_rank  # noqa: F401 (fixture: gloo_world)
 
 TIMEOUT_S = 4.0
 # How much later than `timeout_s` the error may come on a loaded shared machine (spawned
@@ -305,11 +305,7 @@ def test_faults_timed_out_sync_processes_destroy_group_and_exit(tmp_path, scenar
             if p.is_alive():
                 p.kill()
                 p.join()
-    while not results.empty():
-        kind, rank, value = results.get()
-        outcome.setdefault(rank, (kind, value))
-    errors = [value for kind, value in outcome.values() if kind == "error"]
-    assert not errors, "\n".join(errors)
+    collect_outcomes(results, outcome)
     raised = [0, 1] if scenario == "wrong_src" else [1]
     for rank in raised:
         assert outcome.get(rank, ("",))[0] == "sync_over", f"rank {rank} did not raise: {outcome}"

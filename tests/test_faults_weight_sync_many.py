@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import offload
-from _workers import context, reporting_rank
+from _workers import collect_outcomes, context, reporting_rank
 
 TIMEOUT_S = 2.0
 # How long after the failed sync's start a process may take to raise, destroy its group and exit:
@@ -209,11 +209,7 @@ def _run(scenario: str, init_file: str) -> tuple:
             if p.is_alive():
                 p.kill()
             p.join()
-    while not results.empty():
-        kind, rank, value = results.get()
-        outcome.setdefault(rank, (kind, value))
-    errors = [value for kind, value in outcome.values() if kind == "error"]
-    assert not errors, "\n".join(errors)
+    collect_outcomes(results, outcome)
     took = {r: exited.get(r, float("inf")) - v[0] for r, (_, v) in outcome.items()}
     return outcome, took, [p.exitcode for p in procs]
 
