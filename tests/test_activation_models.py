@@ -150,6 +150,20 @@ def _shard(kind, model):
     return model
 
 
+def fsdp_steps_match(kind, handle, ref, model) -> str:
+    """The handle's layers are the four blocks (FSDP1 names them through its wrapper), and two
+    steps' gradients are bitwise those of `ref`; returns the layers' name prefix."""
+    prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
+    assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        for m in (ref, model):
+            m.zero_grad()
+            m(x).backward()
+        assert_bitwise_equal(_full_grads(kind, ref), _full_grads(kind, model))
+    return prefix
+
+
 def _full_grads(kind, model):
     if kind == "fsdp2":
         return [p.grad.full_tensor() for p in model.parameters()]
@@ -175,14 +189,7 @@ def test_activation_fsdp_single_process(kind, pool, monkeypatch, gloo_world):
 
     spy_offloaded(monkeypatch, spy)  # on either hooks' path
     handle = offload.enable_activation_offload(model, min_tensor_bytes=0, pool=pool)
-    prefix = "_fsdp_wrapped_module." if kind == "fsdp1" else ""
-    assert handle.layers == [f"{prefix}blocks.{i}" for i in range(4)]
-    x = torch.randn(8, 16)
-    for _ in range(2):
-        for m in (ref, model):
-            m.zero_grad()
-            m(x).backward()
-        assert_bitwise_equal(_full_grads(kind, ref), _full_grads(kind, model))
+    fsdp_steps_match(kind, handle, ref, model)
     assert offloaded and not clashes
     assert handle.stats()["layers_offloaded"] == 3
 
