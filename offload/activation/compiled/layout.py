@@ -13,10 +13,10 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-# A span's place in the host block starts on this boundary, the caching allocator's block
-# alignment, as the eager engine's spans do (groups.py's SPAN_ALIGN): the host views keep
-# the alignment every dtype needs, and a DMA from an aligned address runs at full speed.
-SPAN_ALIGN = 512
+# A span's place in the host block starts on the eager engine's span boundary (the caching
+# allocator's block alignment): the host views keep the alignment every dtype needs, and a DMA
+# from an aligned address runs at full speed.
+from ..groups import SPAN_ALIGN
 
 # Dtypes travel through the ops' schemas as indices into this tuple: a schema has no list of
 # dtypes. Its order is part of compiled graphs (cached ones too), so entries are only appended.
