@@ -354,14 +354,19 @@ def check_not_parked(fn: str, target) -> None:
                          "offload.reload_params(target) before loading weights into it")
 
 
-def check_destinations(fn: str, plan, dsts: dict, device, strict: bool) -> None:
+def check_destinations(fn: str, plan, dsts: dict, device, strict: bool, kept=None) -> None:
     """Every tensor of `plan` has a destination of its shape and dtype on `device`; with
-    `strict`, every destination is sent. ValueError/TypeError name the tensor."""
+    `strict`, every destination is sent. `kept(name, full_shape)`: the shape a receiver keeps
+    of a tensor (its slice's), where that is not the whole. ValueError/TypeError name the tensor."""
     sent = set()
     for e in plan.entries:
         if e.name not in dsts:
             raise ValueError(f"{fn}: received tensor {e.name!r} but the target has no tensor of that name")
-        check_destination(fn, e, dsts[e.name], device)
+        shape = tuple(e.shape) if kept is None else kept(e.name, tuple(e.shape))
+        if shape == tuple(e.shape):
+            check_destination(fn, e, dsts[e.name], device)
+        else:
+            check_received_into(fn, e.name, dsts[e.name], shape, e.dtype, device, "(its slice)")
         sent.add(e.name)
     missing = [n for n in dsts if n not in sent]
     if strict and missing:

@@ -13,13 +13,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import sources as weight_sources
 from .bucket_pack import bucket_spans, copy_spans
 from .bucket_plan import BucketPlan
 from .bucket_planner import check_bucket_options
 from .ipc import DEFAULT_IPC_BUCKET_BYTES, IpcSender
 from .link import Link
-from .many_senders import Piece, SendersPlan, local_sources, plan_senders
+from .many_senders import Piece, SendersPlan, local_sources, plan_senders, plan_signature
 
 # Note [colocated senders]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -60,6 +59,10 @@ class _GatheredSync:
     plan: BucketPlan  # the gathered buckets, as the rollout processes receive them
     slots: List[int]  # per gathered bucket: each sender's slot in it (bytes)
     own_spans: list  # this sender's buckets' BucketSpans
+
+
+def _checked_below(fn, name, t, device, backend) -> None:
+    """The bind's check of a source, left to `local_sources`, which checks it with its piece."""
 
 
 def _flat_start(fn: str, piece: Piece) -> int:
@@ -137,7 +140,7 @@ class ColocatedManySender:
         return self._ipc.device
 
     def _plan(self, fn: str, items) -> _GatheredSync:
-        signature = [(n, tuple(t.shape), t.dtype, tuple(getattr(t, "placements", ()))) for n, t in items]
+        signature = plan_signature(items)
         if signature != self._signature:
             every = plan_senders(fn, items, self.senders, self.policy, self.bucket_bytes, self.dtype,
                                  self.keep_dtype, self.alignment)
@@ -150,9 +153,9 @@ class ColocatedManySender:
         sync = self._plan(fn, items)
         every, plan, slots, own_spans = sync.every, sync.plan, sync.slots, sync.own_spans
         owned = every.owned[self.index]
-        locals_ = [(piece.name, items[i][1].to_local() if weight_sources.is_dtensor(items[i][1]) else items[i][1])
-                   for piece, i in owned]
-        self._ipc.bind(fn, locals_, weight_sources.check_source)
+        # The first sync's tensors fix the device of the IPC buffers; `local_sources` checks each
+        # tensor on it (the bind itself checks none: every one is checked once).
+        self._ipc.bind(fn, [(piece.name, items[i][1]) for piece, i in owned], _checked_below)
         device = self._ipc.device
         sources = dict(zip((piece.name for piece, _ in owned), local_sources(fn, owned, items, device, "ipc")))
         if self._link is None:

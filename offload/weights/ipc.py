@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import pickle
 import random
 import time
@@ -28,8 +29,8 @@ from torch.multiprocessing import reductions
 from ..core import _device
 from ..core.checks import check_int
 from ..core.timing import PhaseTimer
-from .bucket_pack import (BucketSpans, bucket_spans, bucket_tensors, check_destinations, check_not_parked,
-                          check_received_into, copy_spans, destinations)
+from .bucket_pack import (BucketSpans, bucket_spans, bucket_tensors, check_destinations, check_not_parked, copy_spans,
+                          destinations)
 from .bucket_plan import BucketPlan
 from .bucket_planner import plan_buckets
 from .slices import Slices
@@ -482,7 +483,6 @@ class IpcReceiver:
         # What this receiver keeps of each tensor (a colocated many-sender sync's tensor-parallel
         # rank, Note [colocated senders]); None: every tensor whole.
         self.slices = slices
-        self._split: Dict[int, list] = {}  # plan id -> per bucket (spans of whole tensors, entries of sliced ones)
         self.peer = self.channel.peers[0]
         self.timeout_s = float(timeout_s)
         self.device: Optional[torch.device] = None  # the sender's, known from its buffers
@@ -525,7 +525,6 @@ class IpcReceiver:
         plan, spans = self._plans[plan_id]
         if plan.num_buckets:  # Note [IPC control messages]
             self.channel.post_next(self.peer)
-        self._plan_id = plan_id
         return plan, spans, version
 
     def _buckets(self, fn: str, plan: BucketPlan, spans, timer) -> Iterator[Tuple[torch.Tensor, BucketSpans]]:
@@ -549,40 +548,25 @@ class IpcReceiver:
             self.channel.send(self.peer, _CONSUMED, k)
         timer.mark_span("transfer")
 
-    def _check_sliced_destinations(self, fn: str, plan: BucketPlan, dsts: dict, strict: bool) -> None:
-        """`check_destinations` with each tensor in the shape of what this receiver keeps of it."""
-        sent = set()
-        for e in plan.entries:
-            if e.name in sent:
-                continue
-            if e.name not in dsts:
-                raise ValueError(f"{fn}: received tensor {e.name!r} but the target has no tensor of that name")
-            shape = self.slices.out_shape(fn, e.name, tuple(e.shape))
-            sliced = shape != tuple(e.shape)
-            check_received_into(fn, e.name, dsts[e.name], shape, e.dtype, self.device,
-                                "(its slice)" if sliced else "in the bucket")
-            sent.add(e.name)
-        missing = [n for n in dsts if n not in sent]
-        if strict and missing:
-            raise ValueError(f"{fn}: the target's tensor {missing[0]!r} was not sent ({len(missing)} missing); "
-                             "pass strict=False to allow it")
+    def _split_buckets(self, fn: str, plan: BucketPlan) -> list:
+        """Per bucket of `plan`: (the spans of the tensors kept whole, or None; those of the sliced ones)."""
+        split = []
+        for spans in bucket_spans(plan):
+            sliced = [self.slices.want(fn, e.name, tuple(e.shape)) is not None for e in spans.entries]
+            whole = [e for e, cut in zip(spans.entries, sliced) if not cut]
+            split.append((BucketSpans(whole) if whole else None,
+                          BucketSpans([e for e, cut in zip(spans.entries, sliced) if cut])))
+        return split
 
-    def _unpack_into(self, fn: str, plan: BucketPlan, k: int, data: torch.Tensor, bucket: BucketSpans, dsts: dict,
-                     partial: dict, timer) -> None:
-        """Bucket k into the destinations: whole tensors copied in place, sliced ones assembled whole
-        (across buckets, in `partial`) and their slice copied once complete."""
-        if self.slices is None:
+    def _unpack_into(self, fn: str, data: torch.Tensor, bucket: BucketSpans, split, dsts: dict, partial: dict,
+                     timer) -> None:
+        """A bucket into the destinations: whole tensors copied in place, sliced ones (`split`, the
+        bucket's from `_split_buckets`) assembled whole across buckets in `partial` and their slice
+        copied once complete."""
+        if split is None:
             copy_spans(data, [dsts[e.name] for e in bucket.entries], bucket, pack=False)
             return
-        split = self._split.get(self._plan_id)
-        if split is None:
-            split = []
-            for spans in bucket_spans(plan):
-                whole = [e for e in spans.entries if self.slices.want(fn, e.name, tuple(e.shape)) is None]
-                sliced = [e for e in spans.entries if self.slices.want(fn, e.name, tuple(e.shape)) is not None]
-                split.append((BucketSpans(whole) if whole else None, BucketSpans(sliced)))
-            self._split = {self._plan_id: split}
-        whole, sliced = split[k]
+        whole, sliced = split
         if whole is not None:
             copy_spans(data, [dsts[e.name] for e in whole.entries], whole, pack=False)
         for name, t in bucket_tensors(data, sliced, partial, timer, self.device):
@@ -638,19 +622,18 @@ class IpcReceiver:
         error = None
         try:
             check_not_parked(fn, target)
-            if self.slices is None:
-                check_destinations(fn, plan, dsts, self.device, strict)
-            else:
-                self._check_sliced_destinations(fn, plan, dsts, strict)
+            kept = None if self.slices is None else functools.partial(self.slices.out_shape, fn)
+            check_destinations(fn, plan, dsts, self.device, strict, kept)
         except (ValueError, TypeError) as exc:  # still release every bucket: the sender completes
             error = exc
+        split = [None] * plan.num_buckets if self.slices is None else self._split_buckets(fn, plan)
         partial: Dict[str, list] = {}  # bucket_tensors: name -> [tensor, chunks to come]
         try:
             with torch.no_grad():
                 for k, (data, bucket) in enumerate(self._buckets(fn, plan, spans, timer)):
                     if error is None:
                         with timer.phase("unpack"):
-                            self._unpack_into(fn, plan, k, data, bucket, dsts, partial, timer)
+                            self._unpack_into(fn, data, bucket, split[k], dsts, partial, timer)
         except BaseException as exc:
             self._failed(exc)
             raise

@@ -362,7 +362,7 @@ class ManySender:
         self._send_stream = None  # host_cache sends run here, never on the trainer's stream
 
     def _make_plan(self, fn: str, items) -> Tuple[SenderPlan, int, bool]:
-        signature = [(n, tuple(t.shape), t.dtype, _layout_key(t)) for n, t in items]
+        signature = plan_signature(items)
         if signature == self._signature:
             return self._plan, self._plan_id, False
         every = plan_senders(fn, items, self.senders, self.policy, self.bucket_bytes, self.dtype, self.keep_dtype,
@@ -489,6 +489,12 @@ class ManySender:
             link.wait(works[k % 2], f"bucket {k} of {n}", host=True)
         timer.mark_span("transfer")
 
+
+
+def plan_signature(items) -> list:
+    """What a many-sender plan depends on, per (name, tensor): its shape, dtype, and a DTensor's
+    placements and mesh ranks. A sender plans again only when this changes."""
+    return [(n, tuple(t.shape), t.dtype, _layout_key(t)) for n, t in items]
 
 
 def _layout_key(t) -> tuple:

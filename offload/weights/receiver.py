@@ -23,8 +23,8 @@ from .bucket_plan import BucketPlan
 from .ipc import DEFAULT_IPC_TIMEOUT_S, IpcReceiver
 from .link import AFTER_FAILURE, Link, check_src, collective_max_blocks, is_member, resolve_group, transport_device
 from .many_receiver import ManyReceiver
-from .slices import Slices, check_slices
 from .many_senders import check_senders
+from .slices import Slices, check_slices
 from .sync_options import DEFAULT_RESERVE_SMS, PHASES, BucketBuffers, _check_common, _check_many, _check_transport
 
 class WeightReceiver:
