@@ -34,7 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import gbps, host_memory, row, time_ms
+from common import gbps, host_memory, row, time_and_peak, time_ms
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -180,12 +180,7 @@ def _measure(ctx, model, loss_fn, column, iters, handle=None):
             step()
         step()  # one step of the settled plan before timing it (its first allocates)
     model.zero_grad(set_to_none=False)
-    gc.collect()
-    _device.synchronize(ctx.device)
-    idle = _device.memory_allocated(ctx.device)
-    _device.reset_peak_memory_stats(ctx.device)
-    timing = time_ms(step, ctx.device, warmup=0, iters=iters)
-    peak = _device.max_memory_allocated(ctx.device) - idle
+    timing, peak = time_and_peak(step, ctx.device, warmup=0, iters=iters)
     stats = handle.stats() if handle is not None else None
     # The spread tells a plan that is sometimes slow from one that always is.
     print(f"  .. {column}: step ms min {timing['min_ms']:.1f} median {timing['median_ms']:.1f} "

@@ -58,7 +58,7 @@ def _measure(ctx, name: str, base, loss_of, min_tensor_bytes: int) -> dict:
     """One variant on its own copy of `base`: median step ms, peak bytes (None on the host),
     bytes offloaded per step, graph breaks its compile added."""
     import offload
-    from common import time_ms
+    from common import time_and_peak
 
     from offload.core import _device
 
@@ -81,13 +81,9 @@ def _measure(ctx, name: str, base, loss_of, min_tensor_bytes: int) -> dict:
     try:
         step()  # the compile, and the gradients' first allocation
         breaks = _graph_breaks() - breaks
-        gc.collect()
-        _device.synchronize(ctx.device)
-        idle = _device.memory_allocated(ctx.device) if _device.is_accelerator(ctx.device) else None
-        if idle is not None:
-            _device.reset_peak_memory_stats(ctx.device)
-        timing = time_ms(step, ctx.device, warmup=1 if ctx.quick else 3, iters=3 if ctx.quick else 10)
-        peak = _device.max_memory_allocated(ctx.device) - idle if idle is not None else None
+        timing, peak = time_and_peak(step, ctx.device, warmup=1 if ctx.quick else 3, iters=3 if ctx.quick else 10)
+        if not _device.is_accelerator(ctx.device):
+            peak = None  # the host has no allocator statistics
         stats = handle.stats() if handle is not None else {}
         return {"ms": timing["median_ms"], "peak": peak, "offloaded": stats.get("d2h_bytes", 0),
                 "graph_breaks": breaks}

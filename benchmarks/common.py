@@ -99,6 +99,20 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 3, ite
     return summarize(samples)
 
 
+def time_and_peak(step: Callable[[], object], device: torch.device, warmup: int, iters: int) -> tuple:
+    """(`time_ms` of `step`, the device's peak allocated bytes while it ran above what was allocated
+    before it: 0 on the host). Garbage is collected and the device synchronized first, so the
+    idle reading holds only what outlives a step."""
+    import gc
+
+    gc.collect()
+    _device.synchronize(device)
+    idle = _device.memory_allocated(device)
+    _device.reset_peak_memory_stats(device)
+    timing = time_ms(step, device, warmup=warmup, iters=iters)
+    return timing, _device.max_memory_allocated(device) - idle
+
+
 def compare_ms(offload_fn: Callable[[], object], baseline_fn: Callable[[], object], device: torch.device,
                warmup: int = 3, iters: int = 10):
     """(offload, baseline) timings taken in alternation, so that drift on a shared
