@@ -112,11 +112,16 @@ _SAME_STATS = ("tensors_kept", "tensors_offloaded", "groups_offloaded", "layers_
                "groups_fetched", "groups_prefetched")
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_engine_uses_the_core_hooks_and_counts_as_python(mode):
+@pytest.mark.parametrize("mode,listen", [("async", "always"), ("sync", "always"), ("async", "never"),
+                                         ("async", "after_forward")])
+def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
     """An engine hooks through the core where it is loaded; the same steps on the pure-PyTorch
     path (what OFFLOAD_FORCE_FALLBACK=1 gives a user) hook through the Python methods, and give
-    bitwise the same gradients, the same counters and the same group events in the same order."""
+    bitwise the same gradients, the same counters and the same group events in the same order.
+
+    Without a listener (mode async) the core also runs each group's backward (group_cycle.h);
+    with one added between a step's forward and its backward, the Python backward takes up the
+    groups the forward left."""
     device = _device.current_device()
     x = torch.randn(8, 16, device=device)
     results = {}
@@ -130,11 +135,24 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode):
             model.blocks[1][0].register_forward_pre_hook(
                 lambda *_: hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False)[0]))
             events = []
-            handle.add_listener(lambda e: events.append((e.kind, e.layer, e.part, e.nbytes, e.offset, e.block_bytes)))
+
+            def listener(e):
+                events.append((e.kind, e.layer, e.part, e.nbytes, e.offset, e.block_bytes))
+
+            if listen == "always":
+                handle.add_listener(listener)
+            assert handle.engine.native_backward == (native and mode == "async" and listen != "always")
             steps = []
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
-                model(x).sum().backward()
+                loss = model(x).sum()
+                if listen == "after_forward":
+                    handle.add_listener(listener)
+                    assert not handle.engine.native_backward
+                loss.backward()
+                if listen == "after_forward":
+                    handle.remove_listener(listener)
+                    assert handle.engine.native_backward == native
                 stats = handle.stats()
                 steps.append(([p.grad.clone() for p in model.parameters()], {k: stats[k] for k in _SAME_STATS}))
             assert all((getattr(pack, "func", None) is core.pack_saved_tensor) == native for pack in hooks)
@@ -143,8 +161,9 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode):
     (steps_n, events_n), (steps_p, events_p) = results[True], results[False]
     for (grads_n, stats_n), (grads_p, stats_p) in zip(steps_n, steps_p):
         assert stats_n == stats_p and stats_n["tensors_offloaded"] > 0 and stats_n["tensors_kept"] > 0
+        assert stats_n["groups_fetched"] > 0 and stats_n["h2d_bytes"] > 0
         assert all(torch.equal(g, h) for g, h in zip(grads_n, grads_p))
-    assert events_n == events_p and events_n
+    assert events_n == events_p and (listen == "never") == (not events_n)
 
 
 def test_core_unpack_raises_for_a_kept_tensor_modified():

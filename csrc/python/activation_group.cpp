@@ -148,6 +148,7 @@ void ActivationGroup::let_sources_go(const c10::Stream& stream) {
 
 void ActivationGroup::reset_restore() {
   device_block = at::Tensor();
+  fetch_stream = c10::nullopt;
   typed_blocks_.clear();
   views_.clear();
   ready_streams_.clear();

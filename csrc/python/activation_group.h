@@ -9,7 +9,8 @@
 // dropping the held tensors, restoring views) run here; the engine in Python
 // (offload/activation/engine.py, backward.py) keeps the policy, at one call per
 // group: when a group opens and closes, which groups are fetched and released and
-// when, the events, the timings and auto mode. The pure-PyTorch path runs the same
+// when, the events, the timings and auto mode. In the engine's plain configuration a
+// group's backward (fetch, wait, release) runs in native code too (group_cycle.h). The pure-PyTorch path runs the same
 // engine over groups.py's `Group` and pack_table.py's `PackTable`, the Python twins
 // of these classes, with the same attributes and methods (a test holds the two
 // paths equal, gradients and statistics).
@@ -107,6 +108,8 @@ class ActivationGroup {
   std::vector<SavedSpan> spans;
   std::vector<HeldTensor> held;
   at::Tensor device_block;  // the restored uint8 block, laid out as the host block
+  // The stream `device_block` was allocated on, its owner (none on the host, or before a fetch).
+  c10::optional<c10::Stream> fetch_stream;
 
   // Pack: the handle slot of `tensor` (saved at `version`) in this group.
   int64_t hold(const py::object& tensor, int64_t version);
@@ -123,6 +126,8 @@ class ActivationGroup {
   void let_sources_go(const c10::Stream& stream);
   // Backward let go of the group: its restored block, views and waits go.
   void reset_restore();
+  // Whether the restored block was allocated on `stream` (its owner).
+  bool owns_block(const c10::optional<c10::Stream>& stream) const { return fetch_stream.has_value() && fetch_stream == stream; }
   // Whether the consumer on `stream` (none: the host, no streams) already waits for the copy back.
   bool ready_on(const c10::optional<c10::Stream>& stream) const;
   // Records that it does; true if it is the group's first reader in this backward.

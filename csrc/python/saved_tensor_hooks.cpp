@@ -37,6 +37,7 @@
 #include <torch/extension.h>
 
 #include "activation_group.h"
+#include "group_cycle.h"
 #include "offload/bindings_registry.h"
 
 namespace offload {
@@ -44,6 +45,7 @@ namespace {
 
 namespace py = pybind11;
 using activation::ActivationGroup;
+using activation::GroupCycle;
 using activation::SavedActivation;
 using activation::SavedSpan;
 using activation::kCopying;
@@ -197,9 +199,13 @@ class PackTable {
       : engine_(py::reinterpret_steal<py::object>(PyWeakref_NewRef(engine.ptr(), nullptr))),
         min_bytes_(min_bytes),
         device_(device),
-        on_accel_(on_accel) {
+        on_accel_(on_accel),
+        cycle_(device, on_accel) {
     if (!engine_) throw py::error_already_set();
   }
+
+  // A group's backward runs in native code (group_cycle.h): the engine's plain configuration.
+  GroupCycle& cycle() { return cycle_; }
 
   bool params_pending = false;  // iterables of tensors wait to join param_ptrs (Note [parameter walk])
   bool params_needed = false;  // a saved tensor of this forward needed param_ptrs
@@ -328,6 +334,7 @@ class PackTable {
   int64_t part_ = 0;
   std::unordered_set<int64_t> param_ptrs_;
   std::unordered_map<int64_t, StorageEntry> storages_;
+  GroupCycle cycle_;
 };
 
 // A span new to this forward (engine.py's Note [storages and views]): its bytes, auto
@@ -440,13 +447,30 @@ py::object PackTable::unpack(py::handle packed) {
   } else {
     group.check_not_modified(saved);
     if (group.fetched < group.nbytes_aligned || !group.ready_on(current_stream())) {
-      call(engine, n.make_ready, saved.group);  // fetch what no planned point fetched, wait for it
+      // Fetch what no planned point fetched, wait for it.
+      if (cycle_.native) {
+        cycle_.make_ready(engine, saved.group, group);
+      } else {
+        call(engine, n.make_ready, saved.group);
+      }
     }
     result = group.restored_view(saved);
   }
-  if (first) call(engine, n.prefetch, saved.group);
+  if (first) {
+    if (cycle_.native) {
+      cycle_.prefetch(engine, saved.group);
+    } else {
+      call(engine, n.prefetch, saved.group);
+    }
+  }
   group.n_unpacked += 1;
-  if (group.n_unpacked >= group.n_handles && group.state != kKept) call(engine, n.release, saved.group);
+  if (group.n_unpacked >= group.n_handles && group.state != kKept) {
+    if (cycle_.native) {
+      cycle_.release(engine, saved.group, group);
+    } else {
+      call(engine, n.release, saved.group);
+    }
+  }
   return result;
 }
 
@@ -522,6 +546,11 @@ void bind(py::module_& m) {
       .def_readonly("holds_device_tensors", &ActivationGroup::holds_device_tensors)
       .def_readonly("has_spans", &ActivationGroup::has_spans)
       .def_property(
+          "fetch_stream",
+          [](const ActivationGroup& g) { return g.fetch_stream.has_value() ? py::cast(*g.fetch_stream) : py::none(); },
+          [](ActivationGroup& g, c10::optional<c10::Stream> stream) { g.fetch_stream = stream; })
+      .def("owns_block", &ActivationGroup::owns_block, py::arg("stream"))
+      .def_property(
           "device_block", [](const ActivationGroup& g) { return block_or_none(g.device_block); },
           [](ActivationGroup& g, c10::optional<at::Tensor> block) { g.device_block = block.value_or(at::Tensor()); })
       .def("seal", &ActivationGroup::seal)
@@ -545,6 +574,14 @@ void bind(py::module_& m) {
       .def_property("open_group", &PackTable::open_group, &PackTable::set_open_group)
       .def_readwrite("params_pending", &PackTable::params_pending)
       .def_readwrite("params_needed", &PackTable::params_needed)
+      .def_property(
+          "native_backward", [](PackTable& t) { return t.cycle().native; },
+          [](PackTable& t, bool on) { t.cycle().native = on; })
+      .def(
+          "configure_backward",
+          [](PackTable& t, py::object pool, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
+             bool timing) { t.cycle().configure(std::move(pool), std::move(handle_class), small_bytes, chunk_bytes, timing); },
+          py::arg("pool"), py::arg("handle_class"), py::arg("small_bytes"), py::arg("chunk_bytes"), py::arg("timing"))
       .def("add_params", &PackTable::add_params, py::arg("tensors"))
       .def("add_module_params", &PackTable::add_module_params, py::arg("root"))
       .def("__len__", &PackTable::size)

@@ -242,7 +242,7 @@ class BackwardSide:
             else:
                 start = engine._timed_start(stream)
                 for h2d in group.h2d:
-                    if stream == group.fetch_stream:
+                    if group.owns_block(stream):
                         # The block's owner waits for the copy: the core need not hold it until
                         # the host sees the copy done (else it would hold the last group fetched
                         # in a step until the next step's first copy).

@@ -170,7 +170,8 @@ class ActivationEngine:
       `backward.fetch_when_backward_reaches(output, layers)`;
       `pass_through_step()`; `hooks_in_groups_only` (set by the handle); `stats()`;
       `capturing` (read: > 0 inside a capture); `schedule` (read: the plan in use, or None);
-      `add_listener(callback)` / `remove_listener(callback)` (Note [events]).
+      `add_listener(callback)` / `remove_listener(callback)` (Note [events]);
+      `native_backward` (read: the core runs each group's backward, csrc/python/group_cycle.h).
     Auto mode (auto/planner.py; the observer calls in auto/measure.py):
       `use_plan(schedule, observer)` sets the plan and the observer for the next forwards;
       `backward_seen` (read: the step's backward has started); `counters` (read: the
@@ -186,7 +187,10 @@ class ActivationEngine:
     `_split(group)`, `_backward_starts()`, `_make_ready(group)`, `_prefetch(group)`,
     `_release(group)` (`unpack` and these four are the backward side's methods, set on the
     engine when it is made), `observer.unpacked(group)`; and read `counters["tensors_kept"]`
-    (incremented for a tensor that stays), `backward_seen`, `observer`.
+    (incremented for a tensor that stays), `backward_seen`, `observer`. The core's backward of a
+    group (group_cycle.h) calls `_copy_streams()`, `_current_stream()`, `_timed_start`/`_timed_end`,
+    `_timings.copy` (timing on an accelerator) and `_fetch_group(group)` (the rest of a group a plan
+    fetched in pieces), and adds to `counters`.
     """
 
     def __init__(
@@ -231,6 +235,7 @@ class ActivationEngine:
         self._make_ready = self.backward.make_ready
         self._prefetch = self.backward.prefetch
         self._release = self.backward.release
+        self._fetch_group = self.backward.fetch
         core = self._core = _backend.loaded_core()
         self._streams = None  # the device's copy streams, read at the first copy (`_copy_streams`)
         self._native = core is not None and self.pool.native
@@ -240,6 +245,8 @@ class ActivationEngine:
             self._copy_pool = self.pool.native_pool
             pack, unpack = (functools.partial(core.pack_saved_tensor, self._table),
                             functools.partial(core.unpack_saved_tensor, self._table))
+            self._table.configure_backward(self._copy_pool, CopyHandle, DEFAULT_SMALL_BYTES, DEFAULT_CHUNK_BYTES,
+                                           self.timing)
         else:
             self._table = PackTable()
             self._copy_pool = self.pool
@@ -271,6 +278,7 @@ class ActivationEngine:
         self._layer_sizes: dict = {}
         self._warned_pool_full = False  # Note [pool full]
         self._listeners: tuple = ()  # callbacks given ActivationEvents (Note [events])
+        self._choose_backward()
 
     @property
     def open_group(self) -> Optional[Group]:
@@ -286,6 +294,24 @@ class ActivationEngine:
         resident window and one-ahead prefetch), reporting to `observer` (None: not measuring)."""
         self.schedule = schedule
         self.observer = observer
+        self._choose_backward()
+
+    def _choose_backward(self) -> None:
+        """Whether the core runs each group's backward itself (csrc/python/group_cycle.h): with
+        the core, and nothing that the Python backward serves (a plan, an observer, listeners,
+        verify, nvtx ranges, mode sync). Chosen again wherever one of those changes."""
+        if self._native:
+            self._table.native_backward = (self.schedule is None and self.observer is None and not self._listeners
+                                           and not self.verify and not self.nvtx and self.mode == "async")
+
+    @property
+    def native_backward(self) -> bool:
+        """Whether the core runs each group's backward (csrc/python/group_cycle.h) in the next steps."""
+        return self._native and self._table.native_backward
+
+    def _current_stream(self):
+        """The current stream of the engine's device (None on the host)."""
+        return _device.current_stream(self.device) if self.on_accel else None
 
     # ------------------------------------------------------------ events
 
@@ -302,6 +328,7 @@ class ActivationEngine:
         if not callable(callback):
             raise TypeError(f"{fn}: callback must be callable, got {type(callback).__name__}")
         self._listeners = self._listeners + (callback,)
+        self._choose_backward()
 
     def remove_listener(self, callback, fn: str = "offload.ActivationOffload.remove_listener") -> None:
         """Stop calling `callback` (added by `add_listener`; once per time it was added)."""
@@ -310,6 +337,7 @@ class ActivationEngine:
             raise ValueError(f"{fn}: callback is not a listener of this engine (add it with add_listener)")
         listeners.remove(callback)
         self._listeners = tuple(listeners)
+        self._choose_backward()
 
     def _emit(self, kind: str, group: Group, nbytes: int, offset: int = 0) -> None:
         """Give the listeners the event `kind` of `group` (called only where `_listeners` is not empty)."""

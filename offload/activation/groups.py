@@ -75,6 +75,7 @@ class Group:
         self.spans: Optional[list] = []  # per entry: a Span (bytes of its storage to copy)
         self.fetched = 0  # bytes of the block copied back so far (or queued to be)
         self.device_block = None  # the restored uint8 block on the device, laid out as the host block
+        self.fetch_stream = None  # the stream its device block was allocated on (owns it), on an accelerator
         self.typed_blocks: dict = {}  # dtype -> device_block viewed as that dtype (views are made from it)
         self.views: dict = {}  # (entry, dtype, size, stride, offset) -> restored tensor
         self.waited = set()  # streams that already wait for h2d
@@ -150,11 +151,16 @@ class Group:
     def reset_restore(self) -> None:
         """Backward let go of the group: its restored block, views and waits go."""
         self.device_block = None
+        self.fetch_stream = None
         self.typed_blocks = {}
         self.views = {}
         self.waited = set()
         self.fetched = 0
         self.n_unpacked = 0
+
+    def owns_block(self, stream) -> bool:
+        """The restored block was allocated on `stream` (None: on the host, never)."""
+        return self.fetch_stream is not None and self.fetch_stream == stream
 
     def ready_on(self, stream) -> bool:
         """The consumer on `stream` (None: the host) already waits for the copy back."""
@@ -182,7 +188,6 @@ class LayerFields:
     part: int  # the index of its layer's part it ends (its release point)
     continued: bool  # a later part of a layer copied in parts
     n_layers: int  # layers it holds: more when small layers share it (min_group_bytes), 0 for a later part
-    fetch_stream: object  # the stream its restored device block was allocated on (owns it)
     auto: Optional[AutoState]  # auto mode's cap and measurements, else None
     checksums: object  # verify=True: its spans' sums as they left (verify.py's GroupChecksums), else None
 
@@ -199,7 +204,6 @@ def init_layer_fields(group, name, layer, prev) -> None:
     group.part = 0
     group.continued = False
     group.n_layers = 1
-    group.fetch_stream = None
     group.auto = None
     group.checksums = None
 

@@ -1,0 +1,257 @@
+// GroupCycle: a group's backward in native code (group_cycle.h says when it runs).
+// Each method is the twin of the method of offload/activation/backward.py named in
+// its comment, for the plain configuration; a test holds the two paths equal
+// (gradients, statistics, events of the steps around them).
+#include "group_cycle.h"
+
+#include <chrono>
+#include <vector>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "offload/transfer.h"
+
+namespace offload {
+namespace activation {
+
+namespace {
+
+// The Python attributes read here, interned once (a lookup by a C string makes a str each time).
+struct CycleNames {
+  PyObject* counters = PyUnicode_InternFromString("counters");
+  PyObject* d2h = PyUnicode_InternFromString("d2h");
+  PyObject* h2d = PyUnicode_InternFromString("h2d");
+  PyObject* impl = PyUnicode_InternFromString("_impl");
+  PyObject* prev = PyUnicode_InternFromString("prev");
+  PyObject* continued = PyUnicode_InternFromString("continued");
+  PyObject* timings = PyUnicode_InternFromString("_timings");
+  PyObject* copy = PyUnicode_InternFromString("copy");
+  PyObject* copy_timer = PyUnicode_InternFromString("copy_timer");
+  PyObject* copy_streams = PyUnicode_InternFromString("_copy_streams");
+  PyObject* timed_start = PyUnicode_InternFromString("_timed_start");
+  PyObject* timed_end = PyUnicode_InternFromString("_timed_end");
+  PyObject* fetch_in_python = PyUnicode_InternFromString("_fetch_group");
+  PyObject* stream_object = PyUnicode_InternFromString("_current_stream");
+  PyObject* h2d_bytes = PyUnicode_InternFromString("h2d_bytes");
+  PyObject* h2d_seconds = PyUnicode_InternFromString("h2d_seconds");
+  PyObject* groups_fetched = PyUnicode_InternFromString("groups_fetched");
+  PyObject* groups_prefetched = PyUnicode_InternFromString("groups_prefetched");
+  PyObject* backward_wait_seconds = PyUnicode_InternFromString("backward_wait_seconds");
+};
+
+const CycleNames& cycle_names() {
+  static const CycleNames* interned = new CycleNames();  // lives as long as the interpreter
+  return *interned;
+}
+
+py::object get(py::handle obj, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(obj.ptr(), name);
+  if (value == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(value);
+}
+
+// counters[key] += amount (an int counter, or a float one for seconds).
+template <typename Number>
+void add(py::handle engine, PyObject* key, Number amount) {
+  const py::object counters = get(engine, cycle_names().counters);
+  PyObject* now = PyDict_GetItemWithError(counters.ptr(), key);  // borrowed
+  if (now == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+    throw py::error_already_set();
+  }
+  const py::object more = py::reinterpret_steal<py::object>(PyNumber_Add(now, py::cast(amount).ptr()));
+  if (!more || PyDict_SetItem(counters.ptr(), key, more.ptr()) < 0) throw py::error_already_set();
+}
+
+// The group a weak reference (or None) names, or None.
+py::object deref(const py::object& ref) {
+  if (ref.is_none()) return ref;
+  PyObject* target = PyWeakref_GetObject(ref.ptr());  // borrowed
+  if (target == nullptr) throw py::error_already_set();
+  return py::reinterpret_borrow<py::object>(target);
+}
+
+// Transfer's Python methods (copy_engine.cpp) wait without the GIL and then drop, with
+// it, what finished copies left (Note [dropping tensors] in csrc/core/in_flight.h); the
+// same here. A group's transfers are never deferred.
+bool query(const Transfer& t) {
+  bool done = false;
+  {
+    py::gil_scoped_release no_gil;
+    done = t.query(/*drain=*/false);
+  }
+  if (done) drain_in_flight();
+  return done;
+}
+
+void synchronize(const Transfer& t) {
+  {
+    py::gil_scoped_release no_gil;
+    t.synchronize(/*drain=*/false);
+  }
+  drain_in_flight();
+}
+
+}  // namespace
+
+void GroupCycle::configure(py::object pool_owner, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
+                           bool timing) {
+  pool_ = &pool_owner.cast<HostPool&>();
+  pool_owner_ = std::move(pool_owner);
+  handle_class_ = std::move(handle_class);
+  small_bytes_ = small_bytes;
+  chunk_bytes_ = chunk_bytes;
+  timing_ = timing;
+}
+
+c10::optional<c10::Stream> GroupCycle::current_stream() const {
+  if (!on_accel_) return c10::nullopt;
+  return c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_);
+}
+
+void GroupCycle::read_copy_streams(py::handle engine) {
+  if (streams_read_) return;
+  const py::tuple streams = get(engine, cycle_names().copy_streams)().cast<py::tuple>();  // engine.py's `_copy_streams`
+  d2h_stream_ = streams[0].cast<c10::optional<c10::Stream>>();
+  h2d_stream_ = streams[1].cast<c10::optional<c10::Stream>>();
+  streams_read_ = true;
+}
+
+std::shared_ptr<Transfer> GroupCycle::transfer_of(const py::object& handle) {
+  if (handle.is_none()) return nullptr;
+  return get(handle, cycle_names().impl).cast<std::shared_ptr<Transfer>>();
+}
+
+py::object GroupCycle::timed_start(py::handle engine) {
+  // Through the engine's own timing (step_stats.py): its events and the step's pending list.
+  if (!timing_) return py::none();
+  const CycleNames& n = cycle_names();
+  return get(engine, n.timed_start)(get(engine, n.stream_object)());
+}
+
+void GroupCycle::timed_end(py::handle engine, const py::object& start) {
+  if (start.is_none()) return;
+  const CycleNames& n = cycle_names();
+  get(engine, n.timed_end)("backward_wait_seconds", start, get(engine, n.stream_object)());
+}
+
+// backward.py's `fetch` of a whole group (`upto` None): one copy back of its host block
+// into a device block laid out as it.
+void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) {
+  const CycleNames& n = cycle_names();
+  const int64_t end = g.nbytes_aligned;
+  if (end <= g.fetched) return;
+  if (g.fetched != 0) {  // a piece was fetched (a plan's, Note [fetch in pieces]): the rest as Python does it
+    get(engine, n.fetch_in_python)(group);
+    return;
+  }
+  read_copy_streams(engine);
+  const py::object d2h = get(group, n.d2h);
+  const std::shared_ptr<Transfer> source = transfer_of(d2h);
+  TORCH_CHECK(source != nullptr, "offload: a group is fetched back before its copy out was issued");
+  if (!g.device_block.defined()) {
+    // Allocated on the consumer's (current) stream, its owner (Note [backward] in engine.py).
+    g.device_block = at::empty({g.nbytes_aligned}, at::TensorOptions().dtype(at::kByte).device(device_));
+    g.fetch_stream = current_stream();
+  }
+  CopyOptions options;
+  options.require_pinned = true;
+  options.small_bytes = small_bytes_;
+  options.chunk_bytes = chunk_bytes_;
+  options.timing = timing_;
+  const c10::optional<std::vector<at::Tensor>> out{std::vector<at::Tensor>{g.device_block}};
+  release_finished_copies();  // what earlier copies left, dropped with the interpreter lock held
+  std::shared_ptr<Transfer> back;
+  {
+    py::gil_scoped_release no_gil;
+    // From the copy out's transfer: the copy stream also waits for that copy (a group let
+    // go at a release point was seen complete on the device only), and times after both waits.
+    back = copy_to_device(source->tensors(), source, device_, *pool_, h2d_stream_, out, options);
+  }
+  const py::object handle = handle_class_(py::cast(back));
+  const py::object h2d = get(group, n.h2d);
+  if (PyList_Append(h2d.ptr(), handle.ptr()) < 0) throw py::error_already_set();
+  if (timing_) {
+    const py::object counters = get(engine, n.counters);
+    get(get(engine, n.timings), n.copy)(counters, "h2d_seconds", get(handle, n.copy_timer)());
+  }
+  g.fetched = end;
+  add(engine, n.h2d_bytes, std::min(end, g.nbytes));
+  add(engine, n.groups_fetched, 1);
+}
+
+// backward.py's `make_ready`.
+void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup& g) {
+  const CycleNames& n = cycle_names();
+  if (g.fetched < g.nbytes_aligned) fetch(engine, group, g);
+  const c10::optional<c10::Stream> stream = current_stream();
+  if (g.ready_on(stream)) return;
+  const py::list h2d = get(group, n.h2d).cast<py::list>();
+  TORCH_CHECK(!h2d.empty(), "offload: a group is read in backward before its copy back was issued");
+  if (!on_accel_) {
+    const auto t0 = std::chrono::steady_clock::now();
+    synchronize(*transfer_of(h2d[h2d.size() - 1]));
+    add(engine, n.backward_wait_seconds,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  } else {
+    const py::object start = timed_start(engine);
+    for (const py::handle entry : h2d) {
+      const std::shared_ptr<Transfer> back = transfer_of(py::reinterpret_borrow<py::object>(entry));
+      if (g.fetch_stream == stream) {
+        // The block's owner waits for the copy: the core need not hold the block until the
+        // host sees the copy done (else it would hold the step's last fetched group until
+        // the next step's first copy).
+        back->release_sources(stream);
+      } else {
+        back->wait_stream(stream);
+      }
+    }
+    timed_end(engine, start);
+  }
+  g.mark_ready(stream);
+}
+
+// backward.py's `prefetch` (no plan, mode async): the group before `group` and, if that is
+// the last part of a layer copied in parts, its earlier parts, the last first.
+void GroupCycle::prefetch(py::handle engine, py::handle group) {
+  const CycleNames& n = cycle_names();
+  py::object ref = get(group, n.prev);
+  while (true) {
+    const py::object before = deref(ref);
+    if (before.is_none()) return;
+    ActivationGroup& b = before.cast<ActivationGroup&>();
+    const bool on_host_only = b.state == kHost && b.fetched < b.nbytes_aligned && !get(before, n.d2h).is_none();
+    if (on_host_only) {
+      fetch(engine, before, b);
+      if (b.fetched == b.nbytes_aligned) add(engine, n.groups_prefetched, 1);
+    }
+    if (!get(before, n.continued).cast<bool>()) return;
+    ref = get(before, n.prev);
+  }
+}
+
+// backward.py's `release`.
+void GroupCycle::release(py::handle engine, py::handle group, ActivationGroup& g) {
+  const CycleNames& n = cycle_names();
+  if (g.state == kOpen) return;
+  if (g.holds_device_tensors) {
+    const std::shared_ptr<Transfer> d2h = transfer_of(get(group, n.d2h));
+    if (d2h != nullptr && !query(*d2h) && on_accel_ && g.has_spans) {
+      // Served from the device, its copy not seen done: the copy stream protects the sources'
+      // memory until it has passed the copy, and the copy engine lets go of them now (Note
+      // [served groups' sources] in engine.py). Never a wait for the copy.
+      read_copy_streams(engine);
+      g.let_sources_go(*d2h_stream_);
+      d2h->release_sources(d2h_stream_);
+    }
+    // engine.py's `_mark_copied` (no listeners here).
+    g.drop_held();
+    g.drop_spans();
+    g.state = kHost;
+  }
+  g.reset_restore();
+  if (PyObject_SetAttr(group.ptr(), n.h2d, py::list().ptr()) < 0) throw py::error_already_set();
+}
+
+}  // namespace activation
+}  // namespace offload
