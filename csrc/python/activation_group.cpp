@@ -31,6 +31,85 @@ void raise_modified(const std::string& desc, int64_t saved, int64_t now) {
   throw py::error_already_set();
 }
 
+namespace {
+py::object* handle_class = nullptr;  // never freed: the module lives as long as the interpreter
+
+struct SavedActivationObject {
+  PyObject_HEAD
+  SavedActivation value;
+};
+
+void saved_activation_dealloc(PyObject* self) {
+  reinterpret_cast<SavedActivationObject*>(self)->value.~SavedActivation();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* saved_activation_group(PyObject* self, void* /*closure*/) {
+  PyObject* group = reinterpret_cast<SavedActivationObject*>(self)->value.group.ptr();
+  Py_INCREF(group);
+  return group;
+}
+
+PyObject* saved_activation_slot(PyObject* self, void* /*closure*/) {
+  return PyLong_FromLongLong(reinterpret_cast<SavedActivationObject*>(self)->value.slot);
+}
+
+PyGetSetDef saved_activation_getset[] = {
+    {"group", saved_activation_group, nullptr, "the group it belongs to", nullptr},
+    {"slot", saved_activation_slot, nullptr, "its handle slot in the group", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyTypeObject saved_activation_type = [] {
+  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
+  type.tp_name = "offload._C.SavedActivation";
+  type.tp_basicsize = sizeof(SavedActivationObject);
+  type.tp_dealloc = saved_activation_dealloc;
+  type.tp_flags = Py_TPFLAGS_DEFAULT;
+  type.tp_doc = "What autograd holds for a tensor the activation engine offloads (made by the core's pack hook)";
+  type.tp_getset = saved_activation_getset;
+  return type;
+}();
+}  // namespace
+
+py::object make_saved_activation(SavedActivation&& value) {
+  PyObject* obj = saved_activation_type.tp_alloc(&saved_activation_type, 0);
+  if (obj == nullptr) throw py::error_already_set();
+  new (&reinterpret_cast<SavedActivationObject*>(obj)->value) SavedActivation(std::move(value));
+  return py::reinterpret_steal<py::object>(obj);
+}
+
+const SavedActivation* saved_activation_of(PyObject* obj) {
+  if (Py_TYPE(obj) != &saved_activation_type) return nullptr;
+  return &reinterpret_cast<SavedActivationObject*>(obj)->value;
+}
+
+void add_saved_activation_type(py::module_& m) {
+  if (PyType_Ready(&saved_activation_type) < 0) throw py::error_already_set();
+  Py_INCREF(&saved_activation_type);
+  m.add_object("SavedActivation", py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&saved_activation_type)));
+}
+
+void set_copy_handle_class(py::object cls) {
+  if (handle_class == nullptr) handle_class = new py::object();
+  *handle_class = std::move(cls);
+}
+
+py::object copy_handle(const std::shared_ptr<Transfer>& transfer) {
+  if (transfer == nullptr) return py::none();
+  TORCH_CHECK(handle_class != nullptr && !handle_class->is_none(),
+              "offload: the core's groups are used before the engine gave them offload.core.copy.CopyHandle");
+  return (*handle_class)(py::cast(transfer));
+}
+
+std::shared_ptr<Transfer> transfer_of(const py::object& handle) {
+  if (handle.is_none()) return nullptr;
+  static PyObject* impl = PyUnicode_InternFromString("_impl");
+  PyObject* value = PyObject_GetAttr(handle.ptr(), impl);
+  if (value == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(value).cast<std::shared_ptr<Transfer>>();
+}
+
 int64_t ActivationGroup::hold(const py::object& tensor, int64_t version) {
   held.push_back(HeldTensor{tensor, version});
   n_handles += 1;
@@ -149,6 +228,7 @@ void ActivationGroup::let_sources_go(const c10::Stream& stream) {
 void ActivationGroup::reset_restore() {
   device_block = at::Tensor();
   fetch_stream = c10::nullopt;
+  h2d.clear();
   typed_blocks_.clear();
   views_.clear();
   ready_streams_.clear();

@@ -33,6 +33,7 @@
 
 #include <c10/core/Stream.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/extension.h>
 
@@ -65,12 +66,15 @@ struct HeldTensor {
   int64_t version;
 };
 
+// A tensor's sizes or strides: inline up to 6 dimensions (no allocation per saved tensor).
+using Dims = c10::SmallVector<int64_t, 6>;
+
 // A restored view, made once per (span, dtype, size, stride, offset) and group.
 struct RestoredView {
   int64_t entry;
   at::ScalarType dtype;
-  std::vector<int64_t> size;
-  std::vector<int64_t> stride;
+  Dims size;
+  Dims stride;
   int64_t offset;
   py::object tensor;
 };
@@ -85,10 +89,19 @@ struct SavedActivation {
   int64_t entry;
   int64_t slot;
   at::ScalarType dtype;
-  std::vector<int64_t> size;
-  std::vector<int64_t> stride;
+  Dims size;
+  Dims stride;
   int64_t offset;  // bytes from the start of the storage
 };
+
+// SavedActivation's Python object, offload._C.SavedActivation: a plain CPython type, not a
+// pybind11 class (a pybind11 instance is registered in and removed from its instance map,
+// host time per saved tensor). Made only here; `group` and `slot` read it.
+py::object make_saved_activation(SavedActivation&& value);
+// The SavedActivation of `obj`, or null where it is not one.
+const SavedActivation* saved_activation_of(PyObject* obj);
+// Adds the type to module `m`.
+void add_saved_activation_type(py::module_& m);
 
 class ActivationGroup {
  public:
@@ -110,6 +123,14 @@ class ActivationGroup {
   at::Tensor device_block;  // the restored uint8 block, laid out as the host block
   // The stream `device_block` was allocated on, its owner (none on the host, or before a fetch).
   c10::optional<c10::Stream> fetch_stream;
+  // The stream its tensors were saved on (current when it closed; none on the host).
+  c10::optional<c10::Stream> stream;
+  // Its copy out (set at close; its one tensor is the pooled host block), and its copies back
+  // in the current backward (one, or one per piece, queued in order on one copy stream). Held
+  // here, not as Python objects: a step's groups make no Python object for their copies but
+  // where Python code reads them (the `d2h` property, `h2d_handles`).
+  std::shared_ptr<Transfer> d2h;
+  std::vector<std::shared_ptr<Transfer>> h2d;
 
   // Pack: the handle slot of `tensor` (saved at `version`) in this group.
   int64_t hold(const py::object& tensor, int64_t version);
@@ -161,6 +182,13 @@ class ActivationGroup {
   std::vector<c10::Stream> ready_streams_;
   bool ready_on_host_ = false;
 };
+
+// Python's view of a transfer: offload.core.copy.CopyHandle around it (the class is given
+// once, `set_copy_handle_class`), or None for a null transfer.
+void set_copy_handle_class(py::object handle_class);
+py::object copy_handle(const std::shared_ptr<Transfer>& transfer);
+// The transfer a CopyHandle (or None: null) wraps.
+std::shared_ptr<Transfer> transfer_of(const py::object& handle);
 
 // The error autograd raises for a saved tensor modified in place (saved_tensors.py's
 // `modified_error`, whose message this repeats): `desc` is "dtype [sizes]".

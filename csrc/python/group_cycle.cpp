@@ -19,14 +19,10 @@ namespace {
 // The Python attributes read here, interned once (a lookup by a C string makes a str each time).
 struct CycleNames {
   PyObject* counters = PyUnicode_InternFromString("counters");
-  PyObject* d2h = PyUnicode_InternFromString("d2h");
-  PyObject* h2d = PyUnicode_InternFromString("h2d");
-  PyObject* impl = PyUnicode_InternFromString("_impl");
   PyObject* prev = PyUnicode_InternFromString("prev");
   PyObject* continued = PyUnicode_InternFromString("continued");
   PyObject* timings = PyUnicode_InternFromString("_timings");
   PyObject* copy = PyUnicode_InternFromString("copy");
-  PyObject* copy_timer = PyUnicode_InternFromString("copy_timer");
   PyObject* copy_streams = PyUnicode_InternFromString("_copy_streams");
   PyObject* timed_start = PyUnicode_InternFromString("_timed_start");
   PyObject* timed_end = PyUnicode_InternFromString("_timed_end");
@@ -37,6 +33,18 @@ struct CycleNames {
   PyObject* groups_fetched = PyUnicode_InternFromString("groups_fetched");
   PyObject* groups_prefetched = PyUnicode_InternFromString("groups_prefetched");
   PyObject* backward_wait_seconds = PyUnicode_InternFromString("backward_wait_seconds");
+  PyObject* forward_wait_seconds = PyUnicode_InternFromString("forward_wait_seconds");
+  PyObject* layer = PyUnicode_InternFromString("layer");
+  PyObject* layer_sizes = PyUnicode_InternFromString("_layer_sizes");
+  PyObject* inflight = PyUnicode_InternFromString("_inflight");
+  PyObject* popleft = PyUnicode_InternFromString("popleft");
+  PyObject* resident_groups = PyUnicode_InternFromString("resident_groups");
+  PyObject* keep_on_device = PyUnicode_InternFromString("_keep_on_device");
+  PyObject* n_layers = PyUnicode_InternFromString("n_layers");
+  PyObject* d2h_bytes = PyUnicode_InternFromString("d2h_bytes");
+  PyObject* groups_offloaded = PyUnicode_InternFromString("groups_offloaded");
+  PyObject* layers_offloaded = PyUnicode_InternFromString("layers_offloaded");
+  PyObject* tensors_offloaded = PyUnicode_InternFromString("tensors_offloaded");
 };
 
 const CycleNames& cycle_names() {
@@ -98,7 +106,7 @@ void GroupCycle::configure(py::object pool_owner, py::object handle_class, int64
                            bool timing) {
   pool_ = &pool_owner.cast<HostPool&>();
   pool_owner_ = std::move(pool_owner);
-  handle_class_ = std::move(handle_class);
+  set_copy_handle_class(std::move(handle_class));
   small_bytes_ = small_bytes;
   chunk_bytes_ = chunk_bytes;
   timing_ = timing;
@@ -117,11 +125,6 @@ void GroupCycle::read_copy_streams(py::handle engine) {
   streams_read_ = true;
 }
 
-std::shared_ptr<Transfer> GroupCycle::transfer_of(const py::object& handle) {
-  if (handle.is_none()) return nullptr;
-  return get(handle, cycle_names().impl).cast<std::shared_ptr<Transfer>>();
-}
-
 py::object GroupCycle::timed_start(py::handle engine) {
   // Through the engine's own timing (step_stats.py): its events and the step's pending list.
   if (!timing_) return py::none();
@@ -129,10 +132,10 @@ py::object GroupCycle::timed_start(py::handle engine) {
   return get(engine, n.timed_start)(get(engine, n.stream_object)());
 }
 
-void GroupCycle::timed_end(py::handle engine, const py::object& start) {
+void GroupCycle::timed_end(py::handle engine, const char* kind, const py::object& start) {
   if (start.is_none()) return;
   const CycleNames& n = cycle_names();
-  get(engine, n.timed_end)("backward_wait_seconds", start, get(engine, n.stream_object)());
+  get(engine, n.timed_end)(kind, start, get(engine, n.stream_object)());
 }
 
 // backward.py's `fetch` of a whole group (`upto` None): one copy back of its host block
@@ -146,8 +149,7 @@ void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) 
     return;
   }
   read_copy_streams(engine);
-  const py::object d2h = get(group, n.d2h);
-  const std::shared_ptr<Transfer> source = transfer_of(d2h);
+  const std::shared_ptr<Transfer> source = g.d2h;
   TORCH_CHECK(source != nullptr, "offload: a group is fetched back before its copy out was issued");
   if (!g.device_block.defined()) {
     // Allocated on the consumer's (current) stream, its owner (Note [backward] in engine.py).
@@ -168,12 +170,10 @@ void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) 
     // go at a release point was seen complete on the device only), and times after both waits.
     back = copy_to_device(source->tensors(), source, device_, *pool_, h2d_stream_, out, options);
   }
-  const py::object handle = handle_class_(py::cast(back));
-  const py::object h2d = get(group, n.h2d);
-  if (PyList_Append(h2d.ptr(), handle.ptr()) < 0) throw py::error_already_set();
+  g.h2d.push_back(back);
   if (timing_) {
     const py::object counters = get(engine, n.counters);
-    get(get(engine, n.timings), n.copy)(counters, "h2d_seconds", get(handle, n.copy_timer)());
+    get(get(engine, n.timings), n.copy)(counters, "h2d_seconds", py::cast(back->timer()));
   }
   g.fetched = end;
   add(engine, n.h2d_bytes, std::min(end, g.nbytes));
@@ -186,17 +186,15 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
   if (g.fetched < g.nbytes_aligned) fetch(engine, group, g);
   const c10::optional<c10::Stream> stream = current_stream();
   if (g.ready_on(stream)) return;
-  const py::list h2d = get(group, n.h2d).cast<py::list>();
-  TORCH_CHECK(!h2d.empty(), "offload: a group is read in backward before its copy back was issued");
+  TORCH_CHECK(!g.h2d.empty(), "offload: a group is read in backward before its copy back was issued");
   if (!on_accel_) {
     const auto t0 = std::chrono::steady_clock::now();
-    synchronize(*transfer_of(h2d[h2d.size() - 1]));
+    synchronize(*g.h2d.back());
     add(engine, n.backward_wait_seconds,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } else {
     const py::object start = timed_start(engine);
-    for (const py::handle entry : h2d) {
-      const std::shared_ptr<Transfer> back = transfer_of(py::reinterpret_borrow<py::object>(entry));
+    for (const std::shared_ptr<Transfer>& back : g.h2d) {
       if (g.fetch_stream == stream) {
         // The block's owner waits for the copy: the core need not hold the block until the
         // host sees the copy done (else it would hold the step's last fetched group until
@@ -206,7 +204,7 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
         back->wait_stream(stream);
       }
     }
-    timed_end(engine, start);
+    timed_end(engine, "backward_wait_seconds", start);
   }
   g.mark_ready(stream);
 }
@@ -220,7 +218,7 @@ void GroupCycle::prefetch(py::handle engine, py::handle group) {
     const py::object before = deref(ref);
     if (before.is_none()) return;
     ActivationGroup& b = before.cast<ActivationGroup&>();
-    const bool on_host_only = b.state == kHost && b.fetched < b.nbytes_aligned && !get(before, n.d2h).is_none();
+    const bool on_host_only = b.state == kHost && b.fetched < b.nbytes_aligned && b.d2h != nullptr;
     if (on_host_only) {
       fetch(engine, before, b);
       if (b.fetched == b.nbytes_aligned) add(engine, n.groups_prefetched, 1);
@@ -235,7 +233,7 @@ void GroupCycle::release(py::handle engine, py::handle group, ActivationGroup& g
   const CycleNames& n = cycle_names();
   if (g.state == kOpen) return;
   if (g.holds_device_tensors) {
-    const std::shared_ptr<Transfer> d2h = transfer_of(get(group, n.d2h));
+    const std::shared_ptr<Transfer> d2h = g.d2h;
     if (d2h != nullptr && !query(*d2h) && on_accel_ && g.has_spans) {
       // Served from the device, its copy not seen done: the copy stream protects the sources'
       // memory until it has passed the copy, and the copy engine lets go of them now (Note
@@ -244,13 +242,115 @@ void GroupCycle::release(py::handle engine, py::handle group, ActivationGroup& g
       g.let_sources_go(*d2h_stream_);
       d2h->release_sources(d2h_stream_);
     }
-    // engine.py's `_mark_copied` (no listeners here).
-    g.drop_held();
-    g.drop_spans();
-    g.state = kHost;
+    mark_copied(g);
   }
   g.reset_restore();
-  if (PyObject_SetAttr(group.ptr(), n.h2d, py::list().ptr()) < 0) throw py::error_already_set();
+}
+
+void GroupCycle::mark_copied(ActivationGroup& g) {
+  g.drop_held();
+  g.drop_spans();
+  g.state = kHost;
+}
+
+// engine.py's `_close`, the plain configuration's branches: no observer, no verify, no
+// nvtx range, no listeners, mode async, no plan (the window keeps the groups).
+void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) {
+  const CycleNames& n = cycle_names();
+  const py::object layer = get(group, n.layer);
+  if (!layer.is_none() && g.state == kOpen) {  // its last part's sizes: the layer's
+    const py::object sizes = get(engine, n.layer_sizes);
+    if (PyDict_SetItem(sizes.ptr(), layer.ptr(), py::make_tuple(g.capped, g.new_spans).ptr()) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  const int64_t spans = g.seal();
+  if (g.state == kKept) {
+    g.drop_spans();
+    return;
+  }
+  if (spans == 0) {
+    mark_copied(g);
+    return;
+  }
+  read_copy_streams(engine);
+  std::shared_ptr<Transfer> out;
+  try {
+    out = g.copy_out(*pool_, d2h_stream_, chunk_bytes_, timing_);
+  } catch (const c10::OutOfMemoryError& e) {
+    // The pool is at its limit (Note [pool full] in engine.py): the engine keeps the group
+    // on the device and says so once. Nothing was queued for it.
+    static PyObject* oom = PyObject_GetAttrString(py::module_::import("torch").ptr(), "OutOfMemoryError");
+    const py::object error = py::reinterpret_borrow<py::object>(oom)(e.what_without_backtrace());
+    get(engine, n.keep_on_device)(group, error);
+    return;
+  }
+  g.d2h = out;
+  if (timing_) {
+    const py::object counters = get(engine, n.counters);
+    get(get(engine, n.timings), n.copy)(counters, "d2h_seconds", py::cast(out->timer()));
+  }
+  g.state = kCopying;
+  add(engine, n.d2h_bytes, out->nbytes());
+  add(engine, n.groups_offloaded, 1);
+  add(engine, n.layers_offloaded, get(group, n.n_layers).cast<int64_t>());
+  add(engine, n.tensors_offloaded, g.n_handles);
+  const py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(group.ptr(), nullptr));
+  if (!ref) throw py::error_already_set();
+  if (PyObject_CallMethodOneArg(get(engine, n.inflight).ptr(), py::str("append").ptr(), ref.ptr()) == nullptr) {
+    throw py::error_already_set();
+  }
+  poll(engine);
+  g.stream = current_stream();
+  keep_window(engine, g.stream);
+}
+
+// engine.py's `_poll`: mark copied, oldest first, the groups whose copies are complete.
+void GroupCycle::poll(py::handle engine) {
+  const CycleNames& n = cycle_names();
+  const py::object inflight = get(engine, n.inflight);
+  while (PyObject_Length(inflight.ptr()) > 0) {
+    const py::object first = py::reinterpret_steal<py::object>(PySequence_GetItem(inflight.ptr(), 0));
+    if (!first) throw py::error_already_set();
+    const py::object group = deref(first);
+    ActivationGroup* g = group.is_none() ? nullptr : &group.cast<ActivationGroup&>();
+    if (g != nullptr && g->state == kCopying && !query(*g->d2h)) return;
+    if (!py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(inflight.ptr(), n.popleft))) {
+      throw py::error_already_set();
+    }
+    if (g != nullptr && g->state == kCopying) mark_copied(*g);
+  }
+}
+
+// engine.py's `_keep_window` (Note [resident window]): the group now opening plus those
+// still copying may not exceed `resident_groups`.
+void GroupCycle::keep_window(py::handle engine, const c10::optional<c10::Stream>& stream) {
+  const CycleNames& n = cycle_names();
+  const py::object inflight = get(engine, n.inflight);
+  const int64_t resident = get(engine, n.resident_groups).cast<int64_t>();
+  while (PyObject_Length(inflight.ptr()) > resident - 1) {
+    const py::object oldest_ref =
+        py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(inflight.ptr(), n.popleft));
+    if (!oldest_ref) throw py::error_already_set();
+    const py::object oldest = deref(oldest_ref);
+    if (oldest.is_none()) continue;
+    ActivationGroup& o = oldest.cast<ActivationGroup&>();
+    if (o.state != kCopying) continue;
+    const std::shared_ptr<Transfer>& d2h = o.d2h;
+    if (stream.has_value() && o.stream == stream) {
+      // The compute stream waits on the device, not the host, and the oldest group's tensors,
+      // saved on this stream, go back to the allocator in its order.
+      const py::object start = timed_start(engine);
+      d2h->release_sources(stream);
+      timed_end(engine, "forward_wait_seconds", start);
+    } else {  // saved on another stream than the one running now: only the host can order it
+      const auto t0 = std::chrono::steady_clock::now();
+      synchronize(*d2h);
+      add(engine, n.forward_wait_seconds,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    mark_copied(o);
+  }
 }
 
 }  // namespace activation

@@ -1,15 +1,17 @@
-// A group's backward in native code: its copy back, its reader's wait, the fetch of
-// the group before it and its release. These are offload/activation/backward.py's
-// `fetch`, `make_ready`, `prefetch` and `release` (whose notes, and engine.py's, give
-// the reasons), for the engine's plain configuration: no plan of auto mode, no
-// observer, no listeners, no verify, no nvtx ranges, mode async. The unpack hook
-// (saved_tensor_hooks.cpp) calls these there instead of the Python methods, so a
-// group's backward makes no interpreter call but the timing's (an accelerator with
-// timing on); elsewhere the Python methods run, which serve the plan, the observer
-// and the events. The engine says which at each capture (`PackTable.native_backward`).
+// A group's cycle in native code: its close (the copy out, the poll of the copies in
+// flight, the resident window), and in backward its copy back, its reader's wait, the
+// fetch of the group before it and its release. These are offload/activation/engine.py's
+// `_close`, `_poll` and `_keep_window` and backward.py's `fetch`, `make_ready`,
+// `prefetch` and `release` (whose notes give the reasons), for the engine's plain
+// configuration: no plan of auto mode, no observer, no listeners, no verify, no nvtx
+// ranges, mode async. The engine's boundary and the unpack hook (saved_tensor_hooks.cpp)
+// call these there instead of the Python methods, so a group's cycle makes no
+// interpreter call but the timing's (an accelerator with timing on); elsewhere the
+// Python methods run, which serve the plan, the observer and the events. The engine
+// says which (`PackTable.native_backward`, and `PackTable.close_group` it calls).
 //
-// The state is the group's own (the core's ActivationGroup, and the Python fields of
-// groups.py's `NativeGroup`: d2h, h2d, prev, continued), so either path can take up
+// The state is the group's own (the core's ActivationGroup, with its copies, and the
+// Python fields of groups.py's `NativeGroup`: layer, prev, continued), so either path can take up
 // a group the other left: a step whose configuration changes between its forward and
 // its backward (a listener added) finishes in Python.
 //
@@ -38,9 +40,14 @@ class GroupCycle {
   // Whether the unpack hook runs a group's backward here (the engine's plain configuration).
   bool native = false;
 
+  // engine.py's `_close` (plain configuration): seal the group, issue its copy out, poll the
+  // copies in flight and keep the resident window.
+  void close(py::handle engine, py::handle group, ActivationGroup& g);
+
   // The engine's copy settings, given once: its pool (`pool_owner` holds `pool` alive),
-  // the Python class that wraps a transfer (offload.core.copy.CopyHandle, the entries of a
-  // group's `h2d`), the copy engine's packing and chunk sizes, whether copies and waits are timed.
+  // the Python class that wraps a transfer (offload.core.copy.CopyHandle, what a group's
+  // `d2h` and `h2d_handles` give Python), the copy engine's packing and chunk sizes, whether
+  // copies and waits are timed.
   void configure(py::object pool_owner, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
                  bool timing);
 
@@ -48,27 +55,29 @@ class GroupCycle {
   // reader on the current stream (the host, without one) wait for the copy back, once per
   // stream and backward.
   void make_ready(py::handle engine, py::handle group, ActivationGroup& g);
+  // backward.py's `fetch` of all of a group none of which was fetched yet.
+  void fetch(py::handle engine, py::handle group, ActivationGroup& g);
   // Backward reached `group`: fetch the group before it, and that group's earlier parts.
   void prefetch(py::handle engine, py::handle group);
   // Every handle of `group` was unpacked: its device copies go (the host copy stays).
   void release(py::handle engine, py::handle group, ActivationGroup& g);
 
  private:
-  void fetch(py::handle engine, py::handle group, ActivationGroup& g);
+  void poll(py::handle engine);
+  void keep_window(py::handle engine, const c10::optional<c10::Stream>& stream);
+  // engine.py's `_mark_copied` (no listeners here): the held tensors go, the group is on the host.
+  static void mark_copied(ActivationGroup& g);
   c10::optional<c10::Stream> current_stream() const;
   // The engine's (device-to-host, host-to-device) copy streams, read from it once.
   void read_copy_streams(py::handle engine);
-  // The d2h transfer of `group` (its `d2h` CopyHandle's), or null where it has none.
-  static std::shared_ptr<Transfer> transfer_of(const py::object& handle);
   // The engine's wait timing: an event on the current stream before and after a wait.
   py::object timed_start(py::handle engine);
-  void timed_end(py::handle engine, const py::object& start);
+  void timed_end(py::handle engine, const char* kind, const py::object& start);
 
   c10::Device device_;
   bool on_accel_;
   py::object pool_owner_;
   HostPool* pool_ = nullptr;
-  py::object handle_class_;
   int64_t small_bytes_ = 0;
   int64_t chunk_bytes_ = 0;
   bool timing_ = false;

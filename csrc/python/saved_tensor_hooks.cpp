@@ -204,8 +204,9 @@ class PackTable {
     if (!engine_) throw py::error_already_set();
   }
 
-  // A group's backward runs in native code (group_cycle.h): the engine's plain configuration.
+  // A group's cycle runs in native code (group_cycle.h): the engine's plain configuration.
   GroupCycle& cycle() { return cycle_; }
+  py::object engine_object() const { return engine(); }
 
   bool params_pending = false;  // iterables of tensors wait to join param_ptrs (Note [parameter walk])
   bool params_needed = false;  // a saved tensor of this forward needed param_ptrs
@@ -372,8 +373,9 @@ py::object PackTable::pack_new_span(py::handle engine, py::handle tensor, const 
   group.spans.push_back(SavedSpan{t, lo, hi});
   storages_.insert_or_assign(extent.ptr, StorageEntry{open_group_, open_native_, entry, storage.getWeakStorageImpl()});
   const int64_t slot = group.hold(py::reinterpret_borrow<py::object>(tensor), t._version());
-  py::object packed = py::cast(SavedActivation{open_group_, open_native_, entry, slot, t.scalar_type(),
-                                               t.sizes().vec(), t.strides().vec(), extent.first});
+  py::object packed = activation::make_saved_activation(
+      SavedActivation{open_group_, open_native_, entry, slot, t.scalar_type(), activation::Dims(t.sizes().begin(),
+      t.sizes().end()), activation::Dims(t.strides().begin(), t.strides().end()), extent.first});
   if (split) call(engine, n.split, open_group_);  // copy what the layer saved so far, go on in a new group
   return packed;
 }
@@ -412,8 +414,10 @@ py::object PackTable::pack(py::handle tensor) {
       if (!shared) return pack_new_span(engine, tensor, t, extent);
     }
     const int64_t slot = owner.hold(py::reinterpret_borrow<py::object>(tensor), t._version());
-    return py::cast(SavedActivation{seen.group, seen.native, seen.entry, slot, t.scalar_type(), t.sizes().vec(),
-                                    t.strides().vec(), extent.first});
+    return activation::make_saved_activation(
+        SavedActivation{seen.group, seen.native, seen.entry, slot, t.scalar_type(),
+                        activation::Dims(t.sizes().begin(), t.sizes().end()),
+                        activation::Dims(t.strides().begin(), t.strides().end()), extent.first});
   }
   return pack_new_span(engine, tensor, t, extent);
 }
@@ -430,10 +434,11 @@ py::object PackTable::unpack(py::handle packed) {
     if (same < 0) throw py::error_already_set();
     if (same == 1) return py::reinterpret_borrow<py::object>(tensor);
   }
-  if (!py::isinstance<SavedActivation>(packed)) {
+  const SavedActivation* found = activation::saved_activation_of(obj);
+  if (found == nullptr) {
     return call(engine, n.unpack, packed);  // the step's first unpack of a kept tensor, or an error
   }
-  const SavedActivation& saved = packed.cast<const SavedActivation&>();
+  const SavedActivation& saved = *found;
   if (!truthy(attr(engine, n.backward_seen))) attr(engine, n.backward_starts)();  // the step's first unpack
   ActivationGroup& group = *saved.native;
   const bool first = group.n_unpacked == 0;
@@ -523,6 +528,16 @@ PyMethodDef hook_defs[] = {
      "functools.partial)"},
 };
 
+// `group` as the core's group, for the table's method `fn`.
+ActivationGroup& core_group(const py::object& group, const char* fn) {
+  if (!py::isinstance<ActivationGroup>(group)) {
+    throw py::type_error(std::string("offload._C.PackTable.") + fn +
+                         ": group must be a group of the core (offload._C.ActivationGroup), got " +
+                         Py_TYPE(group.ptr())->tp_name);
+  }
+  return group.cast<ActivationGroup&>();
+}
+
 py::object block_or_none(const at::Tensor& t) {
   return t.defined() ? py::cast(t) : py::none();
 }
@@ -550,6 +565,25 @@ void bind(py::module_& m) {
           [](const ActivationGroup& g) { return g.fetch_stream.has_value() ? py::cast(*g.fetch_stream) : py::none(); },
           [](ActivationGroup& g, c10::optional<c10::Stream> stream) { g.fetch_stream = stream; })
       .def("owns_block", &ActivationGroup::owns_block, py::arg("stream"))
+      // Its copy out as a CopyHandle (None before its close); a new handle each read, around
+      // the one transfer the group holds.
+      .def_property(
+          "d2h", [](const ActivationGroup& g) { return activation::copy_handle(g.d2h); },
+          [](ActivationGroup& g, const py::object& handle) { g.d2h = activation::transfer_of(handle); })
+      .def("add_h2d", [](ActivationGroup& g, const py::object& handle) {
+        g.h2d.push_back(activation::transfer_of(handle));
+      }, py::arg("handle"))
+      .def("h2d_handles", [](const ActivationGroup& g) {
+        py::list out;
+        for (const auto& t : g.h2d) out.append(activation::copy_handle(t));
+        return out;
+      })
+      .def_property(
+          "stream", [](const ActivationGroup& g) { return g.stream.has_value() ? py::cast(*g.stream) : py::none(); },
+          [](ActivationGroup& g, c10::optional<c10::Stream> stream) { g.stream = stream; })
+      .def("saved_on", [](const ActivationGroup& g, c10::optional<c10::Stream> stream) {
+        return stream.has_value() && g.stream == stream;
+      }, py::arg("stream"))
       .def_property(
           "device_block", [](const ActivationGroup& g) { return block_or_none(g.device_block); },
           [](ActivationGroup& g, c10::optional<at::Tensor> block) { g.device_block = block.value_or(at::Tensor()); })
@@ -565,9 +599,7 @@ void bind(py::module_& m) {
       .def("span_bytes", &ActivationGroup::span_bytes)
       .def("span_descriptions", &ActivationGroup::span_descriptions)
       .def("block_spans", &ActivationGroup::block_spans, py::arg("block"));
-  py::class_<SavedActivation>(m, "SavedActivation")
-      .def_property_readonly("group", [](const SavedActivation& s) { return s.group; })
-      .def_readonly("slot", &SavedActivation::slot);
+  activation::add_saved_activation_type(m);
   py::class_<PackTable>(m, "PackTable")
       .def(py::init<const py::object&, int64_t, c10::Device, bool>(), py::arg("engine"), py::arg("min_tensor_bytes"),
            py::arg("device"), py::arg("on_accel"))
@@ -577,6 +609,18 @@ void bind(py::module_& m) {
       .def_property(
           "native_backward", [](PackTable& t) { return t.cycle().native; },
           [](PackTable& t, bool on) { t.cycle().native = on; })
+      .def(
+          "close_group",
+          [](PackTable& t, py::object group) {
+            t.cycle().close(t.engine_object(), group, core_group(group, "close_group"));
+          },
+          py::arg("group"))
+      .def(
+          "fetch_group",
+          [](PackTable& t, py::object group) {
+            t.cycle().fetch(t.engine_object(), group, core_group(group, "fetch_group"));
+          },
+          py::arg("group"))
       .def(
           "configure_backward",
           [](PackTable& t, py::object pool, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,

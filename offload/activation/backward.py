@@ -38,7 +38,7 @@ class BackwardSide:
     A collaborator of `ActivationEngine` (engine.py), which makes it and holds it as `backward`;
     it reads the engine's state through `self.engine` (the step's counters, the schedule and
     observer of auto mode, the forward's groups, the window, the events) and calls back the
-    engine's copy and release primitives (`_copy_back`, `_mark_copied`, `_release_due`). The
+    engine's copy and release primitives (`_copy_back`, `_fetch_native`, `_mark_copied`, `_release_due`). The
     engine hands the hooks its methods (Note [engine interface]).
     """
 
@@ -189,6 +189,9 @@ class BackwardSide:
         """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in
         pieces] in auto/schedule.py; None: all that is left)."""
         engine = self.engine
+        if upto is None and group.fetched == 0 and engine.native_backward:
+            engine._fetch_native(group)  # the core's twin of this method (csrc/python/group_cycle.h)
+            return
         end = group.nbytes_aligned if upto is None else min(group.nbytes_aligned, -(-upto // SPAN_ALIGN) * SPAN_ALIGN)
         if end <= group.fetched:
             return
@@ -214,9 +217,10 @@ class BackwardSide:
                 source = [group.d2h.tensors[0][group.fetched:end]]
                 out = [group.device_block[group.fetched:end]]
             # Pieces queue on one copy stream in order: the last one done means all are.
-            group.h2d.append(engine._copy_back(source, out))
+            back = engine._copy_back(source, out)
+            group.add_h2d(back)
         if engine.timing:
-            engine._timings.copy(engine.counters, "h2d_seconds", group.h2d[-1].copy_timer())
+            engine._timings.copy(engine.counters, "h2d_seconds", back.copy_timer())
         start = group.fetched
         share = min(end, group.nbytes) - min(start, group.nbytes)  # of the group's bytes (not its padding)
         group.fetched = end
@@ -237,11 +241,11 @@ class BackwardSide:
             begun = engine.observer.wait_begins() if engine.observer is not None else None
             if engine.mode == "sync" or not engine.on_accel:
                 t0 = time.perf_counter()
-                group.h2d[-1].synchronize()
+                group.h2d_handles()[-1].synchronize()
                 engine.counters["backward_wait_seconds"] += time.perf_counter() - t0
             else:
                 start = engine._timed_start(stream)
-                for h2d in group.h2d:
+                for h2d in group.h2d_handles():
                     if group.owns_block(stream):
                         # The block's owner waits for the copy: the core need not hold it until
                         # the host sees the copy done (else it would hold the last group fetched
@@ -302,7 +306,6 @@ class BackwardSide:
         if group.holds_device_tensors:
             engine._mark_copied(group)
         group.reset_restore()
-        group.h2d = []
 
 def _start_backward(side) -> None:
     if not side.engine.backward_seen:

@@ -245,6 +245,7 @@ class ActivationEngine:
             self._copy_pool = self.pool.native_pool
             pack, unpack = (functools.partial(core.pack_saved_tensor, self._table),
                             functools.partial(core.unpack_saved_tensor, self._table))
+            self._fetch_native = self._table.fetch_group  # the core's fetch of a whole group (group_cycle.h)
             self._table.configure_backward(self._copy_pool, CopyHandle, DEFAULT_SMALL_BYTES, DEFAULT_CHUNK_BYTES,
                                            self.timing)
         else:
@@ -278,7 +279,7 @@ class ActivationEngine:
         self._layer_sizes: dict = {}
         self._warned_pool_full = False  # Note [pool full]
         self._listeners: tuple = ()  # callbacks given ActivationEvents (Note [events])
-        self._choose_backward()
+        self._choose_native_cycle()
 
     @property
     def open_group(self) -> Optional[Group]:
@@ -294,15 +295,17 @@ class ActivationEngine:
         resident window and one-ahead prefetch), reporting to `observer` (None: not measuring)."""
         self.schedule = schedule
         self.observer = observer
-        self._choose_backward()
+        self._choose_native_cycle()
 
-    def _choose_backward(self) -> None:
-        """Whether the core runs each group's backward itself (csrc/python/group_cycle.h): with
-        the core, and nothing that the Python backward serves (a plan, an observer, listeners,
+    def _choose_native_cycle(self) -> None:
+        """Whether the core closes each group and runs its backward itself (csrc/python/group_cycle.h):
+        with the core, and nothing that the Python methods serve (a plan, an observer, listeners,
         verify, nvtx ranges, mode sync). Chosen again wherever one of those changes."""
+        plain = (self._native and self.schedule is None and self.observer is None and not self._listeners
+                 and not self.verify and not self.nvtx and self.mode == "async")
+        self._native_close = plain
         if self._native:
-            self._table.native_backward = (self.schedule is None and self.observer is None and not self._listeners
-                                           and not self.verify and not self.nvtx and self.mode == "async")
+            self._table.native_backward = plain
 
     @property
     def native_backward(self) -> bool:
@@ -328,7 +331,7 @@ class ActivationEngine:
         if not callable(callback):
             raise TypeError(f"{fn}: callback must be callable, got {type(callback).__name__}")
         self._listeners = self._listeners + (callback,)
-        self._choose_backward()
+        self._choose_native_cycle()
 
     def remove_listener(self, callback, fn: str = "offload.ActivationOffload.remove_listener") -> None:
         """Stop calling `callback` (added by `add_listener`; once per time it was added)."""
@@ -337,7 +340,7 @@ class ActivationEngine:
             raise ValueError(f"{fn}: callback is not a listener of this engine (add it with add_listener)")
         listeners.remove(callback)
         self._listeners = tuple(listeners)
-        self._choose_backward()
+        self._choose_native_cycle()
 
     def _emit(self, kind: str, group: Group, nbytes: int, offset: int = 0) -> None:
         """Give the listeners the event `kind` of `group` (called only where `_listeners` is not empty)."""
@@ -536,6 +539,9 @@ class ActivationEngine:
             self._hooks_on = False
 
     def _close(self, group: Group) -> None:
+        if self._native_close:  # the core's twin of this method (csrc/python/group_cycle.h)
+            self._table.close_group(group)
+            return
         if group.layer is not None and group.state == OPEN:
             self._layer_sizes[group.layer] = (group.capped, group.new_spans)  # its last part's: the layer's
         spans = group.seal()  # each span's start, version (a later save shares the copy only at it), bytes
@@ -603,7 +609,7 @@ class ActivationEngine:
             if oldest is None or oldest.state != COPYING:
                 continue
             begun = self.observer.wait_begins() if self.observer is not None else None
-            if stream is not None and oldest.stream == stream:
+            if oldest.saved_on(stream):
                 # A full window makes the compute stream wait on the device, not the host: the
                 # host goes on queueing kernels while the copy finishes (a host wait here would
                 # leave the device idle in launch-bound steps). The oldest group's tensors were saved
@@ -681,7 +687,7 @@ class ActivationEngine:
                 continue
             if at > point:
                 pending.append((at, ref))
-            elif stream is not None and group.stream == stream:
+            elif group.saved_on(stream):
                 start = self._timed_start(stream)
                 group.d2h.release_sources(stream)
                 self._timed_end(kind, start, stream)

@@ -76,6 +76,9 @@ class Group:
         self.fetched = 0  # bytes of the block copied back so far (or queued to be)
         self.device_block = None  # the restored uint8 block on the device, laid out as the host block
         self.fetch_stream = None  # the stream its device block was allocated on (owns it), on an accelerator
+        self.d2h = None  # CopyHandle of its spans to host; its one tensor is their pooled host block
+        self.h2d: list = []  # CopyHandles of the block back to the device (backward): one, or a piece each
+        self.stream = None  # the stream its tensors were saved on (current when it closed), on an accelerator
         self.typed_blocks: dict = {}  # dtype -> device_block viewed as that dtype (views are made from it)
         self.views: dict = {}  # (entry, dtype, size, stride, offset) -> restored tensor
         self.waited = set()  # streams that already wait for h2d
@@ -148,15 +151,28 @@ class Group:
         for span in self.spans:
             span.tensor.record_stream(stream)
 
+    def add_h2d(self, handle) -> None:
+        """A copy back of its block (or of a piece of it) was issued."""
+        self.h2d.append(handle)
+
+    def h2d_handles(self) -> list:
+        """Its copies back in this backward, in the order issued."""
+        return list(self.h2d)
+
     def reset_restore(self) -> None:
-        """Backward let go of the group: its restored block, views and waits go."""
+        """Backward let go of the group: its restored block, views, copies back and waits go."""
         self.device_block = None
         self.fetch_stream = None
+        self.h2d = []
         self.typed_blocks = {}
         self.views = {}
         self.waited = set()
         self.fetched = 0
         self.n_unpacked = 0
+
+    def saved_on(self, stream) -> bool:
+        """Its tensors were saved on `stream` (None: on the host, never)."""
+        return stream is not None and self.stream == stream
 
     def owns_block(self, stream) -> bool:
         """The restored block was allocated on `stream` (None: on the host, never)."""
@@ -181,9 +197,6 @@ class LayerFields:
     serial: int  # unique in the process (ActivationEvent.serial)
     layer: Optional[int]  # index in the layer list (auto-mode statistics), or None
     prev: object  # weakref to the previous offloaded group of the same forward
-    d2h: object  # CopyHandle of the group's spans to host; its one tensor is their pooled host block
-    h2d: list  # CopyHandles of the block back to the device (backward): one, or a piece each
-    stream: object  # the stream its tensors were saved on (current when it closed), on an accelerator
     split: Optional[list]  # its layer's part ends in bytes of new spans (Note [layer parts]), or None
     part: int  # the index of its layer's part it ends (its release point)
     continued: bool  # a later part of a layer copied in parts
@@ -197,9 +210,6 @@ def init_layer_fields(group, name, layer, prev) -> None:
     group.serial = next(_serials)
     group.layer = layer
     group.prev = prev
-    group.d2h = None
-    group.h2d = []
-    group.stream = None
     group.split = None
     group.part = 0
     group.continued = False
