@@ -110,6 +110,21 @@ std::shared_ptr<Transfer> transfer_of(const py::object& handle) {
   return py::reinterpret_steal<py::object>(value).cast<std::shared_ptr<Transfer>>();
 }
 
+int64_t next_group_serial() {
+  static int64_t next = 0;  // read and bumped with the interpreter lock held
+  return next++;
+}
+
+ActivationGroup::ActivationGroup(py::object name, py::object layer, bool offload, py::object prev)
+    : state(offload ? kOpen : kKept),
+      name(std::move(name)),
+      serial(next_group_serial()),
+      layer(std::move(layer)),
+      prev(std::move(prev)),
+      split(py::none()),
+      auto_state(py::none()),
+      checksums(py::none()) {}
+
 int64_t ActivationGroup::hold(const py::object& tensor, int64_t version) {
   held.push_back(HeldTensor{tensor, version});
   n_handles += 1;

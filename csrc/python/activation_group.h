@@ -105,7 +105,19 @@ void add_saved_activation_type(py::module_& m);
 
 class ActivationGroup {
  public:
-  explicit ActivationGroup(bool offload) : state(offload ? kOpen : kKept) {}
+  ActivationGroup(py::object name, py::object layer, bool offload, py::object prev);
+
+  // The engine's per-layer fields (groups.py's `LayerFields` gives each one's meaning).
+  py::object name;
+  int64_t serial;  // unique in the process, from one counter for both paths (next_group_serial)
+  py::object layer;  // int, or None
+  py::object prev;  // weakref to the previous offloaded group of the same forward, or None
+  py::object split;  // its layer's part ends (a list), or None
+  int64_t part = 0;
+  bool continued = false;
+  int64_t n_layers = 1;
+  py::object auto_state;  // "auto": auto mode's AutoState, or None
+  py::object checksums;  // verify=True: verify.py's GroupChecksums, or None
 
   int state;
   int64_t n_handles = 0;  // handles packed into it
@@ -182,6 +194,9 @@ class ActivationGroup {
   std::vector<c10::Stream> ready_streams_;
   bool ready_on_host_ = false;
 };
+
+// The next group serial of the process (ActivationEvent.serial), for both paths' groups.
+int64_t next_group_serial();
 
 // Python's view of a transfer: offload.core.copy.CopyHandle around it (the class is given
 // once, `set_copy_handle_class`), or None for a null transfer.

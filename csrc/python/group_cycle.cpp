@@ -45,7 +45,19 @@ struct CycleNames {
   PyObject* groups_offloaded = PyUnicode_InternFromString("groups_offloaded");
   PyObject* layers_offloaded = PyUnicode_InternFromString("layers_offloaded");
   PyObject* tensors_offloaded = PyUnicode_InternFromString("tensors_offloaded");
+  PyObject* capturing = PyUnicode_InternFromString("capturing");
+  PyObject* min_group_bytes = PyUnicode_InternFromString("min_group_bytes");
+  PyObject* layer_groups = PyUnicode_InternFromString("_layer_groups");
+  PyObject* last_offloaded = PyUnicode_InternFromString("_last_offloaded");
+  PyObject* hooks_in_groups_only = PyUnicode_InternFromString("hooks_in_groups_only");
+  PyObject* hooks_on = PyUnicode_InternFromString("_hooks_on");
+  PyObject* tail = PyUnicode_InternFromString("_tail");
+  PyObject* hooks_follow_groups = PyUnicode_InternFromString("_hooks_follow_groups");
 };
+
+// engine.py's SPLIT_PARTS: the forward's first offloaded layer in async mode is copied in this
+// many parts (Note [layer parts]).
+constexpr int64_t kSplitParts = 4;
 
 const CycleNames& cycle_names() {
   static const CycleNames* interned = new CycleNames();  // lives as long as the interpreter
@@ -245,6 +257,65 @@ void GroupCycle::release(py::handle engine, py::handle group, ActivationGroup& g
     mark_copied(g);
   }
   g.reset_restore();
+}
+
+py::object GroupCycle::next_group(py::handle engine, const py::object& group, ActivationGroup* g,
+                                  const py::object& name, bool offload, const py::object& layer, bool* joined) {
+  const CycleNames& n = cycle_names();
+  *joined = false;
+  const int64_t capturing = get(engine, n.capturing).cast<int64_t>();
+  if (!name.is_none() && offload && !layer.is_none() && g != nullptr && !g->layer.is_none() && g->state == kOpen &&
+      capturing > 0 && g->capped < get(engine, n.min_group_bytes).cast<int64_t>()) {
+    // A small layer's group goes on through this layer (fewer, larger copies).
+    g->n_layers += 1;
+    py::list refs;
+    refs.append(get(engine, n.last_offloaded));
+    if (PyDict_SetItem(get(engine, n.layer_groups).ptr(), layer.ptr(), refs.ptr()) < 0) throw py::error_already_set();
+    *joined = true;
+    return group;
+  }
+  if (name.is_none() || capturing == 0 || !offload) return py::none();
+  const py::object last = get(engine, n.last_offloaded);
+  const bool first = last.is_none();
+  py::object next = py::cast(new ActivationGroup(name, layer, true, last), py::return_value_policy::take_ownership);
+  ActivationGroup& made = next.cast<ActivationGroup&>();
+  const py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(next.ptr(), nullptr));
+  if (!ref) throw py::error_already_set();
+  if (PyObject_SetAttr(engine.ptr(), n.last_offloaded, ref.ptr()) < 0) throw py::error_already_set();
+  if (!layer.is_none()) {
+    py::list refs;
+    refs.append(ref);
+    if (PyDict_SetItem(get(engine, n.layer_groups).ptr(), layer.ptr(), refs.ptr()) < 0) throw py::error_already_set();
+    if (first) {
+      // engine.py's `_first_layer_parts`: the first offloaded layer of the forward, in parts of
+      // the bytes it saved last time, where it saved enough spans and bytes for them.
+      PyObject* size = PyDict_GetItemWithError(get(engine, n.layer_sizes).ptr(), layer.ptr());  // borrowed
+      if (size == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (size != nullptr) {
+        const auto bytes_and_count = py::reinterpret_borrow<py::tuple>(size);
+        const auto bytes = bytes_and_count[0].cast<int64_t>();
+        const auto count = bytes_and_count[1].cast<int64_t>();
+        if (count >= kSplitParts && bytes >= kSplitParts * get(engine, n.min_group_bytes).cast<int64_t>()) {
+          py::list ends;
+          for (int64_t k = 1; k < kSplitParts; ++k) ends.append(bytes * k / kSplitParts);
+          made.split = ends;
+        }
+      }
+    }
+  }
+  return next;
+}
+
+void GroupCycle::close_left(py::handle engine, const py::object& group, ActivationGroup* g) {
+  if (g != nullptr) close(engine, group, *g);
+}
+
+void GroupCycle::follow_hooks(py::handle engine, bool group_open) {
+  const CycleNames& n = cycle_names();
+  if (!get(engine, n.hooks_in_groups_only).cast<bool>() || get(engine, n.capturing).cast<int64_t>() != 1) return;
+  const bool want = group_open || !get(engine, n.tail).is_none();
+  if (want == get(engine, n.hooks_on).cast<bool>()) return;
+  get(engine, n.hooks_follow_groups)();
 }
 
 void GroupCycle::mark_copied(ActivationGroup& g) {

@@ -44,6 +44,17 @@ class GroupCycle {
   // copies in flight and keep the resident window.
   void close(py::handle engine, py::handle group, ActivationGroup& g);
 
+  // engine.py's `boundary` (plain configuration), given the open group (None; `g` its core,
+  // null) and the boundary's arguments. Returns the group to open next: the open one where a
+  // small layer joins it (`*joined` set), else a new group, or None. Closes the open group
+  // otherwise, after the caller has let go of it.
+  py::object next_group(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
+                        bool offload, const py::object& layer, bool* joined);
+  // The open group of the plain configuration's boundary was let go of: close it (None: nothing).
+  void close_left(py::handle engine, const py::object& group, ActivationGroup* g);
+  // engine.py's `_hooks_follow_groups`, called only where it has something to switch.
+  void follow_hooks(py::handle engine, bool group_open);
+
   // The engine's copy settings, given once: its pool (`pool_owner` holds `pool` alive),
   // the Python class that wraps a transfer (offload.core.copy.CopyHandle, what a group's
   // `d2h` and `h2d_handles` give Python), the copy engine's packing and chunk sizes, whether

@@ -129,12 +129,9 @@ struct Names {
   PyObject* walk_params = PyUnicode_InternFromString("_walk_params");
   PyObject* profiled = PyUnicode_InternFromString("_profiled");
   PyObject* split = PyUnicode_InternFromString("_split");
-  PyObject* auto_state = PyUnicode_InternFromString("auto");
   PyObject* cap = PyUnicode_InternFromString("cap");
   PyObject* span_ends = PyUnicode_InternFromString("span_ends");
   PyObject* profile = PyUnicode_InternFromString("profile");
-  PyObject* split_ends = PyUnicode_InternFromString("split");
-  PyObject* part = PyUnicode_InternFromString("part");
   PyObject* version = PyUnicode_InternFromString("_version");
 };
 
@@ -230,7 +227,7 @@ class PackTable {
                                        "(offload._C.ActivationGroup) or None, got ") + Py_TYPE(group.ptr())->tp_name);
     }
     open_native_ = group.cast<ActivationGroup*>();
-    const py::object state = attr(group, n.auto_state);
+    const py::object& state = open_native_->auto_state;
     has_auto_ = !state.is_none();
     if (has_auto_) {
       const py::object cap = attr(state, n.cap);
@@ -238,9 +235,8 @@ class PackTable {
       span_ends_ = attr(state, n.span_ends);
       profile_ = attr(state, n.profile);
     }
-    const py::object ends = attr(group, n.split_ends);
-    if (!ends.is_none()) split_ends_ = ends.cast<std::vector<int64_t>>();
-    part_ = attr(group, n.part).cast<int64_t>();
+    if (!open_native_->split.is_none()) split_ends_ = open_native_->split.cast<std::vector<int64_t>>();
+    part_ = open_native_->part;
   }
 
   // The storages of `tensors` (parameters, buffers, inputs: any iterable) stay: saved_tensors.py's
@@ -280,6 +276,21 @@ class PackTable {
         if (child != Py_None) stack.push_back(py::reinterpret_borrow<py::object>(child));
       }
     }
+  }
+
+  // engine.py's `boundary` in the plain configuration (group_cycle.h): the open group closes
+  // (or a small layer joins it) and the next one opens.
+  void boundary(const py::object& name, bool offload, const py::object& layer) {
+    const py::object engine = this->engine();
+    const py::object group = open_group_;
+    ActivationGroup* g = open_native_;
+    bool joined = false;
+    py::object next = cycle_.next_group(engine, group, g, name, offload, layer, &joined);
+    if (joined) return;
+    set_open_group(py::none());
+    cycle_.close_left(engine, group, g);
+    if (!next.is_none()) set_open_group(next);
+    cycle_.follow_hooks(engine, !next.is_none());
   }
 
   size_t size() const { return storages_.size(); }  // the storages recorded in this forward
@@ -548,8 +559,21 @@ void bind(py::module_& m) {
         "None, or (storage data_ptr, first byte, end byte, whether its base has no grad_fn)");
   // groups.py's `Group` is the reference for every member: the Python subclass `NativeGroup`
   // there adds the engine's per-layer fields (name, layer, prev, part, split, auto, ...).
+  m.def("next_group_serial", &activation::next_group_serial,
+        "The next group serial of the process (ActivationEvent.serial), shared by both paths' groups");
   py::class_<ActivationGroup>(m, "ActivationGroup")
-      .def(py::init<bool>(), py::arg("offload"))
+      .def(py::init<py::object, py::object, bool, py::object>(), py::arg("name"), py::arg("layer"), py::arg("offload"),
+           py::arg("prev"))
+      .def_readwrite("name", &ActivationGroup::name)
+      .def_readwrite("serial", &ActivationGroup::serial)
+      .def_readwrite("layer", &ActivationGroup::layer)
+      .def_readwrite("prev", &ActivationGroup::prev)
+      .def_readwrite("split", &ActivationGroup::split)
+      .def_readwrite("part", &ActivationGroup::part)
+      .def_readwrite("continued", &ActivationGroup::continued)
+      .def_readwrite("n_layers", &ActivationGroup::n_layers)
+      .def_readwrite("auto", &ActivationGroup::auto_state)
+      .def_readwrite("checksums", &ActivationGroup::checksums)
       .def_readwrite("state", &ActivationGroup::state)
       .def_readwrite("n_handles", &ActivationGroup::n_handles)
       .def_readwrite("n_unpacked", &ActivationGroup::n_unpacked)
@@ -609,6 +633,7 @@ void bind(py::module_& m) {
       .def_property(
           "native_backward", [](PackTable& t) { return t.cycle().native; },
           [](PackTable& t, bool on) { t.cycle().native = on; })
+      .def("boundary", &PackTable::boundary, py::arg("name"), py::arg("offload"), py::arg("layer"))
       .def(
           "close_group",
           [](PackTable& t, py::object group) {

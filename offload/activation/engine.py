@@ -456,6 +456,9 @@ class ActivationEngine:
         A kept group exists only while auto mode measures (its tensors stay on the device and
         are counted); otherwise tensors saved outside an offloaded group pass straight through.
         """
+        if self._native_close:  # the core's twin of this method (csrc/python/group_cycle.h)
+            self._table.boundary(name, offload, layer)
+            return
         group = self.open_group
         schedule = self.schedule
         if (name is not None and offload and layer is not None and group is not None and group.layer is not None

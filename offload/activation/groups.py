@@ -26,8 +26,16 @@ CLOSED, RELEASED, FETCHED, RESTORED = "closed", "released", "fetched", "restored
 EVENT_KINDS = (CLOSED, RELEASED, FETCHED, RESTORED)
 
 # Numbers groups for the events: a group's serial tells apart the parts of one layer and
-# the groups of successive steps, which share names and layers.
+# the groups of successive steps, which share names and layers. The core's counter where it is
+# loaded (its groups number themselves from it), so serials stay unique in the process.
 _serials = itertools.count()
+
+
+def next_serial() -> int:
+    from ..core import _backend
+
+    core = _backend.loaded_core()
+    return core.next_group_serial() if core is not None else next(_serials)
 
 # The copied span of a storage starts on this boundary, the caching allocator's block
 # alignment: a restored view then has the same address modulo 512 as the original, so
@@ -52,11 +60,11 @@ class AutoState:
 class Group:
     """The saved tensors of one forward span (one layer, a part of one, or several small ones).
 
-    Note [group twins]: with the core loaded the engine's groups are `NativeGroup`s, whose data
-    plane (spans, held tensors, restored views: what the hooks touch per saved tensor) is the
-    core's ActivationGroup (csrc/python/activation_group.h); this class is its Python twin for the
-    path without the core, with the same attributes and methods. The engine's per-layer fields
-    (`LayerFields`) are the same Python attributes in both.
+    Note [group twins]: with the core loaded the engine's groups are the core's ActivationGroup
+    (csrc/python/activation_group.h): its data plane (spans, held tensors, restored views, copies:
+    what the hooks and the core's cycle touch) and the engine's per-layer fields (`LayerFields`);
+    this class is its Python twin for the path without the core, with the same attributes and
+    methods.
     """
 
     __slots__ = (
@@ -190,8 +198,8 @@ class Group:
 
 
 class LayerFields:
-    """The engine's per-layer fields of a group, the same in `Group` and `NativeGroup`
-    (documentation only: `init_layer_fields` sets them)."""
+    """The engine's per-layer fields of a group, the same in `Group` and the core's
+    ActivationGroup (documentation only: `init_layer_fields` sets them in `Group`)."""
 
     name: str  # its (first) layer's name, or activation_offload's group name
     serial: int  # unique in the process (ActivationEvent.serial)
@@ -207,7 +215,7 @@ class LayerFields:
 
 def init_layer_fields(group, name, layer, prev) -> None:
     group.name = name
-    group.serial = next(_serials)
+    group.serial = next_serial()
     group.layer = layer
     group.prev = prev
     group.split = None
@@ -218,28 +226,13 @@ def init_layer_fields(group, name, layer, prev) -> None:
     group.checksums = None
 
 
-_native_group_class = None
-
-
 def group_class(native: bool):
-    """`NativeGroup` (the core's ActivationGroup with the per-layer fields), or `Group`."""
-    global _native_group_class
+    """The core's ActivationGroup, or `Group`: both made as (name, layer, offload, prev)."""
     if not native:
         return Group
-    if _native_group_class is None:
-        from ..core import _backend
+    from ..core import _backend
 
-        core_group = _backend.core().ActivationGroup
-
-        class NativeGroup(core_group):
-            """A group whose data plane is the core's (Note [group twins])."""
-
-            def __init__(self, name, layer, offload: bool, prev):
-                super().__init__(offload)
-                init_layer_fields(self, name, layer, prev)
-
-        _native_group_class = NativeGroup
-    return _native_group_class
+    return _backend.core().ActivationGroup
 
 
 @dataclass(frozen=True)
