@@ -71,7 +71,8 @@ def small_model(seed=0, **kw):
 
 
 def grads_of(model):
-    return [p.grad.clone() for p in model.parameters()]
+    """The gradients of the model's parameters that take one (frozen ones have none)."""
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
 
 def assert_bitwise_equal(a, b):

@@ -309,9 +309,9 @@ def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypa
     walks = []
     real = act.ActivationEngine._walk_params
 
-    def counted(self):  # a private spy: no seam reports the walk, a cost and not a behaviour
+    def counted(self, *args, **kwargs):  # a private spy: no seam reports the walk, a cost and not a behaviour
         walks.append(1)
-        return real(self)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(act.ActivationEngine, "_walk_params", counted)
     torch.manual_seed(0)
@@ -326,27 +326,33 @@ def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypa
     assert walks
 
 
-def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_needed_them(pool, monkeypatch):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_needed_them(pool, monkeypatch, frozen):
     """The model's input (no recorded op made it) needs the walk in the first layer. The first
     forward walks there, at the saved input; later forwards walk before the first layer opens,
-    and keep the input and the weights on the device all the same."""
+    and keep the input and the weights on the device all the same. The walk reads the inputs
+    first and stops where the tensor's storage is found: the parameters are read only where a
+    frozen weight is saved too."""
     order = []
     real = act.ActivationEngine._walk_params
 
-    def counted(self):  # a private spy: no seam reports the walk, a cost and not a behaviour
-        self._param_pending = [list(module_tensors(params) if isinstance(params, nn.Module) else params)
-                               for params in self._param_pending]  # read twice below
-        order.append(("walk", len(storage_ptrs(t for params in self._param_pending for t in params))))
-        return real(self)
+    def counted(self, *args, **kwargs):  # a private spy: no seam reports the walk, a cost and not a behaviour
+        real(self, *args, **kwargs)
+        held = self._table.holds_param
+        order.append(("walk", held(x.untyped_storage().data_ptr()),
+                      sum(held(p.untyped_storage().data_ptr()) for p in model.parameters())))
 
     monkeypatch.setattr(act.ActivationEngine, "_walk_params", counted)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
+    if frozen:
+        model[1][0].weight.requires_grad_(False)
     model[0].register_forward_pre_hook(lambda *_: order.append(("layer 0",)))
     reference = copy.deepcopy(model)
     x = torch.randn(8, 16)
     handle = offload.enable_activation_offload(model, layers=["0", "1", "2"], min_tensor_bytes=0, pool=pool)
-    params = len({p.untyped_storage().data_ptr() for p in model.parameters()})
+    params = len(list(model.parameters()))
+
     def step_of(m):
         m.zero_grad(set_to_none=True)
         m(x).square().mean().backward()
@@ -357,8 +363,9 @@ def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_neede
         grads = step_of(model)
         walks = [i for i, what in enumerate(order) if what[0] == "walk"]
         first_layer = order.index(("layer 0",))
-        # The model's walk: its parameters and the input; later ones are a layer's own.
-        assert order[walks[0]][1] == params + 1
+        assert order[walks[0]][1]  # the input, read first
+        # The model's parameters: read (all of them) only for the frozen weight.
+        assert order[walks[-1]][2] == (params if frozen else 0), order
         assert (walks[0] < first_layer) == (step > 0), (step, order)
         assert handle.stats()["tensors_offloaded"] > 0
         assert_bitwise_equal(grads, step_of(reference))

@@ -180,6 +180,39 @@ int64_t storage_ptr(const at::Tensor& t) {
   return reinterpret_cast<int64_t>(t.storage().data());
 }
 
+// Starts the step's backward when the gradient of the model's output is computed (backward.py's
+// `mark_backward_start`): a pre-hook of the output's node in C++, which costs the forward no
+// Python object (a Python hook makes a handle and a dict of hooks per step, several
+// microseconds of a launch-bound step). It runs after the output's tensor hooks.
+class BackwardStartHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit BackwardStartHook(py::object engine_ref) : engine_ref_(engine_ref.release().ptr()) {}
+  ~BackwardStartHook() override {
+    if (Py_IsInitialized()) {  // a node may be freed on a thread without the interpreter lock
+      py::gil_scoped_acquire gil;
+      Py_DECREF(engine_ref_);
+    }
+  }
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    static PyObject* seen = PyUnicode_InternFromString("backward_seen");
+    static PyObject* starts = PyUnicode_InternFromString("_backward_starts");
+    py::gil_scoped_acquire gil;
+    PyObject* engine = PyWeakref_GetObject(engine_ref_);  // borrowed
+    if (engine == nullptr) throw py::error_already_set();
+    if (engine == Py_None) return grads;  // the engine was freed: nothing to start
+    const py::object started = py::reinterpret_steal<py::object>(PyObject_GetAttr(engine, seen));
+    if (!started) throw py::error_already_set();
+    if (!truthy(started)) {
+      if (!py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(engine, starts))) throw py::error_already_set();
+    }
+    return grads;
+  }
+
+ private:
+  PyObject* engine_ref_;  // a weak reference to the engine (owned)
+};
+
 // A storage whose span a group of this forward copies: later views of it share the span.
 struct StorageEntry {
   py::object group;  // holds `native` alive
@@ -293,6 +326,18 @@ class PackTable {
     cycle_.follow_hooks(engine, !next.is_none());
   }
 
+  // The step's backward starts when the gradient of `tensor` is computed; false where it has
+  // no node to hook (a leaf), which the engine hooks in Python.
+  bool when_backward_starts(const at::Tensor& tensor) {
+    const auto& node = tensor.grad_fn();
+    if (node.get() == nullptr) return false;
+    node->add_pre_hook(std::make_unique<BackwardStartHook>(engine_));
+    return true;
+  }
+
+  // The storage at `ptr` is among the storages that stay (walked so far).
+  bool holds_param(int64_t ptr) const { return param_ptrs_.count(ptr) > 0; }
+
   size_t size() const { return storages_.size(); }  // the storages recorded in this forward
 
   void clear() {
@@ -403,7 +448,7 @@ py::object PackTable::pack(py::handle tensor) {
   if (!offload_extent_of(t, min_bytes_, device_, &extent)) return keep(engine, tensor);
   if (extent.check_params) {  // engine.py's `pack_extent` says why only these
     params_needed = true;
-    if (params_pending) attr(engine, n.walk_params)();
+    if (params_pending && !param_ptrs_.count(extent.ptr)) call(engine, n.walk_params, py::int_(extent.ptr));
     if (param_ptrs_.count(extent.ptr)) return keep(engine, tensor);
   }
   const auto hit = storages_.find(extent.ptr);
@@ -653,6 +698,8 @@ void bind(py::module_& m) {
           py::arg("pool"), py::arg("handle_class"), py::arg("small_bytes"), py::arg("chunk_bytes"), py::arg("timing"))
       .def("add_params", &PackTable::add_params, py::arg("tensors"))
       .def("add_module_params", &PackTable::add_module_params, py::arg("root"))
+      .def("holds_param", &PackTable::holds_param, py::arg("ptr"))
+      .def("when_backward_starts", &PackTable::when_backward_starts, py::arg("tensor"))
       .def("__len__", &PackTable::size)
       .def("clear", &PackTable::clear);
   for (PyMethodDef& def : hook_defs) {

@@ -203,7 +203,7 @@ class ActivationOffload:
             # Walked only where a saved tensor needs it (Note [parameter walk] in engine.py). The
             # forward's own inputs stay too: the caller holds them through the forward, so a copy
             # would free nothing.
-            with engine.capture(model, input_tensors(args, kwargs)):
+            with engine.capture(input_tensors(args, kwargs), model):  # the inputs walked first (Note [parameter walk])
                 out = original(*args, **kwargs)
             if engine.hooks_in_groups_only:
                 engine.backward.mark_backward_start(out)

@@ -17,7 +17,7 @@ import torch
 from ..core import _device
 from .groups import (COPYING, FETCHED, KEPT, OPEN, RESTORED, SPAN_ALIGN, Group, Packed, on_host_only,
                      with_earlier_parts)
-from .saved_tensors import describe, modified_error, not_traced, when_gradient_of
+from .saved_tensors import describe, first_grad_tensor, modified_error, not_traced, when_gradient_of
 
 
 # Note [after FSDP2's hook]: FSDP2 hooks the gradient of each unit's output too, and there
@@ -63,7 +63,13 @@ class BackwardSide:
         """Start the step's backward when the gradient of `output` (the model's output) is
         computed: with hooks only in offloaded spans, nothing of the kept last layer or the
         head is unpacked here to mark it, and the first group's copy back would wait for
-        backward to reach that group."""
+        backward to reach that group. With the core, by a pre-hook of the output's node in C++
+        (no Python object per step)."""
+        engine = self.engine
+        if engine._native:
+            anchor = first_grad_tensor(output)
+            if anchor is None or engine._table.when_backward_starts(anchor):
+                return
         when_gradient_of(output, self, _start_backward)  # else marked at the first unpack
 
     def unpack(self, packed):
@@ -183,7 +189,7 @@ class BackwardSide:
                 for refs, share in fetches:
                     side.fetch_groups(refs, share)
 
-            when_gradient_of(output, self, fetch, after_tensor_hooks=True)
+            when_gradient_of(output, self, fetch)
 
     def fetch(self, group: Group, upto: Optional[int] = None) -> None:
         """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in

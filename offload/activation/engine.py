@@ -109,8 +109,11 @@ TAIL_POINT = 0.5
 # Note [parameter walk]: which storages are parameters, buffers or the forward's inputs is read
 # by walking the model's tensors each forward (FSDP's parameters change storage between steps),
 # O(parameters) of host time. It is read only when a saved tensor may share such a storage (one
-# no recorded op made, see pack_table.py's `pack_extent`): a forward without one never walks. A forward that needed
-# it has the next one walk as its capture begins, before the model's own host work. There the host
+# no recorded op made, see pack_table.py's `pack_extent`): a forward without one never walks.
+# The walk goes in the order given, the forward's inputs before the model, and stops where the
+# tensor's storage is found: a model whose only such tensor is its input (no frozen weights,
+# no buffers saved) never walks its parameters. A forward that needed it has the next one walk
+# as many of the iterables as its capture begins, before the model's own host work. There the host
 # is ahead of the device, or about to wait for it: a Hugging Face model reads its attention mask
 # on the host before the first layer, so the host reaches the first layer with no lead over the
 # device, and a walk made there, at the first saved tensor that needs it, delays the device by
@@ -183,7 +186,7 @@ class ActivationEngine:
     The saved-tensor hooks (the Python ones, `pack`/`unpack` over pack_table.py's `PackTable`,
     or the core's over its PackTable, csrc/python/saved_tensor_hooks.cpp) call, per tensor
     where Python decides and otherwise per group: `pack(t)` (no group open), `unpack(packed)`
-    (what the core does not serve), `_keep(t)`, `_walk_params()`, `_profiled(group)`,
+    (what the core does not serve), `_keep(t)`, `_walk_params(ptr)`, `_profiled(group)`,
     `_split(group)`, `_backward_starts()`, `_make_ready(group)`, `_prefetch(group)`,
     `_release(group)` (`unpack` and these four are the backward side's methods, set on the
     engine when it is made), `observer.unpacked(group)`; and read `counters["tensors_kept"]`
@@ -261,6 +264,7 @@ class ActivationEngine:
         # Iterables of tensors whose storages join the table's storages that stay when a saved
         # tensor first needs them (Note [parameter walk]).
         self._param_pending: list = []
+        self._walked = 0  # pending iterables walked in this forward (the next one walks as many as it begins)
         self._inflight = collections.deque()  # weakrefs to groups whose D2H copy is not yet confirmed
         self.backward_seen = False
         self._step = 0
@@ -411,9 +415,10 @@ class ActivationEngine:
             self._poll()
             self._table.clear()
             self._param_pending = list(params)
-            self._table.params_pending = True
+            self._table.params_pending = bool(self._param_pending)
+            walked, self._walked = self._walked, 0
             if self._table.params_needed:  # the last forward needed the walk: make it here (Note [parameter walk])
-                self._walk_params()
+                self._walk_params(count=walked)
             self._table.params_needed = False
             self._last_offloaded = None
             self._due = []
@@ -722,16 +727,23 @@ class ActivationEngine:
             return self._keep(t)
         return self._table.pack_extent(self, t, *extent)
 
-    def _walk_params(self) -> None:
-        """Add the storages of the pending iterables of tensors to the table's storages that stay
-        (Note [parameter walk])."""
-        pending, self._param_pending = self._param_pending, []
-        self._table.params_pending = False
-        for params in pending:
+    def _walk_params(self, ptr: Optional[int] = None, count: Optional[int] = None) -> None:
+        """Add the storages of the pending iterables of tensors to the table's storages that stay,
+        in the order given, until the storage at `ptr` is among them, or `count` of them are
+        walked (both None: all of them; Note [parameter walk])."""
+        pending = self._param_pending
+        walked = 0
+        while pending and (count is None or walked < count):
+            params = pending.pop(0)
+            walked += 1
             if isinstance(params, torch.nn.Module):
                 self._table.add_module_params(params)
             else:
                 self._table.add_params(params)
+            if ptr is not None and self._table.holds_param(ptr):
+                break
+        self._walked += walked
+        self._table.params_pending = bool(pending)
 
     def _profiled(self, group: Group) -> None:
         """Auto mode measuring: the layer has saved the next share of its bytes (see `AutoState.profile`)."""

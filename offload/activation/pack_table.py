@@ -40,6 +40,10 @@ class PackTable:
         """The storages of `root`'s parameters and buffers and its submodules' stay."""
         self._param_ptrs |= storage_ptrs(module_tensors(root))
 
+    def holds_param(self, ptr: int) -> bool:
+        """The storage at `ptr` is among the storages that stay (walked so far)."""
+        return ptr in self._param_ptrs
+
     def __len__(self) -> int:
         """The storages recorded in this forward (each holds its group)."""
         return len(self._storages)
@@ -62,8 +66,8 @@ class PackTable:
         group = self.open_group
         if check_params:
             self.params_needed = True
-            if self.params_pending:
-                engine._walk_params()
+            if self.params_pending and ptr not in self._param_ptrs:
+                engine._walk_params(ptr)
             if ptr in self._param_ptrs:
                 return engine._keep(t)
         hit = self._storages.get(ptr)

@@ -94,10 +94,11 @@ def other_hooks_active() -> bool:
         return top() is not None
 
 
-def when_gradient_of(output, target, call, after_tensor_hooks: bool = False) -> None:
+def when_gradient_of(output, target, call) -> None:
     """Run call(target) when backward computes the gradient of the first tensor in `output`
-    that needs one (a hook on it; nothing if there is none). `after_tensor_hooks`: after every
-    hook registered on that tensor, even those registered later (Note [after FSDP2's hook])."""
+    that needs one (a hook on it; nothing if there is none): for a tensor an op made, after
+    every hook registered on that tensor, even those registered later (Note [after FSDP2's
+    hook]); for a leaf, among its tensor hooks."""
     anchor = first_grad_tensor(output)
     if anchor is None:
         return
@@ -108,10 +109,12 @@ def when_gradient_of(output, target, call, after_tensor_hooks: bool = False) -> 
         if this is not None:
             call(this)
 
-    if after_tensor_hooks and anchor.grad_fn is not None:
-        # The autograd engine runs a node's tensor hooks, then its own pre-hooks.
+    if anchor.grad_fn is not None:
+        # The autograd engine runs a node's tensor hooks, then its own pre-hooks: either way
+        # after the gradient is computed. A pre-hook of the node also costs the host less than a
+        # tensor hook, which makes the tensor a dict of hooks and registers it with its node.
         anchor.grad_fn.register_prehook(hook)
-    else:
+    else:  # a leaf: only a tensor hook sees its gradient
         anchor.register_hook(hook)
 
 
