@@ -91,15 +91,13 @@ py::object deref(const py::object& ref) {
   return py::reinterpret_borrow<py::object>(target);
 }
 
-// Transfer's Python methods (copy_engine.cpp) wait without the GIL and then drop, with
-// it, what finished copies left (Note [dropping tensors] in csrc/core/in_flight.h); the
-// same here. A group's transfers are never deferred.
+// A group's transfers are never deferred, so a query reads their events and never waits: it
+// keeps the interpreter lock (letting it go and taking it back costs more than the query,
+// twice a group). A done query drops, with the lock held, what finished copies left (Note
+// [dropping tensors] in csrc/core/in_flight.h). A wait lets the lock go, as Transfer's
+// Python methods do (copy_engine.cpp).
 bool query(const Transfer& t) {
-  bool done = false;
-  {
-    py::gil_scoped_release no_gil;
-    done = t.query(/*drain=*/false);
-  }
+  const bool done = t.query(/*drain=*/false);
   if (done) drain_in_flight();
   return done;
 }

@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <exception>
 #include <string>
-#include <typeindex>
+#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -53,11 +53,12 @@ using activation::kKept;
 using activation::kSpanAlign;
 
 // Whether the last component of `node`'s C++ type name is `name` (Node::name() demangles,
-// an allocation per call: the answer is cached per type). The Python path compares the
-// node's Python class name, which is that same last component.
+// an allocation per call: the answer is cached per type, keyed by the address of its
+// type_info, which a hash of std::type_index would hash the type's name to find). The Python
+// path compares the node's Python class name, which is that same last component.
 bool node_is(const torch::autograd::Node& node, const char* name) {
-  static std::unordered_map<std::type_index, std::string> names;
-  const std::type_index type(typeid(node));
+  static std::unordered_map<const std::type_info*, std::string> names;
+  const std::type_info* type = &typeid(node);
   auto it = names.find(type);
   if (it == names.end()) {
     std::string full = node.name();
@@ -536,6 +537,16 @@ py::object PackTable::unpack(py::handle packed) {
 }
 
 PackTable& table_of(py::handle table, const char* hook) {
+  // Per saved tensor: pybind11's isinstance and cast each find the C++ type by hashing its
+  // name. An exact instance of the table's Python type (read once) holds its PackTable in
+  // pybind11's simple layout (one C++ base, no Python subclass).
+  static PyTypeObject* const table_type = reinterpret_cast<PyTypeObject*>(py::type::of<PackTable>().ptr());
+  if (Py_TYPE(table.ptr()) == table_type) {
+    auto* inst = reinterpret_cast<py::detail::instance*>(table.ptr());
+    if (inst->simple_layout && inst->simple_holder_constructed) {
+      return *static_cast<PackTable*>(inst->simple_value_holder[0]);
+    }
+  }
   if (!py::isinstance<PackTable>(table)) {
     throw py::type_error(std::string("offload._C.") + hook + ": table must be an offload._C.PackTable, got " +
                          Py_TYPE(table.ptr())->tp_name);
