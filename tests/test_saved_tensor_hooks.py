@@ -14,6 +14,7 @@ from torch import nn
 from offload.core import _backend, _device
 from offload.activation import api, saved_tensors
 from offload.activation import engine as act
+from _activation_helpers import use_schedule
 
 pytestmark = pytest.mark.native
 
@@ -113,15 +114,16 @@ _SAME_STATS = ("tensors_kept", "tensors_offloaded", "groups_offloaded", "layers_
 
 
 @pytest.mark.parametrize("mode,listen", [("async", "always"), ("sync", "always"), ("async", "never"),
-                                         ("async", "after_forward")])
+                                         ("async", "after_forward"), ("async", "scheduled")])
 def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
     """An engine hooks through the core where it is loaded; the same steps on the pure-PyTorch
     path (what OFFLOAD_FORCE_FALLBACK=1 gives a user) hook through the Python methods, and give
     bitwise the same gradients, the same counters and the same group events in the same order.
 
-    Without a listener (mode async) the core also runs each group's backward (group_cycle.h);
-    with one added between a step's forward and its backward, the Python backward takes up the
-    groups the forward left."""
+    Without a listener (mode async) the core also runs each group's cycle (group_cycle.h), under
+    auto mode's schedule too (a cap, a layer in parts, release points, fetch points, a layer
+    fetched in pieces); with a listener added between a step's forward and its backward, the
+    Python backward takes up the groups the forward left."""
     device = _device.current_device()
     x = torch.randn(8, 16, device=device)
     results = {}
@@ -141,6 +143,10 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
 
             if listen == "always":
                 handle.add_listener(listener)
+            if listen == "scheduled":
+                use_schedule(handle.engine, 4, caps=[None, 2048, None, None], release_at={0: [2, 3], 1: 4, 2: 5, 3: 5},
+                             fetch_at={3: [2, 1], 2: [1, 0]}, fetch_at_start=[3], split_at={0: [512]},
+                             fetch_share={(3, 1): 0.5})
             assert handle.engine.native_backward == (native and mode == "async" and listen != "always")
             steps = []
             for _ in range(3):
@@ -163,7 +169,7 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
         assert stats_n == stats_p and stats_n["tensors_offloaded"] > 0 and stats_n["tensors_kept"] > 0
         assert stats_n["groups_fetched"] > 0 and stats_n["h2d_bytes"] > 0
         assert all(torch.equal(g, h) for g, h in zip(grads_n, grads_p))
-    assert events_n == events_p and (listen == "never") == (not events_n)
+    assert events_n == events_p and (listen in ("never", "scheduled")) == (not events_n)
 
 
 def test_core_unpack_raises_for_a_kept_tensor_modified():

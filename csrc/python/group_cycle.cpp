@@ -53,7 +53,31 @@ struct CycleNames {
   PyObject* hooks_on = PyUnicode_InternFromString("_hooks_on");
   PyObject* tail = PyUnicode_InternFromString("_tail");
   PyObject* hooks_follow_groups = PyUnicode_InternFromString("_hooks_follow_groups");
+  PyObject* schedule = PyUnicode_InternFromString("schedule");
+  PyObject* release_at = PyUnicode_InternFromString("release_at");
+  PyObject* due = PyUnicode_InternFromString("_due");
+  PyObject* release_due = PyUnicode_InternFromString("_release_due");
+  PyObject* tail_save = PyUnicode_InternFromString("tail_save");
+  PyObject* caps = PyUnicode_InternFromString("caps");
+  PyObject* split_at = PyUnicode_InternFromString("split_at");
+  PyObject* cap = PyUnicode_InternFromString("cap");
 };
+
+// groups.py's AutoState, the class of a group's auto-mode state (read once).
+const py::object& auto_state_class() {
+  static py::object* cls = new py::object(py::module_::import("offload.activation.groups").attr("AutoState"));
+  return *cls;
+}
+
+// dict.get(key) of a Python dict (None where it is missing).
+py::object dict_get(const py::object& dict, const py::object& key) {
+  PyObject* value = PyDict_GetItemWithError(dict.ptr(), key.ptr());  // borrowed
+  if (value == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return py::none();
+  }
+  return py::reinterpret_borrow<py::object>(value);
+}
 
 // engine.py's SPLIT_PARTS: the forward's first offloaded layer in async mode is copied in this
 // many parts (Note [layer parts]).
@@ -113,7 +137,8 @@ void synchronize(const Transfer& t) {
 }  // namespace
 
 void GroupCycle::configure(py::object pool_owner, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
-                           bool timing) {
+                           bool timing, bool first_layer_parts) {
+  first_layer_parts_ = first_layer_parts;
   pool_ = &pool_owner.cast<HostPool&>();
   pool_owner_ = std::move(pool_owner);
   set_copy_handle_class(std::move(handle_class));
@@ -219,10 +244,11 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
   g.mark_ready(stream);
 }
 
-// backward.py's `prefetch` (no plan, mode async): the group before `group` and, if that is
-// the last part of a layer copied in parts, its earlier parts, the last first.
+// backward.py's `prefetch`: without a plan, the group before `group` and, if that is the last
+// part of a layer copied in parts, its earlier parts, the last first.
 void GroupCycle::prefetch(py::handle engine, py::handle group) {
   const CycleNames& n = cycle_names();
+  if (!get(engine, n.schedule).is_none()) return;  // fetched at the points the plan chose
   py::object ref = get(group, n.prev);
   while (true) {
     const py::object before = deref(ref);
@@ -262,8 +288,9 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
   const CycleNames& n = cycle_names();
   *joined = false;
   const int64_t capturing = get(engine, n.capturing).cast<int64_t>();
+  const py::object schedule = get(engine, n.schedule);
   if (!name.is_none() && offload && !layer.is_none() && g != nullptr && !g->layer.is_none() && g->state == kOpen &&
-      capturing > 0 && g->capped < get(engine, n.min_group_bytes).cast<int64_t>()) {
+      capturing > 0 && schedule.is_none() && g->capped < get(engine, n.min_group_bytes).cast<int64_t>()) {
     // A small layer's group goes on through this layer (fewer, larger copies).
     g->n_layers += 1;
     py::list refs;
@@ -284,7 +311,15 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
     py::list refs;
     refs.append(ref);
     if (PyDict_SetItem(get(engine, n.layer_groups).ptr(), layer.ptr(), refs.ptr()) < 0) throw py::error_already_set();
-    if (first) {
+    if (!schedule.is_none()) {
+      // The plan's cap on the bytes of new spans the layer offloads, and its parts.
+      const py::object caps = get(schedule, n.caps);
+      if (layer.cast<int64_t>() < static_cast<int64_t>(py::len(caps))) {
+        made.auto_state = auto_state_class()();
+        if (PyObject_SetAttr(made.auto_state.ptr(), n.cap, caps[layer].ptr()) < 0) throw py::error_already_set();
+        made.split = dict_get(get(schedule, n.split_at), layer);
+      }
+    } else if (first && first_layer_parts_) {
       // engine.py's `_first_layer_parts`: the first offloaded layer of the forward, in parts of
       // the bytes it saved last time, where it saved enough spans and bytes for them.
       PyObject* size = PyDict_GetItemWithError(get(engine, n.layer_sizes).ptr(), layer.ptr());  // borrowed
@@ -304,8 +339,26 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
   return next;
 }
 
-void GroupCycle::close_left(py::handle engine, const py::object& group, ActivationGroup* g) {
+void GroupCycle::close_left(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
+                            const py::object& layer) {
+  const CycleNames& n = cycle_names();
   if (g != nullptr) close(engine, group, *g);
+  const py::object schedule = get(engine, n.schedule);
+  if (schedule.is_none() || layer.is_none()) return;
+  // The point: layer `layer` opens (n: the last layer ended). Most points release nothing: the
+  // engine's `_release_due` is called only where a group's point has come.
+  const py::object due = get(engine, n.due);
+  for (const py::handle entry : due) {
+    const int le = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry.ptr(), 0), layer.ptr(), Py_LE);
+    if (le < 0) throw py::error_already_set();
+    if (le == 1) {
+      get(engine, n.release_due)(layer);
+      break;
+    }
+  }
+  if (name.is_none() && !get(schedule, n.tail_save).is_none()) {
+    if (PyObject_SetAttr(engine.ptr(), n.tail, py::int_(0).ptr()) < 0) throw py::error_already_set();
+  }
 }
 
 void GroupCycle::follow_hooks(py::handle engine, bool group_open) {
@@ -371,6 +424,20 @@ void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) 
   }
   poll(engine);
   g.stream = current_stream();
+  const py::object schedule = get(engine, n.schedule);
+  if (!schedule.is_none()) {
+    // Auto mode: the plan says at which point the copy is complete (Note [planned release
+    // points] in auto/schedule.py); no window.
+    py::object at = dict_get(get(schedule, n.release_at), get(group, n.layer));
+    if (PyList_Check(at.ptr())) {  // a point per part
+      const Py_ssize_t parts = PyList_GET_SIZE(at.ptr());
+      at = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(at.ptr(), std::min<Py_ssize_t>(g.part, parts - 1)));
+    }
+    if (!at.is_none() && PyList_Append(get(engine, n.due).ptr(), py::make_tuple(at, ref).ptr()) < 0) {
+      throw py::error_already_set();
+    }
+    return;
+  }
   keep_window(engine, g.stream);
 }
 

@@ -3,8 +3,10 @@
 // fetch of the group before it and its release. These are offload/activation/engine.py's
 // `_close`, `_poll` and `_keep_window` and backward.py's `fetch`, `make_ready`,
 // `prefetch` and `release` (whose notes give the reasons), for the engine's plain
-// configuration: no plan of auto mode, no observer, no listeners, no verify, no nvtx
-// ranges, mode async. The engine's boundary and the unpack hook (saved_tensor_hooks.cpp)
+// configuration: no observer of auto mode (a measured step), no listeners, no verify, no
+// nvtx ranges, mode async or auto. A plan of auto mode (its schedule) is followed here too:
+// its caps and parts, its release points (the engine's `_release_due`, called where one has
+// come), its fetch points (hooks the engine sets). The engine's boundary and the unpack hook (saved_tensor_hooks.cpp)
 // call these there instead of the Python methods, so a group's cycle makes no
 // interpreter call but the timing's (an accelerator with timing on); elsewhere the
 // Python methods run, which serve the plan, the observer and the events. The engine
@@ -50,8 +52,11 @@ class GroupCycle {
   // otherwise, after the caller has let go of it.
   py::object next_group(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
                         bool offload, const py::object& layer, bool* joined);
-  // The open group of the plain configuration's boundary was let go of: close it (None: nothing).
-  void close_left(py::handle engine, const py::object& group, ActivationGroup* g);
+  // The open group of the plain configuration's boundary was let go of: close it (None: nothing),
+  // then, under a schedule, release what is due at layer `layer`'s point and start counting the
+  // tensors saved after the last layer.
+  void close_left(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
+                  const py::object& layer);
   // engine.py's `_hooks_follow_groups`, called only where it has something to switch.
   void follow_hooks(py::handle engine, bool group_open);
 
@@ -60,7 +65,7 @@ class GroupCycle {
   // `d2h` and `h2d_handles` give Python), the copy engine's packing and chunk sizes, whether
   // copies and waits are timed.
   void configure(py::object pool_owner, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
-                 bool timing);
+                 bool timing, bool first_layer_parts);
 
   // Fetches what is not fetched of `group` (its Python object; `g`, its core) and makes its
   // reader on the current stream (the host, without one) wait for the copy back, once per
@@ -92,6 +97,7 @@ class GroupCycle {
   int64_t small_bytes_ = 0;
   int64_t chunk_bytes_ = 0;
   bool timing_ = false;
+  bool first_layer_parts_ = false;  // mode async: the forward's first offloaded layer in parts
   bool streams_read_ = false;
   c10::optional<c10::Stream> d2h_stream_;
   c10::optional<c10::Stream> h2d_stream_;

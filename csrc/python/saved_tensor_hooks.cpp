@@ -181,37 +181,28 @@ int64_t storage_ptr(const at::Tensor& t) {
   return reinterpret_cast<int64_t>(t.storage().data());
 }
 
-// Starts the step's backward when the gradient of the model's output is computed (backward.py's
-// `mark_backward_start`): a pre-hook of the output's node in C++, which costs the forward no
-// Python object (a Python hook makes a handle and a dict of hooks per step, several
-// microseconds of a launch-bound step). It runs after the output's tensor hooks.
-class BackwardStartHook : public torch::autograd::FunctionPreHook {
+// Calls a Python callable when backward computes the gradient of a tensor: a pre-hook of the
+// tensor's node in C++ (engine.py's backward start, and auto mode's fetch points). A Python hook
+// makes a handle object and a dict of hooks per registration, several microseconds a step of
+// host time. Node pre-hooks run after the node's tensor hooks (Note [after FSDP2's hook]).
+class CallOnGradient : public torch::autograd::FunctionPreHook {
  public:
-  explicit BackwardStartHook(py::object engine_ref) : engine_ref_(engine_ref.release().ptr()) {}
-  ~BackwardStartHook() override {
+  explicit CallOnGradient(py::object call) : call_(call.release().ptr()) {}
+  ~CallOnGradient() override {
     if (Py_IsInitialized()) {  // a node may be freed on a thread without the interpreter lock
       py::gil_scoped_acquire gil;
-      Py_DECREF(engine_ref_);
+      Py_DECREF(call_);
     }
   }
 
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    static PyObject* seen = PyUnicode_InternFromString("backward_seen");
-    static PyObject* starts = PyUnicode_InternFromString("_backward_starts");
     py::gil_scoped_acquire gil;
-    PyObject* engine = PyWeakref_GetObject(engine_ref_);  // borrowed
-    if (engine == nullptr) throw py::error_already_set();
-    if (engine == Py_None) return grads;  // the engine was freed: nothing to start
-    const py::object started = py::reinterpret_steal<py::object>(PyObject_GetAttr(engine, seen));
-    if (!started) throw py::error_already_set();
-    if (!truthy(started)) {
-      if (!py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(engine, starts))) throw py::error_already_set();
-    }
+    if (!py::reinterpret_steal<py::object>(PyObject_CallNoArgs(call_))) throw py::error_already_set();
     return grads;
   }
 
  private:
-  PyObject* engine_ref_;  // a weak reference to the engine (owned)
+  PyObject* call_;  // owned
 };
 
 // A storage whose span a group of this forward copies: later views of it share the span.
@@ -322,17 +313,17 @@ class PackTable {
     py::object next = cycle_.next_group(engine, group, g, name, offload, layer, &joined);
     if (joined) return;
     set_open_group(py::none());
-    cycle_.close_left(engine, group, g);
+    cycle_.close_left(engine, group, g, name, layer);
     if (!next.is_none()) set_open_group(next);
     cycle_.follow_hooks(engine, !next.is_none());
   }
 
-  // The step's backward starts when the gradient of `tensor` is computed; false where it has
-  // no node to hook (a leaf), which the engine hooks in Python.
-  bool when_backward_starts(const at::Tensor& tensor) {
+  // call() when backward computes the gradient of `tensor`; false where it has no node to
+  // hook (a leaf), which the engine hooks in Python.
+  static bool call_on_gradient(const at::Tensor& tensor, py::object call) {
     const auto& node = tensor.grad_fn();
     if (node.get() == nullptr) return false;
-    node->add_pre_hook(std::make_unique<BackwardStartHook>(engine_));
+    node->add_pre_hook(std::make_unique<CallOnGradient>(std::move(call)));
     return true;
   }
 
@@ -705,12 +696,16 @@ void bind(py::module_& m) {
       .def(
           "configure_backward",
           [](PackTable& t, py::object pool, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
-             bool timing) { t.cycle().configure(std::move(pool), std::move(handle_class), small_bytes, chunk_bytes, timing); },
-          py::arg("pool"), py::arg("handle_class"), py::arg("small_bytes"), py::arg("chunk_bytes"), py::arg("timing"))
+             bool timing, bool first_layer_parts) {
+            t.cycle().configure(std::move(pool), std::move(handle_class), small_bytes, chunk_bytes, timing,
+                                first_layer_parts);
+          },
+          py::arg("pool"), py::arg("handle_class"), py::arg("small_bytes"), py::arg("chunk_bytes"), py::arg("timing"),
+          py::arg("first_layer_parts"))
       .def("add_params", &PackTable::add_params, py::arg("tensors"))
       .def("add_module_params", &PackTable::add_module_params, py::arg("root"))
       .def("holds_param", &PackTable::holds_param, py::arg("ptr"))
-      .def("when_backward_starts", &PackTable::when_backward_starts, py::arg("tensor"))
+      .def_static("call_on_gradient", &PackTable::call_on_gradient, py::arg("tensor"), py::arg("call"))
       .def("__len__", &PackTable::size)
       .def("clear", &PackTable::clear);
   for (PyMethodDef& def : hook_defs) {

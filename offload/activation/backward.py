@@ -8,6 +8,7 @@ done here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from typing import Optional
@@ -44,6 +45,8 @@ class BackwardSide:
 
     def __init__(self, engine):
         self.engine = engine  # a cycle the collector sees (engine.backward holds this)
+        self._ref = weakref.ref(self)  # what the hooks on gradients hold (no cycle through the graph)
+        self._start_call = _start_backward
 
     def starts(self) -> None:
         """The step's backward starts: at the model output's gradient (`mark_backward_start`),
@@ -63,14 +66,19 @@ class BackwardSide:
         """Start the step's backward when the gradient of `output` (the model's output) is
         computed: with hooks only in offloaded spans, nothing of the kept last layer or the
         head is unpacked here to mark it, and the first group's copy back would wait for
-        backward to reach that group. With the core, by a pre-hook of the output's node in C++
-        (no Python object per step)."""
+        backward to reach that group."""
+        self.on_gradient(output, self._start_call)  # else marked at the first unpack
+
+    def on_gradient(self, output, call) -> None:
+        """call(self) when backward computes the gradient of the first tensor in `output` that needs
+        one: with the core, by a pre-hook of its node in C++ (no Python hook handle per step)."""
         engine = self.engine
         if engine._native:
             anchor = first_grad_tensor(output)
-            if anchor is None or engine._table.when_backward_starts(anchor):
+            if anchor is None or engine._table.call_on_gradient(anchor, functools.partial(_call_with, self._ref,
+                                                                                          call)):
                 return
-        when_gradient_of(output, self, _start_backward)  # else marked at the first unpack
+        when_gradient_of(output, self, call)
 
     def unpack(self, packed):
         """The unpack hook without the core, and the core's for what it does not serve (the step's
@@ -189,7 +197,7 @@ class BackwardSide:
                 for refs, share in fetches:
                     side.fetch_groups(refs, share)
 
-            when_gradient_of(output, self, fetch)
+            self.on_gradient(output, fetch)
 
     def fetch(self, group: Group, upto: Optional[int] = None) -> None:
         """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in
@@ -316,3 +324,10 @@ class BackwardSide:
 def _start_backward(side) -> None:
     if not side.engine.backward_seen:
         side.starts()
+
+
+def _call_with(ref, call) -> None:
+    """call(side) for the backward side `ref` names, if it is still alive (a hook on a gradient)."""
+    side = ref()
+    if side is not None:
+        call(side)

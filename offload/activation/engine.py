@@ -250,7 +250,7 @@ class ActivationEngine:
                             functools.partial(core.unpack_saved_tensor, self._table))
             self._fetch_native = self._table.fetch_group  # the core's fetch of a whole group (group_cycle.h)
             self._table.configure_backward(self._copy_pool, CopyHandle, DEFAULT_SMALL_BYTES, DEFAULT_CHUNK_BYTES,
-                                           self.timing)
+                                           self.timing, mode == "async")
         else:
             self._table = PackTable()
             self._copy_pool = self.pool
@@ -302,11 +302,11 @@ class ActivationEngine:
         self._choose_native_cycle()
 
     def _choose_native_cycle(self) -> None:
-        """Whether the core closes each group and runs its backward itself (csrc/python/group_cycle.h):
-        with the core, and nothing that the Python methods serve (a plan, an observer, listeners,
+        """Whether the core runs each group's cycle itself (csrc/python/group_cycle.h): with the
+        core, and nothing that only the Python methods serve (auto mode's observer, listeners,
         verify, nvtx ranges, mode sync). Chosen again wherever one of those changes."""
-        plain = (self._native and self.schedule is None and self.observer is None and not self._listeners
-                 and not self.verify and not self.nvtx and self.mode == "async")
+        plain = (self._native and self.observer is None and not self._listeners and not self.verify
+                 and not self.nvtx and self.mode != "sync")
         self._native_close = plain
         if self._native:
             self._table.native_backward = plain
