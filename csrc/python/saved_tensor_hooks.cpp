@@ -31,6 +31,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <torch/csrc/Device.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -197,7 +198,8 @@ class CallOnGradient : public torch::autograd::FunctionPreHook {
 
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
     py::gil_scoped_acquire gil;
-    if (!py::reinterpret_steal<py::object>(PyObject_CallNoArgs(call_))) throw py::error_already_set();
+    // python_error keeps the Python exception for autograd to raise as it is in the caller's thread.
+    if (!py::reinterpret_steal<py::object>(PyObject_CallNoArgs(call_))) throw python_error();
     return grads;
   }
 
