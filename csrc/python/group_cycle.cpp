@@ -1,14 +1,16 @@
-// GroupCycle: a group's backward in native code (group_cycle.h says when it runs).
-// Each method is the twin of the method of offload/activation/backward.py named in
-// its comment, for the plain configuration; a test holds the two paths equal
-// (gradients, statistics, events of the steps around them).
+// GroupCycle: a group's cycle in native code (group_cycle.h says when it runs). Each
+// method is the twin of the method of offload/activation/engine.py or backward.py named
+// in its comment; a test holds the two paths equal (gradients, statistics, events of the
+// steps around them).
 #include "group_cycle.h"
 
+#include <algorithm>
 #include <chrono>
 #include <vector>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "engine_interface.h"
 #include "offload/transfer.h"
 
 namespace offload {
@@ -16,52 +18,9 @@ namespace activation {
 
 namespace {
 
-// The Python attributes read here, interned once (a lookup by a C string makes a str each time).
-struct CycleNames {
-  PyObject* counters = PyUnicode_InternFromString("counters");
-  PyObject* prev = PyUnicode_InternFromString("prev");
-  PyObject* continued = PyUnicode_InternFromString("continued");
-  PyObject* timings = PyUnicode_InternFromString("_timings");
-  PyObject* copy = PyUnicode_InternFromString("copy");
-  PyObject* copy_streams = PyUnicode_InternFromString("_copy_streams");
-  PyObject* timed_start = PyUnicode_InternFromString("_timed_start");
-  PyObject* timed_end = PyUnicode_InternFromString("_timed_end");
-  PyObject* fetch_in_python = PyUnicode_InternFromString("_fetch_group");
-  PyObject* stream_object = PyUnicode_InternFromString("_current_stream");
-  PyObject* h2d_bytes = PyUnicode_InternFromString("h2d_bytes");
-  PyObject* h2d_seconds = PyUnicode_InternFromString("h2d_seconds");
-  PyObject* groups_fetched = PyUnicode_InternFromString("groups_fetched");
-  PyObject* groups_prefetched = PyUnicode_InternFromString("groups_prefetched");
-  PyObject* backward_wait_seconds = PyUnicode_InternFromString("backward_wait_seconds");
-  PyObject* forward_wait_seconds = PyUnicode_InternFromString("forward_wait_seconds");
-  PyObject* layer = PyUnicode_InternFromString("layer");
-  PyObject* layer_sizes = PyUnicode_InternFromString("_layer_sizes");
-  PyObject* inflight = PyUnicode_InternFromString("_inflight");
-  PyObject* popleft = PyUnicode_InternFromString("popleft");
-  PyObject* resident_groups = PyUnicode_InternFromString("resident_groups");
-  PyObject* keep_on_device = PyUnicode_InternFromString("_keep_on_device");
-  PyObject* n_layers = PyUnicode_InternFromString("n_layers");
-  PyObject* d2h_bytes = PyUnicode_InternFromString("d2h_bytes");
-  PyObject* groups_offloaded = PyUnicode_InternFromString("groups_offloaded");
-  PyObject* layers_offloaded = PyUnicode_InternFromString("layers_offloaded");
-  PyObject* tensors_offloaded = PyUnicode_InternFromString("tensors_offloaded");
-  PyObject* capturing = PyUnicode_InternFromString("capturing");
-  PyObject* min_group_bytes = PyUnicode_InternFromString("min_group_bytes");
-  PyObject* layer_groups = PyUnicode_InternFromString("_layer_groups");
-  PyObject* last_offloaded = PyUnicode_InternFromString("_last_offloaded");
-  PyObject* hooks_in_groups_only = PyUnicode_InternFromString("hooks_in_groups_only");
-  PyObject* hooks_on = PyUnicode_InternFromString("_hooks_on");
-  PyObject* tail = PyUnicode_InternFromString("_tail");
-  PyObject* hooks_follow_groups = PyUnicode_InternFromString("_hooks_follow_groups");
-  PyObject* schedule = PyUnicode_InternFromString("schedule");
-  PyObject* release_at = PyUnicode_InternFromString("release_at");
-  PyObject* due = PyUnicode_InternFromString("_due");
-  PyObject* release_due = PyUnicode_InternFromString("_release_due");
-  PyObject* tail_save = PyUnicode_InternFromString("tail_save");
-  PyObject* caps = PyUnicode_InternFromString("caps");
-  PyObject* split_at = PyUnicode_InternFromString("split_at");
-  PyObject* cap = PyUnicode_InternFromString("cap");
-};
+// engine.py's SPLIT_PARTS: the forward's first offloaded layer in async mode is copied in this
+// many parts (Note [layer parts]).
+constexpr int64_t kSplitParts = 4;
 
 // groups.py's AutoState, the class of a group's auto-mode state (read once).
 const py::object& auto_state_class() {
@@ -77,42 +36,6 @@ py::object dict_get(const py::object& dict, const py::object& key) {
     return py::none();
   }
   return py::reinterpret_borrow<py::object>(value);
-}
-
-// engine.py's SPLIT_PARTS: the forward's first offloaded layer in async mode is copied in this
-// many parts (Note [layer parts]).
-constexpr int64_t kSplitParts = 4;
-
-const CycleNames& cycle_names() {
-  static const CycleNames* interned = new CycleNames();  // lives as long as the interpreter
-  return *interned;
-}
-
-py::object get(py::handle obj, PyObject* name) {
-  PyObject* value = PyObject_GetAttr(obj.ptr(), name);
-  if (value == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(value);
-}
-
-// counters[key] += amount (an int counter, or a float one for seconds).
-template <typename Number>
-void add(py::handle engine, PyObject* key, Number amount) {
-  const py::object counters = get(engine, cycle_names().counters);
-  PyObject* now = PyDict_GetItemWithError(counters.ptr(), key);  // borrowed
-  if (now == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
-    throw py::error_already_set();
-  }
-  const py::object more = py::reinterpret_steal<py::object>(PyNumber_Add(now, py::cast(amount).ptr()));
-  if (!more || PyDict_SetItem(counters.ptr(), key, more.ptr()) < 0) throw py::error_already_set();
-}
-
-// The group a weak reference (or None) names, or None.
-py::object deref(const py::object& ref) {
-  if (ref.is_none()) return ref;
-  PyObject* target = PyWeakref_GetObject(ref.ptr());  // borrowed
-  if (target == nullptr) throw py::error_already_set();
-  return py::reinterpret_borrow<py::object>(target);
 }
 
 // A group's transfers are never deferred, so a query reads their events and never waits: it
@@ -154,7 +77,7 @@ c10::optional<c10::Stream> GroupCycle::current_stream() const {
 
 void GroupCycle::read_copy_streams(py::handle engine) {
   if (streams_read_) return;
-  const py::tuple streams = get(engine, cycle_names().copy_streams)().cast<py::tuple>();  // engine.py's `_copy_streams`
+  const py::tuple streams = attr(engine, engine_names().copy_streams)().cast<py::tuple>();  // engine.py's `_copy_streams`
   d2h_stream_ = streams[0].cast<c10::optional<c10::Stream>>();
   h2d_stream_ = streams[1].cast<c10::optional<c10::Stream>>();
   streams_read_ = true;
@@ -163,24 +86,24 @@ void GroupCycle::read_copy_streams(py::handle engine) {
 py::object GroupCycle::timed_start(py::handle engine) {
   // Through the engine's own timing (step_stats.py): its events and the step's pending list.
   if (!timing_) return py::none();
-  const CycleNames& n = cycle_names();
-  return get(engine, n.timed_start)(get(engine, n.stream_object)());
+  const EngineNames& n = engine_names();
+  return attr(engine, n.timed_start)(attr(engine, n.stream_object)());
 }
 
 void GroupCycle::timed_end(py::handle engine, const char* kind, const py::object& start) {
   if (start.is_none()) return;
-  const CycleNames& n = cycle_names();
-  get(engine, n.timed_end)(kind, start, get(engine, n.stream_object)());
+  const EngineNames& n = engine_names();
+  attr(engine, n.timed_end)(kind, start, attr(engine, n.stream_object)());
 }
 
 // backward.py's `fetch` of a whole group (`upto` None): one copy back of its host block
 // into a device block laid out as it.
 void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) {
-  const CycleNames& n = cycle_names();
+  const EngineNames& n = engine_names();
   const int64_t end = g.nbytes_aligned;
   if (end <= g.fetched) return;
   if (g.fetched != 0) {  // a piece was fetched (a plan's, Note [fetch in pieces]): the rest as Python does it
-    get(engine, n.fetch_in_python)(group);
+    attr(engine, n.fetch_in_python)(group);
     return;
   }
   read_copy_streams(engine);
@@ -207,17 +130,17 @@ void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) 
   }
   g.h2d.push_back(back);
   if (timing_) {
-    const py::object counters = get(engine, n.counters);
-    get(get(engine, n.timings), n.copy)(counters, "h2d_seconds", py::cast(back->timer()));
+    const py::object counters = attr(engine, n.counters);
+    attr(attr(engine, n.timings), n.copy)(counters, "h2d_seconds", py::cast(back->timer()));
   }
   g.fetched = end;
-  add(engine, n.h2d_bytes, std::min(end, g.nbytes));
-  add(engine, n.groups_fetched, 1);
+  add_count(engine, n.h2d_bytes, std::min(end, g.nbytes));
+  add_count(engine, n.groups_fetched, 1);
 }
 
 // backward.py's `make_ready`.
 void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup& g) {
-  const CycleNames& n = cycle_names();
+  const EngineNames& n = engine_names();
   if (g.fetched < g.nbytes_aligned) fetch(engine, group, g);
   const c10::optional<c10::Stream> stream = current_stream();
   if (g.ready_on(stream)) return;
@@ -225,7 +148,7 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
   if (!on_accel_) {
     const auto t0 = std::chrono::steady_clock::now();
     synchronize(*g.h2d.back());
-    add(engine, n.backward_wait_seconds,
+    add_count(engine, n.backward_wait_seconds,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } else {
     const py::object start = timed_start(engine);
@@ -247,9 +170,9 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
 // backward.py's `prefetch`: without a plan, the group before `group` and, if that is the last
 // part of a layer copied in parts, its earlier parts, the last first.
 void GroupCycle::prefetch(py::handle engine, py::handle group) {
-  const CycleNames& n = cycle_names();
-  if (!get(engine, n.schedule).is_none()) return;  // fetched at the points the plan chose
-  py::object ref = get(group, n.prev);
+  const EngineNames& n = engine_names();
+  if (!attr(engine, n.schedule).is_none()) return;  // fetched at the points the plan chose
+  py::object ref = attr(group, n.prev);
   while (true) {
     const py::object before = deref(ref);
     if (before.is_none()) return;
@@ -257,16 +180,16 @@ void GroupCycle::prefetch(py::handle engine, py::handle group) {
     const bool on_host_only = b.state == kHost && b.fetched < b.nbytes_aligned && b.d2h != nullptr;
     if (on_host_only) {
       fetch(engine, before, b);
-      if (b.fetched == b.nbytes_aligned) add(engine, n.groups_prefetched, 1);
+      if (b.fetched == b.nbytes_aligned) add_count(engine, n.groups_prefetched, 1);
     }
-    if (!get(before, n.continued).cast<bool>()) return;
-    ref = get(before, n.prev);
+    if (!attr(before, n.continued).cast<bool>()) return;
+    ref = attr(before, n.prev);
   }
 }
 
 // backward.py's `release`.
 void GroupCycle::release(py::handle engine, py::handle group, ActivationGroup& g) {
-  const CycleNames& n = cycle_names();
+  const EngineNames& n = engine_names();
   if (g.state == kOpen) return;
   if (g.holds_device_tensors) {
     const std::shared_ptr<Transfer> d2h = g.d2h;
@@ -285,22 +208,22 @@ void GroupCycle::release(py::handle engine, py::handle group, ActivationGroup& g
 
 py::object GroupCycle::next_group(py::handle engine, const py::object& group, ActivationGroup* g,
                                   const py::object& name, bool offload, const py::object& layer, bool* joined) {
-  const CycleNames& n = cycle_names();
+  const EngineNames& n = engine_names();
   *joined = false;
-  const int64_t capturing = get(engine, n.capturing).cast<int64_t>();
-  const py::object schedule = get(engine, n.schedule);
+  const int64_t capturing = attr(engine, n.capturing).cast<int64_t>();
+  const py::object schedule = attr(engine, n.schedule);
   if (!name.is_none() && offload && !layer.is_none() && g != nullptr && !g->layer.is_none() && g->state == kOpen &&
-      capturing > 0 && schedule.is_none() && g->capped < get(engine, n.min_group_bytes).cast<int64_t>()) {
+      capturing > 0 && schedule.is_none() && g->capped < attr(engine, n.min_group_bytes).cast<int64_t>()) {
     // A small layer's group goes on through this layer (fewer, larger copies).
     g->n_layers += 1;
     py::list refs;
-    refs.append(get(engine, n.last_offloaded));
-    if (PyDict_SetItem(get(engine, n.layer_groups).ptr(), layer.ptr(), refs.ptr()) < 0) throw py::error_already_set();
+    refs.append(attr(engine, n.last_offloaded));
+    if (PyDict_SetItem(attr(engine, n.layer_groups).ptr(), layer.ptr(), refs.ptr()) < 0) throw py::error_already_set();
     *joined = true;
     return group;
   }
   if (name.is_none() || capturing == 0 || !offload) return py::none();
-  const py::object last = get(engine, n.last_offloaded);
+  const py::object last = attr(engine, n.last_offloaded);
   const bool first = last.is_none();
   py::object next = py::cast(new ActivationGroup(name, layer, true, last), py::return_value_policy::take_ownership);
   ActivationGroup& made = next.cast<ActivationGroup&>();
@@ -310,25 +233,25 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
   if (!layer.is_none()) {
     py::list refs;
     refs.append(ref);
-    if (PyDict_SetItem(get(engine, n.layer_groups).ptr(), layer.ptr(), refs.ptr()) < 0) throw py::error_already_set();
+    if (PyDict_SetItem(attr(engine, n.layer_groups).ptr(), layer.ptr(), refs.ptr()) < 0) throw py::error_already_set();
     if (!schedule.is_none()) {
       // The plan's cap on the bytes of new spans the layer offloads, and its parts.
-      const py::object caps = get(schedule, n.caps);
+      const py::object caps = attr(schedule, n.caps);
       if (layer.cast<int64_t>() < static_cast<int64_t>(py::len(caps))) {
         made.auto_state = auto_state_class()();
         if (PyObject_SetAttr(made.auto_state.ptr(), n.cap, caps[layer].ptr()) < 0) throw py::error_already_set();
-        made.split = dict_get(get(schedule, n.split_at), layer);
+        made.split = dict_get(attr(schedule, n.split_at), layer);
       }
     } else if (first && first_layer_parts_) {
       // engine.py's `_first_layer_parts`: the first offloaded layer of the forward, in parts of
       // the bytes it saved last time, where it saved enough spans and bytes for them.
-      PyObject* size = PyDict_GetItemWithError(get(engine, n.layer_sizes).ptr(), layer.ptr());  // borrowed
+      PyObject* size = PyDict_GetItemWithError(attr(engine, n.layer_sizes).ptr(), layer.ptr());  // borrowed
       if (size == nullptr && PyErr_Occurred()) throw py::error_already_set();
       if (size != nullptr) {
         const auto bytes_and_count = py::reinterpret_borrow<py::tuple>(size);
         const auto bytes = bytes_and_count[0].cast<int64_t>();
         const auto count = bytes_and_count[1].cast<int64_t>();
-        if (count >= kSplitParts && bytes >= kSplitParts * get(engine, n.min_group_bytes).cast<int64_t>()) {
+        if (count >= kSplitParts && bytes >= kSplitParts * attr(engine, n.min_group_bytes).cast<int64_t>()) {
           py::list ends;
           for (int64_t k = 1; k < kSplitParts; ++k) ends.append(bytes * k / kSplitParts);
           made.split = ends;
@@ -341,32 +264,32 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
 
 void GroupCycle::close_left(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
                             const py::object& layer) {
-  const CycleNames& n = cycle_names();
+  const EngineNames& n = engine_names();
   if (g != nullptr) close(engine, group, *g);
-  const py::object schedule = get(engine, n.schedule);
+  const py::object schedule = attr(engine, n.schedule);
   if (schedule.is_none() || layer.is_none()) return;
   // The point: layer `layer` opens (n: the last layer ended). Most points release nothing: the
   // engine's `_release_due` is called only where a group's point has come.
-  const py::object due = get(engine, n.due);
+  const py::object due = attr(engine, n.due);
   for (const py::handle entry : due) {
     const int le = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry.ptr(), 0), layer.ptr(), Py_LE);
     if (le < 0) throw py::error_already_set();
     if (le == 1) {
-      get(engine, n.release_due)(layer);
+      attr(engine, n.release_due)(layer);
       break;
     }
   }
-  if (name.is_none() && !get(schedule, n.tail_save).is_none()) {
+  if (name.is_none() && !attr(schedule, n.tail_save).is_none()) {
     if (PyObject_SetAttr(engine.ptr(), n.tail, py::int_(0).ptr()) < 0) throw py::error_already_set();
   }
 }
 
 void GroupCycle::follow_hooks(py::handle engine, bool group_open) {
-  const CycleNames& n = cycle_names();
-  if (!get(engine, n.hooks_in_groups_only).cast<bool>() || get(engine, n.capturing).cast<int64_t>() != 1) return;
-  const bool want = group_open || !get(engine, n.tail).is_none();
-  if (want == get(engine, n.hooks_on).cast<bool>()) return;
-  get(engine, n.hooks_follow_groups)();
+  const EngineNames& n = engine_names();
+  if (!attr(engine, n.hooks_in_groups_only).cast<bool>() || attr(engine, n.capturing).cast<int64_t>() != 1) return;
+  const bool want = group_open || !attr(engine, n.tail).is_none();
+  if (want == attr(engine, n.hooks_on).cast<bool>()) return;
+  attr(engine, n.hooks_follow_groups)();
 }
 
 void GroupCycle::mark_copied(ActivationGroup& g) {
@@ -378,10 +301,10 @@ void GroupCycle::mark_copied(ActivationGroup& g) {
 // engine.py's `_close`, the plain configuration's branches: no observer, no verify, no
 // nvtx range, no listeners, mode async, no plan (the window keeps the groups).
 void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) {
-  const CycleNames& n = cycle_names();
-  const py::object layer = get(group, n.layer);
+  const EngineNames& n = engine_names();
+  const py::object layer = attr(group, n.layer);
   if (!layer.is_none() && g.state == kOpen) {  // its last part's sizes: the layer's
-    const py::object sizes = get(engine, n.layer_sizes);
+    const py::object sizes = attr(engine, n.layer_sizes);
     if (PyDict_SetItem(sizes.ptr(), layer.ptr(), py::make_tuple(g.capped, g.new_spans).ptr()) < 0) {
       throw py::error_already_set();
     }
@@ -404,36 +327,36 @@ void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) 
     // on the device and says so once. Nothing was queued for it.
     static PyObject* oom = PyObject_GetAttrString(py::module_::import("torch").ptr(), "OutOfMemoryError");
     const py::object error = py::reinterpret_borrow<py::object>(oom)(e.what_without_backtrace());
-    get(engine, n.keep_on_device)(group, error);
+    attr(engine, n.keep_on_device)(group, error);
     return;
   }
   g.d2h = out;
   if (timing_) {
-    const py::object counters = get(engine, n.counters);
-    get(get(engine, n.timings), n.copy)(counters, "d2h_seconds", py::cast(out->timer()));
+    const py::object counters = attr(engine, n.counters);
+    attr(attr(engine, n.timings), n.copy)(counters, "d2h_seconds", py::cast(out->timer()));
   }
   g.state = kCopying;
-  add(engine, n.d2h_bytes, out->nbytes());
-  add(engine, n.groups_offloaded, 1);
-  add(engine, n.layers_offloaded, get(group, n.n_layers).cast<int64_t>());
-  add(engine, n.tensors_offloaded, g.n_handles);
+  add_count(engine, n.d2h_bytes, out->nbytes());
+  add_count(engine, n.groups_offloaded, 1);
+  add_count(engine, n.layers_offloaded, attr(group, n.n_layers).cast<int64_t>());
+  add_count(engine, n.tensors_offloaded, g.n_handles);
   const py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(group.ptr(), nullptr));
   if (!ref) throw py::error_already_set();
-  if (PyObject_CallMethodOneArg(get(engine, n.inflight).ptr(), py::str("append").ptr(), ref.ptr()) == nullptr) {
+  if (PyObject_CallMethodOneArg(attr(engine, n.inflight).ptr(), py::str("append").ptr(), ref.ptr()) == nullptr) {
     throw py::error_already_set();
   }
   poll(engine);
   g.stream = current_stream();
-  const py::object schedule = get(engine, n.schedule);
+  const py::object schedule = attr(engine, n.schedule);
   if (!schedule.is_none()) {
     // Auto mode: the plan says at which point the copy is complete (Note [planned release
     // points] in auto/schedule.py); no window.
-    py::object at = dict_get(get(schedule, n.release_at), get(group, n.layer));
+    py::object at = dict_get(attr(schedule, n.release_at), attr(group, n.layer));
     if (PyList_Check(at.ptr())) {  // a point per part
       const Py_ssize_t parts = PyList_GET_SIZE(at.ptr());
       at = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(at.ptr(), std::min<Py_ssize_t>(g.part, parts - 1)));
     }
-    if (!at.is_none() && PyList_Append(get(engine, n.due).ptr(), py::make_tuple(at, ref).ptr()) < 0) {
+    if (!at.is_none() && PyList_Append(attr(engine, n.due).ptr(), py::make_tuple(at, ref).ptr()) < 0) {
       throw py::error_already_set();
     }
     return;
@@ -443,8 +366,8 @@ void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) 
 
 // engine.py's `_poll`: mark copied, oldest first, the groups whose copies are complete.
 void GroupCycle::poll(py::handle engine) {
-  const CycleNames& n = cycle_names();
-  const py::object inflight = get(engine, n.inflight);
+  const EngineNames& n = engine_names();
+  const py::object inflight = attr(engine, n.inflight);
   while (PyObject_Length(inflight.ptr()) > 0) {
     const py::object first = py::reinterpret_steal<py::object>(PySequence_GetItem(inflight.ptr(), 0));
     if (!first) throw py::error_already_set();
@@ -461,9 +384,9 @@ void GroupCycle::poll(py::handle engine) {
 // engine.py's `_keep_window` (Note [resident window]): the group now opening plus those
 // still copying may not exceed `resident_groups`.
 void GroupCycle::keep_window(py::handle engine, const c10::optional<c10::Stream>& stream) {
-  const CycleNames& n = cycle_names();
-  const py::object inflight = get(engine, n.inflight);
-  const int64_t resident = get(engine, n.resident_groups).cast<int64_t>();
+  const EngineNames& n = engine_names();
+  const py::object inflight = attr(engine, n.inflight);
+  const int64_t resident = attr(engine, n.resident_groups).cast<int64_t>();
   while (PyObject_Length(inflight.ptr()) > resident - 1) {
     const py::object oldest_ref =
         py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(inflight.ptr(), n.popleft));
@@ -482,7 +405,7 @@ void GroupCycle::keep_window(py::handle engine, const c10::optional<c10::Stream>
     } else {  // saved on another stream than the one running now: only the host can order it
       const auto t0 = std::chrono::steady_clock::now();
       synchronize(*d2h);
-      add(engine, n.forward_wait_seconds,
+      add_count(engine, n.forward_wait_seconds,
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     mark_copied(o);

@@ -38,6 +38,7 @@
 #include <torch/extension.h>
 
 #include "activation_group.h"
+#include "engine_interface.h"
 #include "group_cycle.h"
 #include "offload/bindings_registry.h"
 
@@ -47,6 +48,9 @@ namespace {
 namespace py = pybind11;
 using activation::ActivationGroup;
 using activation::GroupCycle;
+using activation::attr;
+using activation::call;
+using activation::truthy;
 using activation::SavedActivation;
 using activation::SavedSpan;
 using activation::kCopying;
@@ -113,58 +117,11 @@ py::object offload_extent(const at::Tensor& t, int64_t min_bytes, const c10::Dev
   return py::make_tuple(extent.ptr, extent.first, extent.last, extent.check_params);
 }
 
-// The engine's attributes and methods the table calls (its documented interface, Note
-// [engine interface] in engine.py), as interned strings made once (a lookup by a C string
-// makes a new str object each time). `_version` is the tensor's own attribute.
-struct Names {
-  PyObject* pack = PyUnicode_InternFromString("pack");
-  PyObject* unpack = PyUnicode_InternFromString("unpack");
-  PyObject* counters = PyUnicode_InternFromString("counters");
-  PyObject* tensors_kept = PyUnicode_InternFromString("tensors_kept");
-  PyObject* backward_seen = PyUnicode_InternFromString("backward_seen");
-  PyObject* backward_starts = PyUnicode_InternFromString("_backward_starts");
-  PyObject* observer = PyUnicode_InternFromString("observer");
-  PyObject* unpacked = PyUnicode_InternFromString("unpacked");
-  PyObject* make_ready = PyUnicode_InternFromString("_make_ready");
-  PyObject* prefetch = PyUnicode_InternFromString("_prefetch");
-  PyObject* release = PyUnicode_InternFromString("_release");
-  PyObject* walk_params = PyUnicode_InternFromString("_walk_params");
-  PyObject* profiled = PyUnicode_InternFromString("_profiled");
-  PyObject* split = PyUnicode_InternFromString("_split");
-  PyObject* cap = PyUnicode_InternFromString("cap");
-  PyObject* span_ends = PyUnicode_InternFromString("span_ends");
-  PyObject* profile = PyUnicode_InternFromString("profile");
-  PyObject* version = PyUnicode_InternFromString("_version");
-};
-
-const Names& names() {
-  static const Names* interned = new Names();  // never freed: the module lives as long as the interpreter
-  return *interned;
-}
-
-py::object attr(py::handle obj, PyObject* name) {
-  PyObject* value = PyObject_GetAttr(obj.ptr(), name);
-  if (value == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(value);
-}
-
-py::object call(py::handle obj, PyObject* name, py::handle arg) {
-  PyObject* result = PyObject_CallMethodOneArg(obj.ptr(), name, arg.ptr());
-  if (result == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(result);
-}
-
-bool truthy(const py::object& value) {
-  const int on = PyObject_IsTrue(value.ptr());
-  if (on < 0) throw py::error_already_set();
-  return on == 1;
-}
-
 // What autograd holds for a tensor that stays: (tensor, version at save), as the engine
 // keeps one, which is also counted. The version is read as Python reads it (a subclass may
 // answer it itself), so the engine's `unpack` compares like with like.
 py::object keep(py::handle engine, py::handle tensor) {
-  const Names& n = names();
+  const activation::EngineNames& n = activation::engine_names();
   py::object counters = attr(engine, n.counters);
   PyObject* kept = PyDict_GetItemWithError(counters.ptr(), n.tensors_kept);  // borrowed
   if (kept == nullptr) {
@@ -240,7 +197,7 @@ class PackTable {
   // Opens `group` (None: none open). What the pack reads of its auto-mode state and part
   // ends is read here, once: the engine sets them before it opens the group.
   void set_open_group(const py::object& group) {
-    const Names& n = names();
+    const activation::EngineNames& n = activation::engine_names();
     open_group_ = group;
     open_native_ = nullptr;
     cap_ = -1;
@@ -392,7 +349,7 @@ class PackTable {
 // mode's cap and measurements, the part ends.
 py::object PackTable::pack_new_span(py::handle engine, py::handle tensor, const at::Tensor& t,
                                     const Extent& extent) {
-  const Names& n = names();
+  const activation::EngineNames& n = activation::engine_names();
   ActivationGroup& group = *open_native_;
   const auto storage = t.storage();
   int64_t lo = extent.first - extent.first % kSpanAlign;
@@ -431,7 +388,7 @@ py::object PackTable::pack_new_span(py::handle engine, py::handle tensor, const 
 }
 
 py::object PackTable::pack(py::handle tensor) {
-  const Names& n = names();
+  const activation::EngineNames& n = activation::engine_names();
   const py::object engine = this->engine();
   if (open_group_.is_none() || !THPVariable_Check(tensor.ptr())) {
     return call(engine, n.pack, tensor);  // the tail's count, or not a tensor at all: Python decides
@@ -473,7 +430,7 @@ py::object PackTable::pack(py::handle tensor) {
 }
 
 py::object PackTable::unpack(py::handle packed) {
-  const Names& n = names();
+  const activation::EngineNames& n = activation::engine_names();
   const py::object engine = this->engine();
   PyObject* obj = packed.ptr();
   if (PyTuple_CheckExact(obj) && PyTuple_GET_SIZE(obj) == 2 && THPVariable_Check(PyTuple_GET_ITEM(obj, 0)) &&

@@ -193,7 +193,8 @@ class ActivationEngine:
     (incremented for a tensor that stays), `backward_seen`, `observer`. The core's backward of a
     group (group_cycle.h) calls `_copy_streams()`, `_current_stream()`, `_timed_start`/`_timed_end`,
     `_timings.copy` (timing on an accelerator) and `_fetch_group(group)` (the rest of a group a plan
-    fetched in pieces), and adds to `counters`.
+    fetched in pieces), and adds to `counters`. Every name the core reads or calls is listed in
+    csrc/python/engine_interface.h.
     """
 
     def __init__(
