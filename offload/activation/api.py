@@ -24,7 +24,7 @@ from ..core.pool import HostPool
 from . import layers as _layers
 from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
 from .groups import ActivationEvent  # noqa: F401 (the listeners' record, exported by offload.activation)
-from .saved_tensors import input_tensors, not_traced, other_hooks_active
+from .saved_tensors import input_tensors, other_hooks_active
 
 # Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
 # under torch's non-reentrant checkpoint, inside the layer's group: the checkpoint saves the
@@ -241,9 +241,8 @@ class ActivationOffload:
             if not engine.capturing or torch._C._current_graph_task_id() != -1:
                 return original(*args, **kwargs)
             offload = self._offload[index]
-            engine.boundary(name, offload=offload, layer=index)
-            if offload:
-                self._add_layer_params(index)
+            # The layer's own parameters (FSDP's unsharded ones exist only inside it) stay.
+            engine.boundary(name, offload, index, self._modules[index]() if offload else None)
             if engine.observer is not None and self._auto is not None:
                 self._auto.layer_inputs(index, _input_bytes(args, kwargs))
             if self._recompute[index]:
@@ -260,12 +259,6 @@ class ActivationOffload:
             return out
 
         return forward
-
-    @not_traced
-    def _add_layer_params(self, index) -> None:
-        module = self._modules[index]()
-        if module is not None:
-            self.engine.add_params(module)
 
     def add_listener(self, callback) -> None:
         """Call `callback(event)` with an `ActivationEvent` each time a group's copy to the host is

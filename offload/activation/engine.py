@@ -456,15 +456,24 @@ class ActivationEngine:
         self._table.params_pending = True
 
     @not_traced
-    def boundary(self, name=None, offload: bool = True, layer=None) -> None:
+    def boundary(self, name=None, offload: bool = True, layer=None, params=None) -> None:
         """Close the current group; when `name` is given open a new one (kept if not `offload`).
 
         A kept group exists only while auto mode measures (its tensors stay on the device and
         are counted); otherwise tensors saved outside an offloaded group pass straight through.
+        `params`: as `add_params(params)` after the boundary (the layer's own parameters), in
+        the same call: a layer's Python calls are host time of every step.
         """
         if self._native_close:  # the core's twin of this method (csrc/python/group_cycle.h)
             self._table.boundary(name, offload, layer)
-            return
+        else:
+            self._boundary(name, offload, layer)
+        if params is not None:
+            self._param_pending.append(params)
+            self._table.params_pending = True
+
+    def _boundary(self, name, offload: bool, layer) -> None:
+        """`boundary` in Python: without the core, and where the core's cycle does not run."""
         group = self.open_group
         schedule = self.schedule
         if (name is not None and offload and layer is not None and group is not None and group.layer is not None
