@@ -141,8 +141,8 @@ int64_t storage_ptr(const at::Tensor& t) {
 
 // Calls a Python callable when backward computes the gradient of a tensor: a pre-hook of the
 // tensor's node in C++ (engine.py's backward start, and auto mode's fetch points). A Python hook
-// makes a handle object and a dict of hooks per registration, several microseconds a step of
-// host time. Node pre-hooks run after the node's tensor hooks (Note [after FSDP2's hook]).
+// makes a handle object and a dict of hooks per registration, host time in every step. Node
+// pre-hooks run after the node's tensor hooks (Note [after FSDP2's hook]).
 class CallOnGradient : public torch::autograd::FunctionPreHook {
  public:
   explicit CallOnGradient(py::object call) : call_(call.release().ptr()) {}
