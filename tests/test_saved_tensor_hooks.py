@@ -147,18 +147,18 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
                 use_schedule(handle.engine, 4, caps=[None, 2048, None, None], release_at={0: [2, 3], 1: 4, 2: 5, 3: 5},
                              fetch_at={3: [2, 1], 2: [1, 0]}, fetch_at_start=[3], split_at={0: [512]},
                              fetch_share={(3, 1): 0.5})
-            assert handle.engine.native_backward == (native and mode == "async" and listen != "always")
+            assert handle.engine.native_cycle == (native and mode == "async" and listen != "always")
             steps = []
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
                 loss = model(x).sum()
                 if listen == "after_forward":
                     handle.add_listener(listener)
-                    assert not handle.engine.native_backward
+                    assert not handle.engine.native_cycle
                 loss.backward()
                 if listen == "after_forward":
                     handle.remove_listener(listener)
-                    assert handle.engine.native_backward == native
+                    assert handle.engine.native_cycle == native
                 stats = handle.stats()
                 steps.append(([p.grad.clone() for p in model.parameters()], {k: stats[k] for k in _SAME_STATS}))
             assert all((getattr(pack, "func", None) is core.pack_saved_tensor) == native for pack in hooks)

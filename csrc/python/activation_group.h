@@ -160,7 +160,11 @@ class ActivationGroup {
   // Backward let go of the group: its restored block, views and waits go.
   void reset_restore();
   // Whether the restored block was allocated on `stream` (its owner).
-  bool owns_block(const c10::optional<c10::Stream>& stream) const { return fetch_stream.has_value() && fetch_stream == stream; }
+  bool owns_block(const c10::optional<c10::Stream>& stream) const {
+    return fetch_stream.has_value() && fetch_stream == stream;
+  }
+  // Whether its tensors were saved on `stream` (none: on the host, never).
+  bool saved_on(const c10::optional<c10::Stream>& s) const { return s.has_value() && stream == s; }
   // Whether the consumer on `stream` (none: the host, no streams) already waits for the copy back.
   bool ready_on(const c10::optional<c10::Stream>& stream) const;
   // Records that it does; true if it is the group's first reader in this backward.

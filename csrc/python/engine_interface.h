@@ -14,6 +14,7 @@ namespace activation {
 namespace py = pybind11;
 
 struct EngineNames {
+  PyObject* append = PyUnicode_InternFromString("append");
   PyObject* pack = PyUnicode_InternFromString("pack");
   PyObject* unpack = PyUnicode_InternFromString("unpack");
   PyObject* counters = PyUnicode_InternFromString("counters");
@@ -32,8 +33,6 @@ struct EngineNames {
   PyObject* span_ends = PyUnicode_InternFromString("span_ends");
   PyObject* profile = PyUnicode_InternFromString("profile");
   PyObject* version = PyUnicode_InternFromString("_version");
-  PyObject* prev = PyUnicode_InternFromString("prev");
-  PyObject* continued = PyUnicode_InternFromString("continued");
   PyObject* timings = PyUnicode_InternFromString("_timings");
   PyObject* copy = PyUnicode_InternFromString("copy");
   PyObject* copy_streams = PyUnicode_InternFromString("_copy_streams");
@@ -47,13 +46,11 @@ struct EngineNames {
   PyObject* groups_prefetched = PyUnicode_InternFromString("groups_prefetched");
   PyObject* backward_wait_seconds = PyUnicode_InternFromString("backward_wait_seconds");
   PyObject* forward_wait_seconds = PyUnicode_InternFromString("forward_wait_seconds");
-  PyObject* layer = PyUnicode_InternFromString("layer");
   PyObject* layer_sizes = PyUnicode_InternFromString("_layer_sizes");
   PyObject* inflight = PyUnicode_InternFromString("_inflight");
   PyObject* popleft = PyUnicode_InternFromString("popleft");
   PyObject* resident_groups = PyUnicode_InternFromString("resident_groups");
   PyObject* keep_on_device = PyUnicode_InternFromString("_keep_on_device");
-  PyObject* n_layers = PyUnicode_InternFromString("n_layers");
   PyObject* d2h_bytes = PyUnicode_InternFromString("d2h_bytes");
   PyObject* groups_offloaded = PyUnicode_InternFromString("groups_offloaded");
   PyObject* layers_offloaded = PyUnicode_InternFromString("layers_offloaded");

@@ -153,7 +153,7 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
   } else {
     const py::object start = timed_start(engine);
     for (const std::shared_ptr<Transfer>& back : g.h2d) {
-      if (g.fetch_stream == stream) {
+      if (g.owns_block(stream)) {
         // The block's owner waits for the copy: the core need not hold the block until the
         // host sees the copy done (else it would hold the step's last fetched group until
         // the next step's first copy).
@@ -172,7 +172,7 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
 void GroupCycle::prefetch(py::handle engine, py::handle group) {
   const EngineNames& n = engine_names();
   if (!attr(engine, n.schedule).is_none()) return;  // fetched at the points the plan chose
-  py::object ref = attr(group, n.prev);
+  py::object ref = group.cast<ActivationGroup&>().prev;
   while (true) {
     const py::object before = deref(ref);
     if (before.is_none()) return;
@@ -182,8 +182,8 @@ void GroupCycle::prefetch(py::handle engine, py::handle group) {
       fetch(engine, before, b);
       if (b.fetched == b.nbytes_aligned) add_count(engine, n.groups_prefetched, 1);
     }
-    if (!attr(before, n.continued).cast<bool>()) return;
-    ref = attr(before, n.prev);
+    if (!b.continued) return;
+    ref = b.prev;
   }
 }
 
@@ -299,13 +299,13 @@ void GroupCycle::mark_copied(ActivationGroup& g) {
 }
 
 // engine.py's `_close`, the plain configuration's branches: no observer, no verify, no
-// nvtx range, no listeners, mode async, no plan (the window keeps the groups).
+// nvtx range, no listeners, mode async or auto (the window keeps the groups, or the plan's
+// release points).
 void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) {
   const EngineNames& n = engine_names();
-  const py::object layer = attr(group, n.layer);
-  if (!layer.is_none() && g.state == kOpen) {  // its last part's sizes: the layer's
+  if (!g.layer.is_none() && g.state == kOpen) {  // its last part's sizes: the layer's
     const py::object sizes = attr(engine, n.layer_sizes);
-    if (PyDict_SetItem(sizes.ptr(), layer.ptr(), py::make_tuple(g.capped, g.new_spans).ptr()) < 0) {
+    if (PyDict_SetItem(sizes.ptr(), g.layer.ptr(), py::make_tuple(g.capped, g.new_spans).ptr()) < 0) {
       throw py::error_already_set();
     }
   }
@@ -338,11 +338,11 @@ void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) 
   g.state = kCopying;
   add_count(engine, n.d2h_bytes, out->nbytes());
   add_count(engine, n.groups_offloaded, 1);
-  add_count(engine, n.layers_offloaded, attr(group, n.n_layers).cast<int64_t>());
+  add_count(engine, n.layers_offloaded, g.n_layers);
   add_count(engine, n.tensors_offloaded, g.n_handles);
   const py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(group.ptr(), nullptr));
   if (!ref) throw py::error_already_set();
-  if (PyObject_CallMethodOneArg(attr(engine, n.inflight).ptr(), py::str("append").ptr(), ref.ptr()) == nullptr) {
+  if (PyObject_CallMethodOneArg(attr(engine, n.inflight).ptr(), n.append, ref.ptr()) == nullptr) {
     throw py::error_already_set();
   }
   poll(engine);
@@ -351,7 +351,7 @@ void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) 
   if (!schedule.is_none()) {
     // Auto mode: the plan says at which point the copy is complete (Note [planned release
     // points] in auto/schedule.py); no window.
-    py::object at = dict_get(attr(schedule, n.release_at), attr(group, n.layer));
+    py::object at = dict_get(attr(schedule, n.release_at), g.layer);
     if (PyList_Check(at.ptr())) {  // a point per part
       const Py_ssize_t parts = PyList_GET_SIZE(at.ptr());
       at = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(at.ptr(), std::min<Py_ssize_t>(g.part, parts - 1)));
@@ -396,7 +396,7 @@ void GroupCycle::keep_window(py::handle engine, const c10::optional<c10::Stream>
     ActivationGroup& o = oldest.cast<ActivationGroup&>();
     if (o.state != kCopying) continue;
     const std::shared_ptr<Transfer>& d2h = o.d2h;
-    if (stream.has_value() && o.stream == stream) {
+    if (o.saved_on(stream)) {
       // The compute stream waits on the device, not the host, and the oldest group's tensors,
       // saved on this stream, go back to the allocator in its order.
       const py::object start = timed_start(engine);

@@ -1,21 +1,22 @@
-// A group's cycle in native code: its close (the copy out, the poll of the copies in
-// flight, the resident window), and in backward its copy back, its reader's wait, the
-// fetch of the group before it and its release. These are offload/activation/engine.py's
-// `_close`, `_poll` and `_keep_window` and backward.py's `fetch`, `make_ready`,
-// `prefetch` and `release` (whose notes give the reasons), for the engine's plain
-// configuration: no observer of auto mode (a measured step), no listeners, no verify, no
-// nvtx ranges, mode async or auto. A plan of auto mode (its schedule) is followed here too:
-// its caps and parts, its release points (the engine's `_release_due`, called where one has
-// come), its fetch points (hooks the engine sets). The engine's boundary and the unpack hook (saved_tensor_hooks.cpp)
-// call these there instead of the Python methods, so a group's cycle makes no
-// interpreter call but the timing's (an accelerator with timing on); elsewhere the
-// Python methods run, which serve the plan, the observer and the events. The engine
-// says which (`PackTable.native_backward`, and `PackTable.close_group` it calls).
+// A group's cycle in native code: the layer boundary that closes one group and opens the
+// next; its close (the copy out, the poll of the copies in flight, the resident window or
+// the plan's release point); in backward its copy back, its reader's wait, the fetch of the
+// group before it and its release. These are offload/activation/engine.py's `boundary`,
+// `_close`, `_poll` and `_keep_window` and backward.py's `fetch`, `make_ready`, `prefetch`
+// and `release` (whose notes give the reasons), for the engine's plain configuration: no
+// observer of auto mode (a measured step), no listeners, no verify, no nvtx ranges, mode
+// async or auto. A plan of auto mode (its schedule) is followed here too: its caps and parts,
+// its release points (the engine's `_release_due`, called where one has come), its fetch
+// points (hooks the engine sets). The table's `boundary`, `close_group` and `fetch_group` and
+// the unpack hook (saved_tensor_hooks.cpp) call these there instead of the Python methods,
+// so a group's cycle makes no interpreter call but the timing's (an accelerator with timing
+// on); elsewhere the Python methods run, which serve the observer and the events. The engine
+// says which (`PackTable.native_cycle`).
 //
-// The state is the group's own (the core's ActivationGroup, with its copies, and the
-// Python fields of groups.py's `NativeGroup`: layer, prev, continued), so either path can take up
-// a group the other left: a step whose configuration changes between its forward and
-// its backward (a listener added) finishes in Python.
+// The state is the group's own (the core's ActivationGroup: its copies and the engine's
+// per-layer fields), so either path can take up a group the other left: a step whose
+// configuration changes between its forward and its backward (a listener added) finishes
+// in Python.
 //
 // Streams: a group's restored block is allocated on the consumer's (current) stream,
 // which owns it (`fetch_stream`); the copy back runs on the engine's host-to-device

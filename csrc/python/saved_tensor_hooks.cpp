@@ -164,6 +164,17 @@ class CallOnGradient : public torch::autograd::FunctionPreHook {
   PyObject* call_;  // owned
 };
 
+// What autograd holds for `t`, offloaded in span `entry` of `group` (`native` its core) at handle
+// `slot`; `offset`: where `t` starts in its storage (bytes).
+py::object saved_activation(const py::object& group, ActivationGroup* native, int64_t entry, int64_t slot,
+                            const at::Tensor& t, int64_t offset) {
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  return activation::make_saved_activation(SavedActivation{group, native, entry, slot, t.scalar_type(),
+                                                           activation::Dims(sizes.begin(), sizes.end()),
+                                                           activation::Dims(strides.begin(), strides.end()), offset});
+}
+
 // A storage whose span a group of this forward copies: later views of it share the span.
 struct StorageEntry {
   py::object group;  // holds `native` alive
@@ -380,9 +391,7 @@ py::object PackTable::pack_new_span(py::handle engine, py::handle tensor, const 
   group.spans.push_back(SavedSpan{t, lo, hi});
   storages_.insert_or_assign(extent.ptr, StorageEntry{open_group_, open_native_, entry, storage.getWeakStorageImpl()});
   const int64_t slot = group.hold(py::reinterpret_borrow<py::object>(tensor), t._version());
-  py::object packed = activation::make_saved_activation(
-      SavedActivation{open_group_, open_native_, entry, slot, t.scalar_type(), activation::Dims(t.sizes().begin(),
-      t.sizes().end()), activation::Dims(t.strides().begin(), t.strides().end()), extent.first});
+  py::object packed = saved_activation(open_group_, open_native_, entry, slot, t, extent.first);
   if (split) call(engine, n.split, open_group_);  // copy what the layer saved so far, go on in a new group
   return packed;
 }
@@ -421,10 +430,7 @@ py::object PackTable::pack(py::handle tensor) {
       if (!shared) return pack_new_span(engine, tensor, t, extent);
     }
     const int64_t slot = owner.hold(py::reinterpret_borrow<py::object>(tensor), t._version());
-    return activation::make_saved_activation(
-        SavedActivation{seen.group, seen.native, seen.entry, slot, t.scalar_type(),
-                        activation::Dims(t.sizes().begin(), t.sizes().end()),
-                        activation::Dims(t.strides().begin(), t.strides().end()), extent.first});
+    return saved_activation(seen.group, seen.native, seen.entry, slot, t, extent.first);
   }
   return pack_new_span(engine, tensor, t, extent);
 }
@@ -611,9 +617,7 @@ void bind(py::module_& m) {
       .def_property(
           "stream", [](const ActivationGroup& g) { return g.stream.has_value() ? py::cast(*g.stream) : py::none(); },
           [](ActivationGroup& g, c10::optional<c10::Stream> stream) { g.stream = stream; })
-      .def("saved_on", [](const ActivationGroup& g, c10::optional<c10::Stream> stream) {
-        return stream.has_value() && g.stream == stream;
-      }, py::arg("stream"))
+      .def("saved_on", &ActivationGroup::saved_on, py::arg("stream"))
       .def_property(
           "device_block", [](const ActivationGroup& g) { return block_or_none(g.device_block); },
           [](ActivationGroup& g, c10::optional<at::Tensor> block) { g.device_block = block.value_or(at::Tensor()); })
@@ -637,7 +641,7 @@ void bind(py::module_& m) {
       .def_readwrite("params_pending", &PackTable::params_pending)
       .def_readwrite("params_needed", &PackTable::params_needed)
       .def_property(
-          "native_backward", [](PackTable& t) { return t.cycle().native; },
+          "native_cycle", [](PackTable& t) { return t.cycle().native; },
           [](PackTable& t, bool on) { t.cycle().native = on; })
       .def("boundary", &PackTable::boundary, py::arg("name"), py::arg("offload"), py::arg("layer"))
       .def(

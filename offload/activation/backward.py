@@ -46,7 +46,6 @@ class BackwardSide:
     def __init__(self, engine):
         self.engine = engine  # a cycle the collector sees (engine.backward holds this)
         self._ref = weakref.ref(self)  # what the hooks on gradients hold (no cycle through the graph)
-        self._start_call = _start_backward
 
     def starts(self) -> None:
         """The step's backward starts: at the model output's gradient (`mark_backward_start`),
@@ -67,7 +66,7 @@ class BackwardSide:
         computed: with hooks only in offloaded spans, nothing of the kept last layer or the
         head is unpacked here to mark it, and the first group's copy back would wait for
         backward to reach that group."""
-        self.on_gradient(output, self._start_call)  # else marked at the first unpack
+        self.on_gradient(output, _start_backward)  # else marked at the first unpack
 
     def on_gradient(self, output, call) -> None:
         """call(self) when backward computes the gradient of the first tensor in `output` that needs
@@ -78,6 +77,7 @@ class BackwardSide:
             if anchor is None or engine._table.call_on_gradient(anchor, functools.partial(_call_with, self._ref,
                                                                                           call)):
                 return
+            output = anchor  # a leaf: hooked in Python below
         when_gradient_of(output, self, call)
 
     def unpack(self, packed):
@@ -203,7 +203,7 @@ class BackwardSide:
         """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in
         pieces] in auto/schedule.py; None: all that is left)."""
         engine = self.engine
-        if upto is None and group.fetched == 0 and engine.native_backward:
+        if upto is None and group.fetched == 0 and engine.native_cycle:
             engine._fetch_native(group)  # the core's twin of this method (csrc/python/group_cycle.h)
             return
         end = group.nbytes_aligned if upto is None else min(group.nbytes_aligned, -(-upto // SPAN_ALIGN) * SPAN_ALIGN)

@@ -174,7 +174,7 @@ class ActivationEngine:
       `pass_through_step()`; `hooks_in_groups_only` (set by the handle); `stats()`;
       `capturing` (read: > 0 inside a capture); `schedule` (read: the plan in use, or None);
       `add_listener(callback)` / `remove_listener(callback)` (Note [events]);
-      `native_backward` (read: the core runs each group's backward, csrc/python/group_cycle.h).
+      `native_cycle` (read: the core runs each group's cycle, csrc/python/group_cycle.h).
     Auto mode (auto/planner.py; the observer calls in auto/measure.py):
       `use_plan(schedule, observer)` sets the plan and the observer for the next forwards;
       `backward_seen` (read: the step's backward has started); `counters` (read: the
@@ -308,14 +308,14 @@ class ActivationEngine:
         verify, nvtx ranges, mode sync). Chosen again wherever one of those changes."""
         plain = (self._native and self.observer is None and not self._listeners and not self.verify
                  and not self.nvtx and self.mode != "sync")
-        self._native_close = plain
+        self._native_cycle = plain
         if self._native:
-            self._table.native_backward = plain
+            self._table.native_cycle = plain
 
     @property
-    def native_backward(self) -> bool:
-        """Whether the core runs each group's backward (csrc/python/group_cycle.h) in the next steps."""
-        return self._native and self._table.native_backward
+    def native_cycle(self) -> bool:
+        """Whether the core runs each group's cycle (csrc/python/group_cycle.h) in the next steps."""
+        return self._native_cycle
 
     def _current_stream(self):
         """The current stream of the engine's device (None on the host)."""
@@ -464,7 +464,7 @@ class ActivationEngine:
         `params`: as `add_params(params)` after the boundary (the layer's own parameters), in
         the same call: a layer's Python calls are host time of every step.
         """
-        if self._native_close:  # the core's twin of this method (csrc/python/group_cycle.h)
+        if self._native_cycle:  # the core's twin of this method (csrc/python/group_cycle.h)
             self._table.boundary(name, offload, layer)
         else:
             self._boundary(name, offload, layer)
@@ -557,7 +557,7 @@ class ActivationEngine:
             self._hooks_on = False
 
     def _close(self, group: Group) -> None:
-        if self._native_close:  # the core's twin of this method (csrc/python/group_cycle.h)
+        if self._native_cycle:  # the core's twin of this method (csrc/python/group_cycle.h)
             self._table.close_group(group)
             return
         if group.layer is not None and group.state == OPEN:
