@@ -15,12 +15,19 @@ from torch._dynamo.utils import counters
 
 import offload
 from offload.activation.compiled import support
+from offload.core import _device
 from offload.activation.compiled.layer_map import LayerMatcher, normalize_path
 from offload.activation.compiled.layout import SPAN_ALIGN, TensorSpec, flatten_specs, group_layout, unflatten_specs
 from offload.activation.compiled.plan import SavedBytes, budget_plan
 
 pytestmark = pytest.mark.skipif(support.partitioner_hook() is not None,
                                 reason=f"needs inductor's custom partitioner hook: {support.partitioner_hook()}")
+
+# Models compiled on the CPU hold host memory already: where an accelerator exists, offload
+# leaves their saved tensors alone (as the eager engine does), and the cuda tests below cover
+# the device.
+cpu_model = pytest.mark.skipif(_device.accelerator_type() is not None,
+                               reason="a model on the CPU; with an accelerator present the cuda tests cover offload")
 
 
 class Block(nn.Module):
@@ -93,6 +100,7 @@ def _check_offloaded(handle, expected, model, groups):
 
 
 @pytest.mark.slow
+@cpu_model
 def test_compile_blocks_enabled_before_compile(blocks_case):
     base, x, expected = blocks_case
     model = copy.deepcopy(base)
@@ -110,6 +118,7 @@ def test_compile_blocks_enabled_before_compile(blocks_case):
 
 
 @pytest.mark.slow
+@cpu_model
 def test_compile_blocks_enabled_after_compile(blocks_case):
     base, x, expected = blocks_case
     model = copy.deepcopy(base)
@@ -121,6 +130,7 @@ def test_compile_blocks_enabled_after_compile(blocks_case):
 
 
 @pytest.mark.slow
+@cpu_model
 def test_compile_blocks_budget_recomputes_in_the_compiled_graph(blocks_case):
     """A budget no offload can meet makes the compiler recompute layers: the plan says so, the
     backward graph runs their ops again, and the gradients stay bitwise equal."""
@@ -161,6 +171,7 @@ def llama_case():
 
 
 @pytest.mark.slow
+@cpu_model
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_compile_llama(llama_case, when):
     base, ids, expected = llama_case
@@ -177,8 +188,6 @@ def test_compile_llama(llama_case, when):
 
 def _compiled_peak_and_grads(model, x):
     """One step after the compile: (peak device bytes above the idle model, the gradients)."""
-    from offload.core import _device
-
     _blocks_step(model, x)  # the compile, and the gradients' first allocation
     model.zero_grad(set_to_none=False)
     _device.synchronize()
@@ -189,14 +198,23 @@ def _compiled_peak_and_grads(model, x):
     return _device.max_memory_allocated() - idle, _grads(model)
 
 
+@pytest.fixture
+def inductor_deterministic(deterministic, monkeypatch):
+    """Inductor's deterministic mode besides the deterministic kernels: without it inductor picks
+    among a reduction's configurations by timing them, so two compiles of the same graph may sum
+    in different orders."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "deterministic"):
+        monkeypatch.setattr(inductor_config, "deterministic", True)
+
+
 @pytest.mark.cuda
 @pytest.mark.slow
-def test_compile_blocks_on_the_device_bitwise_with_a_lower_peak():
+def test_compile_blocks_on_the_device_bitwise_with_a_lower_peak(inductor_deterministic):
     """On the GPU: compiled whole with async offload, the step's gradients are those of the model compiled
     without it, bit for bit, bytes go to the host and back, no graph break is added, and the activation peak
     is lower (copies on offload's streams, released a window later, fetched one group ahead)."""
-    from offload.core import _device
-
     torch.manual_seed(0)
     with torch.device(_device.current_device()):
         base = Blocks(d=1024, n=6)
@@ -218,6 +236,29 @@ def test_compile_blocks_on_the_device_bitwise_with_a_lower_peak():
     stats = handle.stats()
     assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] == stats["d2h_bytes"]
     assert peak < ref_peak, (peak, ref_peak)
+    handle.disable()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_compile_cpu_model_on_an_accelerator_host_left_alone():
+    """A model compiled on the CPU of a host with a GPU: its saved tensors are host memory
+    already, so the step runs as compiled without offload, copies nothing and raises nothing."""
+    torch.manual_seed(0)
+    base = Blocks()
+    x = torch.randn(8, 32)
+    reference = copy.deepcopy(base)
+    torch._dynamo.reset()
+    reference.compile()
+    _blocks_step(reference, x)
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
+    model.compile()
+    _blocks_step(model, x)
+    stats = handle.stats()
+    assert stats["d2h_bytes"] == 0 and stats["groups_offloaded"] == 0
+    _assert_same_grads(_grads(reference), model)
     handle.disable()
 
 
@@ -267,6 +308,7 @@ def test_compile_without_partitioner_hook_refused(monkeypatch):
         offload.enable_activation_offload(compiled)
 
 
+@cpu_model
 def test_compile_eager_model_unaffected():
     """A handle's binding costs an eager step nothing: the eager engine offloads as before."""
     model = Blocks(256, 3)

@@ -78,7 +78,7 @@ class CompiledBinding:
         pristine = _copy_graph_module(gm) if budget is not None else None
         fw, bw = partition_fn(gm, joint_inputs, **kwargs)
         keep = self._keep()
-        device = _device_of(fw)
+        device = _offload_device()
         rewrite = RewriteOptions(self.runtime, 1 if self.options.mode == "sync" else self.options.resident_groups,
                                  self.options.min_tensor_bytes, device)
         if budget is None:
@@ -121,7 +121,7 @@ class CompiledBinding:
     def cache_key(self) -> str:
         """What a graph's rewrite depends on besides the graph: the options and the current plan's
         inputs (part of the partitioner's uuid, so compiled graphs are cached per plan)."""
-        device = _base_bytes_device()
+        device = _offload_device()
         base = _base_bytes(device) if self.options.memory_budget_bytes is not None else 0
         return repr((self.options, self._keep(), self._offloaded(), base))
 
@@ -167,15 +167,11 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _device_of(fw: fx.GraphModule) -> torch.device:
-    for node in fw.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.device.type != "cpu":
-            return val.device
-    return torch.device("cpu")
-
-
-def _base_bytes_device() -> torch.device:
+def _offload_device() -> torch.device:
+    """The device whose saved tensors a graph offloads: the one offload's transport copies from
+    (the current accelerator, else the CPU). Tensors elsewhere stay: on a host with an
+    accelerator, a model compiled on the CPU holds host memory already, which the eager engine
+    leaves alone too."""
     from ...core import _device
 
     return _device.current_device()
