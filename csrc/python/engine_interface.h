@@ -66,7 +66,7 @@ struct EngineNames {
   PyObject* schedule = PyUnicode_InternFromString("schedule");
   PyObject* release_at = PyUnicode_InternFromString("release_at");
   PyObject* due = PyUnicode_InternFromString("_due");
-  PyObject* release_due = PyUnicode_InternFromString("_release_due");
+  PyObject* layer_count = PyUnicode_InternFromString("n");  // a schedule's layers
   PyObject* tail_save = PyUnicode_InternFromString("tail_save");
   PyObject* caps = PyUnicode_InternFromString("caps");
   PyObject* split_at = PyUnicode_InternFromString("split_at");

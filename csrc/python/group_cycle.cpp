@@ -268,19 +268,75 @@ void GroupCycle::close_left(py::handle engine, const py::object& group, Activati
   if (g != nullptr) close(engine, group, *g);
   const py::object schedule = attr(engine, n.schedule);
   if (schedule.is_none() || layer.is_none()) return;
-  // The point: layer `layer` opens (n: the last layer ended). Most points release nothing: the
-  // engine's `_release_due` is called only where a group's point has come.
+  release_due(engine, layer);  // the point: layer `layer` opens (n: the last layer ended)
+  if (name.is_none() && !attr(schedule, n.tail_save).is_none()) {
+    if (PyObject_SetAttr(engine.ptr(), n.tail, py::int_(0).ptr()) < 0) throw py::error_already_set();
+  }
+}
+
+void GroupCycle::release_due(py::handle engine, const py::object& point) {
+  const EngineNames& n = engine_names();
   const py::object due = attr(engine, n.due);
+  const double here = point.cast<double>();
+  bool any = false;  // most points release nothing: no stream read, no list made
   for (const py::handle entry : due) {
-    const int le = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry.ptr(), 0), layer.ptr(), Py_LE);
-    if (le < 0) throw py::error_already_set();
-    if (le == 1) {
-      attr(engine, n.release_due)(layer);
+    if (PyFloat_AsDouble(PyTuple_GET_ITEM(entry.ptr(), 0)) <= here) {
+      any = true;
       break;
     }
   }
-  if (name.is_none() && !attr(schedule, n.tail_save).is_none()) {
-    if (PyObject_SetAttr(engine.ptr(), n.tail, py::int_(0).ptr()) < 0) throw py::error_already_set();
+  if (PyErr_Occurred()) throw py::error_already_set();
+  if (!any) return;
+  const c10::optional<c10::Stream> stream = current_stream();
+  const double layers = attr(attr(engine, n.schedule), n.layer_count).cast<double>();
+  const char* kind = here < layers + 1 ? "forward_wait_seconds" : "backward_wait_seconds";
+  py::list pending;
+  for (const py::handle entry : due) {
+    const py::object group = deref(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry.ptr(), 1)));
+    if (group.is_none()) continue;
+    ActivationGroup& g = group.cast<ActivationGroup&>();
+    if (g.state != kCopying) continue;
+    if (PyFloat_AsDouble(PyTuple_GET_ITEM(entry.ptr(), 0)) > here) {
+      pending.append(entry);
+    } else if (g.saved_on(stream)) {
+      const py::object start = timed_start(engine);
+      g.d2h->release_sources(stream);
+      timed_end(engine, kind, start);
+      mark_copied(g);
+    } else if (query(*g.d2h)) {  // saved on another stream: left to the poll until its copy is seen done
+      mark_copied(g);
+    }
+  }
+  if (PyObject_SetAttr(engine.ptr(), n.due, pending.ptr()) < 0) throw py::error_already_set();
+}
+
+void GroupCycle::fetch_groups(py::handle engine, const py::handle& refs, const py::object& share) {
+  const EngineNames& n = engine_names();
+  std::vector<py::object> groups;
+  int64_t total = 0;
+  for (const py::handle ref : refs) {
+    py::object group = ref.is_none() ? py::none() : deref(py::reinterpret_borrow<py::object>(ref));
+    if (group.is_none()) continue;
+    total += group.cast<ActivationGroup&>().nbytes_aligned;
+    groups.push_back(std::move(group));
+  }
+  const bool whole = share.is_none();
+  double wanted = whole ? 0.0 : share.cast<double>() * static_cast<double>(total);
+  for (const py::object& group : groups) {
+    ActivationGroup& g = group.cast<ActivationGroup&>();
+    const double size = static_cast<double>(g.nbytes_aligned);
+    // upto: None (all of it) where no share is asked or the share left covers the group.
+    const bool all = whole || wanted >= size;
+    const int64_t upto = all ? 0 : static_cast<int64_t>(wanted);
+    if (!whole) wanted = std::max(0.0, wanted - size);
+    const bool on_host_only = g.state == kHost && g.fetched < g.nbytes_aligned && g.d2h != nullptr;
+    if (!on_host_only || (!all && upto == 0)) continue;
+    if (native && all && g.fetched == 0) {
+      fetch(engine, group, g);
+    } else {
+      attr(engine, n.fetch_in_python)(group, all ? py::none() : py::object(py::int_(upto)));
+    }
+    if (g.fetched == g.nbytes_aligned) add_count(engine, n.groups_prefetched, 1);
   }
 }
 

@@ -2,13 +2,13 @@
 // next; its close (the copy out, the poll of the copies in flight, the resident window or
 // the plan's release point); in backward its copy back, its reader's wait, the fetch of the
 // group before it and its release. These are offload/activation/engine.py's `boundary`,
-// `_close`, `_poll` and `_keep_window` and backward.py's `fetch`, `make_ready`, `prefetch`
-// and `release` (whose notes give the reasons), for the engine's plain configuration: no
+// `_close`, `_poll`, `_keep_window` and `_release_due` and backward.py's `fetch`,
+// `fetch_groups`, `make_ready`, `prefetch` and `release` (whose notes give the reasons), for the engine's plain configuration: no
 // observer of auto mode (a measured step), no listeners, no verify, no nvtx ranges, mode
 // async or auto. A plan of auto mode (its schedule) is followed here too: its caps and parts,
-// its release points (the engine's `_release_due`, called where one has come), its fetch
-// points (hooks the engine sets). The table's `boundary`, `close_group` and `fetch_group` and
-// the unpack hook (saved_tensor_hooks.cpp) call these there instead of the Python methods,
+// its release points and its fetch points (hooks the engine sets on layer outputs). The
+// table's `boundary`, `close_group`, `fetch_group`, `release_due` and `fetch_layers` and the
+// unpack hook (saved_tensor_hooks.cpp) call these there instead of the Python methods,
 // so a group's cycle makes no interpreter call but the timing's (an accelerator with timing
 // on); elsewhere the Python methods run, which serve the observer and the events. The engine
 // says which (`PackTable.native_cycle`).
@@ -58,6 +58,16 @@ class GroupCycle {
   // tensors saved after the last layer.
   void close_left(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
                   const py::object& layer);
+  // engine.py's `_release_due` (no listeners here): let go of the groups whose planned release
+  // point has come (Note [planned release points] in auto/schedule.py), the current stream
+  // waiting on the device for each one's copy; the host is never blocked.
+  void release_due(py::handle engine, const py::object& point);
+  // backward.py's `fetch_groups`: fetch the groups of `refs` (weak references, or None) that
+  // are on the host; with `share` (not None), the groups of one layer up to that share of
+  // their bytes, in the order given (Note [fetch in pieces] in auto/schedule.py). A whole
+  // group is fetched here where the cycle is native, a piece (or any fetch, where it is not)
+  // by the engine's Python `_fetch_group`, which serves listeners and nvtx.
+  void fetch_groups(py::handle engine, const py::handle& refs, const py::object& share);
   // engine.py's `_hooks_follow_groups`, called only where it has something to switch.
   void follow_hooks(py::handle engine, bool group_open);
 

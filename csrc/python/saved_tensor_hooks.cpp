@@ -199,6 +199,12 @@ class PackTable {
   // A group's cycle runs in native code (group_cycle.h): the engine's plain configuration.
   GroupCycle& cycle() { return cycle_; }
   py::object engine_object() const { return engine(); }
+  // The engine, or None where it was freed (a hook on a gradient outliving its handle).
+  py::object engine_if_alive() const {
+    PyObject* engine = PyWeakref_GetObject(engine_.ptr());  // borrowed
+    if (engine == nullptr) throw py::error_already_set();
+    return py::reinterpret_borrow<py::object>(engine);
+  }
 
   bool params_pending = false;  // iterables of tensors wait to join param_ptrs (Note [parameter walk])
   bool params_needed = false;  // a saved tensor of this forward needed param_ptrs
@@ -656,6 +662,21 @@ void bind(py::module_& m) {
             t.cycle().fetch(t.engine_object(), group, core_group(group, "fetch_group"));
           },
           py::arg("group"))
+      .def(
+          "release_due", [](PackTable& t, const py::object& point) { t.cycle().release_due(t.engine_object(), point); },
+          py::arg("point"))
+      .def(
+          "fetch_layers",
+          [](PackTable& t, const py::list& fetches) {
+            // Per layer: (weak references to its groups, the share of their bytes or None).
+            const py::object engine = t.engine_if_alive();
+            if (engine.is_none()) return;
+            for (const py::handle entry : fetches) {
+              const py::tuple pair = py::reinterpret_borrow<py::tuple>(entry);
+              t.cycle().fetch_groups(engine, pair[0], pair[1]);
+            }
+          },
+          py::arg("fetches"))
       .def(
           "configure_backward",
           [](PackTable& t, py::object pool, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,

@@ -172,6 +172,9 @@ class BackwardSide:
         groups of one layer up to that share of their bytes, in the order given (a piece,
         Note [fetch in pieces] in auto/schedule.py)."""
         engine = self.engine
+        if engine._native:  # the core's twin of this method (csrc/python/group_cycle.h)
+            engine._table.fetch_layers([(refs, share)])
+            return
         groups = [g for g in (ref() if ref is not None else None for ref in refs) if g is not None]
         wanted = None if share is None else share * sum(g.nbytes_aligned for g in groups)
         for group in groups:
@@ -191,13 +194,20 @@ class BackwardSide:
         `shares`: layer -> the share of its bytes to fetch there, for layers fetched in pieces.
         The hook runs after the others on that gradient (Note [after FSDP2's hook])."""
         fetches = self.layer_fetches(layers, shares or {})
-        if fetches:  # else each is fetched at its first unpack
+        if not fetches:  # each is fetched at its first unpack
+            return
+        engine = self.engine
+        if engine._native:  # the core's hook calls the core's fetch: no interpreter call
+            anchor = first_grad_tensor(output)
+            if anchor is not None and engine._table.call_on_gradient(
+                    anchor, functools.partial(engine._table.fetch_layers, fetches)):
+                return
 
-            def fetch(side):
-                for refs, share in fetches:
-                    side.fetch_groups(refs, share)
+        def fetch(side):
+            for refs, share in fetches:
+                side.fetch_groups(refs, share)
 
-            self.on_gradient(output, fetch)
+        self.on_gradient(output, fetch)
 
     def fetch(self, group: Group, upto: Optional[int] = None) -> None:
         """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in

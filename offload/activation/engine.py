@@ -694,6 +694,9 @@ class ActivationEngine:
         now, and its device tensors go back to the allocator in stream order, as the window
         does; the host is never blocked. A group saved on another stream is left to `_poll`.
         """
+        if self._native_cycle:  # the core's twin of this method (csrc/python/group_cycle.h)
+            self._table.release_due(point)
+            return
         if all(at > point for at, _ in self._due):  # most points release nothing: no stream read
             return
         stream = _device.current_stream(self.device) if self.on_accel else None
