@@ -33,15 +33,11 @@ struct EngineNames {
   PyObject* span_ends = PyUnicode_InternFromString("span_ends");
   PyObject* profile = PyUnicode_InternFromString("profile");
   PyObject* version = PyUnicode_InternFromString("_version");
-  PyObject* timings = PyUnicode_InternFromString("_timings");
-  PyObject* copy = PyUnicode_InternFromString("copy");
   PyObject* copy_streams = PyUnicode_InternFromString("_copy_streams");
-  PyObject* timed_start = PyUnicode_InternFromString("_timed_start");
-  PyObject* timed_end = PyUnicode_InternFromString("_timed_end");
   PyObject* fetch_in_python = PyUnicode_InternFromString("_fetch_group");
-  PyObject* stream_object = PyUnicode_InternFromString("_current_stream");
   PyObject* h2d_bytes = PyUnicode_InternFromString("h2d_bytes");
   PyObject* h2d_seconds = PyUnicode_InternFromString("h2d_seconds");
+  PyObject* d2h_seconds = PyUnicode_InternFromString("d2h_seconds");
   PyObject* groups_fetched = PyUnicode_InternFromString("groups_fetched");
   PyObject* groups_prefetched = PyUnicode_InternFromString("groups_prefetched");
   PyObject* backward_wait_seconds = PyUnicode_InternFromString("backward_wait_seconds");

@@ -60,14 +60,14 @@ void synchronize(const Transfer& t) {
 }  // namespace
 
 void GroupCycle::configure(py::object pool_owner, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
-                           bool timing, bool first_layer_parts) {
+                           const py::object& timings, bool first_layer_parts) {
   first_layer_parts_ = first_layer_parts;
   pool_ = &pool_owner.cast<HostPool&>();
   pool_owner_ = std::move(pool_owner);
   set_copy_handle_class(std::move(handle_class));
   small_bytes_ = small_bytes;
   chunk_bytes_ = chunk_bytes;
-  timing_ = timing;
+  timings_ = timings.is_none() ? nullptr : timings.cast<std::shared_ptr<StepTimings>>();
 }
 
 c10::optional<c10::Stream> GroupCycle::current_stream() const {
@@ -83,17 +83,20 @@ void GroupCycle::read_copy_streams(py::handle engine) {
   streams_read_ = true;
 }
 
-py::object GroupCycle::timed_start(py::handle engine) {
-  // Through the engine's own timing (step_stats.py): its events and the step's pending list.
-  if (!timing_) return py::none();
-  const EngineNames& n = engine_names();
-  return attr(engine, n.timed_start)(attr(engine, n.stream_object)());
+std::shared_ptr<WaitStart> GroupCycle::timed_start() {
+  if (timings_ == nullptr) return nullptr;
+  return timings_->start(*current_stream());
 }
 
-void GroupCycle::timed_end(py::handle engine, const char* kind, const py::object& start) {
-  if (start.is_none()) return;
-  const EngineNames& n = engine_names();
-  attr(engine, n.timed_end)(kind, start, attr(engine, n.stream_object)());
+void GroupCycle::timed_end(py::handle engine, PyObject* kind, const std::shared_ptr<WaitStart>& start) {
+  if (start == nullptr) return;
+  timings_->end(attr(engine, engine_names().counters), py::reinterpret_borrow<py::object>(kind), start,
+                *current_stream());
+}
+
+void GroupCycle::timed_copy(py::handle engine, PyObject* kind, const Transfer& copy) {
+  if (timings_ == nullptr) return;
+  timings_->copy(attr(engine, engine_names().counters), py::reinterpret_borrow<py::object>(kind), copy.timer());
 }
 
 // backward.py's `fetch` of a whole group (`upto` None): one copy back of its host block
@@ -118,7 +121,7 @@ void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) 
   options.require_pinned = true;
   options.small_bytes = small_bytes_;
   options.chunk_bytes = chunk_bytes_;
-  options.timing = timing_;
+  options.timing = timings_ != nullptr;
   const c10::optional<std::vector<at::Tensor>> out{std::vector<at::Tensor>{g.device_block}};
   release_finished_copies();  // what earlier copies left, dropped with the interpreter lock held
   std::shared_ptr<Transfer> back;
@@ -129,10 +132,7 @@ void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) 
     back = copy_to_device(source->tensors(), source, device_, *pool_, h2d_stream_, out, options);
   }
   g.h2d.push_back(back);
-  if (timing_) {
-    const py::object counters = attr(engine, n.counters);
-    attr(attr(engine, n.timings), n.copy)(counters, "h2d_seconds", py::cast(back->timer()));
-  }
+  timed_copy(engine, n.h2d_seconds, *back);
   g.fetched = end;
   add_count(engine, n.h2d_bytes, std::min(end, g.nbytes));
   add_count(engine, n.groups_fetched, 1);
@@ -151,7 +151,7 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
     add_count(engine, n.backward_wait_seconds,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } else {
-    const py::object start = timed_start(engine);
+    const std::shared_ptr<WaitStart> start = timed_start();
     for (const std::shared_ptr<Transfer>& back : g.h2d) {
       if (g.owns_block(stream)) {
         // The block's owner waits for the copy: the core need not hold the block until the
@@ -162,7 +162,7 @@ void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup
         back->wait_stream(stream);
       }
     }
-    timed_end(engine, "backward_wait_seconds", start);
+    timed_end(engine, n.backward_wait_seconds, start);
   }
   g.mark_ready(stream);
 }
@@ -289,7 +289,7 @@ void GroupCycle::release_due(py::handle engine, const py::object& point) {
   if (!any) return;
   const c10::optional<c10::Stream> stream = current_stream();
   const double layers = attr(attr(engine, n.schedule), n.layer_count).cast<double>();
-  const char* kind = here < layers + 1 ? "forward_wait_seconds" : "backward_wait_seconds";
+  PyObject* kind = here < layers + 1 ? n.forward_wait_seconds : n.backward_wait_seconds;
   py::list pending;
   for (const py::handle entry : due) {
     const py::object group = deref(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry.ptr(), 1)));
@@ -299,7 +299,7 @@ void GroupCycle::release_due(py::handle engine, const py::object& point) {
     if (PyFloat_AsDouble(PyTuple_GET_ITEM(entry.ptr(), 0)) > here) {
       pending.append(entry);
     } else if (g.saved_on(stream)) {
-      const py::object start = timed_start(engine);
+      const std::shared_ptr<WaitStart> start = timed_start();
       g.d2h->release_sources(stream);
       timed_end(engine, kind, start);
       mark_copied(g);
@@ -377,7 +377,7 @@ void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) 
   read_copy_streams(engine);
   std::shared_ptr<Transfer> out;
   try {
-    out = g.copy_out(*pool_, d2h_stream_, chunk_bytes_, timing_);
+    out = g.copy_out(*pool_, d2h_stream_, chunk_bytes_, timings_ != nullptr);
   } catch (const c10::OutOfMemoryError& e) {
     // The pool is at its limit (Note [pool full] in engine.py): the engine keeps the group
     // on the device and says so once. Nothing was queued for it.
@@ -387,10 +387,7 @@ void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) 
     return;
   }
   g.d2h = out;
-  if (timing_) {
-    const py::object counters = attr(engine, n.counters);
-    attr(attr(engine, n.timings), n.copy)(counters, "d2h_seconds", py::cast(out->timer()));
-  }
+  timed_copy(engine, n.d2h_seconds, *out);
   g.state = kCopying;
   add_count(engine, n.d2h_bytes, out->nbytes());
   add_count(engine, n.groups_offloaded, 1);
@@ -455,9 +452,9 @@ void GroupCycle::keep_window(py::handle engine, const c10::optional<c10::Stream>
     if (o.saved_on(stream)) {
       // The compute stream waits on the device, not the host, and the oldest group's tensors,
       // saved on this stream, go back to the allocator in its order.
-      const py::object start = timed_start(engine);
+      const std::shared_ptr<WaitStart> start = timed_start();
       d2h->release_sources(stream);
-      timed_end(engine, "forward_wait_seconds", start);
+      timed_end(engine, n.forward_wait_seconds, start);
     } else {  // saved on another stream than the one running now: only the host can order it
       const auto t0 = std::chrono::steady_clock::now();
       synchronize(*d2h);

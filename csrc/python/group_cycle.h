@@ -32,6 +32,7 @@
 
 #include "activation_group.h"
 #include "offload/host_pool.h"
+#include "step_timings.h"
 
 namespace offload {
 namespace activation {
@@ -73,10 +74,10 @@ class GroupCycle {
 
   // The engine's copy settings, given once: its pool (`pool_owner` holds `pool` alive),
   // the Python class that wraps a transfer (offload.core.copy.CopyHandle, what a group's
-  // `d2h` and `h2d_handles` give Python), the copy engine's packing and chunk sizes, whether
-  // copies and waits are timed.
+  // `d2h` and `h2d_handles` give Python), the copy engine's packing and chunk sizes, and
+  // where copies and waits are timed, the engine's timings (a StepTimings; None: untimed).
   void configure(py::object pool_owner, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
-                 bool timing, bool first_layer_parts);
+                 const py::object& timings, bool first_layer_parts);
 
   // Fetches what is not fetched of `group` (its Python object; `g`, its core) and makes its
   // reader on the current stream (the host, without one) wait for the copy back, once per
@@ -97,9 +98,12 @@ class GroupCycle {
   c10::optional<c10::Stream> current_stream() const;
   // The engine's (device-to-host, host-to-device) copy streams, read from it once.
   void read_copy_streams(py::handle engine);
-  // The engine's wait timing: an event on the current stream before and after a wait.
-  py::object timed_start(py::handle engine);
-  void timed_end(py::handle engine, const char* kind, const py::object& start);
+  // The engine's wait timing: an event on the current stream before and after a wait (null
+  // where untimed), counted to the step's `counters[kind]`.
+  std::shared_ptr<WaitStart> timed_start();
+  void timed_end(py::handle engine, PyObject* kind, const std::shared_ptr<WaitStart>& start);
+  // A copy's time, counted to the step's `counters[kind]` (where timed).
+  void timed_copy(py::handle engine, PyObject* kind, const Transfer& copy);
 
   c10::Device device_;
   bool on_accel_;
@@ -107,7 +111,7 @@ class GroupCycle {
   HostPool* pool_ = nullptr;
   int64_t small_bytes_ = 0;
   int64_t chunk_bytes_ = 0;
-  bool timing_ = false;
+  std::shared_ptr<StepTimings> timings_;  // null: untimed
   bool first_layer_parts_ = false;  // mode async: the forward's first offloaded layer in parts
   bool streams_read_ = false;
   c10::optional<c10::Stream> d2h_stream_;

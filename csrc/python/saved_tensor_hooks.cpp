@@ -680,11 +680,11 @@ void bind(py::module_& m) {
       .def(
           "configure_backward",
           [](PackTable& t, py::object pool, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
-             bool timing, bool first_layer_parts) {
-            t.cycle().configure(std::move(pool), std::move(handle_class), small_bytes, chunk_bytes, timing,
+             const py::object& timings, bool first_layer_parts) {
+            t.cycle().configure(std::move(pool), std::move(handle_class), small_bytes, chunk_bytes, timings,
                                 first_layer_parts);
           },
-          py::arg("pool"), py::arg("handle_class"), py::arg("small_bytes"), py::arg("chunk_bytes"), py::arg("timing"),
+          py::arg("pool"), py::arg("handle_class"), py::arg("small_bytes"), py::arg("chunk_bytes"), py::arg("timings"),
           py::arg("first_layer_parts"))
       .def("add_params", &PackTable::add_params, py::arg("tensors"))
       .def("add_module_params", &PackTable::add_module_params, py::arg("root"))

@@ -191,9 +191,9 @@ class ActivationEngine:
     `_release(group)` (`unpack` and these four are the backward side's methods, set on the
     engine when it is made), `observer.unpacked(group)`; and read `counters["tensors_kept"]`
     (incremented for a tensor that stays), `backward_seen`, `observer`. The core's backward of a
-    group (group_cycle.h) calls `_copy_streams()`, `_current_stream()`, `_timed_start`/`_timed_end`,
-    `_timings.copy` (timing on an accelerator) and `_fetch_group(group)` (the rest of a group a plan
-    fetched in pieces), and adds to `counters`. Every name the core reads or calls is listed in
+    group (group_cycle.h) calls `_copy_streams()` and `_fetch_group(group, upto)` (a piece, or the rest
+    of a group a plan fetched in pieces), reads `schedule`, `_due` and the engine's group
+    bookkeeping, and adds to `counters` (its timings go to the core's StepTimings, `_timings`). Every name the core reads or calls is listed in
     csrc/python/engine_interface.h.
     """
 
@@ -250,11 +250,15 @@ class ActivationEngine:
             pack, unpack = (functools.partial(core.pack_saved_tensor, self._table),
                             functools.partial(core.unpack_saved_tensor, self._table))
             self._fetch_native = self._table.fetch_group  # the core's fetch of a whole group (group_cycle.h)
+            # Copy and wait timings not yet counted, in the core so its cycle adds to them directly
+            # (csrc/python/step_timings.h); the Python path calls the same object.
+            self._timings = core.StepTimings(self.device)
             self._table.configure_backward(self._copy_pool, CopyHandle, DEFAULT_SMALL_BYTES, DEFAULT_CHUNK_BYTES,
-                                           self.timing, mode == "async")
+                                           self._timings if self.timing else None, mode == "async")
         else:
             self._table = PackTable()
             self._copy_pool = self.pool
+            self._timings = StepTimings(self.device)  # copy and wait timings not yet counted
             pack, unpack = self.pack, self.unpack
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.hooks_in_groups_only = False  # Note [hooks in groups only]
@@ -270,7 +274,6 @@ class ActivationEngine:
         self.backward_seen = False
         self._step = 0
         self.counters = new_counters()
-        self._timings = StepTimings(self.device)  # copy and wait timings not yet counted
         # Auto mode's observer and schedule (set by `use_plan`; Note [engine interface]).
         self.observer = None
         self.schedule = None
@@ -316,10 +319,6 @@ class ActivationEngine:
     def native_cycle(self) -> bool:
         """Whether the core runs each group's cycle (csrc/python/group_cycle.h) in the next steps."""
         return self._native_cycle
-
-    def _current_stream(self):
-        """The current stream of the engine's device (None on the host)."""
-        return _device.current_stream(self.device) if self.on_accel else None
 
     # ------------------------------------------------------------ events
 
