@@ -44,7 +44,8 @@ def _graph_breaks() -> int:
 
 def _torch_offload_patch():
     """torch's own compile-time offload pass switched on, or None where this torch has none."""
-    config = torch._functorch.config
+    import torch._functorch.config as config  # a submodule torch does not import on every version
+
     if not hasattr(config, "enable_activation_offloading"):
         return None
     options = {"enable_activation_offloading": True}
