@@ -59,16 +59,16 @@ class Estimate:
 ESTIMATES = {
     "activation": Estimate(50, 12, 50, "the Llama model at seq 2048 and 8192"),
     "buckets": Estimate(7, 5),
-    "colocated": Estimate(20, 0),
+    "colocated": Estimate(23, 0),
     "compile": Estimate(240, 100),
     "copy": Estimate(25, 17),
     "frontier": Estimate(600, 60),
-    "host": Estimate(29, 1, 36, "the GPU measure's Llama at seq 8192"),
-    "param_offload": Estimate(35, 1, 35, "three rounds of the module.to baseline instead of one"),
-    "staging": Estimate(67, 13, 40, "two more DefaultStager option sets, five rounds of its training loop"),
+    "host": Estimate(36, 1, 36, "the GPU measure's Llama at seq 8192"),
+    "param_offload": Estimate(12, 1, 50, "16 GiB instead of 4, three rounds of the module.to baseline instead of one"),
+    "staging": Estimate(58, 13, 52, "two more DefaultStager option sets, five rounds of its training loop"),
     "train_fsdp2": Estimate(420, 0, gpus=2),
     "trainer": Estimate(24, 8, 7, "a third round"),
-    "weight_sync": Estimate(30, 31, 8, "12 snapshot steps instead of 8; on 2 GPUs also a bucket-size sweep"),
+    "weight_sync": Estimate(34, 31, 8, "12 snapshot steps instead of 8; on 2 GPUs also a bucket-size sweep"),
 }
 
 
