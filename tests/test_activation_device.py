@@ -102,3 +102,19 @@ def test_activation_device_budget_plan_peaks_within_its_prediction(device, share
     timed = check.get("history", []) + [check]
     for entry in timed:
         assert entry["measured_peak_bytes"] <= entry["predicted_peak_bytes"] * 1.05, timed
+
+
+def test_activation_device_times_copies_and_waits(device):
+    """On an accelerator the step's copies are timed, each way, and added to that step's
+    counters once the device has passed them (stats() waits for them)."""
+    if device.type == "cpu":
+        pytest.skip("timings are taken on an accelerator only")
+    model = small_model(n=4).to(device)
+    handle = _offloaded(model, device, "async", offload.HostPool())
+    x = torch.randn(64, 16, device=device)
+    for _ in range(2):
+        train_step(model, x)
+    stats = handle.stats()
+    assert stats["groups_offloaded"] > 0 and stats["groups_fetched"] == stats["groups_offloaded"]
+    assert stats["d2h_seconds"] > 0 and stats["h2d_seconds"] > 0
+    handle.disable()

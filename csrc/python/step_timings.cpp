@@ -1,8 +1,9 @@
 // StepTimings: the activation engine's timings not yet counted (step_timings.h).
 #include "step_timings.h"
 
-#include "offload/bindings_registry.h"
+#include <iterator>
 
+#include "offload/bindings_registry.h"
 #include "offload/event_cache.h"
 
 namespace offload {
@@ -45,8 +46,12 @@ void StepTimings::end(py::object counters, py::object kind, std::shared_ptr<Wait
 }
 
 void StepTimings::resolve(bool block) {
+  // Taken out of the list first: a blocking wait lets the interpreter lock go, and autograd's
+  // device thread may time another wait meanwhile (appended to pending_, counted next time).
+  std::vector<Pending> timings;
+  timings.swap(pending_);
   std::vector<Pending> left;
-  for (Pending& timed : pending_) {
+  for (Pending& timed : timings) {
     if (timed.copy != nullptr) {
       if (block) {
         py::gil_scoped_release no_gil;
@@ -69,6 +74,7 @@ void StepTimings::resolve(bool block) {
     }
     add_seconds(timed.counters, timed.kind, timed.start->event.elapsedTime(timed.end->event) / 1e3);
   }
+  left.insert(left.end(), std::make_move_iterator(pending_.begin()), std::make_move_iterator(pending_.end()));
   pending_ = std::move(left);
 }
 
