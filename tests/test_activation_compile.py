@@ -7,6 +7,7 @@ plan) and the errors for what is not served, without inductor.
 """
 
 import copy
+import re
 
 import pytest
 import torch
@@ -196,6 +197,42 @@ def _compiled_peak_and_grads(model, x):
     _blocks_step(model, x)
     _device.synchronize()
     return _device.max_memory_allocated() - idle, _grads(model)
+
+
+def _generated_kernels(model, x):
+    """The bodies of the kernels inductor generates for one compiled step of `model` (their
+    generated names made neutral), and the wrapper code."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model.compile()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, sources = run_and_get_code(lambda: _blocks_step(model, x))
+    found = set()
+    for source in sources:
+        for name, body in re.findall(r"^(\w+) = async_compile\.\w+\(.*?r?'''(.*?)'''", source, re.S | re.M):
+            found.add(body.replace(name, "kernel").strip())
+    return found, "\n".join(sources)
+
+
+@cpu_model
+@pytest.mark.slow
+def test_compile_kernels_are_those_of_the_model_compiled_without_offload():
+    """Offload's ops change no kernel of the compiled graphs: each layer's restored tensors
+    come in where its backward starts, so inductor fuses as it does without offload, and they
+    count as aligned, as the saved tensors they stand for did (on a GPU, either would change
+    the order of some sums)."""
+    torch.manual_seed(0)
+    base = Blocks(32, 3)
+    x = torch.randn(8, 32)
+    expected, _ = _generated_kernels(copy.deepcopy(base), x)
+    model = copy.deepcopy(base)
+    handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
+    kernels, code = _generated_kernels(model, x)
+    assert handle.stats()["groups_fetched"] == 2  # keep_last=1: two of three layers
+    assert kernels == expected
+    assert "group_in.default) is assumed to be not aligned" not in code
+    handle.disable()
 
 
 @pytest.fixture

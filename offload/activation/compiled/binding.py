@@ -94,7 +94,7 @@ class CompiledBinding:
         groups = choose_groups(fw, num_fwd_outputs, layers, plan.offload, rewrite)
         if groups:
             hosts = rewrite_forward(fw, num_fwd_outputs, groups, layers, rewrite)
-            rewrite_backward(bw, groups, hosts, rewrite)
+            rewrite_backward(bw, groups, hosts, rewrite, map_layers(bw.graph, matcher, backward=True))
         marker = partitioner.marker_of(fw.graph)
         if marker is not None:
             recomputed = [i for i, on in enumerate(plan.recompute) if on]

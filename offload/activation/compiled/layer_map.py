@@ -74,8 +74,8 @@ class LayerMatcher:
                 return index
         return None
 
-    def layer_of(self, node: fx.Node) -> Optional[int]:
-        stack = node.meta.get("nn_module_stack")
+    def layer_of(self, node: fx.Node, stack_key: str = "nn_module_stack") -> Optional[int]:
+        stack = node.meta.get(stack_key)
         if not stack:
             return None
         for value in stack.values():
@@ -86,13 +86,16 @@ class LayerMatcher:
         return None
 
 
-def map_layers(graph: fx.Graph, matcher: LayerMatcher) -> Dict[fx.Node, int]:
-    """Every node of `graph` recorded inside one of the matcher's layers, to that layer's index."""
+def map_layers(graph: fx.Graph, matcher: LayerMatcher, backward: bool = False) -> Dict[fx.Node, int]:
+    """Every node of `graph` recorded inside one of the matcher's layers, to that layer's index.
+    `backward`: a partitioned backward graph, whose nodes carry the module stack of the forward
+    node they differentiate (AOTAutograd's `fwd_nn_module_stack`)."""
+    key = "fwd_nn_module_stack" if backward else "nn_module_stack"
     out = {}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        index = matcher.layer_of(node)
+        index = matcher.layer_of(node, key)
         if index is not None:
             out[node] = index
     return out

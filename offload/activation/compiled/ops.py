@@ -13,9 +13,11 @@ streams] describes; rewrite.py places them.
   inductor 2.13 lowered those lists, set by the partitioner, as empty ones.
 - `group_out(saved, runtime, layer) -> host block` and `group_release(block, saved, anchor,
   runtime)`: the forward side. `anchor` orders the release after the op that makes it due.
-- `group_prefetch(block, anchor, specs..., device, runtime) -> token` and `group_in(token,
-  specs..., device, runtime) -> tensors`: the backward side. The token carries the serial
-  of the issued copy and gives the two ops a data edge, so their order holds.
+- `group_prefetch(block, anchor, token, specs..., device, runtime)` and `group_in(token,
+  specs..., device, runtime) -> tensors`: the backward side. The prefetch writes the serial
+  of the issued copy into `token`, a buffer of the graph's, which `group_in` reads: a data
+  edge, so their order holds (docs/design/compile.md says why the token is not the
+  prefetch's output).
 
 Ops that return nothing are marked as having side effects: graph passes would drop them.
 """
@@ -34,8 +36,8 @@ _SCHEMAS = {
     "compiled_step": "compiled_step(int runtime, bool served, str layers) -> ()",
     "group_out": "group_out(Tensor[] saved, int runtime, int layer) -> Tensor",
     "group_release": "group_release(Tensor block, Tensor[] saved, Tensor? anchor, int runtime) -> ()",
-    "group_prefetch": ("group_prefetch(Tensor block, Tensor? anchor, SymInt[] sizes, SymInt[] strides, int[] ranks, "
-                       "int[] dtypes, Device device, int runtime) -> Tensor"),
+    "group_prefetch": ("group_prefetch(Tensor block, Tensor? anchor, Tensor(a!) token, SymInt[] sizes, "
+                       "SymInt[] strides, int[] ranks, int[] dtypes, Device device, int runtime) -> ()"),
     "group_in": ("group_in(Tensor token, SymInt[] sizes, SymInt[] strides, int[] ranks, int[] dtypes, "
                  "Device device, int runtime) -> Tensor[]"),
 }
@@ -82,14 +84,9 @@ def _group_release(block, saved, anchor, runtime: int) -> None:
     transport_for(runtime).group_release(block)
 
 
-def _group_prefetch(block, anchor, sizes, strides, ranks, dtypes, device, runtime: int) -> torch.Tensor:
+def _group_prefetch(block, anchor, token, sizes, strides, ranks, dtypes, device, runtime: int) -> None:
     specs = unflatten_specs(sizes, strides, ranks, dtypes)
-    serial = transport_for(runtime).group_prefetch(block, specs, device)
-    return torch.tensor([serial], dtype=torch.int64)
-
-
-def _group_prefetch_fake(block, anchor, sizes, strides, ranks, dtypes, device, runtime: int) -> torch.Tensor:
-    return torch.empty(1, dtype=torch.int64, device="cpu")
+    token[0] = transport_for(runtime).group_prefetch(block, specs, device)
 
 
 def _group_in(token, sizes, strides, ranks, dtypes, device, runtime: int):
@@ -115,7 +112,7 @@ for _name, _real, _fake in (
     ("compiled_step", _compiled_step, _none_fake),
     ("group_out", _group_out, _group_out_fake),
     ("group_release", _group_release, _none_fake),
-    ("group_prefetch", _group_prefetch, _group_prefetch_fake),
+    ("group_prefetch", _group_prefetch, _none_fake),
     ("group_in", _group_in, _group_in_fake),
 ):
     _LIB.impl(_name, _real, "CompositeExplicitAutograd")

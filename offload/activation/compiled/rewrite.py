@@ -169,11 +169,37 @@ def _replace_saved_outputs(fw: fx.GraphModule, num_fwd_outputs: int, groups, hos
         output.meta["desc"] = list(descs[:num_fwd_outputs]) + saved_descs[:count]
 
 
+def _layer_starts(graph: fx.Graph, layers: Dict[fx.Node, int]) -> Dict[int, fx.Node]:
+    """Per layer, the first node of its backward: the first node recorded in the layer that the
+    gradients reach (it depends on a tangent; a parameter's transpose, which does not, may stand
+    anywhere)."""
+    reached = set()
+    starts: Dict[int, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                reached.add(node)
+            continue
+        if not any(arg in reached for arg in node.all_input_nodes):
+            continue
+        reached.add(node)
+        layer = layers.get(node)
+        if layer is not None and layer not in starts:
+            starts[layer] = node
+    return starts
+
+
 def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[fx.Node],
-                     options: RewriteOptions) -> None:
+                     options: RewriteOptions, layers: Optional[Dict[fx.Node, int]] = None) -> None:
     """Replace the offloaded tensors' placeholders with one host block placeholder per group,
     each group brought back by `group_prefetch` (one group ahead of backward) and `group_in`
-    (before the group's first use)."""
+    (where the backward of the layer that first reads the group starts: `layers`, the backward
+    graph's nodes recorded in each layer).
+
+    Why at a layer's start, not at the first use: inductor fuses the nodes of a layer's backward
+    as it would without offload only when no op of offload's stands between them. A `group_in`
+    at the first use splits, for instance, a bias gradient's sum that does not read the group
+    from the sums that do, and split sums add in another order on a GPU."""
     graph = bw.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     by_name = {p.name: p for p in placeholders}
@@ -197,11 +223,18 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
         host_phs.append(ph)
         anchor = ph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    starts = _layer_starts(graph, layers or {})
     firsts = []
     for group, ph in zip(groups, host_phs):
         olds = [by_name[n.name] for n in group.nodes]
         users = [u for old in olds for u in old.users]
         first = min(users, key=order.__getitem__) if users else graph.output_node()
+        # Back to the start of the backward of the layer that reads the group first (the layer
+        # after the group's, whose input the group's layer made, or the group's own).
+        for layer in (layers or {}).get(first), group.layer:
+            start = starts.get(layer)
+            if start is not None and order[start] < order[first]:
+                first = start
         firsts.append((order.get(first, len(order)), group, ph, olds, first))
     firsts.sort(key=lambda item: item[0])
     start = next(n for n in graph.nodes if n.op != "placeholder")
@@ -233,6 +266,15 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
 
 
 def _prefetch(graph: fx.Graph, block: fx.Node, anchor: Optional[fx.Node], spec_args, options) -> fx.Node:
-    node = graph.call_function(ops.group_prefetch, (block, anchor) + tuple(spec_args) + (options.runtime,))
-    _set_val(node, ops.group_prefetch, block, anchor, *spec_args, options.runtime)
-    return node
+    """`group_prefetch` of `block` and the token it writes, which its `group_in` reads."""
+    # The token is the graph's own buffer, written by the prefetch: the restored tensors
+    # `group_in` returns count as aligned for inductor, as the saved tensors they stand for did
+    # (an op's output is taken as unaligned where an input is, and the host block, a graph
+    # input on the host, is).
+    token = graph.call_function(torch.ops.aten.empty.memory_format, ([1],),
+                                {"dtype": torch.int64, "device": torch.device("cpu")})
+    with detect_fake_mode([block.meta["val"]]):
+        token.meta["val"] = torch.empty(1, dtype=torch.int64, device="cpu")
+    node = graph.call_function(ops.group_prefetch, (block, anchor, token) + tuple(spec_args) + (options.runtime,))
+    node.meta["val"] = None
+    return token

@@ -17,8 +17,9 @@ engine's (Note [resident window], Note [backward] in engine.py), expressed in th
   there and may reuse their memory only for work queued after the wait.
 - `group_prefetch`, placed where backward reaches the group after it, allocates the
   restored tensors on the compute stream (their owner) and issues one batched copy into
-  them on the host-to-device stream; `group_in`, placed before the group's first use,
-  makes the compute stream wait for that copy and returns the tensors.
+  them on the host-to-device stream; `group_in`, placed where the backward of the layer
+  that first reads the group starts, makes the compute stream wait for that copy and returns
+  the tensors.
 On the host (a CPU model) every copy is synchronous and the waits are no-ops.
 """
 
