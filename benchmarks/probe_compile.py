@@ -47,7 +47,8 @@ class Block(nn.Module):
 
 
 class Blocks(nn.Module):
-    """Residual MLP blocks and a head to a scalar: the GPU compile test's model."""
+    """Residual MLP blocks and a head to a scalar: the GPU compile test's model, written again
+    here because a diagnostic run from a checkout does not import the test suite."""
 
     def __init__(self, d, n):
         super().__init__()
