@@ -87,7 +87,8 @@ const SavedActivation* saved_activation_of(PyObject* obj) {
 void add_saved_activation_type(py::module_& m) {
   if (PyType_Ready(&saved_activation_type) < 0) throw py::error_already_set();
   Py_INCREF(&saved_activation_type);
-  m.add_object("SavedActivation", py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&saved_activation_type)));
+  m.add_object("SavedActivation",
+               py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&saved_activation_type)));
 }
 
 void set_copy_handle_class(py::object cls) {

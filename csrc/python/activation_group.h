@@ -10,7 +10,8 @@
 // (offload/activation/engine.py, backward.py) keeps the policy, at one call per
 // group: when a group opens and closes, which groups are fetched and released and
 // when, the events, the timings and auto mode. In the engine's plain configuration a
-// group's backward (fetch, wait, release) runs in native code too (group_cycle.h). The pure-PyTorch path runs the same
+// group's whole cycle runs in native code too (group_cycle.h), the engine's per-layer
+// fields being this class's members. The pure-PyTorch path runs the same
 // engine over groups.py's `Group` and pack_table.py's `PackTable`, the Python twins
 // of these classes, with the same attributes and methods (a test holds the two
 // paths equal, gradients and statistics).
@@ -159,6 +160,8 @@ class ActivationGroup {
   void let_sources_go(const c10::Stream& stream);
   // Backward let go of the group: its restored block, views and waits go.
   void reset_restore();
+  // Its copy out is complete and not all of it was brought back yet (groups.py's `on_host_only`).
+  bool on_host_only() const { return state == kHost && fetched < nbytes_aligned && d2h != nullptr; }
   // Whether the restored block was allocated on `stream` (its owner).
   bool owns_block(const c10::optional<c10::Stream>& stream) const {
     return fetch_stream.has_value() && fetch_stream == stream;

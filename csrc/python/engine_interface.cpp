@@ -34,8 +34,7 @@ py::object deref(const py::object& ref) {
   return py::reinterpret_borrow<py::object>(target);
 }
 
-void add_count(py::handle engine, PyObject* key, py::handle amount) {
-  const py::object counters = attr(engine, engine_names().counters);
+void add_to(const py::object& counters, PyObject* key, py::handle amount) {
   PyObject* now = PyDict_GetItemWithError(counters.ptr(), key);  // borrowed
   if (now == nullptr) {
     if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
@@ -43,6 +42,10 @@ void add_count(py::handle engine, PyObject* key, py::handle amount) {
   }
   const py::object more = py::reinterpret_steal<py::object>(PyNumber_Add(now, amount.ptr()));
   if (!more || PyDict_SetItem(counters.ptr(), key, more.ptr()) < 0) throw py::error_already_set();
+}
+
+void add_count(py::handle engine, PyObject* key, py::handle amount) {
+  add_to(attr(engine, engine_names().counters), key, amount);
 }
 
 }  // namespace activation

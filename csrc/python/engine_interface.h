@@ -77,7 +77,9 @@ py::object call(py::handle obj, PyObject* name, py::handle arg);
 bool truthy(const py::object& value);
 // The object a weak reference (or None) names, or None.
 py::object deref(const py::object& ref);
-// engine.counters[key] += amount (an int counter, or a float one for seconds).
+// counters[key] += amount, on a counters dict (an int counter, or a float one for seconds).
+void add_to(const py::object& counters, PyObject* key, py::handle amount);
+// engine.counters[key] += amount.
 void add_count(py::handle engine, PyObject* key, py::handle amount);
 template <typename Number, typename = std::enable_if_t<std::is_arithmetic<Number>::value>>
 void add_count(py::handle engine, PyObject* key, Number amount) {

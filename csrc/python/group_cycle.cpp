@@ -77,7 +77,8 @@ c10::optional<c10::Stream> GroupCycle::current_stream() const {
 
 void GroupCycle::read_copy_streams(py::handle engine) {
   if (streams_read_) return;
-  const py::tuple streams = attr(engine, engine_names().copy_streams)().cast<py::tuple>();  // engine.py's `_copy_streams`
+  // engine.py's `_copy_streams`
+  const py::tuple streams = attr(engine, engine_names().copy_streams)().cast<py::tuple>();
   d2h_stream_ = streams[0].cast<c10::optional<c10::Stream>>();
   h2d_stream_ = streams[1].cast<c10::optional<c10::Stream>>();
   streams_read_ = true;
@@ -177,8 +178,7 @@ void GroupCycle::prefetch(py::handle engine, py::handle group) {
     const py::object before = deref(ref);
     if (before.is_none()) return;
     ActivationGroup& b = before.cast<ActivationGroup&>();
-    const bool on_host_only = b.state == kHost && b.fetched < b.nbytes_aligned && b.d2h != nullptr;
-    if (on_host_only) {
+    if (b.on_host_only()) {
       fetch(engine, before, b);
       if (b.fetched == b.nbytes_aligned) add_count(engine, n.groups_prefetched, 1);
     }
@@ -189,7 +189,6 @@ void GroupCycle::prefetch(py::handle engine, py::handle group) {
 
 // backward.py's `release`.
 void GroupCycle::release(py::handle engine, py::handle group, ActivationGroup& g) {
-  const EngineNames& n = engine_names();
   if (g.state == kOpen) return;
   if (g.holds_device_tensors) {
     const std::shared_ptr<Transfer> d2h = g.d2h;
@@ -329,8 +328,7 @@ void GroupCycle::fetch_groups(py::handle engine, const py::handle& refs, const p
     const bool all = whole || wanted >= size;
     const int64_t upto = all ? 0 : static_cast<int64_t>(wanted);
     if (!whole) wanted = std::max(0.0, wanted - size);
-    const bool on_host_only = g.state == kHost && g.fetched < g.nbytes_aligned && g.d2h != nullptr;
-    if (!on_host_only || (!all && upto == 0)) continue;
+    if (!g.on_host_only() || (!all && upto == 0)) continue;
     if (native && all && g.fetched == 0) {
       fetch(engine, group, g);
     } else {

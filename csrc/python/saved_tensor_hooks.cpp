@@ -200,11 +200,7 @@ class PackTable {
   GroupCycle& cycle() { return cycle_; }
   py::object engine_object() const { return engine(); }
   // The engine, or None where it was freed (a hook on a gradient outliving its handle).
-  py::object engine_if_alive() const {
-    PyObject* engine = PyWeakref_GetObject(engine_.ptr());  // borrowed
-    if (engine == nullptr) throw py::error_already_set();
-    return py::reinterpret_borrow<py::object>(engine);
-  }
+  py::object engine_if_alive() const { return activation::deref(engine_); }
 
   bool params_pending = false;  // iterables of tensors wait to join param_ptrs (Note [parameter walk])
   bool params_needed = false;  // a saved tensor of this forward needed param_ptrs
@@ -318,10 +314,9 @@ class PackTable {
 
  private:
   py::object engine() const {
-    PyObject* engine = PyWeakref_GetObject(engine_.ptr());  // borrowed
-    if (engine == nullptr) throw py::error_already_set();
-    if (engine == Py_None) throw std::runtime_error("offload: the activation engine of these hooks was freed");
-    return py::reinterpret_borrow<py::object>(engine);
+    py::object engine = engine_if_alive();
+    if (engine.is_none()) throw std::runtime_error("offload: the activation engine of these hooks was freed");
+    return engine;
   }
 
   // The consumer's stream: the current stream of the engine's device (none on the host).
@@ -575,8 +570,8 @@ void bind(py::module_& m) {
   m.def("offload_extent", &offload_extent, py::arg("tensor"), py::arg("min_bytes"), py::arg("device"),
         "Whether the activation engine may offload `tensor` (a plain tensor saved in a group): "
         "None, or (storage data_ptr, first byte, end byte, whether its base has no grad_fn)");
-  // groups.py's `Group` is the reference for every member: the Python subclass `NativeGroup`
-  // there adds the engine's per-layer fields (name, layer, prev, part, split, auto, ...).
+  // groups.py's `Group` is the reference for every member, the engine's per-layer fields
+  // (name, layer, prev, part, split, auto, ...: groups.py's `LayerFields`) among them.
   m.def("next_group_serial", &activation::next_group_serial,
         "The next group serial of the process (ActivationEvent.serial), shared by both paths' groups");
   py::class_<ActivationGroup>(m, "ActivationGroup")

@@ -3,26 +3,12 @@
 
 #include <iterator>
 
+#include "engine_interface.h"
 #include "offload/bindings_registry.h"
 #include "offload/event_cache.h"
 
 namespace offload {
 namespace activation {
-
-namespace {
-
-// counters[kind] += seconds, on the step's own dict.
-void add_seconds(const py::object& counters, const py::object& kind, double seconds) {
-  PyObject* now = PyDict_GetItemWithError(counters.ptr(), kind.ptr());  // borrowed
-  if (now == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, kind.ptr());
-    throw py::error_already_set();
-  }
-  const py::object more = py::reinterpret_steal<py::object>(PyNumber_Add(now, py::float_(seconds).ptr()));
-  if (!more || PyDict_SetItem(counters.ptr(), kind.ptr(), more.ptr()) < 0) throw py::error_already_set();
-}
-
-}  // namespace
 
 WaitStart::~WaitStart() { give_back_event(std::move(event)); }
 
@@ -59,7 +45,7 @@ void StepTimings::resolve(bool block) {
       }
       const c10::optional<double> seconds = timed.copy->seconds();
       if (seconds.has_value()) {
-        add_seconds(timed.counters, timed.kind, *seconds);
+        add_to(timed.counters, timed.kind.ptr(), py::float_(*seconds));
       } else {
         left.push_back(std::move(timed));
       }
@@ -72,7 +58,7 @@ void StepTimings::resolve(bool block) {
       left.push_back(std::move(timed));
       continue;
     }
-    add_seconds(timed.counters, timed.kind, timed.start->event.elapsedTime(timed.end->event) / 1e3);
+    add_to(timed.counters, timed.kind.ptr(), py::float_(timed.start->event.elapsedTime(timed.end->event) / 1e3));
   }
   left.insert(left.end(), std::make_move_iterator(pending_.begin()), std::make_move_iterator(pending_.end()));
   pending_ = std::move(left);
