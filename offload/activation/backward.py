@@ -39,8 +39,8 @@ class BackwardSide:
     A collaborator of `ActivationEngine` (engine.py), which makes it and holds it as `backward`;
     it reads the engine's state through `self.engine` (the step's counters, the schedule and
     observer of auto mode, the forward's groups, the window, the events) and calls back the
-    engine's copy and release primitives (`_copy_back`, `_fetch_native`, `_mark_copied`, `_release_due`). The
-    engine hands the hooks its methods (Note [engine interface]).
+    engine's copy and release primitives (`_copy_back`, `_fetch_native`, `_mark_copied`,
+    `_release_due`). The engine hands the hooks its methods (Note [engine interface]).
     """
 
     def __init__(self, engine):
@@ -68,14 +68,16 @@ class BackwardSide:
         backward to reach that group."""
         self.on_gradient(output, _start_backward)  # else marked at the first unpack
 
-    def on_gradient(self, output, call) -> None:
+    def on_gradient(self, output, call, native_call=None) -> None:
         """call(self) when backward computes the gradient of the first tensor in `output` that needs
-        one: with the core, by a pre-hook of its node in C++ (no Python hook handle per step)."""
+        one: with the core, by a pre-hook of its node in C++ (no Python hook handle per step),
+        which calls `native_call()` instead where given (a callable of the core's: no
+        interpreter frame at all)."""
         engine = self.engine
         if engine._native:
             anchor = first_grad_tensor(output)
-            if anchor is None or engine._table.call_on_gradient(anchor, functools.partial(_call_with, self._ref,
-                                                                                          call)):
+            if anchor is None or engine._table.call_on_gradient(
+                    anchor, native_call if native_call is not None else functools.partial(_call_with, self._ref, call)):
                 return
             output = anchor  # a leaf: hooked in Python below
         when_gradient_of(output, self, call)
@@ -196,18 +198,14 @@ class BackwardSide:
         fetches = self.layer_fetches(layers, shares or {})
         if not fetches:  # each is fetched at its first unpack
             return
-        engine = self.engine
-        if engine._native:  # the core's hook calls the core's fetch: no interpreter call
-            anchor = first_grad_tensor(output)
-            if anchor is not None and engine._table.call_on_gradient(
-                    anchor, functools.partial(engine._table.fetch_layers, fetches)):
-                return
 
         def fetch(side):
             for refs, share in fetches:
                 side.fetch_groups(refs, share)
 
-        self.on_gradient(output, fetch)
+        # With the core, its hook calls the core's fetch (fetch_groups' twin) directly.
+        table = self.engine._table
+        self.on_gradient(output, fetch, functools.partial(table.fetch_layers, fetches) if self.engine._native else None)
 
     def fetch(self, group: Group, upto: Optional[int] = None) -> None:
         """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in

@@ -190,11 +190,11 @@ class ActivationEngine:
     `_split(group)`, `_backward_starts()`, `_make_ready(group)`, `_prefetch(group)`,
     `_release(group)` (`unpack` and these four are the backward side's methods, set on the
     engine when it is made), `observer.unpacked(group)`; and read `counters["tensors_kept"]`
-    (incremented for a tensor that stays), `backward_seen`, `observer`. The core's backward of a
-    group (group_cycle.h) calls `_copy_streams()` and `_fetch_group(group, upto)` (a piece, or the rest
-    of a group a plan fetched in pieces), reads `schedule`, `_due` and the engine's group
-    bookkeeping, and adds to `counters` (its timings go to the core's StepTimings, `_timings`). Every name the core reads or calls is listed in
-    csrc/python/engine_interface.h.
+    (incremented for a tensor that stays), `backward_seen`, `observer`. The core's cycle of a
+    group (group_cycle.h) calls `_copy_streams()` and `_fetch_group(group, upto)` (a piece, or
+    the rest of a group a plan fetched in pieces), reads `schedule`, `_due` and the engine's
+    group bookkeeping, and adds to `counters` (its timings go to the core's StepTimings,
+    `_timings`). Every name the core reads or calls is listed in csrc/python/engine_interface.h.
     """
 
     def __init__(

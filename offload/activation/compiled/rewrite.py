@@ -201,6 +201,7 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
     at the first use splits, for instance, a bias gradient's sum that does not read the group
     from the sums that do, and split sums add in another order on a GPU."""
     graph = bw.graph
+    layers = layers or {}
     placeholders = list(graph.find_nodes(op="placeholder"))
     by_name = {p.name: p for p in placeholders}
     gone_names = {n.name for g in groups for n in g.nodes}
@@ -223,7 +224,7 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
         host_phs.append(ph)
         anchor = ph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    starts = _layer_starts(graph, layers or {})
+    starts = _layer_starts(graph, layers)
     firsts = []
     for group, ph in zip(groups, host_phs):
         olds = [by_name[n.name] for n in group.nodes]
@@ -231,7 +232,7 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
         first = min(users, key=order.__getitem__) if users else graph.output_node()
         # Back to the start of the backward of the layer that reads the group first (the layer
         # after the group's, whose input the group's layer made, or the group's own).
-        for layer in (layers or {}).get(first), group.layer:
+        for layer in layers.get(first), group.layer:
             start = starts.get(layer)
             if start is not None and order[start] < order[first]:
                 first = start
