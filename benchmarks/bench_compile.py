@@ -96,16 +96,19 @@ def _measure(ctx, name: str, base, loss_of, min_tensor_bytes: int) -> dict:
         _device.empty_cache()
 
 
+def _print_variant(label: str, name: str, r: dict) -> None:
+    """One variant's figures as soon as it is measured: each compiles its model, minutes in all."""
+    peak = "-" if r["peak"] is None else f"{r['peak'] / 2**30:.3f} GiB"
+    print(f"  {label} {name:14} {r['ms']:9.2f} ms, peak {peak:>10}, {r['offloaded'] / 2**20:8.1f} MiB offloaded, "
+          f"{r['graph_breaks']} graph breaks", flush=True)
+
+
 def _rows(ctx, label: str, results: dict) -> list:
     from common import row
 
     base = results["compiled"]
     rows = []
-    print(f"{label}: step ms, peak above idle, bytes offloaded per step, graph breaks added", flush=True)
     for name, r in results.items():
-        peak = "-" if r["peak"] is None else f"{r['peak'] / 2**30:.3f} GiB"
-        print(f"  {name:14} {r['ms']:9.2f} ms {peak:>12} {r['offloaded'] / 2**20:10.1f} MiB "
-              f"{r['graph_breaks']:3d} breaks", flush=True)
         extra = dict(variant=name, offloaded_bytes=r["offloaded"], graph_breaks=r["graph_breaks"], peak_bytes=r["peak"])
         if name != "compiled":
             rows.append(row(SECTION, f"{label} {name} step", offload=r["ms"], baseline=base["ms"], unit="ms",
@@ -153,6 +156,7 @@ def run(ctx):
                 ctx.progress(f"compile: {label}: {name}")
                 try:
                     results[name] = _measure(ctx, name, model, loss_of, min_bytes)
+                    _print_variant(label, name, results[name])
                 except Exception as exc:  # noqa: BLE001 - torch's own pass is marked experimental
                     if name != "torch_offload":
                         raise
