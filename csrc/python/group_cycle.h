@@ -5,8 +5,9 @@
 // `_close`, `_poll`, `_keep_window` and `_release_due` and backward.py's `fetch`,
 // `fetch_groups`, `make_ready`, `prefetch` and `release` (whose notes give the reasons), for
 // the engine's plain configuration: no observer of auto mode (a measured step), no
-// listeners, no verify, no nvtx ranges, mode async or auto. A plan of auto mode (its schedule) is followed here too: its caps and parts,
-// its release points and its fetch points (hooks the engine sets on layer outputs). The
+// listeners, no verify, no nvtx ranges, mode async or auto. A plan of auto mode (its
+// schedule) is followed here too: its caps and parts, its release points and its fetch
+// points (hooks the engine sets on layer outputs). The
 // table's `boundary`, `close_group`, `fetch_group`, `release_due` and `fetch_layers` and the
 // unpack hook (saved_tensor_hooks.cpp) call these there instead of the Python methods,
 // so a group's cycle makes no interpreter call but the timing's (an accelerator with timing

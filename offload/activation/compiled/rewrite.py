@@ -190,7 +190,7 @@ def _layer_starts(graph: fx.Graph, layers: Dict[fx.Node, int]) -> Dict[int, fx.N
 
 
 def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[fx.Node],
-                     options: RewriteOptions, layers: Optional[Dict[fx.Node, int]] = None) -> None:
+                     options: RewriteOptions, layers: Dict[fx.Node, int]) -> None:
     """Replace the offloaded tensors' placeholders with one host block placeholder per group,
     each group brought back by `group_prefetch` (one group ahead of backward) and `group_in`
     (where the backward of the layer that first reads the group starts: `layers`, the backward
@@ -201,7 +201,6 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
     at the first use splits, for instance, a bias gradient's sum that does not read the group
     from the sums that do, and split sums add in another order on a GPU."""
     graph = bw.graph
-    layers = layers or {}
     placeholders = list(graph.find_nodes(op="placeholder"))
     by_name = {p.name: p for p in placeholders}
     gone_names = {n.name for g in groups for n in g.nodes}
