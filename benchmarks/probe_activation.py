@@ -116,12 +116,15 @@ def probe_host(ctx, model, loss_fn, handle, n):
         return wrapper
 
     # The engine's Python runs per group (the per-tensor work is the core's, or the Python twins'
-    # without it): time its per-group methods, the engine's and its backward side's. The hooks
-    # take the backward side's methods through the engine's attributes set when it was made, so
+    # without it): time its per-group methods, the engine's and its forward and backward sides'.
+    # The hooks take the sides' methods through the engine's attributes set when it was made, so
     # those are timed on the instance.
     engine = handle.engine
-    for name in ("boundary", "_close", "_release_due", "_mark_copied", "_copy_back", "_walk_params"):
+    for name in ("boundary", "_copy_back", "_walk_params"):
         setattr(engine, name, timed(name, getattr(engine, name)))
+    forward = engine.forward
+    for name in ("close", "release_due", "mark_copied"):
+        setattr(forward, name, timed(f"forward.{name}", getattr(forward, name)))
     side = engine.backward
     for name in ("fetch", "fetch_groups", "starts"):
         setattr(side, name, timed(f"backward.{name}", getattr(side, name)))

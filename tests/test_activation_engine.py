@@ -420,7 +420,7 @@ def test_activation_async_copies_the_first_layer_in_parts(pool, ckpt):
     parts of the bytes it saved before, and in backward all its parts are fetched together at
     the next layer's first unpack, its last part first; a layer that saves fewer spans than
     parts (a checkpoint's input) is not split. Gradients stay bitwise equal."""
-    from offload.activation.engine import SPLIT_PARTS
+    from offload.activation.forward import SPLIT_PARTS
 
     model, handle, log, x, grads_ref = async_logging_fetches(pool, ckpt=ckpt)
     closed = []

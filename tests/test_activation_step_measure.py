@@ -229,7 +229,7 @@ def test_activation_auto_marks_when_layers_save_their_bytes(pool):
     """The measured steps mark when each layer has saved every eighth of its bytes: the plan
     holds, per eligible layer, marks of a rising share saved at rising times within its
     forward, past the last eighth; and the layer's bytes after each of its new spans."""
-    from offload.activation.engine import PROFILE_POINTS
+    from offload.activation.forward import PROFILE_POINTS
 
     model = small_model()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=0, pool=pool, verbose=False)

@@ -53,18 +53,18 @@ def test_activation_views_of_one_storage_copied_once_across_parts(mode, monkeypa
     whole projection output made for q and share it, so the storage is copied once (its
     views reading nearly all of it copy all of it): the step copies as many bytes as the same
     step without parts. Gradients stay bitwise."""
-    from offload.activation import engine as _activation
+    from offload.activation import forward as _forward
 
     forward_done = [False]
 
-    class InFlight(_activation.CopyHandle):
+    class InFlight(_forward.CopyHandle):
         """A copy seen in flight until forward ends (a copy on the host is done at once; on a
         device the first part's was still running when k and v were saved)."""
 
         def ready(self):
             return forward_done[0] and super().ready()
 
-    monkeypatch.setattr(_activation, "CopyHandle", InFlight)
+    monkeypatch.setattr(_forward, "CopyHandle", InFlight)
     torch.manual_seed(0)
     ref = _QKVModel()
     x = torch.randn(64, 16)
@@ -79,7 +79,7 @@ def test_activation_views_of_one_storage_copied_once_across_parts(mode, monkeypa
             use_schedule(engine, 3, release_at={0: [2, 3] if parts else 3}, split_at={0: [1]} if parts else {})
         else:  # async mode's first layer in parts, as many as its saves allow
             # A private patch: async mode splits its first layer by what it saved last forward; no option sets it.
-            monkeypatch.setattr(engine, "_first_layer_parts", lambda layer: [1] if parts else None)
+            monkeypatch.setattr(engine.forward, "first_layer_parts", lambda layer: [1] if parts else None)
         closed = []
         log_events(handle, closed, kinds=("closed",))
         model.register_forward_hook(lambda *_: forward_done.__setitem__(0, True))

@@ -7,7 +7,7 @@
 // (the pack decision, span and view bookkeeping, the unpack's version check and
 // view) and the per-group data work (sealing the spans, issuing the copy out,
 // dropping the held tensors, restoring views) run here; the engine in Python
-// (offload/activation/engine.py, backward.py) keeps the policy, at one call per
+// (offload/activation/engine.py, forward.py, backward.py) keeps the policy, at one call per
 // group: when a group opens and closes, which groups are fetched and released and
 // when, the events, the timings and auto mode. In the engine's plain configuration a
 // group's whole cycle runs in native code too (group_cycle.h), the engine's per-layer

@@ -1,5 +1,5 @@
 // GroupCycle: a group's cycle in native code (group_cycle.h says when it runs). Each
-// method is the twin of the method of offload/activation/engine.py or backward.py named
+// method is the twin of the method of offload/activation/forward.py, engine.py or backward.py named
 // in its comment; a test holds the two paths equal (gradients, statistics, events of the
 // steps around them).
 #include "group_cycle.h"
@@ -18,7 +18,7 @@ namespace activation {
 
 namespace {
 
-// engine.py's SPLIT_PARTS: the forward's first offloaded layer in async mode is copied in this
+// forward.py's SPLIT_PARTS: the forward's first offloaded layer in async mode is copied in this
 // many parts (Note [layer parts]).
 constexpr int64_t kSplitParts = 4;
 
@@ -242,7 +242,7 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
         made.split = dict_get(attr(schedule, n.split_at), layer);
       }
     } else if (first && first_layer_parts_) {
-      // engine.py's `_first_layer_parts`: the first offloaded layer of the forward, in parts of
+      // forward.py's `first_layer_parts`: the first offloaded layer of the forward, in parts of
       // the bytes it saved last time, where it saved enough spans and bytes for them.
       PyObject* size = PyDict_GetItemWithError(attr(engine, n.layer_sizes).ptr(), layer.ptr());  // borrowed
       if (size == nullptr && PyErr_Occurred()) throw py::error_already_set();
@@ -352,7 +352,7 @@ void GroupCycle::mark_copied(ActivationGroup& g) {
   g.state = kHost;
 }
 
-// engine.py's `_close`, the plain configuration's branches: no observer, no verify, no
+// forward.py's `close`, the plain configuration's branches: no observer, no verify, no
 // nvtx range, no listeners, mode async or auto (the window keeps the groups, or the plan's
 // release points).
 void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) {
@@ -415,7 +415,7 @@ void GroupCycle::close(py::handle engine, py::handle group, ActivationGroup& g) 
   keep_window(engine, g.stream);
 }
 
-// engine.py's `_poll`: mark copied, oldest first, the groups whose copies are complete.
+// forward.py's `poll`: mark copied, oldest first, the groups whose copies are complete.
 void GroupCycle::poll(py::handle engine) {
   const EngineNames& n = engine_names();
   const py::object inflight = attr(engine, n.inflight);
@@ -432,7 +432,7 @@ void GroupCycle::poll(py::handle engine) {
   }
 }
 
-// engine.py's `_keep_window` (Note [resident window]): the group now opening plus those
+// forward.py's `keep_window` (Note [resident window]): the group now opening plus those
 // still copying may not exceed `resident_groups`.
 void GroupCycle::keep_window(py::handle engine, const c10::optional<c10::Stream>& stream) {
   const EngineNames& n = engine_names();

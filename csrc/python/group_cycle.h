@@ -1,8 +1,8 @@
 // A group's cycle in native code: the layer boundary that closes one group and opens the
 // next; its close (the copy out, the poll of the copies in flight, the resident window or
 // the plan's release point); in backward its copy back, its reader's wait, the fetch of the
-// group before it and its release. These are offload/activation/engine.py's `boundary`,
-// `_close`, `_poll`, `_keep_window` and `_release_due` and backward.py's `fetch`,
+// group before it and its release. These are offload/activation/forward.py's `boundary`,
+// `close`, `poll`, `keep_window` and `release_due` and backward.py's `fetch`,
 // `fetch_groups`, `make_ready`, `prefetch` and `release` (whose notes give the reasons), for
 // the engine's plain configuration: no observer of auto mode (a measured step), no
 // listeners, no verify, no nvtx ranges, mode async or auto. A plan of auto mode (its
@@ -45,11 +45,11 @@ class GroupCycle {
   // Whether the unpack hook runs a group's backward here (the engine's plain configuration).
   bool native = false;
 
-  // engine.py's `_close` (plain configuration): seal the group, issue its copy out, poll the
+  // forward.py's `close` (plain configuration): seal the group, issue its copy out, poll the
   // copies in flight and keep the resident window.
   void close(py::handle engine, py::handle group, ActivationGroup& g);
 
-  // engine.py's `boundary` (plain configuration), given the open group (None; `g` its core,
+  // forward.py's `boundary` (plain configuration), given the open group (None; `g` its core,
   // null) and the boundary's arguments. Returns the group to open next: the open one where a
   // small layer joins it (`*joined` set), else a new group, or None. Closes the open group
   // otherwise, after the caller has let go of it.
@@ -60,7 +60,7 @@ class GroupCycle {
   // tensors saved after the last layer.
   void close_left(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
                   const py::object& layer);
-  // engine.py's `_release_due` (no listeners here): let go of the groups whose planned release
+  // forward.py's `release_due` (no listeners here): let go of the groups whose planned release
   // point has come (Note [planned release points] in auto/schedule.py), the current stream
   // waiting on the device for each one's copy; the host is never blocked.
   void release_due(py::handle engine, const py::object& point);
@@ -70,7 +70,7 @@ class GroupCycle {
   // group is fetched here where the cycle is native, a piece (or any fetch, where it is not)
   // by the engine's Python `_fetch_group`, which serves listeners and nvtx.
   void fetch_groups(py::handle engine, const py::handle& refs, const py::object& share);
-  // engine.py's `_hooks_follow_groups`, called only where it has something to switch.
+  // forward.py's `hooks_follow_groups`, called only where it has something to switch.
   void follow_hooks(py::handle engine, bool group_open);
 
   // The engine's copy settings, given once: its pool (`pool_owner` holds `pool` alive),
@@ -94,7 +94,7 @@ class GroupCycle {
  private:
   void poll(py::handle engine);
   void keep_window(py::handle engine, const c10::optional<c10::Stream>& stream);
-  // engine.py's `_mark_copied` (no listeners here): the held tensors go, the group is on the host.
+  // forward.py's `mark_copied` (no listeners here): the held tensors go, the group is on the host.
   static void mark_copied(ActivationGroup& g);
   c10::optional<c10::Stream> current_stream() const;
   // The engine's (device-to-host, host-to-device) copy streams, read from it once.

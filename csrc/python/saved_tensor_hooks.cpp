@@ -275,7 +275,7 @@ class PackTable {
     }
   }
 
-  // engine.py's `boundary` in the plain configuration (group_cycle.h): the open group closes
+  // forward.py's `boundary` in the plain configuration (group_cycle.h): the open group closes
   // (or a small layer joins it) and the next one opens.
   void boundary(const py::object& name, bool offload, const py::object& layer) {
     const py::object engine = this->engine();
@@ -367,7 +367,7 @@ py::object PackTable::pack_new_span(py::handle engine, py::handle tensor, const 
   int64_t lo = extent.first - extent.first % kSpanAlign;
   int64_t hi = extent.last;
   const auto size = static_cast<int64_t>(storage.nbytes());
-  if (7 * size <= 8 * (hi - lo)) {  // engine.py's WHOLE_STORAGE: 7/8 of it or more, all of it
+  if (7 * size <= 8 * (hi - lo)) {  // pack_table.py's WHOLE_STORAGE: 7/8 of it or more, all of it
     lo = 0;
     hi = size;
   }
@@ -407,7 +407,7 @@ py::object PackTable::pack(py::handle tensor) {
   const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
   Extent extent{};
   if (!offload_extent_of(t, min_bytes_, device_, &extent)) return keep(engine, tensor);
-  if (extent.check_params) {  // engine.py's `pack_extent` says why only these
+  if (extent.check_params) {  // pack_table.py's `pack_extent` says why only these
     params_needed = true;
     if (params_pending && !param_ptrs_.count(extent.ptr)) call(engine, n.walk_params, py::int_(extent.ptr));
     if (param_ptrs_.count(extent.ptr)) return keep(engine, tensor);

@@ -2,12 +2,13 @@
 back ahead of backward. See docs/activation.md.
 
 The runtime (this package's modules): api (the user API and its handle), engine (the saved-tensor
-hooks, groups opened and closed at layer boundaries, the copies out, the window, statistics),
-backward (groups' copies back and their release in backward), groups (the data model: the
-Python twin of the core's groups), pack_table (what the pack hook consults: the Python twin of
-the core's table), saved_tensors (per-tensor helpers), layers (layer discovery and wrapping), step_stats (per-step
-counters and the device timings that feed them), verify (`verify=True`: each group's checksums out
-and back).
+hooks, the captures, statistics and events), forward (its forward side: groups opened and
+closed at layer boundaries, the copies out, the window, auto mode's release points), backward
+(its backward side: groups' copies back and their release in backward), groups (the data
+model: the Python twin of the core's groups), pack_table (what the pack hook consults: the
+Python twin of the core's table), saved_tensors (per-tensor helpers), layers (layer discovery
+and wrapping), step_stats (per-step counters and the device timings that feed them), verify
+(`verify=True`: each group's checksums out and back).
 
 Auto mode (auto/, see its docstring for its modules: planner, shared, measure, memory, schedule,
 probes, search, budget, budget_plan, budget_checks, ranks) is built on the runtime and

@@ -39,8 +39,9 @@ class BackwardSide:
     A collaborator of `ActivationEngine` (engine.py), which makes it and holds it as `backward`;
     it reads the engine's state through `self.engine` (the step's counters, the schedule and
     observer of auto mode, the forward's groups, the window, the events) and calls back the
-    engine's copy and release primitives (`_copy_back`, `_fetch_native`, `_mark_copied`,
-    `_release_due`). The engine hands the hooks its methods (Note [engine interface]).
+    engine's copy primitives (`_copy_back`, `_fetch_native`) and the forward side's release
+    (`forward.mark_copied`, `forward.release_due`, forward.py). The engine hands the hooks its
+    methods (Note [engine interface]).
     """
 
     def __init__(self, engine):
@@ -154,7 +155,7 @@ class BackwardSide:
         """Backward starts (auto mode): release what the schedule lets go here, fetch what it fetches."""
         engine = self.engine
         schedule = engine.schedule
-        engine._release_due(schedule.n + 1)
+        engine.forward.release_due(schedule.n + 1)
         for refs, share in self.layer_fetches(schedule.fetch_at_start, schedule.shares_at(schedule.n + 1)):
             self.fetch_groups(refs, share)
 
@@ -326,7 +327,7 @@ class BackwardSide:
             # the host back in backward and one on the compute stream would stall it.
             self.let_sources_go(group)
         if group.holds_device_tensors:
-            engine._mark_copied(group)
+            engine.forward.mark_copied(group)
         group.reset_restore()
 
 def _start_backward(side) -> None:

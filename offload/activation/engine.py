@@ -2,19 +2,17 @@
 to pinned host memory while the next layer computes, and bring it back ahead of backward.
 
 The data path, top to bottom: the user API (api.py; layers.py finds and wraps the layers)
--> `ActivationEngine` (pack/unpack hooks, groups, the resident window or auto mode's
-schedule, prefetch) -> `copy_spans_to_host` / `copy_to_device` (one batched copy per group)
--> `HostPool` (pinned blocks, reused across steps). The notes below give the reasons.
+-> `ActivationEngine` (the engine's state, its captures, the pack hook, statistics and
+events; its forward side, forward.py: groups opened and closed, the resident window or auto
+mode's release points; its backward side, backward.py: unpack, fetch back, release) ->
+`copy_spans_to_host` / `copy_to_device` (one batched copy per group) -> `HostPool` (pinned
+blocks, reused across steps). The notes below give the reasons for all three.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-import time
-import warnings
-import weakref
 from typing import Optional
 
 import torch
@@ -23,26 +21,13 @@ from ..core import _backend, _device
 from ..core.copy import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_BYTES, CopyHandle, copy_to_device
 from ..core.checks import check_bool, check_int
 from ..core.pool import HostPool, check_pool, default_host_pool
-from .groups import CLOSED, COPYING, HOST, KEPT, OPEN, RELEASED, ActivationEvent, AutoState, Group, group_class
+from .groups import ActivationEvent, Group, group_class
 from .backward import BackwardSide
+from .forward import ForwardSide
 from .pack_table import PackTable
-from .verify import GroupChecksums
 from .saved_tensors import make_not_traced, not_traced, offload_extent, top_pack_hook
 from .step_stats import StepTimings, new_counters
 
-# A layer whose copy would start on an idle device-to-host stream is copied in this many
-# parts, each as soon as the layer has saved its share of the bytes: waiting for the layer
-# to end would leave the bus idle through the first offloaded layer's forward.
-SPLIT_PARTS = 4
-# Auto mode's measured steps mark when each layer has saved every PROFILE_POINTS-th share of
-# its bytes (of new spans): a layer's bytes do not come evenly over its time, so auto mode's
-# schedule (auto/schedule.py) places a part's close by these marks. A multiple of SPLIT_PARTS:
-# the quarters' ends are then marks of their own.
-PROFILE_POINTS = 8
-# Where the point of the last tensor saved before the step's peak, after the last layer (n),
-# sits among a `Schedule`'s points (auto/schedule.py): between the last layer's end (n) and
-# backward's start (n + 1).
-TAIL_POINT = 0.5
 
 # Note [groups]: a group is the span of forward from one layer's start to the next layer's
 # start (or the end of the model's forward). Opening groups at layer starts (instead of
@@ -188,13 +173,15 @@ class ActivationEngine:
     where Python decides and otherwise per group: `pack(t)` (no group open), `unpack(packed)`
     (what the core does not serve), `_keep(t)`, `_walk_params(ptr)`, `_profiled(group)`,
     `_split(group)`, `_backward_starts()`, `_make_ready(group)`, `_prefetch(group)`,
-    `_release(group)` (`unpack` and these four are the backward side's methods, set on the
-    engine when it is made), `observer.unpacked(group)`; and read `counters["tensors_kept"]`
-    (incremented for a tensor that stays), `backward_seen`, `observer`. The core's cycle of a
-    group (group_cycle.h) calls `_copy_streams()` and `_fetch_group(group, upto)` (a piece, or
-    the rest of a group a plan fetched in pieces), reads `schedule`, `_due` and the engine's
-    group bookkeeping, and adds to `counters` (its timings go to the core's StepTimings,
-    `_timings`). Every name the core reads or calls is listed in csrc/python/engine_interface.h.
+    `_release(group)` (`_profiled` and `_split` are the forward side's methods, `unpack` and
+    the last four the backward side's, set on the engine when it is made),
+    `observer.unpacked(group)`; and read `counters["tensors_kept"]` (incremented for a tensor
+    that stays), `backward_seen`, `observer`. The core's cycle of a group (group_cycle.h)
+    calls `_copy_streams()`, `_keep_on_device(group, exc)`, `_hooks_follow_groups()` and
+    `_fetch_group(group, upto)` (a piece, or the rest of a group a plan fetched in pieces),
+    reads `schedule`, `_due` and the engine's group bookkeeping, and adds to `counters` (its
+    timings go to the core's StepTimings, `_timings`). Every name the core reads or calls is
+    listed in csrc/python/engine_interface.h.
     """
 
     def __init__(
@@ -231,8 +218,14 @@ class ActivationEngine:
         # methods and groups (OFFLOAD_FORCE_FALLBACK=1, or `_backend.force_fallback()` around the
         # engine's making, chooses them). The core's table holds the engine weakly; the Python
         # hooks are bound methods (the engine and its hooks form a cycle the collector sees).
-        # The backward side (backward.py), a collaborator; the hooks call its methods through the
-        # engine's attributes below (Note [engine interface]).
+        # The forward and backward sides (forward.py, backward.py), collaborators; the hooks and the
+        # core call their methods through the engine's attributes below (Note [engine interface]).
+        self.forward = ForwardSide(self)
+        self._split = self.forward.split
+        self._profiled = self.forward.profiled
+        self._keep_on_device = self.forward.keep_on_device
+        self._hooks_follow_groups = self.forward.hooks_follow_groups
+        self._saved_after_layers = self.forward.saved_after_layers
         self.backward = BackwardSide(self)
         self.unpack = self.backward.unpack
         self._backward_starts = self.backward.starts
@@ -285,7 +278,6 @@ class ActivationEngine:
         # layer index -> (bytes, count) of the new storage spans it offloaded in its last forward:
         # async mode copies the first offloaded layer of a forward in parts of those bytes.
         self._layer_sizes: dict = {}
-        self._warned_pool_full = False  # Note [pool full]
         self._listeners: tuple = ()  # callbacks given ActivationEvents (Note [events])
         self._choose_native_cycle()
 
@@ -412,7 +404,7 @@ class ActivationEngine:
     def _enter(self, params) -> None:
         if self.capturing == 0:
             self._start_step_after_backward()
-            self._poll()
+            self.forward.poll()
             self._table.clear()
             self._param_pending = list(params)
             self._table.params_pending = bool(self._param_pending)
@@ -466,182 +458,10 @@ class ActivationEngine:
         if self._native_cycle:  # the core's twin of this method (csrc/python/group_cycle.h)
             self._table.boundary(name, offload, layer)
         else:
-            self._boundary(name, offload, layer)
+            self.forward.boundary(name, offload, layer)
         if params is not None:
             self._param_pending.append(params)
             self._table.params_pending = True
-
-    def _boundary(self, name, offload: bool, layer) -> None:
-        """`boundary` in Python: without the core, and where the core's cycle does not run."""
-        group = self.open_group
-        schedule = self.schedule
-        if (name is not None and offload and layer is not None and group is not None and group.layer is not None
-                and group.state == OPEN and group.capped < self.min_group_bytes and schedule is None
-                and self.observer is None and self.capturing):
-            # A small layer's group goes on through this layer (fewer, larger copies); auto mode
-            # plans and measures layer by layer, so its groups stay one a layer.
-            group.n_layers += 1
-            self._layer_groups[layer] = [self._last_offloaded]
-            return
-        self.open_group = None
-        if group is not None:
-            self._close(group)
-        if schedule is not None and layer is not None:
-            self._release_due(layer)  # the point: layer `layer` opens (n: the last layer ended)
-        if name is None and layer is not None and (
-                self.observer is not None or (schedule is not None and schedule.tail_save is not None)):
-            self._tail = 0  # the last layer ended: count the tensors saved after it
-        if name is None or not self.capturing:
-            self._hooks_follow_groups()
-            return
-        observer = self.observer
-        if offload or observer is not None:
-            first = self._last_offloaded is None
-            group = self._group_class(name, layer, offload, self._last_offloaded)
-            if offload:
-                self._last_offloaded = weakref.ref(group)
-                if layer is not None:
-                    self._layer_groups[layer] = [self._last_offloaded]
-                    if schedule is not None:
-                        if layer < len(schedule.caps):
-                            group.auto = AutoState()
-                            group.auto.cap = schedule.caps[layer]
-                            group.split = schedule.split_at.get(layer)
-                    elif first and self.mode == "async":
-                        group.split = self._first_layer_parts(layer)
-            if observer is not None:
-                observer.opened(group)
-                group.auto = AutoState()
-                group.auto.span_ends = []
-                size = self._layer_sizes.get(layer)
-                if size is not None and size[0] > 0:
-                    group.auto.profile = [size[0] * k // PROFILE_POINTS for k in range(1, PROFILE_POINTS)]
-            self.open_group = group  # last: the core's table reads its auto state and parts here
-        self._hooks_follow_groups()
-
-    def _first_layer_parts(self, layer: int):
-        """Async mode: the part ends (bytes of new spans) of the forward's first offloaded layer.
-
-        Its copy would start only when it ends, with the device-to-host stream idle through
-        its forward, and in backward it comes back last, the whole layer's copy before its
-        backward can start while the stream then idles. In parts (a quarter of the bytes it
-        saved in its last forward each), the first copy starts a quarter into the layer, and
-        backward starts on the layer's last part while the others are still coming back.
-        A layer that saved fewer spans than parts (a checkpoint's input), or whose parts would
-        be smaller than `min_group_bytes`, is not split.
-        """
-        size = self._layer_sizes.get(layer)
-        if size is None or size[1] < SPLIT_PARTS or size[0] < SPLIT_PARTS * self.min_group_bytes:
-            return None
-        return [size[0] * k // SPLIT_PARTS for k in range(1, SPLIT_PARTS)]
-
-    def _hooks_follow_groups(self) -> None:
-        """With `hooks_in_groups_only`: hooks on while a group is open or tensors saved after
-        the last layer are counted, off otherwise; switched at boundaries of the outermost
-        capture only, and only where the stack's top is what the switch expects (ours to pop,
-        the top it had before the capture to push back on). A boundary inside another hooks
-        scope (a checkpoint wrapping the layer's call) switches nothing: that scope's exit
-        pops the top of the stack, which must still be its own."""
-        if not self.hooks_in_groups_only or self.capturing != 1:
-            return
-        want = self.open_group is not None or self._tail is not None
-        if want == self._hooks_on:
-            return
-        top = top_pack_hook()
-        if want and top is self._hooks_base:
-            self._hooks.__enter__()
-            self._hooks_on = True
-        elif not want and top is self._hooks.pack_hook:
-            self._hooks.__exit__(None, None, None)
-            self._hooks_on = False
-
-    def _close(self, group: Group) -> None:
-        if self._native_cycle:  # the core's twin of this method (csrc/python/group_cycle.h)
-            self._table.close_group(group)
-            return
-        if group.layer is not None and group.state == OPEN:
-            self._layer_sizes[group.layer] = (group.capped, group.new_spans)  # its last part's: the layer's
-        spans = group.seal()  # each span's start, version (a later save shares the copy only at it), bytes
-        if self.observer is not None:
-            self.observer.closed(group)
-        if group.state == KEPT:
-            group.drop_spans()
-            return
-        if not spans:
-            self._mark_copied(group)
-            return
-        if self.verify:  # summed on this stream, which the copy out waits for (Note [verify])
-            group.checksums = GroupChecksums(group)
-        with _device.nvtx_range(f"offload.d2h {group.name}") if self.nvtx else contextlib.nullcontext():
-            # One call for the group's spans, into one pooled host block at aligned offsets (one
-            # pool request per layer, the same size every step) that the core acquires and times
-            # itself: no tensor per span, and no Python event or stream object per group (a
-            # launch-bound step pays for each on the host).
-            try:
-                group.d2h = CopyHandle(group.copy_out(self._copy_pool, self._copy_streams()[0], DEFAULT_CHUNK_BYTES,
-                                                      self.timing))
-            except torch.OutOfMemoryError as exc:
-                self._keep_on_device(group, exc)
-                return
-        if self.timing:
-            self._timings.copy(self.counters, "d2h_seconds", group.d2h.copy_timer())
-        group.state = COPYING
-        c = self.counters
-        c["d2h_bytes"] += group.d2h.nbytes
-        c["groups_offloaded"] += 1
-        c["layers_offloaded"] += group.n_layers
-        c["tensors_offloaded"] += group.n_handles
-        if self._listeners:
-            self._emit(CLOSED, group, group.nbytes)
-        if self.mode == "sync":
-            t0 = time.perf_counter()
-            group.d2h.synchronize()
-            c["forward_wait_seconds"] += time.perf_counter() - t0
-            self._mark_copied(group)
-            return
-        self._inflight.append(weakref.ref(group))
-        if self.observer is None:
-            # Not while auto mode measures: the budget model reads that step's memory where the
-            # window lets groups go (Note [memory beside the activations] in auto/budget.py), and
-            # what the host sees done depends on how far it runs ahead of the device.
-            self._poll()
-        stream = group.stream = _device.current_stream(self.device) if self.on_accel else None
-        if self.schedule is not None:
-            # Auto mode: the plan says at which point the copy is complete; no window.
-            at = self.schedule.release_at.get(group.layer)
-            if isinstance(at, list):  # a point per part
-                at = at[min(group.part, len(at) - 1)]
-            if at is not None:
-                self._due.append((at, weakref.ref(group)))
-            return
-        self._keep_window(group.layer, stream)
-
-    def _keep_window(self, layer, stream) -> None:
-        """The window (Note [resident window]): the group now opening plus those still copying
-        may not exceed it; `layer` (the group just closed) and `stream` (its stream) as `_close`
-        has them."""
-        c = self.counters
-        while len(self._inflight) > self.resident_groups - 1:
-            oldest = self._inflight.popleft()()
-            if oldest is None or oldest.state != COPYING:
-                continue
-            begun = self.observer.wait_begins() if self.observer is not None else None
-            if oldest.saved_on(stream):
-                # A full window makes the compute stream wait on the device, not the host: the
-                # host goes on queueing kernels while the copy finishes (a host wait here would
-                # leave the device idle in launch-bound steps). The oldest group's tensors were saved
-                # on this stream, so the core lets go of them at once: the allocator reuses
-                # their memory only for work queued on this stream after the wait.
-                start = self._timed_start(stream)
-                oldest.d2h.release_sources(stream)
-                self._timed_end("forward_wait_seconds", start, stream)
-            else:  # saved on another stream than the one running now: only the host can order it
-                t0 = time.perf_counter()
-                oldest.d2h.synchronize()
-                c["forward_wait_seconds"] += time.perf_counter() - t0
-            if begun is not None:
-                self.observer.wait_ended(layer, begun, backward=False)
-            self._mark_copied(oldest)
 
     def _copy_streams(self) -> tuple:
         """(device-to-host, host-to-device) copy streams of the engine's device, (None, None) on the host."""
@@ -660,69 +480,6 @@ class ActivationEngine:
         return CopyHandle(self._core.copy_to_device(None if handle is not None else source, handle, self.device,
                                                     self._copy_pool, self._copy_streams()[1], out, True,
                                                     DEFAULT_SMALL_BYTES, DEFAULT_CHUNK_BYTES, self.timing))
-
-    def _keep_on_device(self, group: Group, exc: BaseException) -> None:
-        """The pool is at its limit: `group` stays on the device (Note [pool full])."""
-        group.state = KEPT
-        group.drop_spans()
-        if not self._warned_pool_full:
-            self._warned_pool_full = True
-            warnings.warn(
-                f"offload: the host pool cannot take the {group.nbytes_aligned} bytes saved by {group.name!r} "
-                f"({exc}); those activations stay on the device, and so does any later group that does not "
-                "fit. Raise the pool's limit_bytes (or OFFLOAD_HOST_POOL_LIMIT) to offload them",
-                stacklevel=2)
-
-    def _poll(self) -> None:
-        """Mark copied, oldest first, the groups whose copies are complete (never blocks).
-
-        The deque holds weak references: a group whose graph was dropped frees itself.
-        """
-        while self._inflight:
-            group = self._inflight[0]()
-            if group is not None and group.state == COPYING and not group.d2h.ready():
-                return
-            self._inflight.popleft()
-            if group is not None and group.state == COPYING:
-                self._mark_copied(group)
-
-    def _release_due(self, point: int) -> None:
-        """Let go of the groups whose planned release point has come (Note [planned release points]).
-
-        The compute stream waits on the device for each one's copy, planned to be complete by
-        now, and its device tensors go back to the allocator in stream order, as the window
-        does; the host is never blocked. A group saved on another stream is left to `_poll`.
-        """
-        if self._native_cycle:  # the core's twin of this method (csrc/python/group_cycle.h)
-            self._table.release_due(point)
-            return
-        if all(at > point for at, _ in self._due):  # most points release nothing: no stream read
-            return
-        stream = _device.current_stream(self.device) if self.on_accel else None
-        kind = "forward_wait_seconds" if point < self.schedule.n + 1 else "backward_wait_seconds"
-        pending = []
-        for at, ref in self._due:
-            group = ref()
-            if group is None or group.state != COPYING:
-                continue
-            if at > point:
-                pending.append((at, ref))
-            elif group.saved_on(stream):
-                start = self._timed_start(stream)
-                group.d2h.release_sources(stream)
-                self._timed_end(kind, start, stream)
-                self._mark_copied(group)
-            elif group.d2h.ready():
-                self._mark_copied(group)
-        self._due = pending
-
-    def _mark_copied(self, group: Group) -> None:
-        """The D2H copy is complete (or will be before any reader): drop the device tensors."""
-        group.drop_held()
-        group.drop_spans()
-        group.state = HOST
-        if self._listeners and group.d2h is not None:
-            self._emit(RELEASED, group, group.nbytes)
 
     def pack(self, t: torch.Tensor):
         """The pack hook without the core, and the core's where no group is open (the core's
@@ -756,47 +513,6 @@ class ActivationEngine:
                 break
         self._walked += walked
         self._table.params_pending = bool(pending)
-
-    def _profiled(self, group: Group) -> None:
-        """Auto mode measuring: the layer has saved the next share of its bytes (see `AutoState.profile`)."""
-        profile = group.auto.profile
-        while profile and group.capped >= profile[0]:
-            profile.pop(0)
-        self.observer.saved_bytes(group)
-
-    def _split(self, group: Group) -> None:
-        """Copy out what the layer saved so far and go on in a new group of it (Note [layer parts]).
-
-        The copy runs while the layer goes on, and the group is let go at its own point; a
-        later view of a storage copied here shares that copy if it lies in it unchanged,
-        else the new group copies its bytes again.
-        """
-        part = self._group_class(group.name, group.layer, True, self._last_offloaded)
-        part.capped, part.split, part.continued = group.capped, group.split, True
-        if group.auto is not None:
-            part.auto = AutoState()
-            part.auto.cap = group.auto.cap
-        part.new_spans, part.n_layers = group.new_spans, 0
-        # One span may pass several part ends: this group ends the last of them (its copy is
-        # planned complete by that part's point, not an earlier one).
-        ends = group.split
-        index = group.part
-        while index < len(ends) and group.capped >= ends[index]:
-            index += 1
-        group.part, part.part = index - 1, index
-        self.open_group = part
-        self._last_offloaded = weakref.ref(part)
-        self._layer_groups[group.layer].append(self._last_offloaded)
-        self._close(group)
-
-    def _saved_after_layers(self) -> None:
-        """A tensor is saved after the last layer: a point auto mode measures, and may release at."""
-        self._tail += 1
-        if self.observer is not None:
-            self.observer.saved_after_layers(self._tail)
-        schedule = self.schedule
-        if schedule is not None and self._tail == schedule.tail_save:
-            self._release_due(schedule.n + TAIL_POINT)
 
     def _keep(self, t):
         self.counters["tensors_kept"] += 1

@@ -26,7 +26,7 @@ import dataclasses
 from typing import List, NamedTuple, Optional, Sequence
 
 # The engine runs what is planned here, so the points and parts it counts in are its own.
-from ..engine import SPLIT_PARTS, TAIL_POINT
+from ..forward import SPLIT_PARTS, TAIL_POINT
 
 # Predicted exposed copy time allowed in a budget plan, as a fraction of the predicted step.
 EXPOSED_TOLERANCE = 0.01
@@ -87,7 +87,7 @@ def saved_by(marks, fwd: float, share: float) -> float:
     """Seconds into a layer of `fwd` seconds by which it has saved `share` of its bytes.
 
     `marks`: (share saved, seconds into the layer) ascending, each taken at the save that
-    passed a share (see the engine's PROFILE_POINTS), so the bytes between two marks may all
+    passed a share (see forward.py's PROFILE_POINTS), so the bytes between two marks may all
     come with the later one: the first mark with at least `share` saved, else the layer's end.
     Without marks the bytes are spread evenly over the layer's time.
     """
