@@ -88,6 +88,14 @@ def test_copy_outputs_carry_no_autograd_graph(backend, device):
         assert_bitwise(src.detach(), h)
     for b in offload.copy_to_device(handle, device).wait():
         assert b.grad_fn is None and not b.requires_grad
+    # Host sources that require grad, going up with and without out: copies, not ops.
+    hosts = [torch.randn(4, 5, requires_grad=True), torch.randn(3, requires_grad=True)]
+    out = [torch.empty(4, 5, device=device), torch.empty(3, device=device)]
+    for up in (offload.copy_to_device(hosts, device, require_pinned=False),
+               offload.copy_to_device(hosts, device, out=out, require_pinned=False)):
+        for src, b in zip(hosts, up.wait()):
+            assert b.grad_fn is None and not b.requires_grad
+            assert_bitwise(src.detach().to(device), b)
 
 
 def test_copy_many_tiny_tensors_and_large_ones_mixed(backend, device):

@@ -139,21 +139,22 @@ def _check_count(fn: str, tensors, out) -> None:
         raise ValueError(f"{fn}: out has {len(out)} tensors but tensors has {len(tensors)}")
 
 
-@torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
-def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_bytes, timing=False,
-                 same_sources=False) -> PyTransfer:
-    fn = "offload.copy_to_host"
+def _check_to_host(fn: str, tensors, out, out_handle, require_pinned, same_sources):
+    """What the core checks before a copy to the host: device sources, `out` (or `out_handle`'s
+    buffers) matching them, and with `same_sources` the sources where the buffers were last
+    filled from. Returns (out, refilled, now): the host buffers given (or None), the list of the
+    sources' addresses at the buffers' last fill (the core's SourceKeys::data: one list, shared
+    by every transfer into the buffers of a transfer made without out; None where there is
+    none), and the sources' addresses now where a transfer keeps them (else None)."""
     device_type = _device.compute_device_type()
     for i, t in enumerate(tensors):
         _check_source(fn, i, t, device_type, tensors[0])
-    # Where the sources of these buffers were when last filled (the core's SourceKeys::data):
-    # one list, shared by every transfer into the buffers of a transfer made without out.
     refilled = getattr(out_handle, "_origins", None)  # that list, when out_handle has one
     if same_sources and refilled is None:
         got = "none" if out_handle is None else "a handle made with an out list"
         raise ValueError(f"{fn}: same_sources=True needs out=<CopyHandle> from a copy_to_host without out "
                          f"(whose buffers the engine made), got {got}")
-    # The sources' addresses now (before any conj/neg view is resolved below), where they are kept.
+    # The sources' addresses now (before any conj/neg view is resolved), where they are kept.
     now = [t.data_ptr() for t in tensors] if refilled is not None or (out is None and out_handle is None) else None
     if out_handle is not None:
         out = out_handle.tensors()
@@ -166,6 +167,14 @@ def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_b
             if tensors[i].nbytes and was != at:
                 raise ValueError(f"{fn}: same_sources=True, but tensors[{i}] is at {at:#x} while the buffers "
                                  f"of out (a CopyHandle) were last filled from {was:#x}")
+    return out, refilled, now
+
+
+@torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
+def copy_to_host(tensors, pool, stream, out, out_handle, require_pinned, chunk_bytes, timing=False,
+                 same_sources=False) -> PyTransfer:
+    out, refilled, now = _check_to_host("offload.copy_to_host", tensors, out, out_handle, require_pinned,
+                                        same_sources)
     device = tensors[0].device if tensors else _device.current_device()
     on_accel = _device.is_accelerator(device)
     copy_stream = (stream or _device.copy_streams(device)[0]) if on_accel else None
@@ -232,7 +241,6 @@ def _chunked_copy(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> Non
         dst[start : start + rows_per_chunk].copy_(src[start : start + rows_per_chunk], non_blocking=True)
 
 
-@torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
 def _check_to_device(fn: str, sources, device, pool, out, require_pinned) -> None:
     """What the core checks before a copy to the device: host sources (pinned, or the pool's own
     blocks, where asked), and `out` matching them on the destination."""
@@ -254,6 +262,7 @@ def _check_to_device(fn: str, sources, device, pool, out, require_pinned) -> Non
                 raise ValueError(f"{fn}: out[{i}] is on {o.device} but the destination is {device}")
 
 
+@torch.no_grad()  # copies, not differentiable ops: outputs carry no graph, as the core's do
 def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, chunk_bytes, timing=False) -> PyTransfer:
     _check_to_device("offload.copy_to_device", sources, device, pool, out, require_pinned)
     restore = handle.restore_specs() if handle is not None else [None] * len(sources)
@@ -264,29 +273,7 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
     # Outputs are allocated here, on the consumer's stream; the copy stream waits
     # for everything the consumer queued so far (earlier users of that memory) and
     # for the device-to-host copies that fill the sources.
-    compacted = [compact(h) for h in sources]  # (base, was_expanded) per source
-    if handle is not None and on_accel and any(
-        not is_dense(base) or (out is not None and (out[i].stride() != h.stride() or not is_dense(h)))
-        for i, (h, (base, _)) in enumerate(zip(sources, compacted))
-    ):
-        # Below, the host reads these sources itself (a contiguous() copy, or the
-        # layout change copy_ makes on the CPU): only once the device-to-host copy
-        # that fills them has completed, which a device-side wait does not give.
-        handle.synchronize()
-    targets, nbytes = [], 0
-    for i, (base, was_expanded) in enumerate(compacted):
-        if not is_dense(base):
-            base = base.contiguous()
-        if out is not None:
-            dst = out[i]
-        else:
-            dst = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=device)
-        final = None
-        if out is None and restore[i] is not None:
-            sizes, strides = restore[i]
-            final = torch.empty_strided(sizes, strides, dtype=base.dtype, device=device)
-        targets.append((base, dst, was_expanded, final))
-        nbytes += base.numel() * base.element_size()
+    targets, nbytes = _device_targets(sources, handle, device, out, restore, on_accel)
     if on_accel:
         start = _device.new_event(device)
         start.record(consumer)
@@ -317,6 +304,36 @@ def copy_to_device(sources, handle, device, pool, stream, out, require_pinned, c
             outputs.append(result)
     end = _end_event(device, copy_stream, timed)
     return PyTransfer(device, outputs, end, nbytes, [None] * len(outputs), timed)
+
+
+def _device_targets(sources, handle, device, out, restore, on_accel):
+    """Per source of a copy to the device: (its dense base, its destination, whether it was
+    expanded, the tensor its original strides are restored into or None), allocated on the
+    current stream; and the bytes to copy."""
+    compacted = [compact(h) for h in sources]  # (base, was_expanded) per source
+    if handle is not None and on_accel and any(
+        not is_dense(base) or (out is not None and (out[i].stride() != h.stride() or not is_dense(h)))
+        for i, (h, (base, _)) in enumerate(zip(sources, compacted))
+    ):
+        # Here and in the copies the host reads these sources itself (a contiguous() copy, or
+        # the layout change copy_ makes on the CPU): only once the device-to-host copy that
+        # fills them has completed, which a device-side wait does not give.
+        handle.synchronize()
+    targets, nbytes = [], 0
+    for i, (base, was_expanded) in enumerate(compacted):
+        if not is_dense(base):
+            base = base.contiguous()
+        if out is not None:
+            dst = out[i]
+        else:
+            dst = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=device)
+        final = None
+        if out is None and restore[i] is not None:
+            sizes, strides = restore[i]
+            final = torch.empty_strided(sizes, strides, dtype=base.dtype, device=device)
+        targets.append((base, dst, was_expanded, final))
+        nbytes += base.numel() * base.element_size()
+    return targets, nbytes
 
 
 def _end_event(device, copy_stream, timed: Optional[Span]):
