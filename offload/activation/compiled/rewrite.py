@@ -189,6 +189,19 @@ def _layer_starts(graph: fx.Graph, layers: Dict[fx.Node, int]) -> Dict[int, fx.N
     return starts
 
 
+@dataclass
+class _GroupArrival:
+    """Where a saved group comes back in the backward graph: `at`, the node its `group_in` stands
+    before (`order` its place in the graph), `block` its host block's placeholder, `olds` the
+    placeholders of its tensors that the restored ones replace."""
+
+    order: int
+    group: SavedGroup
+    block: fx.Node
+    olds: List[fx.Node]
+    at: fx.Node
+
+
 def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[fx.Node],
                      options: RewriteOptions, layers: Dict[fx.Node, int]) -> None:
     """Replace the offloaded tensors' placeholders with one host block placeholder per group,
@@ -201,10 +214,38 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
     at the first use splits, for instance, a bias gradient's sum that does not read the group
     from the sums that do, and split sums add in another order on a GPU."""
     graph = bw.graph
+    arrivals = _arrivals(graph, groups, _host_placeholders(graph, groups, hosts), layers)
+    start = next(n for n in graph.nodes if n.op != "placeholder")
+    token = None
+    for j, arrival in enumerate(arrivals):
+        spec_args = tuple(flatten_specs(specs_of([n.meta["val"] for n in arrival.group.nodes]))) + (options.device,)
+        if j == 0:
+            with graph.inserting_before(start):
+                token = _prefetch(graph, arrival.block, None, spec_args, options)
+        with graph.inserting_before(arrival.at):
+            loaded = graph.call_function(ops.group_in, (token,) + spec_args + (options.runtime,))
+            _set_val(loaded, ops.group_in, token, *spec_args, options.runtime)
+            items = []
+            for i in range(len(arrival.olds)):
+                item = graph.call_function(operator.getitem, (loaded, i))
+                item.meta["val"] = loaded.meta["val"][i]
+                items.append(item)
+            if j + 1 < len(arrivals):  # the next group's copy back starts as this one arrives
+                nxt = arrivals[j + 1]
+                nxt_specs = flatten_specs(specs_of([n.meta["val"] for n in nxt.group.nodes]))
+                token = _prefetch(graph, nxt.block, items[0], tuple(nxt_specs) + (options.device,), options)
+        for old, item in zip(arrival.olds, items):
+            old.replace_all_uses_with(item)
+            graph.erase_node(old)
+    graph.lint()
+    bw.recompile()
+
+
+def _host_placeholders(graph: fx.Graph, groups: List[SavedGroup], hosts: List[fx.Node]) -> List[fx.Node]:
+    """One placeholder per host block (`hosts`, the forward's outputs), placed after the last
+    checked saved tensor still there (Note [saved order])."""
     placeholders = list(graph.find_nodes(op="placeholder"))
-    by_name = {p.name: p for p in placeholders}
     gone_names = {n.name for g in groups for n in g.nodes}
-    # The host placeholders go after the last checked saved tensor still there (Note [saved order]).
     anchor = None
     for p in placeholders:
         if p.name in gone_names:
@@ -222,47 +263,29 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
         ph.meta.update(host.meta)
         host_phs.append(ph)
         anchor = ph
+    return host_phs
+
+
+def _arrivals(graph: fx.Graph, groups: List[SavedGroup], host_phs: List[fx.Node],
+              layers: Dict[fx.Node, int]) -> List[_GroupArrival]:
+    """Each group's arrival, in the order backward needs them: at the start of the backward of
+    the layer that reads the group first (the layer after the group's, whose input the
+    group's layer made, or the group's own), else at its first use."""
+    by_name = {p.name: p for p in graph.find_nodes(op="placeholder")}
     order = {n: i for i, n in enumerate(graph.nodes)}
     starts = _layer_starts(graph, layers)
-    firsts = []
+    arrivals = []
     for group, ph in zip(groups, host_phs):
         olds = [by_name[n.name] for n in group.nodes]
         users = [u for old in olds for u in old.users]
         first = min(users, key=order.__getitem__) if users else graph.output_node()
-        # Back to the start of the backward of the layer that reads the group first (the layer
-        # after the group's, whose input the group's layer made, or the group's own).
         for layer in layers.get(first), group.layer:
             start = starts.get(layer)
             if start is not None and order[start] < order[first]:
                 first = start
-        firsts.append((order.get(first, len(order)), group, ph, olds, first))
-    firsts.sort(key=lambda item: item[0])
-    start = next(n for n in graph.nodes if n.op != "placeholder")
-    token = None
-    for j, (_, group, ph, olds, first) in enumerate(firsts):
-        specs = specs_of([n.meta["val"] for n in group.nodes])
-        sizes, strides, ranks, dtypes = flatten_specs(specs)
-        spec_args = (sizes, strides, ranks, dtypes, options.device)
-        if j == 0:
-            with graph.inserting_before(start):
-                token = _prefetch(graph, ph, None, spec_args, options)
-        with graph.inserting_before(first):
-            loaded = graph.call_function(ops.group_in, (token,) + spec_args + (options.runtime,))
-            _set_val(loaded, ops.group_in, token, *spec_args, options.runtime)
-            items = []
-            for i, old in enumerate(olds):
-                item = graph.call_function(operator.getitem, (loaded, i))
-                item.meta["val"] = loaded.meta["val"][i]
-                items.append(item)
-            if j + 1 < len(firsts):
-                _, nxt, nxt_ph, _, _ = firsts[j + 1]
-                nxt_specs = flatten_specs(specs_of([n.meta["val"] for n in nxt.nodes]))
-                token = _prefetch(graph, nxt_ph, items[0], tuple(nxt_specs) + (options.device,), options)
-        for old, item in zip(olds, items):
-            old.replace_all_uses_with(item)
-            graph.erase_node(old)
-    graph.lint()
-    bw.recompile()
+        arrivals.append(_GroupArrival(order.get(first, len(order)), group, ph, olds, first))
+    arrivals.sort(key=lambda arrival: arrival.order)
+    return arrivals
 
 
 def _prefetch(graph: fx.Graph, block: fx.Node, anchor: Optional[fx.Node], spec_args, options) -> fx.Node:
