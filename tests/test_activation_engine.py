@@ -302,10 +302,28 @@ def test_activation_parameters_never_offloaded(pool, monkeypatch):
     assert sources and not params & {s.untyped_storage().data_ptr() for s in sources}
 
 
+class _Scaled(nn.Module):
+    """Scales by a buffer, which `x * scale` saves (a leaf that no op made), while `on`."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("scale", torch.full((d,), 0.5))
+        self.on = False
+
+    def forward(self, x):
+        return x * self.scale if self.on else x
+
+
+def _blocks_with_a_buffer():
+    return nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), _Scaled(16))
+                           for _ in range(3)))
+
+
 def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypatch):
-    """Saved outputs of recorded ops (and views of them) own their memory: a step whose only
-    candidate tensors are such outputs never reads the parameters' storages. A frozen weight
-    (a leaf that needs no grad, saved as a view) makes the step read them, and stays."""
+    """Saved outputs of recorded ops (and views of them) own their memory, and a parameter's
+    view (a weight's transpose) is known by its base, trainable or frozen: a step whose only
+    candidate tensors are these never reads the parameters' storages. A buffer saved (a leaf
+    that no op made) makes the step read them, and stays."""
     walks = []
     real = act.ActivationEngine._walk_params
 
@@ -315,24 +333,39 @@ def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypa
 
     monkeypatch.setattr(act.ActivationEngine, "_walk_params", counted)
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
+    model = _blocks_with_a_buffer()
+    reference = copy.deepcopy(model)
     handle = offload.enable_activation_offload(model, layers=["0", "1", "2"], min_tensor_bytes=0, pool=pool)
     x = torch.randn(8, 16, requires_grad=True)  # a leaf that needs grad: kept before any walk
-    model(x).square().mean().backward()
-    assert handle.stats()["tensors_offloaded"] > 0 and not walks
-    for p in model[0].parameters():
-        p.requires_grad_(False)
-    model(x).square().mean().backward()
-    assert walks
+
+    def step_of(m):
+        m.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        return grads_of(m) + [x.grad]
+
+    for change in ("trainable", "frozen weights", "a buffer saved"):
+        if change == "frozen weights":
+            for m in (model, reference):
+                for p in m[0].parameters():
+                    p.requires_grad_(False)
+        if change == "a buffer saved":
+            model[1][3].on = reference[1][3].on = True
+        walks.clear()
+        x.grad = None
+        grads = step_of(model)
+        assert handle.stats()["tensors_offloaded"] > 0
+        assert bool(walks) == (change == "a buffer saved"), change
+        x.grad = None
+        assert_bitwise_equal(grads, step_of(reference))
 
 
-@pytest.mark.parametrize("frozen", [False, True])
-def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_needed_them(pool, monkeypatch, frozen):
+@pytest.mark.parametrize("buffer", [False, True])
+def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_needed_them(pool, monkeypatch, buffer):
     """The model's input (no recorded op made it) needs the walk in the first layer. The first
     forward walks there, at the saved input; later forwards walk before the first layer opens,
-    and keep the input and the weights on the device all the same. The walk reads the inputs
+    and keep the input and the buffer on the device all the same. The walk reads the inputs
     first and stops where the tensor's storage is found: the parameters are read only where a
-    frozen weight is saved too."""
+    buffer is saved too."""
     order = []
     real = act.ActivationEngine._walk_params
 
@@ -344,9 +377,8 @@ def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_neede
 
     monkeypatch.setattr(act.ActivationEngine, "_walk_params", counted)
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
-    if frozen:
-        model[1][0].weight.requires_grad_(False)
+    model = _blocks_with_a_buffer()
+    model[1][3].on = buffer
     model[0].register_forward_pre_hook(lambda *_: order.append(("layer 0",)))
     reference = copy.deepcopy(model)
     x = torch.randn(8, 16)
@@ -364,8 +396,8 @@ def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_neede
         walks = [i for i, what in enumerate(order) if what[0] == "walk"]
         first_layer = order.index(("layer 0",))
         assert order[walks[0]][1]  # the input, read first
-        # The model's parameters: read (all of them) only for the frozen weight.
-        assert order[walks[-1]][2] == (params if frozen else 0), order
+        # The model's parameters: read (all of them) only for the buffer.
+        assert order[walks[-1]][2] == (params if buffer else 0), order
         assert (walks[0] < first_layer) == (step > 0), (step, order)
         assert handle.stats()["tensors_offloaded"] > 0
         assert_bitwise_equal(grads, step_of(reference))

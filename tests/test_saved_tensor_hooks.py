@@ -40,6 +40,9 @@ def _cases(device):
         "view of such a leaf": leaf[1:],
         "parameter": nn.Parameter(torch.randn(8, 8, device=device)),
         "leaf without grad": torch.randn(6, 8, device=device),
+        "view of a leaf without grad": torch.randn(6, 8, device=device)[1:],
+        "view of a frozen parameter": nn.Parameter(torch.randn(6, 8, device=device), requires_grad=False).t(),
+        "frozen parameter's detached alias": nn.Parameter(torch.randn(6, 8, device=device), requires_grad=False).detach(),
         "bool (no grad_fn)": a > 0,
         "int (no grad_fn)": (a > 0).long(),
         "cast of an activation": a.to(torch.float64),
@@ -52,8 +55,8 @@ def _cases(device):
     }
 
 
-STAYS = {"empty", "leaf requiring grad", "view of such a leaf", "parameter", "cast of a leaf (autocast's)",
-         "conjugated view", "negated view", "sparse", "on another device"}
+STAYS = {"empty", "leaf requiring grad", "view of such a leaf", "parameter", "view of a frozen parameter",
+         "cast of a leaf (autocast's)", "conjugated view", "negated view", "sparse", "on another device"}
 
 
 @pytest.mark.parametrize("device", [pytest.param(d, marks=() if d == "cpu" else pytest.mark.not_standin(

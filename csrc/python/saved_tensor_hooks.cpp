@@ -73,6 +73,17 @@ bool node_is(const torch::autograd::Node& node, const char* name) {
   return it->second == name;
 }
 
+// Whether `t` (a leaf that needs no grad) is a frozen parameter: of nn.Parameter's type or a
+// subclass's, read from its Python object (made for it here if it has none; then it is none).
+bool is_parameter(const at::Tensor& t) {
+  static PyObject* parameter_type = py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();
+  PyObject* object = THPVariable_Wrap(t);
+  if (object == nullptr) throw py::error_already_set();
+  const bool is = PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject*>(parameter_type));
+  Py_DECREF(object);
+  return is;
+}
+
 struct Extent {
   int64_t ptr;  // the storage's data pointer
   int64_t first;  // first byte of the storage the tensor reads
@@ -93,6 +104,9 @@ bool offload_extent_of(const at::Tensor& t, int64_t min_bytes, const c10::Device
   if (base.requires_grad() && base.is_leaf()) return false;  // a leaf that requires grad, or its view
   // A shared_ptr up to torch 2.12, an intrusive_ptr from 2.13: both have get() and ->.
   const auto& grad_fn = base.grad_fn();
+  // A frozen parameter's view (a weight's transpose): stays as a trainable one's does, known by
+  // its base's type, without a walk of the model's storages (Note [parameter walk]).
+  if (grad_fn.get() == nullptr && t.is_view() && is_parameter(base)) return false;
   if (grad_fn.get() != nullptr && grad_fn->num_outputs() > 0 && node_is(*grad_fn, "ToCopyBackward0")) {
     const auto& source = grad_fn->next_edge(0).function;
     if (source.get() != nullptr && node_is(*source, "AccumulateGrad")) return false;  // autocast's cast of a leaf

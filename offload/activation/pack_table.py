@@ -57,9 +57,10 @@ class PackTable:
         of the storage at `ptr`. `check_params`: it may share a parameter's or input's storage.
 
         An op's recorded output (its base has a grad_fn) was allocated by that op. Only a tensor
-        without one can share a parameter's memory (frozen weights, buffers, DTensor local
-        shards, their views; also, conservatively, anything computed without grad, such as int
-        or bool outputs) or be a forward's input, and only those read the storages of the
+        without one can share a parameter's memory (buffers, DTensor local shards, a weight's
+        detached alias, their views; a parameter's view stayed in `offload_extent`; also,
+        conservatively, anything computed without grad, such as int or bool outputs) or be a
+        forward's input, and only those read the storages of the
         parameters and inputs, which costs a walk of every layer's parameters (Note [parameter
         walk] in engine.py).
         """

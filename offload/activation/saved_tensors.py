@@ -42,8 +42,9 @@ def offload_extent(t: torch.Tensor, min_bytes: int, device: torch.device):
 
     None where it stays on the device: below `min_bytes` or empty, on another device, not
     strided, saved while backward runs (a checkpoint's recompute), a leaf that requires grad
-    (a parameter's data, a user's input) or a view of one (alive anyway: copying it frees
-    nothing), autocast's cached cast of a parameter (alive until the autocast region exits),
+    (a parameter's data, a user's input) or a view of one, a view of a frozen parameter (an
+    `nn.Parameter` that needs no grad) (alive anyway: copying them frees nothing), autocast's
+    cached cast of a parameter (alive until the autocast region exits),
     a lazily conjugated or negated complex view. Else (storage data_ptr, first byte, end byte
     it reads, whether its base has no grad_fn: only then can it share a parameter's storage).
     The core's `offload_extent` is this function in C; a test holds the two equal.
@@ -66,6 +67,8 @@ def offload_extent(t: torch.Tensor, min_bytes: int, device: torch.device):
     elif base.requires_grad and base.is_leaf:
         return None
     grad_fn = base.grad_fn
+    if grad_fn is None and base is not t and issubclass(type(base), torch.nn.Parameter):
+        return None  # a frozen parameter's view: known by its base's type, no walk (Note [parameter walk])
     if grad_fn is not None and type(grad_fn).__name__ == "ToCopyBackward0":
         source = grad_fn.next_functions[0][0]
         if source is not None and hasattr(source, "variable"):  # AccumulateGrad: a leaf's cast
