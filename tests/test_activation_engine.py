@@ -359,6 +359,55 @@ def test_activation_parameters_walked_only_for_tensors_no_op_made(pool, monkeypa
         assert_bitwise_equal(grads, step_of(reference))
 
 
+class _MaskedLayer(nn.Module):
+    def __init__(self, d, own_copy):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.own_copy = own_copy
+
+    def forward(self, x, mask):
+        return self.lin(x) * (mask.clone() if self.own_copy else mask)  # the product saves the mask
+
+
+class _MaskedLayers(nn.Module):
+    """Layers that each multiply by one mask the model builds without grad (as it builds a padded
+    batch's attention mask), or each by a copy of it of their own."""
+
+    def __init__(self, n, d, own_copies):
+        super().__init__()
+        self.layers = nn.ModuleList(_MaskedLayer(d, own_copies) for _ in range(n))
+
+    def forward(self, x):
+        mask = (x.detach() > 0).to(x.dtype)  # no recorded op made it
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x.square().mean()
+
+
+def test_activation_a_tensor_every_layer_saves_is_copied_once(backend, pool):
+    """A tensor no op made, saved by every layer (one mask): the first group copies it, the
+    later ones keep it on the device (Note [shared constants]); with a copy per layer, each
+    group copies its own. Gradients bitwise either way."""
+    n, x = 4, torch.randn(8, 64)
+    mask_bytes = x.numel() * x.element_size()
+    copied = {}
+    for own_copies in (False, True):
+        torch.manual_seed(0)
+        model = _MaskedLayers(n, 64, own_copies)
+        reference = copy.deepcopy(model)
+        handle = offload.enable_activation_offload(model, layers=[f"layers.{i}" for i in range(n)], keep_last=0,
+                                                   min_tensor_bytes=0, min_group_bytes=0, pool=pool)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+            m(x).backward()
+        assert_bitwise_equal(grads_of(model), grads_of(reference))
+        stats = handle.stats()
+        assert stats["groups_offloaded"] == n
+        copied[own_copies] = stats["d2h_bytes"]
+        handle.disable()
+    assert copied[False] == copied[True] - (n - 1) * mask_bytes
+
+
 @pytest.mark.parametrize("buffer", [False, True])
 def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_needed_them(pool, monkeypatch, buffer):
     """The model's input (no recorded op made it) needs the walk in the first layer. The first

@@ -442,6 +442,7 @@ py::object PackTable::pack(py::handle tensor) {
         const SavedSpan& span = owner.spans[static_cast<size_t>(seen.entry)];
         return span.lo <= extent.first && extent.last <= span.hi && span.version == t._version();
       }();
+      if (!shared && extent.check_params) return keep(engine, tensor);  // Note [shared constants] in engine.py
       if (!shared) return pack_new_span(engine, tensor, t, extent);
     }
     const int64_t slot = owner.hold(py::reinterpret_borrow<py::object>(tensor), t._version());

@@ -86,6 +86,8 @@ class PackTable:
                 span = owner.spans[index]
                 if span.lo <= first and last <= span.hi and span.version == t._version:
                     group, entry = owner, index
+            if entry is None and check_params:  # saved again by a later group (Note [shared constants] in engine.py)
+                return engine._keep(t)
         split = False
         if entry is None:
             storage = t.untyped_storage()
