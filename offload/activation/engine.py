@@ -109,12 +109,12 @@ from .step_stats import StepTimings, new_counters
 #
 # Note [shared constants]: a tensor that no recorded op made and that the model builds once per
 # forward and passes to every layer (an attention mask materialized for padding, rotary cos and
-# sin) is saved by every layer. The first group to save it copies it. A later group whose copy
-# of it is not still queued (the queued copy it shares) keeps it on the device instead of copying
-# the same bytes again: keeping it costs its bytes once, until the backward of the last layer
-# that saves it (the kept last layer holds it to the step's peak anyway); a copy per layer
-# would move (layers - 1) times its bytes each way, and restore a device copy of it per layer
-# in backward. An op's output saved by two groups is still copied by each: that is a layer's
+# sin) is saved by every layer. The first group to save it copies it. A later group shares that
+# copy while it is still queued, as any view does, and otherwise keeps the tensor on the device
+# instead of copying the same bytes again: keeping it costs its bytes once, until the backward of
+# the last layer that saves it (the kept last layer holds it to the step's peak anyway); a copy
+# per layer would move (layers - 1) times its bytes each way, and restore a device copy of it per
+# layer in backward. An op's output saved by two groups is still copied by each: that is a layer's
 # activation, which the later copy frees.
 #
 # Note [pool full]: a group whose host block the pool cannot give (its `limit_bytes` reached)
