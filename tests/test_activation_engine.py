@@ -408,6 +408,31 @@ def test_activation_a_tensor_every_layer_saves_is_copied_once(backend, pool):
     assert copied[False] == copied[True] - (n - 1) * mask_bytes
 
 
+def test_activation_a_storage_every_layer_saves_is_walked_for_once(pool, monkeypatch):
+    """The mask every layer saves (no op made it) needs the walk at its first save only: a later
+    layer's save finds it among this forward's saved storages, with no walk of that layer's
+    parameters, which its first save found it is not."""
+    walks = []
+    real = act.ActivationEngine._walk_params
+
+    def counted(self, ptr=None, count=None):  # a private spy: no seam reports the walk, a cost and not a behaviour
+        if ptr is not None:  # a walk a saved tensor asked for (not the one as the forward starts)
+            walks.append(ptr)
+        return real(self, ptr, count)
+
+    monkeypatch.setattr(act.ActivationEngine, "_walk_params", counted)
+    n = 4
+    model = _MaskedLayers(n, 64, own_copies=False)
+    handle = offload.enable_activation_offload(model, layers=[f"layers.{i}" for i in range(n)], keep_last=0,
+                                               min_tensor_bytes=0, min_group_bytes=0, pool=pool)
+    for _ in range(2):
+        walks.clear()
+        model(torch.randn(8, 64, requires_grad=True)).backward()  # an input that needs grad: kept without a walk
+        assert len(walks) == 1, walks  # at layer 0's save of the mask
+        assert handle.stats()["groups_offloaded"] == n
+    handle.disable()
+
+
 @pytest.mark.parametrize("buffer", [False, True])
 def test_activation_parameters_walked_as_the_forward_starts_once_a_forward_needed_them(pool, monkeypatch, buffer):
     """The model's input (no recorded op made it) needs the walk in the first layer. The first

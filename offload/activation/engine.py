@@ -91,21 +91,22 @@ from .step_stats import StepTimings, new_counters
 # later view of a storage copied in an earlier part shares that copy if it lies in it
 # unchanged. Backward needs a layer's last part first; its parts are fetched together.
 #
-# Note [parameter walk]: which storages are parameters, buffers or the forward's inputs is read
-# by walking the model's tensors each forward (FSDP's parameters change storage between steps),
-# O(parameters) of host time. It is read only when a saved tensor may share such a storage (one
-# no recorded op made, see pack_table.py's `pack_extent`): a forward without one never walks.
-# A view of a parameter, trainable or frozen (a weight's transpose, which a matmul saves), is
-# known without it by its base (`offload_extent`): a frozen model under LoRA walks no more than
-# a trainable one. The walk goes in the order given, the forward's inputs before the model, and
-# stops where the tensor's storage is found: a model whose only such tensor is its input (no
-# buffers or detached weights saved) never walks its parameters. A forward that needed it has
-# the next one walk as many of the iterables as its capture begins, before the model's own host
-# work. There the host is ahead of the device, or about to wait for it: a Hugging Face model
-# reads its attention mask on the host before the first layer, so the host reaches the first
-# layer with no lead over the device, and a walk made there, at the first saved tensor that
-# needs it, delays the device by its whole time. A layer's own parameters (FSDP's unsharded
-# ones exist only inside the layer) are still read there.
+# Note [parameter walk]: which storages are parameters, buffers or the forward's inputs is read by
+# walking the model's tensors each forward (FSDP's parameters change storage between steps),
+# O(parameters) of host time. It is read only when a saved tensor may share such a storage (one no
+# recorded op made, see pack_table.py's `pack_extent`): a forward without one never walks. A view
+# of a parameter, trainable or frozen (a weight's transpose, which a matmul saves), is known
+# without it by its base (`offload_extent`): a frozen model under LoRA walks no more than a
+# trainable one. A storage this forward saved already (a mask every layer saves) was walked for at
+# its first save and is not again. The walk goes in the order given, the forward's inputs before
+# the model, and stops where the tensor's storage is found: a model whose only such tensor is its
+# input (no buffers or detached weights saved) never walks its parameters. A forward that needed
+# it has the next one walk as many of the iterables as its capture begins, before the model's own
+# host work. There the host is ahead of the device, or about to wait for it: a Hugging Face model
+# reads its attention mask on the host before the first layer, so the host reaches the first layer
+# with no lead over the device, and a walk made there, at the first saved tensor that needs it,
+# delays the device by its whole time. A layer's own parameters (FSDP's unsharded ones exist only
+# inside the layer) are still read there.
 #
 # Note [shared constants]: a tensor that no recorded op made and that the model builds once per
 # forward and passes to every layer (an attention mask materialized for padding, rotary cos and

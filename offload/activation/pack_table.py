@@ -60,20 +60,21 @@ class PackTable:
         without one can share a parameter's memory (buffers, DTensor local shards, a weight's
         detached alias, their views; a parameter's view stayed in `offload_extent`; also,
         conservatively, anything computed without grad, such as int or bool outputs) or be a
-        forward's input, and only those read the storages of the
-        parameters and inputs, which costs a walk of every layer's parameters (Note [parameter
-        walk] in engine.py).
+        forward's input, and only those read the storages of the parameters and inputs, which
+        costs a walk of every layer's parameters (Note [parameter walk] in engine.py); once per
+        storage and forward: a storage this forward saved already was found then to be none.
         """
         group = self.open_group
-        if check_params:
+        hit = self._storages.get(ptr)
+        seen = hit is not None and not hit[2].expired()
+        if check_params and not seen:
             self.params_needed = True
             if self.params_pending and ptr not in self._param_ptrs:
                 engine._walk_params(ptr)
             if ptr in self._param_ptrs:
                 return engine._keep(t)
-        hit = self._storages.get(ptr)
         entry = None
-        if hit is not None and not hit[2].expired():
+        if seen:
             owner, index, _ = hit
             if owner is group:  # the group still collecting: widen the span to cover this view
                 span = group.spans[index]
