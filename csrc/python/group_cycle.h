@@ -7,12 +7,11 @@
 // the engine's plain configuration: no observer of auto mode (a measured step), no
 // listeners, no verify, no nvtx ranges, mode async or auto. A plan of auto mode (its
 // schedule) is followed here too: its caps and parts, its release points and its fetch
-// points (hooks the engine sets on layer outputs). The
-// table's `boundary`, `close_group`, `fetch_group`, `release_due` and `fetch_layers` and the
-// unpack hook (saved_tensor_hooks.cpp) call these there instead of the Python methods,
-// so a group's cycle makes no interpreter call but the timing's (an accelerator with timing
-// on); elsewhere the Python methods run, which serve the observer and the events. The engine
-// says which (`PackTable.native_cycle`).
+// points (hooks the engine sets on layer outputs). The table's `boundary`, `close_group`,
+// `fetch_group`, `release_due` and `fetch_layers` and the unpack hook (saved_tensor_hooks.cpp)
+// call these there instead of the Python methods, so a group's cycle makes no interpreter call
+// but the timing's (an accelerator with timing on); elsewhere the Python methods run, which
+// serve the observer and the events. The engine says which (`PackTable.native_cycle`).
 //
 // The state is the group's own (the core's ActivationGroup: its copies and the engine's
 // per-layer fields), so either path can take up a group the other left: a step whose

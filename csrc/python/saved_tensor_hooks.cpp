@@ -422,13 +422,13 @@ py::object PackTable::pack(py::handle tensor) {
   Extent extent{};
   if (!offload_extent_of(t, min_bytes_, device_, &extent)) return keep(engine, tensor);
   const auto hit = storages_.find(extent.ptr);
-  const bool seen = hit != storages_.end() && !hit->second.storage.expired();
-  if (extent.check_params && !seen) {  // pack_table.py's `pack_extent` says why only these
+  const bool live = hit != storages_.end() && !hit->second.storage.expired();  // saved earlier in this forward
+  if (extent.check_params && !live) {  // pack_table.py's `pack_extent` says why only these
     params_needed = true;
     if (params_pending && !param_ptrs_.count(extent.ptr)) call(engine, n.walk_params, py::int_(extent.ptr));
     if (param_ptrs_.count(extent.ptr)) return keep(engine, tensor);
   }
-  if (seen) {
+  if (live) {
     StorageEntry& seen = hit->second;
     ActivationGroup& owner = *seen.native;
     if (seen.native == open_native_) {  // the group still collecting: widen the span to cover this view

@@ -66,15 +66,15 @@ class PackTable:
         """
         group = self.open_group
         hit = self._storages.get(ptr)
-        seen = hit is not None and not hit[2].expired()
-        if check_params and not seen:
+        live = hit is not None and not hit[2].expired()  # saved earlier in this forward
+        if check_params and not live:
             self.params_needed = True
             if self.params_pending and ptr not in self._param_ptrs:
                 engine._walk_params(ptr)
             if ptr in self._param_ptrs:
                 return engine._keep(t)
         entry = None
-        if seen:
+        if live:
             owner, index, _ = hit
             if owner is group:  # the group still collecting: widen the span to cover this view
                 span = group.spans[index]
