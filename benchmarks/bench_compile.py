@@ -14,7 +14,11 @@ between them:
 
 Each row: median step time (device events) against the compiled step, peak activation memory
 above the idle model on an accelerator, bytes offloaded per step (`handle.stats()`), and the
-graph breaks the variant's compile added (`torch._dynamo.utils.counters`). Behind --full (or
+graph breaks the variant's compile added (`torch._dynamo.utils.counters`). On an accelerator
+the async step is also held against its bus bound, the activation section's: the compiled
+forward's time or the offloaded bytes over the measured device-to-host bandwidth (the larger),
+plus the same for backward and host-to-device. Targets: the async peak at most eager async's,
+async within 1.05x of its bus bound, auto at most 1.03x the compiled step. Behind --full (or
 `--only compile`): every variant compiles its model.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+from typing import Optional
 
 import torch
 
@@ -30,6 +35,8 @@ SECTION = "compile"
 FULL_ONLY = True  # each variant compiles the model: minutes on one GPU, behind --full (or --only compile)
 VARIANTS = ("compiled", "torch_offload", "async", "auto", "eager", "eager_async")
 BASELINE = "the model compiled whole, no offload"
+BUS_BOUND_TARGET = 1.05  # async step at most this multiple of its bus bound
+AUTO_TARGET = 1.03  # auto step at most this multiple of the compiled step without offload
 
 
 def applies(device_type: str) -> bool:
@@ -59,7 +66,7 @@ def _measure(ctx, name: str, base, loss_of, min_tensor_bytes: int) -> dict:
     """One variant on its own copy of `base`: median step ms, peak bytes (None on the host),
     bytes offloaded per step, graph breaks its compile added."""
     import offload
-    from common import time_and_peak
+    from common import time_and_peak, time_ms
 
     from offload.core import _device
 
@@ -86,8 +93,12 @@ def _measure(ctx, name: str, base, loss_of, min_tensor_bytes: int) -> dict:
         if not _device.is_accelerator(ctx.device):
             peak = None  # the host has no allocator statistics
         stats = handle.stats() if handle is not None else {}
-        return {"ms": timing["median_ms"], "peak": peak, "offloaded": stats.get("d2h_bytes", 0),
-                "graph_breaks": breaks}
+        result = {"ms": timing["median_ms"], "peak": peak, "offloaded": stats.get("d2h_bytes", 0),
+                  "fetched": stats.get("h2d_bytes", 0), "graph_breaks": breaks}
+        if name == "compiled":  # its forward alone (grad on: the training graph), for the bus bound
+            result["forward_ms"] = time_ms(lambda: loss_of(runs), ctx.device, warmup=1,
+                                           iters=3 if ctx.quick else 10)["median_ms"]
+        return result
     finally:
         if handle is not None:
             handle.disable()
@@ -103,7 +114,18 @@ def _print_variant(label: str, name: str, r: dict) -> None:
           f"{r['graph_breaks']} graph breaks", flush=True)
 
 
-def _rows(ctx, label: str, results: dict) -> list:
+def _bus_bound_ms(base: dict, r: dict, bandwidth) -> Optional[float]:
+    """The step's floor where its copies do not hide (bench_activation's bound): per pass, the
+    larger of the compiled pass's time and its bytes over the bus; None without a measured bus."""
+    d2h_bw, h2d_bw = bandwidth
+    if not d2h_bw or not h2d_bw or "forward_ms" not in base:
+        return None
+    forward_ms = base["forward_ms"]
+    backward_ms = max(base["ms"] - forward_ms, 0.0)
+    return max(forward_ms, r["offloaded"] / (d2h_bw * 1e9) * 1e3) + max(backward_ms, r["fetched"] / (h2d_bw * 1e9) * 1e3)
+
+
+def _rows(ctx, label: str, results: dict, bandwidth) -> list:
     from common import row
 
     base = results["compiled"]
@@ -111,11 +133,27 @@ def _rows(ctx, label: str, results: dict) -> list:
     for name, r in results.items():
         extra = dict(variant=name, offloaded_bytes=r["offloaded"], graph_breaks=r["graph_breaks"], peak_bytes=r["peak"])
         if name != "compiled":
+            targets = {}
+            if name == "auto":
+                ratio = r["ms"] / base["ms"]
+                targets = dict(target=f"<= {AUTO_TARGET:.2f}x", target_met=ratio <= AUTO_TARGET)
             rows.append(row(SECTION, f"{label} {name} step", offload=r["ms"], baseline=base["ms"], unit="ms",
-                            baseline_name=BASELINE, higher_is_better=False, **extra))
+                            baseline_name=BASELINE, higher_is_better=False, **extra, **targets))
         if r["peak"] is not None and base["peak"]:
+            targets = {}
+            eager = results.get("eager_async")
+            if name == "async" and eager is not None and eager["peak"] is not None:
+                targets = dict(target="<= eager async's peak", target_met=r["peak"] <= eager["peak"],
+                               eager_async_peak_bytes=eager["peak"])
             rows.append(row(SECTION, f"{label} {name} peak", offload=r["peak"] / 2**30, baseline=base["peak"] / 2**30,
-                            unit="GiB", baseline_name=BASELINE, higher_is_better=False, **extra))
+                            unit="GiB", baseline_name=BASELINE, higher_is_better=False, **extra, **targets))
+    bound = _bus_bound_ms(base, results["async"], bandwidth) if "async" in results else None
+    if bound:
+        ms = results["async"]["ms"]
+        print(f"  {label} async {ms:.1f} ms against its bus bound {bound:.1f} ms ({ms / bound:.2f}x)", flush=True)
+        rows.append(row(SECTION, f"{label} async vs bus bound", offload=ms, baseline=bound, unit="ms",
+                        baseline_name="bus bound", higher_is_better=False, target=f"<= {BUS_BOUND_TARGET:.2f}x",
+                        target_met=ms <= BUS_BOUND_TARGET * bound))
     return rows
 
 
@@ -138,8 +176,11 @@ def _cases(ctx):
 
 
 def run(ctx):
+    from bench_activation import _bandwidth
+
     from offload.core import _device
 
+    bandwidth = _bandwidth(ctx.device) if _device.is_accelerator(ctx.device) else (None, None)
     threads = torch.get_num_threads()
     if not _device.is_accelerator(ctx.device):
         torch.set_num_threads(1)  # tiny CPU models: no spin-wait contention on a shared host
@@ -164,7 +205,7 @@ def run(ctx):
                     # a reason to lose the other variants' rows.
                     ctx.skip(f"compile: {label} torch_offload", f"torch's offload pass failed: "
                              f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-            rows += _rows(ctx, label, results)
+            rows += _rows(ctx, label, results, bandwidth)
             del model
     finally:
         torch.set_num_threads(threads)

@@ -187,16 +187,17 @@ def test_compile_llama(llama_case, when):
     _step_offloads(lambda: _llama_step(model, ids), handle, expected, model, groups=2)
 
 
-def _compiled_peak_and_grads(model, x):
-    """One step after the compile: (peak device bytes above the idle model, the gradients)."""
-    _blocks_step(model, x)  # the compile, and the gradients' first allocation
+def _peak_and_grads(model, x):
+    """One step after the first (the compile, if any, and the gradients' allocation): (peak device
+    bytes above the idle model, device bytes still held once the step is done, the gradients)."""
+    _blocks_step(model, x)
     model.zero_grad(set_to_none=False)
     _device.synchronize()
     idle = _device.memory_allocated()
     _device.reset_peak_memory_stats()
     _blocks_step(model, x)
     _device.synchronize()
-    return _device.max_memory_allocated() - idle, _grads(model)
+    return _device.max_memory_allocated() - idle, _device.memory_allocated() - idle, _grads(model)
 
 
 def _generated_kernels(model, x):
@@ -251,7 +252,13 @@ def inductor_deterministic(deterministic, monkeypatch):
 def test_compile_blocks_on_the_device_bitwise_with_a_lower_peak(inductor_deterministic):
     """On the GPU: compiled whole with async offload, the step's gradients are those of the model compiled
     without it, bit for bit, bytes go to the host and back, no graph break is added, and the activation peak
-    is lower (copies on offload's streams, released a window later, fetched one group ahead)."""
+    falls as far as the same offload takes it in eager (copies on offload's streams, released a window later,
+    fetched one group ahead, each restored group let go where backward is done with it), with nothing of the
+    step left on the device after it.
+
+    Why the bound is eager's: the host runs ahead of the copies by many groups in a compiled step (nothing
+    blocks it), so a restored group the core held until the host saw its copy done kept every group of the
+    step on the device at once, a peak close to the model's without offload."""
     torch.manual_seed(0)
     with torch.device(_device.current_device()):
         base = Blocks(d=1024, n=6)
@@ -259,20 +266,28 @@ def test_compile_blocks_on_the_device_bitwise_with_a_lower_peak(inductor_determi
     reference = copy.deepcopy(base)
     torch._dynamo.reset()
     reference.compile()
-    ref_peak, expected = _compiled_peak_and_grads(reference, x)
+    ref_peak, _, expected = _peak_and_grads(reference, x)
     del reference
+    eager = copy.deepcopy(base)
+    eager_handle = offload.enable_activation_offload(eager, "async", min_tensor_bytes=1 << 20)
+    eager_peak, _, _ = _peak_and_grads(eager, x)
+    eager_handle.disable()
+    del eager
     model = copy.deepcopy(base)
     torch._dynamo.reset()
     handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=1 << 20)
     model.compile()
     breaks = _graph_breaks()
-    peak, grads = _compiled_peak_and_grads(model, x)
+    peak, held, grads = _peak_and_grads(model, x)
     assert _graph_breaks() == breaks
     for (name, _), a, b in zip(model.named_parameters(), expected, grads):
         assert torch.equal(a, b), f"gradient of {name}"
     stats = handle.stats()
     assert stats["d2h_bytes"] > 0 and stats["h2d_bytes"] == stats["d2h_bytes"]
-    assert peak < ref_peak, (peak, ref_peak)
+    assert held == 0, f"{held} bytes of the step still on the device after it"
+    # The graphs save what eager saves here (each layer's input and its ReLU's output); a tenth over
+    # eager's peak leaves room for inductor's own buffer reuse, not for one more restored group.
+    assert peak <= 1.1 * eager_peak and peak < ref_peak, (peak, eager_peak, ref_peak)
     handle.disable()
 
 

@@ -19,7 +19,11 @@ engine's (Note [resident window], Note [backward] in engine.py), expressed in th
   restored tensors on the compute stream (their owner) and issues one batched copy into
   them on the host-to-device stream; `group_in`, placed where the backward of the layer
   that first reads the group starts, makes the compute stream wait for that copy and returns
-  the tensors.
+  the tensors. Where that stream is the one the tensors were allocated on, it also lets the
+  core drop its hold on them (`release_sources`): otherwise the core would keep each group's
+  restored memory until the host saw its copy done, and the host, which nothing blocks in a
+  compiled backward, runs ahead of the copies by many groups, so every group of the step
+  would be on the device at once, and some still at the next step.
 On the host (a CPU model) every copy is synchronous and the waits are no-ops.
 """
 
@@ -88,8 +92,8 @@ class GroupTransport:
         self.graph_layers = ([], [])  # (offloaded, recomputed) layer indices of the last compiled forward
         # host block data_ptr -> the copy out of that block, until its release point
         self._out: Dict[int, CopyHandle] = {}
-        # prefetch serial -> (copy back, device tensors), until the group's first use
-        self._back: Dict[int, tuple] = {}
+        # prefetch serial -> the copy back, until the group's first use
+        self._back: Dict[int, _CopyBack] = {}
         self._serials = itertools.count(1)
         with _lock:
             self.id = next(_ids)
@@ -150,11 +154,12 @@ class GroupTransport:
         sources = [block[o:o + n] for o, n in zip(layout.offsets, layout.span_bytes)]
         # Allocated here, on the compute stream: the consumer owns them (Note [compiled streams]).
         out = [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.span_bytes]
-        streams = _device.copy_streams(device) if _device.is_accelerator(device) else (None, None)
+        on_accel = _device.is_accelerator(device)
+        streams = _device.copy_streams(device) if on_accel else (None, None)
         handle = copy_to_device(sources, device, out=out, pool=self.pool, stream=streams[1],
                                 require_pinned=False, timing=self.timing)
         serial = next(self._serials)
-        self._back[serial] = (handle, out)
+        self._back[serial] = _CopyBack(handle, out, _device.current_stream(device) if on_accel else None)
         c = self.counters
         c.h2d_bytes += sum(layout.span_bytes)
         c.groups_prefetched += 1
@@ -162,12 +167,25 @@ class GroupTransport:
 
     def group_in(self, serial: int, specs: List[TensorSpec]) -> List[torch.Tensor]:
         """The restored tensors of the group `serial` names, ready on the compute stream."""
-        handle, out = self._back.pop(serial)
-        device = out[0].device if out else self.device
-        if _device.is_accelerator(device):
-            handle.wait_stream(_device.current_stream(device))
+        back = self._back.pop(serial)
+        if back.owner is None:
+            back.handle.synchronize()
         else:
-            handle.synchronize()
+            stream = _device.current_stream(back.owner.device)
+            if stream == back.owner:  # the owner waits: the core's hold on the memory may go now
+                back.handle.release_sources(stream)
+            else:  # read on another stream: the core holds the memory until the copy is seen done
+                back.handle.wait_stream(stream)
         self.counters.groups_fetched += 1
-        return [raw.view(spec.dtype).as_strided(spec.size, spec.stride, 0) for raw, spec in zip(out, specs)]
+        return [raw.view(spec.dtype).as_strided(spec.size, spec.stride, 0) for raw, spec in zip(back.out, specs)]
+
+
+@dataclass
+class _CopyBack:
+    """A group's copy back between `group_prefetch` and `group_in`: the copy, the device tensors
+    it writes, and the stream they were allocated on (their owner; None on the host)."""
+
+    handle: CopyHandle
+    out: List[torch.Tensor]
+    owner: object
 
