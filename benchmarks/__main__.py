@@ -2,6 +2,7 @@
 
 import sys
 
+from benchmarks import LOADED_AT
 from benchmarks.runner import main
 
-sys.exit(main())
+sys.exit(main(started=LOADED_AT))

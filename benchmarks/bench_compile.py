@@ -93,8 +93,10 @@ def _measure(ctx, name: str, base, loss_of, min_tensor_bytes: int) -> dict:
         if not _device.is_accelerator(ctx.device):
             peak = None  # the host has no allocator statistics
         stats = handle.stats() if handle is not None else {}
+        plan = stats.get("compiled_plan") or {}
         result = {"ms": timing["median_ms"], "peak": peak, "offloaded": stats.get("d2h_bytes", 0),
-                  "fetched": stats.get("h2d_bytes", 0), "graph_breaks": breaks}
+                  "fetched": stats.get("h2d_bytes", 0), "graph_breaks": breaks,
+                  "layers_offloaded": sum(plan.get("offload", [])), "plan_notes": list(plan.get("notes", []))}
         if name == "compiled":  # its forward alone (grad on: the training graph), for the bus bound
             result["forward_ms"] = time_ms(lambda: loss_of(runs), ctx.device, warmup=1,
                                            iters=3 if ctx.quick else 10)["median_ms"]
@@ -111,7 +113,7 @@ def _print_variant(label: str, name: str, r: dict) -> None:
     """One variant's figures as soon as it is measured: each compiles its model, minutes in all."""
     peak = "-" if r["peak"] is None else f"{r['peak'] / 2**30:.3f} GiB"
     print(f"  {label} {name:14} {r['ms']:9.2f} ms, peak {peak:>10}, {r['offloaded'] / 2**20:8.1f} MiB offloaded, "
-          f"{r['graph_breaks']} graph breaks", flush=True)
+          f"{r['graph_breaks']} graph breaks" + "".join(f"; {note}" for note in r.get("plan_notes", [])), flush=True)
 
 
 def _bus_bound_ms(base: dict, r: dict, bandwidth) -> Optional[float]:
@@ -131,7 +133,8 @@ def _rows(ctx, label: str, results: dict, bandwidth) -> list:
     base = results["compiled"]
     rows = []
     for name, r in results.items():
-        extra = dict(variant=name, offloaded_bytes=r["offloaded"], graph_breaks=r["graph_breaks"], peak_bytes=r["peak"])
+        extra = dict(variant=name, offloaded_bytes=r["offloaded"], graph_breaks=r["graph_breaks"], peak_bytes=r["peak"],
+                     layers_offloaded=r.get("layers_offloaded"), plan_notes=r.get("plan_notes"))
         if name != "compiled":
             targets = {}
             if name == "auto":

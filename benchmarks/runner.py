@@ -300,7 +300,10 @@ def _list(sections, device) -> None:
         print(f"{name}: runs on {device.type}{when}" + (f" ({'; '.join(said)})" if said else ""))
 
 
-def main(argv=None, folder: Path = HERE) -> int:
+def main(argv=None, folder: Path = HERE, started: Optional[float] = None) -> int:
+    """`started`: the `time.perf_counter()` the run's process began at, for the start-up time
+    reported at the end (`python -m benchmarks` passes when its package began to load)."""
+    began = time.perf_counter() if started is None else started
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out", help="folder for results.json, report.md and the figures")
@@ -357,11 +360,18 @@ def main(argv=None, folder: Path = HERE) -> int:
 
     status, rows = {}, []
     stamp = {"date": meta["date"], "command": meta["command"], "full": args.full}
+    clock = {"start": time.perf_counter() - began, "sections": 0.0, "writing": 0.0}
+
+    def write() -> None:
+        t0 = time.perf_counter()
+        output.write(meta, status, rows)
+        clock["writing"] += time.perf_counter() - t0
+
     for index, ((name, module), (_, reason)) in enumerate(zip(chosen, plan), 1):
         if reason is not None:
             print(f"[{index}/{len(chosen)}] {name}: skipped, {reason}", flush=True)
             status[name] = {"status": "skipped", "reason": reason, **stamp}
-            output.write(meta, status, rows)
+            write()
             continue
         print(f"[{index}/{len(chosen)}] {name}", flush=True)
         start = time.perf_counter()
@@ -369,12 +379,13 @@ def main(argv=None, folder: Path = HERE) -> int:
             said, section_rows = run_section(name, module, ctx)
         except KeyboardInterrupt:
             status[name] = {"status": "interrupted", "seconds": round(time.perf_counter() - start, 1), **stamp}
-            output.write(meta, status, rows)
+            write()
             print(f"\ninterrupted in {name}; {out}/ holds the sections that finished", file=sys.stderr)
             return 130
+        clock["sections"] += time.perf_counter() - start
         status[name] = {**said, **stamp}
         rows += section_rows
-        output.write(meta, status, rows)
+        write()
         print(f"  {name}: {said['status']}" + (f" in {said['seconds']} s" if "seconds" in said else "")
               + (f" ({said.get('reason') or said.get('error')})" if said["status"] != "ran" else ""), flush=True)
 
@@ -386,6 +397,8 @@ def main(argv=None, folder: Path = HERE) -> int:
         print(note)
     if figures.matplotlib_missing():
         print("no figures: matplotlib is not installed (pip install matplotlib)")
+    print(f"took {_seconds(time.perf_counter() - began)}: start-up {clock['start']:.0f} s, sections "
+          f"{clock['sections']:.0f} s, writing results and figures {clock['writing']:.0f} s")
     failed = [name for name, s in status.items() if s["status"] == "failed"]
     if failed:
         print(f"sections that failed: {', '.join(failed)}", file=sys.stderr)

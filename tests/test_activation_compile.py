@@ -19,7 +19,9 @@ from offload.activation.compiled import support
 from offload.core import _device
 from offload.activation.compiled.layer_map import LayerMatcher, normalize_path
 from offload.activation.compiled.layout import SPAN_ALIGN, TensorSpec, flatten_specs, group_layout, unflatten_specs
-from offload.activation.compiled.plan import SavedBytes, budget_plan
+from offload.activation.auto.schedule import COPY_MARGIN, FETCH_MARGIN
+from offload.activation.compiled.costs import node_flops
+from offload.activation.compiled.plan import SavedBytes, StepCosts, budget_plan, hidden_plan, step_estimate
 
 pytestmark = pytest.mark.skipif(support.partitioner_hook() is not None,
                                 reason=f"needs inductor's custom partitioner hook: {support.partitioner_hook()}")
@@ -125,7 +127,7 @@ def test_compile_blocks_enabled_after_compile(blocks_case):
     model = copy.deepcopy(base)
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    handle = offload.enable_activation_offload(compiled, min_tensor_bytes=0, mode="auto")
+    handle = offload.enable_activation_offload(compiled, min_tensor_bytes=0, mode="async")
     assert handle.layers == ["layers.0", "layers.1", "layers.2", "layers.3"]  # the user's names, not _orig_mod's
     _step_offloads(lambda: _blocks_step(compiled, x), handle, expected, model, groups=3)
 
@@ -415,3 +417,142 @@ def test_compile_budget_plan_offloads_earliest_first_then_recomputes():
     assert plan.recompute == [False, False, False, True] and plan.offload == [True, True, True, False]
     plan = budget_plan(saved, keep, budget=10 + 400, base_bytes=0, resident_groups=2)
     assert not any(plan.offload) and not any(plan.recompute)
+
+
+def _step_costs(nbytes, forward, backward, bus=1e9, rest=(0.0, 0.0)):
+    """Costs whose copies take nbytes / bus seconds once the schedule's margins are applied."""
+    return StepCosts(nbytes, forward, backward, rest[0], rest[1], d2h_bps=bus * (1 + COPY_MARGIN),
+                     h2d_bps=bus * (1 + FETCH_MARGIN))
+
+
+def test_compile_step_estimate_follows_the_rewrite():
+    """Two layers, 1 s forward and 2 s backward each, 1.5 s copies: layer 0 offloaded waits 0.5 s at
+    the forward's end (its release) and 1.5 s where layer 1's backward starts (fetched as backward
+    starts, it needs layer 0's output); nothing offloaded waits for nothing."""
+    costs = _step_costs([1.5e9, 1.5e9], [1.0, 1.0], [2.0, 2.0])
+    none = step_estimate([False, False], costs, resident_groups=2)
+    assert (none.exposed, none.step, none.release_after) == (0.0, 6.0, {})
+    one = step_estimate([True, False], costs, resident_groups=2)
+    assert (round(one.exposed, 9), round(one.step, 9), one.release_after) == (2.0, 8.0, {0: None})
+    # One resident group: each copy out is waited for whole as its layer closes (1.5 s twice), and
+    # both groups are needed where layer 1's backward starts, the second fetched as the first arrives.
+    both = step_estimate([True, True], costs, resident_groups=1)
+    assert (round(both.exposed, 9), round(both.step, 9), both.release_after) == (6.0, 12.0, {0: 0, 1: 1})
+
+
+def test_compile_step_estimate_lets_groups_go_where_their_copies_are_done():
+    """Auto mode's release points: a 1 s copy out of layer 0 (ends at 1 s) is done by layer 1's end (2 s),
+    so its group goes there, without a wait; layer 1's (done at 3 s) goes at the last layer's end (3 s).
+    The one wait is backward's first: layer 2's backward needs layer 1's group, fetched as it starts."""
+    costs = _step_costs([1e9, 1e9, 0], [1.0, 1.0, 1.0], [3.0, 3.0, 3.0])
+    estimate = step_estimate([True, True, False], costs, resident_groups=2, when_copied=True)
+    assert estimate.release_after == {0: 1, 1: 2} and estimate.exposed == 1.0
+
+
+def test_compile_hidden_plan_offloads_the_earliest_layers_that_hide():
+    """Copies of 1 s under layers of 1 s forward and 3 s backward: the first layers' copies hide under
+    the layers after them, the last ones' would be waited for at the forward's end."""
+    costs = _step_costs([1e9] * 6, [1.0] * 6, [3.0] * 6)
+    plan = hidden_plan([True] * 5 + [False], costs, resident_groups=2)
+    chosen = [i for i, on in enumerate(plan.offload) if on]
+    assert chosen and chosen == list(range(len(chosen))) and len(chosen) < 5
+    estimate = step_estimate(plan.offload, costs, 2, when_copied=True)
+    assert estimate.exposed <= 0.01 * estimate.step and plan.release_after == estimate.release_after
+    more = list(plan.offload)
+    more[len(chosen)] = True
+    estimate = step_estimate(more, costs, 2, when_copied=True)
+    assert estimate.exposed > 0.01 * estimate.step  # one layer more would not hide
+    assert not any(hidden_plan([True] * 6, _step_costs([1e12] * 6, [1.0] * 6, [1.0] * 6), 2).offload)
+    assert not any(plan.recompute) and "estimated" in plan.notes[0]
+
+
+def test_compile_rewrite_releases_after_the_planned_layers_output():
+    """With auto mode's release points, a group is let go right after the output of the layer the plan
+    names, that output its anchor (a data edge), and a group planned for the forward's end just before
+    the graph's output."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from offload.activation.compiled import ops
+    from offload.activation.compiled.rewrite import RewriteOptions, choose_groups, rewrite_forward
+
+    def three_layers(x, w):
+        a0 = torch.relu(torch.mm(x, w))
+        a1 = torch.relu(torch.mm(a0, w))
+        a2 = torch.relu(torch.mm(a1, w))
+        return a2.sum(), a0, a1, a2
+
+    gm = make_fx(three_layers, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
+    computed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.ops.aten.mm.default,
+                                                                                    torch.ops.aten.relu.default)]
+    layers = {node: i // 2 for i, node in enumerate(computed)}  # mm, relu per layer
+    options = RewriteOptions(runtime=0, resident_groups=2, min_tensor_bytes=0, device=torch.device("cpu"),
+                             release_after={0: 1, 1: None})
+    groups = choose_groups(gm, 1, layers, [True, True, False], options)
+    hosts = rewrite_forward(gm, 1, groups, layers, options)
+    nodes = list(gm.graph.nodes)
+    releases = [n for n in nodes if n.target is ops.group_release]
+    assert [r.args[0] for r in releases] == hosts
+    relu_1 = computed[3]
+    assert releases[0].args[2] is relu_1 and nodes.index(releases[0]) == nodes.index(relu_1) + 1
+    assert releases[1].args[2] is None and nodes.index(releases[1]) == len(nodes) - 2  # just before the output
+
+
+def test_compile_node_flops_counts_matmuls_only():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(lambda a, b: torch.relu(torch.mm(a, b)), tracing_mode="fake")(torch.randn(4, 8),
+                                                                                  torch.randn(8, 16)).graph
+    flops = {n.target.overloadpacket: node_flops(n) for n in graph.nodes if n.op == "call_function"}
+    assert flops == {torch.ops.aten.mm: 2 * 4 * 8 * 16, torch.ops.aten.relu: 0}
+
+
+@pytest.mark.slow
+@cpu_model
+def test_compile_auto_on_the_host_offloads_nothing_and_says_why(blocks_case):
+    """On the host a copy is synchronous, so auto mode's plan for a compiled model hides none: the
+    graph is still served (its plan reported), nothing moves, the gradients are bitwise."""
+    base, x, expected = blocks_case
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    handle = offload.enable_activation_offload(model, mode="auto", min_tensor_bytes=0)
+    model.compile()
+    breaks = _graph_breaks()
+    with torch._inductor.config.patch(force_disable_caches=True):  # the notes come from the partition itself
+        _blocks_step(model, x)
+    assert _graph_breaks() == breaks
+    stats = handle.stats()
+    assert stats["compiled_steps"] == 1 and stats["d2h_bytes"] == 0
+    assert not any(stats["compiled_plan"]["offload"]) and "synchronous" in stats["compiled_plan"]["notes"][0]
+    _assert_same_grads(expected, model)
+    handle.disable()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_compile_auto_on_the_device_plans_from_the_graph_and_stays_bitwise(inductor_deterministic):
+    """On the GPU, auto mode's plan for a model compiled whole comes from the graphs' estimated compute
+    and the measured bus (its note says what it estimated), offloads only a prefix of the layers
+    (earliest first), and the gradients are those of the model compiled without offload."""
+    torch.manual_seed(0)
+    with torch.device(_device.current_device()):
+        base = Blocks(d=1024, n=6)
+        x = torch.randn(8192, 1024)
+    reference = copy.deepcopy(base)
+    torch._dynamo.reset()
+    reference.compile()
+    _, _, expected = _peak_and_grads(reference, x)
+    del reference
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=1 << 20)
+    model.compile()
+    with torch._inductor.config.patch(force_disable_caches=True):  # the notes come from the partition itself
+        _, held, grads = _peak_and_grads(model, x)
+    for (name, _), a, b in zip(model.named_parameters(), expected, grads):
+        assert torch.equal(a, b), f"gradient of {name}"
+    plan = handle.stats()["compiled_plan"]
+    chosen = [i for i, on in enumerate(plan["offload"]) if on]
+    assert chosen == list(range(len(chosen))) and not plan["offload"][-1]  # a prefix; keep_last stays
+    assert plan["notes"] and plan["notes"][0].startswith("estimated:")
+    assert held == 0
+    handle.disable()

@@ -9,6 +9,7 @@ runs eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
@@ -16,9 +17,10 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from . import ops, partitioner, support
+from ...core import _device
+from . import costs, ops, partitioner, support
 from .layer_map import LayerMatcher, map_layers
-from .plan import CompiledPlan, SavedBytes, budget_plan
+from .plan import CompiledPlan, SavedBytes, StepCosts, budget_plan, hidden_plan
 from .rewrite import RewriteOptions, choose_groups, rewrite_backward, rewrite_forward, saved_tensors
 from .transport import GroupTransport
 
@@ -81,7 +83,9 @@ class CompiledBinding:
         device = _offload_device()
         rewrite = RewriteOptions(self.runtime, 1 if self.options.mode == "sync" else self.options.resident_groups,
                                  self.options.min_tensor_bytes, device)
-        if budget is None:
+        if budget is None and self.options.mode == "auto":
+            plan = self._hidden_plan(fw, bw, num_fwd_outputs, matcher, keep, rewrite)
+        elif budget is None:
             plan = CompiledPlan(list(self._offloaded()), [False] * len(names))
         else:
             saved = _saved_bytes(fw, num_fwd_outputs, map_layers(fw.graph, matcher), len(names), rewrite)
@@ -90,6 +94,8 @@ class CompiledBinding:
                 gm = pristine
                 partitioner.tag_recompute(gm, map_layers(gm.graph, matcher), plan.recompute)
                 fw, bw = partition_fn(gm, joint_inputs, **kwargs)
+        if plan.release_after is not None:
+            rewrite = dataclasses.replace(rewrite, release_after=plan.release_after)
         layers = map_layers(fw.graph, matcher)
         groups = choose_groups(fw, num_fwd_outputs, layers, plan.offload, rewrite)
         if groups:
@@ -103,6 +109,25 @@ class CompiledBinding:
         self.plan = plan
         self.graphs += 1
         return fw, bw
+
+    def _hidden_plan(self, fw, bw, num_fwd_outputs, matcher, keep, rewrite: RewriteOptions) -> CompiledPlan:
+        """Auto mode without a budget: the layers whose copies hide under the graphs' estimated
+        compute (plan.hidden_plan). On the host a copy is synchronous, so none hides."""
+        count = len(self.options.names)
+        if not _device.is_accelerator(rewrite.device):
+            plan = CompiledPlan([False] * count, [False] * count)
+            plan.notes.append("on the host every copy is synchronous: no layer's copy hides under compute")
+            return plan
+        fw_layers = map_layers(fw.graph, matcher)
+        saved = _saved_bytes(fw, num_fwd_outputs, fw_layers, count, rewrite)
+        compute = costs.graph_compute(fw.graph, bw.graph, fw_layers, map_layers(bw.graph, matcher, backward=True),
+                                      count)
+        rate, d2h_bps, h2d_bps = costs.measured(rewrite.device, compute.dtype)
+        step = StepCosts(saved.per_layer, [f / rate for f in compute.forward], [f / rate for f in compute.backward],
+                         compute.forward_rest / rate, compute.backward_rest / rate, d2h_bps, h2d_bps)
+        offloaded = self._offloaded()
+        eligible = [offloaded[i] and not keep[i] for i in range(count)]
+        return hidden_plan(eligible, step, rewrite.resident_groups)
 
     def _plan_dict(self) -> Optional[dict]:
         """The plan of the last compiled forward, as its graph carries it; the budget's estimate
@@ -172,16 +197,12 @@ def _offload_device() -> torch.device:
     (the current accelerator, else the CPU). Tensors elsewhere stay: on a host with an
     accelerator, a model compiled on the CPU holds host memory already, which the eager engine
     leaves alone too."""
-    from ...core import _device
-
     return _device.current_device()
 
 
 def _base_bytes(device: torch.device) -> int:
     """Device memory in use as the graph compiles (parameters, optimizer state, the batch): the
     budget plan's estimate starts from it."""
-    from ...core import _device
-
     return _device.memory_allocated(device) if _device.is_accelerator(device) else 0
 
 

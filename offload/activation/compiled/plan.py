@@ -3,8 +3,11 @@ what the partitioned graph saves per layer.
 
 A compiled step runs no Python per layer, so auto mode cannot measure it as it measures an
 eager step (copy times against layer times). Its plan comes from the graph instead:
-- modes 'async' and 'sync', and 'auto' without a budget: every layer not kept
-  (keep_first/keep_last) is offloaded, as the eager modes start;
+- modes 'async' and 'sync': every layer not kept (keep_first/keep_last) is offloaded;
+- 'auto' without a budget: the earliest layers whose copies hide under compute
+  (`hidden_plan`), on a model of the compiled step (`step_estimate`: the rewrite's window, its
+  release at the forward's end and its fetch one group ahead) fed by each layer's estimated
+  compute and the measured bus (costs.py);
 - 'auto' with `memory_budget_bytes`: as few layers as meet the budget, earliest first (the
   eager budget plan's order: an early layer's copy has the most compute to hide under);
   where offloading every layer that may go is not enough, layers are recomputed, earliest
@@ -14,7 +17,9 @@ eager step (copy times against layer times). Its plan comes from the graph inste
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
+
+from ..auto.schedule import COPY_MARGIN, EXPOSED_TOLERANCE, FETCH_MARGIN
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class CompiledPlan:
     device_bytes: Optional[int] = None  # estimated activation bytes left on the device at backward's start
     budget: Optional[int] = None
     notes: List[str] = field(default_factory=list)
+    # Per offloaded layer, the layer after whose end its group is let go (None: the forward's end);
+    # None for the resident window's release points.
+    release_after: Optional[Dict[int, Optional[int]]] = None
 
     def to_dict(self) -> dict:
         return {"offload": list(self.offload), "recompute": list(self.recompute), "device_bytes": self.device_bytes,
@@ -93,4 +101,105 @@ def budget_plan(saved: SavedBytes, keep: Sequence[bool], budget: int, base_bytes
             return plan
     plan.notes.append(f"cannot meet the budget: {base_bytes + plan.device_bytes} bytes estimated with the layers "
                       "left on the device recomputed")
+    return plan
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What `step_estimate` models a compiled step from: per layer its saved bytes and its compute
+    seconds in forward and backward, the compute outside the layers (the head and loss: after the
+    layers in forward, before them in backward), and the bus each way in bytes per second."""
+
+    nbytes: Sequence[int]
+    forward: Sequence[float]
+    backward: Sequence[float]
+    forward_rest: float
+    backward_rest: float
+    d2h_bps: float
+    h2d_bps: float
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """`step_estimate`'s answer: seconds the compute stream waits for copies, seconds of the step,
+    and per offloaded layer the layer after whose end its group is let go (None: the forward's end)."""
+
+    exposed: float
+    step: float
+    release_after: Dict[int, Optional[int]]
+
+
+def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: int,
+                  when_copied: bool = False) -> StepEstimate:
+    """The compiled step under `offload`, as the rewrite places its ops (rewrite.py). A group's copy
+    out starts when its layer ends, after the copies before it. It is let go (the compute stream
+    waits for its copy) when group k + resident_groups - 1 closes, or, `when_copied`, at the end of
+    the first layer that ends after its copy is done (auto mode's release points); the rest at the
+    forward's end. Backward needs group j where layer j + 1's backward starts (the last layer's own
+    group: where its own starts); the first group backward needs is fetched as backward starts,
+    each next one as the one before it arrives. Copies are taken slower than measured alone, by
+    the auto schedule's margins."""
+    n = len(offload)
+    d2h = costs.d2h_bps / (1 + COPY_MARGIN)
+    h2d = costs.h2d_bps / (1 + FETCH_MARGIN)
+    t = exposed = d2h_free = 0.0
+    copying = []  # (layer, when its copy out is done) of the groups not let go yet, in forward order
+    release_after: Dict[int, Optional[int]] = {}
+
+    def wait(until: float) -> None:
+        nonlocal t, exposed
+        if until > t:
+            exposed += until - t
+            t = until
+
+    for i in range(n):
+        t += costs.forward[i]
+        if offload[i]:
+            d2h_free = max(t, d2h_free) + costs.nbytes[i] / d2h
+            copying.append((i, d2h_free))
+        while copying and when_copied and copying[0][1] <= t:  # done by this layer's end: let go here
+            release_after[copying.pop(0)[0]] = i
+        while not when_copied and offload[i] and len(copying) >= resident_groups:
+            layer, done = copying.pop(0)
+            wait(done)
+            release_after[layer] = i
+    t += costs.forward_rest
+    if copying:
+        wait(copying[-1][1])  # the copies end in order: the last one done means all are
+        release_after.update((layer, None) for layer, _ in copying)
+    needed_at = {i: min(i + 1, n - 1) for i in range(n) if offload[i]}
+    order = sorted(needed_at, key=lambda i: (-needed_at[i], -i))
+    ready, h2d_free = {}, t
+    if order:  # fetched at backward's start, before the head's backward
+        ready[order[0]] = h2d_free = t + costs.nbytes[order[0]] / h2d
+    t += costs.backward_rest
+    k = 0
+    for layer in reversed(range(n)):
+        while k < len(order) and needed_at[order[k]] == layer:
+            wait(ready[order[k]])
+            if k + 1 < len(order):
+                nxt = order[k + 1]
+                ready[nxt] = h2d_free = max(t, h2d_free) + costs.nbytes[nxt] / h2d
+            k += 1
+        t += costs.backward[layer]
+    return StepEstimate(exposed, t, release_after)
+
+
+def hidden_plan(eligible: Sequence[bool], costs: StepCosts, resident_groups: int) -> CompiledPlan:
+    """Auto mode without a budget: the most eligible layers, earliest first (an early layer's copy has
+    the most compute to hide under), whose copies `step_estimate` finds hidden (the compute stream
+    waits at most EXPOSED_TOLERANCE of the step for them), each let go where its copy is done."""
+    count = len(eligible)
+    order = [i for i in range(count) if eligible[i] and costs.nbytes[i] > 0]
+    best, estimate = [False] * count, step_estimate([False] * count, costs, resident_groups, when_copied=True)
+    for k in range(1, len(order) + 1):
+        offload = [False] * count
+        for i in order[:k]:
+            offload[i] = True
+        candidate = step_estimate(offload, costs, resident_groups, when_copied=True)
+        if candidate.exposed <= EXPOSED_TOLERANCE * candidate.step:
+            best, estimate = offload, candidate
+    plan = CompiledPlan(best, [False] * count, release_after=dict(estimate.release_after))
+    plan.notes.append(f"estimated: {sum(best)} of {len(order)} layers hide their copies under compute "
+                      f"(step {estimate.step * 1e3:.1f} ms, copies exposed {estimate.exposed * 1e3:.2f} ms)")
     return plan

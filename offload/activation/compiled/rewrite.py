@@ -44,6 +44,9 @@ class RewriteOptions:
     resident_groups: int  # groups that may be on the device at once (Note [resident window])
     min_tensor_bytes: int
     device: torch.device
+    # Per offloaded layer, the layer after whose end its group is let go (None: the forward's end),
+    # auto mode's release points (plan.hidden_plan); None: the resident window's.
+    release_after: Optional[Dict[int, Optional[int]]] = None
 
 
 def _val(node) -> Optional[torch.Tensor]:
@@ -122,9 +125,11 @@ def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[Saved
     for node, layer in layers.items():
         if node in order and (layer not in last_of_layer or order[node] > order[last_of_layer[layer]]):
             last_of_layer[layer] = node
+    # Read before offload's ops are in the graph: their reads are no layer's output.
+    outputs = _layer_outputs(graph, layers) if options.release_after is not None else {}
     hosts = []
     for group in groups:
-        after = max([last_of_layer.get(group.layer, group.nodes[0])] + group.nodes, key=order.__getitem__)
+        after = after_of(group, order, last_of_layer)
         with graph.inserting_after(after):
             host = graph.create_node("call_function", ops.group_out, (list(group.nodes), options.runtime, group.layer),
                                      name=f"{HOST_PREFIX}{group.layer}")
@@ -133,8 +138,13 @@ def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[Saved
     output = graph.output_node()
     window = max(1, options.resident_groups)
     for k, (group, host) in enumerate(zip(groups, hosts)):
-        due = k + window - 1  # released once the group `window - 1` later has closed
-        anchor = hosts[due] if due < len(hosts) else None
+        if options.release_after is None:
+            due = k + window - 1  # released once the group `window - 1` later has closed
+            anchor = hosts[due] if due < len(hosts) else None
+        else:  # after the end of the layer the plan names: the layer's output, a data edge to it
+            anchor = outputs.get(options.release_after.get(group.layer))
+            if anchor is not None and order.get(anchor, -1) <= order[after_of(group, order, last_of_layer)]:
+                anchor = host  # a layer that ends before the group's copy is issued: at once
         where = graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(output)
         with where:
             release = graph.call_function(ops.group_release, (host, list(group.nodes), anchor, options.runtime))
@@ -143,6 +153,24 @@ def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[Saved
     graph.lint()
     fw.recompile()
     return hosts
+
+
+def after_of(group: SavedGroup, order: Dict[fx.Node, int], last_of_layer: Dict[int, fx.Node]) -> fx.Node:
+    """The node a group's `group_out` follows: its layer's last, or its last saved tensor if later."""
+    return max([last_of_layer.get(group.layer, group.nodes[0])] + group.nodes, key=order.__getitem__)
+
+
+def _layer_outputs(graph: fx.Graph, layers: Dict[fx.Node, int]) -> Dict[int, fx.Node]:
+    """Per layer, its output: the last of its nodes whose tensor a node outside the layer reads (so
+    inductor makes it a buffer whether or not a release reads it too)."""
+    out: Dict[int, fx.Node] = {}
+    for node in graph.nodes:
+        layer = layers.get(node)
+        if layer is None or _val(node) is None:
+            continue
+        if any(layers.get(user) != layer for user in node.users if user.op != "output"):
+            out[layer] = node
+    return out
 
 
 def _replace_saved_outputs(fw: fx.GraphModule, num_fwd_outputs: int, groups, hosts) -> None:
