@@ -55,6 +55,33 @@ class Blocks(nn.Module):
         return self.head(x).sum()
 
 
+class AttentionBlock(nn.Module):
+    """A fused q/k/v projection split into three views of one buffer, which attention saves."""
+
+    def __init__(self, d, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+
+
+class AttentionBlocks(nn.Module):
+    def __init__(self, d=32, n=3):
+        super().__init__()
+        self.layers = nn.ModuleList(AttentionBlock(d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
 def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
@@ -220,14 +247,15 @@ def _generated_kernels(model, x):
 
 @cpu_model
 @pytest.mark.slow
-def test_compile_kernels_are_those_of_the_model_compiled_without_offload():
+@pytest.mark.parametrize("blocks", ["mlp", "attention"])
+def test_compile_kernels_are_those_of_the_model_compiled_without_offload(blocks):
     """Offload's ops change no kernel of the compiled graphs: each layer's restored tensors
     come in where its backward starts, so inductor fuses as it does without offload, and they
     count as aligned, as the saved tensors they stand for did (on a GPU, either would change
-    the order of some sums)."""
+    the order of some sums); views rebuilt on a buffer copied once (q, k, v) read as they did."""
     torch.manual_seed(0)
-    base = Blocks(32, 3)
-    x = torch.randn(8, 32)
+    base = Blocks(32, 3) if blocks == "mlp" else AttentionBlocks(32, 3)
+    x = torch.randn(8, 32) if blocks == "mlp" else torch.randn(2, 16, 32)
     expected, _ = _generated_kernels(copy.deepcopy(base), x)
     model = copy.deepcopy(base)
     handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
@@ -555,4 +583,59 @@ def test_compile_auto_on_the_device_plans_from_the_graph_and_stays_bitwise(induc
     assert chosen == list(range(len(chosen))) and not plan["offload"][-1]  # a prefix; keep_last stays
     assert plan["notes"] and plan["notes"][0].startswith("estimated:")
     assert held == 0
+    handle.disable()
+
+
+def test_compile_views_of_one_buffer_are_copied_once():
+    """Note [views of one buffer]: q, k and v saved as three views of the fused projection's output
+    make one member of the group, the buffer, and each comes back through the same view ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from offload.activation.compiled.rewrite import RewriteOptions, choose_groups
+
+    def layer(x, w):
+        q, k, v = torch.mm(x, w).view(8, 3, 4).permute(1, 0, 2)
+        return (q * k * v).sum(), q, k, v
+
+    gm = make_fx(layer, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 12))
+    layers = {n: 0 for n in gm.graph.nodes if n.op == "call_function"}
+    options = RewriteOptions(runtime=0, resident_groups=2, min_tensor_bytes=0, device=torch.device("cpu"))
+    (group,) = choose_groups(gm, 1, layers, [True], options)
+    assert [n.target for n in group.nodes] == [torch.ops.aten.mm.default]
+    assert group.nbytes == 8 * 12 * 4  # the buffer once, not three spans of nearly all of it
+    assert [r.member for r in group.saved.values()] == [0, 0, 0]
+    import operator
+
+    # make_fx records `q, k, v = t` as `unbind` and a `getitem` each (dynamo as a `select` each)
+    assert [[n.target for n in r.chain] for r in group.saved.values()] == [
+        [torch.ops.aten.view.default, torch.ops.aten.permute.default, torch.ops.aten.unbind.int, operator.getitem]] * 3
+
+
+@pytest.mark.slow
+@cpu_model
+def test_compile_attention_views_bitwise_and_copied_once():
+    """A model whose layers save three views of one buffer (q, k, v) compiled whole with offload:
+    the gradients are bitwise those of the model compiled without offload, and each layer's
+    buffer crosses the bus once (the bytes equal the groups' own byte counts: no view copied apart)."""
+    torch.manual_seed(0)
+    base = AttentionBlocks()
+    x = torch.randn(2, 16, 32)
+    reference = copy.deepcopy(base)
+    torch._dynamo.reset()
+    reference.compile()
+    reference(x).backward()
+    expected = _grads(reference)
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0)
+    model.compile()
+    breaks = _graph_breaks()
+    model(x).backward()
+    assert _graph_breaks() == breaks
+    stats = handle.stats()
+    qkv_bytes = 2 * 16 * 3 * 32 * 4
+    # Two offloaded layers (keep_last=1), each its q/k/v buffer once beside its other saved tensors:
+    # three views copied apart would move about three times that buffer.
+    assert stats["groups_offloaded"] == 2 and stats["d2h_bytes"] < 2 * (3 * qkv_bytes)
+    _assert_same_grads(expected, model)
     handle.disable()

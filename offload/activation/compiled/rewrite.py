@@ -16,26 +16,48 @@ per group at the end of the checked tensors, in both.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from . import ops
-from .layout import DTYPES, flatten_specs, specs_of
+from .layout import DTYPES, flatten_specs, span_elements, specs_of
 
 HOST_PREFIX = "offload_host_"
 
 
 @dataclass
 class SavedGroup:
-    """The saved tensors of one offloaded layer, as forward nodes in forward order."""
+    """One offloaded layer's saved tensors: `nodes`, the forward nodes whose tensors are copied (in
+    forward order), and `saved`, each saved tensor the group takes out of the forward's outputs with
+    how backward gets it back (Note [views of one buffer])."""
 
     layer: int
     nodes: List[fx.Node]
     nbytes: int
+    saved: Dict[fx.Node, "Restored"] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A saved tensor as backward rebuilds it: the view ops `chain` (forward nodes, first to last)
+    replayed on the restored tensor of `nodes[member]` (no ops: that tensor itself)."""
+
+    member: int
+    chain: Tuple[fx.Node, ...] = ()
+
+
+# Note [views of one buffer]: a layer may save several views of one buffer its forward made, as an
+# attention layer saves q, k and v, three `select`s of its fused projection's output. Copied one by
+# one, each view's bytes run from its first element to its last, and interleaved views span nearly
+# the whole buffer each: the bus moved the buffer three times and backward held three restored
+# copies of it. Where a group's views of one buffer span at least the buffer's own bytes, the
+# buffer is copied once instead, and backward rebuilds each view with the same view ops on the
+# restored buffer: inductor sees each view with the size, stride and offset it had, as the graph
+# without offload has it.
 
 
 @dataclass(frozen=True)
@@ -61,9 +83,7 @@ def _static(val: torch.Tensor) -> bool:
 
 def _view_root(node: fx.Node) -> fx.Node:
     """The node whose memory `node` reads, following view ops."""
-    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-            and any(r.alias_info is not None and not r.alias_info.is_write for r in node.target._schema.returns) \
-            and node.args and isinstance(node.args[0], fx.Node):
+    while _is_view(node):
         node = node.args[0]
     return node
 
@@ -81,23 +101,81 @@ def choose_groups(fw: fx.GraphModule, num_fwd_outputs: int, layers: Dict[fx.Node
     nothing, as Note [what stays] in engine.py has it)."""
     outs = fw.graph.output_node().args[0]
     user_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
-    by_layer: Dict[int, SavedGroup] = {}
+    by_layer: Dict[int, List[fx.Node]] = {}
     for node in saved_tensors(fw, num_fwd_outputs):
         layer = layers.get(node)
-        val = _val(node)
         if layer is None or not offload[layer] or node in user_outputs or node.op != "call_function":
             continue
-        if node.meta.get("saved_tensor_with_no_vc_check", False) or val.dtype not in DTYPES:
+        if node.meta.get("saved_tensor_with_no_vc_check", False) or not _copyable(_val(node), options):
             continue
-        if val.device != options.device or val.layout != torch.strided or not _static(val) or val.numel() == 0:
+        if _val(node).numel() * _val(node).element_size() < options.min_tensor_bytes \
+                or _view_root(node).op == "placeholder":
             continue
-        nbytes = val.numel() * val.element_size()
-        if nbytes < options.min_tensor_bytes or _view_root(node).op == "placeholder":
-            continue
-        group = by_layer.setdefault(layer, SavedGroup(layer, [], 0))
-        group.nodes.append(node)
-        group.nbytes += nbytes
-    return [by_layer[k] for k in sorted(by_layer)]
+        by_layer.setdefault(layer, []).append(node)
+    return [_group(layer, by_layer[layer], options) for layer in sorted(by_layer)]
+
+
+def _copyable(val: Optional[torch.Tensor], options: RewriteOptions) -> bool:
+    """A tensor the ops can copy: on the handle's device, strided, of static size, not empty, of a
+    dtype the ops carry."""
+    return val is not None and val.dtype in DTYPES and val.device == options.device \
+        and val.layout == torch.strided and _static(val) and val.numel() > 0
+
+
+def _span_bytes(val: torch.Tensor) -> int:
+    return span_elements(val.shape, val.stride()) * val.element_size()
+
+
+def _group(layer: int, saved: List[fx.Node], options: RewriteOptions) -> SavedGroup:
+    """The group of `saved` (one layer's, in forward order): each tensor copied on its own, except
+    views of one buffer that span at least its bytes (Note [views of one buffer])."""
+    by_base: Dict[fx.Node, List[fx.Node]] = {}
+    for node in saved:
+        chain = _view_chain(node)
+        if chain:
+            by_base.setdefault(chain[0].args[0], []).append(node)
+    shared = {}
+    for base, views in by_base.items():
+        if base in saved:
+            views = views + [base]
+        if len(views) > 1 and _copyable(_val(base), options) \
+                and sum(_span_bytes(_val(v)) for v in views) >= _span_bytes(_val(base)):
+            shared.update((v, base) for v in views)
+    group = SavedGroup(layer, [], 0)
+    members: Dict[fx.Node, int] = {}
+    for node in saved:
+        member = shared.get(node, node)
+        if member not in members:
+            members[member] = len(group.nodes)
+            group.nodes.append(member)
+            group.nbytes += _span_bytes(_val(member))
+        group.saved[node] = Restored(members[member], tuple(_view_chain(node)) if member is not node else ())
+    return group
+
+
+def _view_chain(node: fx.Node) -> List[fx.Node]:
+    """The view ops from the buffer `node` reads to `node`, first to last, where each takes the one
+    before it as its first argument and no other graph value (so backward can replay them); empty
+    where `node` is no such view (keyword arguments, which `_set_val` does not pass, are none)."""
+    chain = []
+    while _is_view(node) and not node.kwargs and not any(isinstance(a, fx.Node) for a in node.args[1:]):
+        chain.append(node)
+        node = node.args[0]
+    if chain and _is_view(node):  # a view of a view that cannot be replayed: not one buffer's view
+        return []
+    return chain[::-1]
+
+
+def _is_view(node) -> bool:
+    """An op whose output reads its first argument's memory: a view op, or one tensor of a view op
+    that returns several (`q, k, v = t` records `unbind` and a `getitem` per tensor)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args \
+            or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[1], int) and _is_view(node.args[0])
+    return isinstance(node.target, torch._ops.OpOverload) \
+        and any(r.alias_info is not None and not r.alias_info.is_write for r in node.target._schema.returns)
 
 
 def _set_val(node: fx.Node, op, *args) -> None:
@@ -178,7 +256,7 @@ def _replace_saved_outputs(fw: fx.GraphModule, num_fwd_outputs: int, groups, hos
     tensors (Note [saved order])."""
     output = fw.graph.output_node()
     outs = list(output.args[0])
-    gone = {n for g in groups for n in g.nodes}
+    gone = {n for g in groups for n in g.saved}
     head, saved = outs[:num_fwd_outputs], outs[num_fwd_outputs:]
     at = len(saved)
     for i, node in enumerate(saved):
@@ -254,7 +332,7 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
             loaded = graph.call_function(ops.group_in, (token,) + spec_args + (options.runtime,))
             _set_val(loaded, ops.group_in, token, *spec_args, options.runtime)
             items = []
-            for i in range(len(arrival.olds)):
+            for i in range(len(arrival.group.nodes)):
                 item = graph.call_function(operator.getitem, (loaded, i))
                 item.meta["val"] = loaded.meta["val"][i]
                 items.append(item)
@@ -262,18 +340,28 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
                 nxt = arrivals[j + 1]
                 nxt_specs = flatten_specs(specs_of([n.meta["val"] for n in nxt.group.nodes]))
                 token = _prefetch(graph, nxt.block, items[0], tuple(nxt_specs) + (options.device,), options)
-        for old, item in zip(arrival.olds, items):
-            old.replace_all_uses_with(item)
+            values = [_replay(graph, items[r.member], r.chain) for r in arrival.group.saved.values()]
+        for old, value in zip(arrival.olds, values):
+            old.replace_all_uses_with(value)
             graph.erase_node(old)
     graph.lint()
     bw.recompile()
+
+
+def _replay(graph: fx.Graph, value: fx.Node, chain: Sequence[fx.Node]) -> fx.Node:
+    """`chain`'s view ops (forward nodes) applied in the backward graph to `value`."""
+    for view in chain:
+        args = (value,) + tuple(view.args[1:])
+        value = graph.call_function(view.target, args, dict(view.kwargs))
+        _set_val(value, view.target, *args)
+    return value
 
 
 def _host_placeholders(graph: fx.Graph, groups: List[SavedGroup], hosts: List[fx.Node]) -> List[fx.Node]:
     """One placeholder per host block (`hosts`, the forward's outputs), placed after the last
     checked saved tensor still there (Note [saved order])."""
     placeholders = list(graph.find_nodes(op="placeholder"))
-    gone_names = {n.name for g in groups for n in g.nodes}
+    gone_names = {n.name for g in groups for n in g.saved}
     anchor = None
     for p in placeholders:
         if p.name in gone_names:
@@ -304,7 +392,7 @@ def _arrivals(graph: fx.Graph, groups: List[SavedGroup], host_phs: List[fx.Node]
     starts = _layer_starts(graph, layers)
     arrivals = []
     for group, ph in zip(groups, host_phs):
-        olds = [by_name[n.name] for n in group.nodes]
+        olds = [by_name[n.name] for n in group.saved]
         users = [u for old in olds for u in old.users]
         first = min(users, key=order.__getitem__) if users else graph.output_node()
         for layer in layers.get(first), group.layer:
