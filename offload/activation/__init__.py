@@ -15,7 +15,8 @@ probes, search, budget, budget_plan, budget_checks, ranks) is built on the runti
 imports it; the runtime imports auto mode only where api.py builds its planner.
 
 A model compiled whole (compiled/, see its docstring: ops, layout, transport, layer_map,
-rewrite, plan, partitioner, support, binding; docs/design/compile.md) is offloaded by offload's
+rewrite, plan, costs, partitioner, support, binding; docs/design/compile.md; its auto plan uses
+auto mode's schedule margins and bus probe) is offloaded by offload's
 partitioner and ops inside the compiled graphs; api.py binds each handle to it.
 """
 

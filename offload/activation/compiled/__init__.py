@@ -6,7 +6,8 @@ inductor's partition, then rewrites the forward and backward graphs of an offloa
 the graph records (layer_map.py), leave as one host block through offload's ops (ops.py)
 and come back before backward needs them, on offload's pool and copy streams
 (transport.py). Which layers offload and which the compiler recomputes is planned from the
-partitioned graph (plan.py); where each tensor lies in its group's host block is one pure
+partitioned graph (plan.py), auto mode's from each layer's compute estimated from the graphs and
+the measured bus (costs.py); where each tensor lies in its group's host block is one pure
 function that the ops' fake and real kernels share (layout.py). What the installed torch
 offers, and the partitioner's place in inductor's configuration, is support.py. A handle's
 `CompiledBinding` (binding.py) ties it to its graphs.
