@@ -477,6 +477,18 @@ def test_compile_step_estimate_lets_groups_go_where_their_copies_are_done():
     assert estimate.release_after == {0: 1, 1: 2} and estimate.exposed == 1.0
 
 
+def test_compile_step_estimate_fetches_the_first_group_as_late_as_its_copy_allows():
+    """Auto mode's first copy back: layer 0's group, needed where layer 1's backward starts, takes 1.5 s
+    to come back; layers 3 and 2 (1 s each) are the fewest before that which last as long, so it is
+    issued where layer 3's backward starts, not at backward's start (where it would sit on the device
+    through the backward's peak), and still arrives in time."""
+    costs = _step_costs([1.5e9] + [0] * 5, [1.0] * 6, [1.0] * 6)
+    estimate = step_estimate([True] + [False] * 5, costs, resident_groups=2, when_copied=True)
+    assert estimate.first_fetch_at == 3
+    assert round(estimate.exposed, 9) == 0.0
+    assert step_estimate([True] + [False] * 5, costs, resident_groups=2).first_fetch_at is None  # async: at the start
+
+
 def test_compile_hidden_plan_offloads_the_earliest_layers_that_hide():
     """Copies of 1 s under layers of 1 s forward and 3 s backward: the first layers' copies hide under
     the layers after them, the last ones' would be waited for at the forward's end."""

@@ -95,7 +95,7 @@ class CompiledBinding:
                 partitioner.tag_recompute(gm, map_layers(gm.graph, matcher), plan.recompute)
                 fw, bw = partition_fn(gm, joint_inputs, **kwargs)
         if plan.release_after is not None:
-            rewrite = dataclasses.replace(rewrite, release_after=plan.release_after)
+            rewrite = dataclasses.replace(rewrite, release_after=plan.release_after, first_fetch_at=plan.first_fetch_at)
         layers = map_layers(fw.graph, matcher)
         groups = choose_groups(fw, num_fwd_outputs, layers, plan.offload, rewrite)
         if groups:

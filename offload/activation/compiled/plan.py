@@ -43,6 +43,8 @@ class CompiledPlan:
     # Per offloaded layer, the layer after whose end its group is let go (None: the forward's end);
     # None for the resident window's release points.
     release_after: Optional[Dict[int, Optional[int]]] = None
+    # The layer whose backward's start issues the first group's copy back (None: backward's start).
+    first_fetch_at: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {"offload": list(self.offload), "recompute": list(self.recompute), "device_bytes": self.device_bytes,
@@ -127,6 +129,7 @@ class StepEstimate:
     exposed: float
     step: float
     release_after: Dict[int, Optional[int]]
+    first_fetch_at: Optional[int] = None  # the layer whose backward's start issues the first copy back
 
 
 def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: int,
@@ -137,8 +140,10 @@ def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: in
     the first layer that ends after its copy is done (auto mode's release points); the rest at the
     forward's end. Backward needs group j where layer j + 1's backward starts (the last layer's own
     group: where its own starts); the first group backward needs is fetched as backward starts,
-    each next one as the one before it arrives. Copies are taken slower than measured alone, by
-    the auto schedule's margins."""
+    or, `when_copied`, as late as its copy still ends in time (the start of the latest layer's
+    backward that leaves it enough, so that it is not on the device through the backward's
+    start, its peak); each next one as the one before it arrives. Copies are taken slower than
+    measured alone, by the auto schedule's margins."""
     n = len(offload)
     d2h = costs.d2h_bps / (1 + COPY_MARGIN)
     h2d = costs.h2d_bps / (1 + FETCH_MARGIN)
@@ -169,12 +174,15 @@ def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: in
         release_after.update((layer, None) for layer, _ in copying)
     needed_at = {i: min(i + 1, n - 1) for i in range(n) if offload[i]}
     order = sorted(needed_at, key=lambda i: (-needed_at[i], -i))
+    first_fetch_at = _first_fetch_at(order[0], needed_at, costs, h2d) if order and when_copied else None
     ready, h2d_free = {}, t
-    if order:  # fetched at backward's start, before the head's backward
+    if order and first_fetch_at is None:  # fetched at backward's start, before the head's backward
         ready[order[0]] = h2d_free = t + costs.nbytes[order[0]] / h2d
     t += costs.backward_rest
     k = 0
     for layer in reversed(range(n)):
+        if layer == first_fetch_at:
+            ready[order[0]] = h2d_free = t + costs.nbytes[order[0]] / h2d
         while k < len(order) and needed_at[order[k]] == layer:
             wait(ready[order[k]])
             if k + 1 < len(order):
@@ -182,7 +190,19 @@ def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: in
                 ready[nxt] = h2d_free = max(t, h2d_free) + costs.nbytes[nxt] / h2d
             k += 1
         t += costs.backward[layer]
-    return StepEstimate(exposed, t, release_after)
+    return StepEstimate(exposed, t, release_after, first_fetch_at)
+
+
+def _first_fetch_at(first: int, needed_at: Dict[int, int], costs: StepCosts, h2d: float) -> Optional[int]:
+    """The latest layer after the one that needs group `first` whose backward, with those between
+    them, lasts as long as the group's copy back; None where only backward's start leaves enough."""
+    need = costs.nbytes[first] / h2d
+    room = 0.0
+    for layer in range(needed_at[first] + 1, len(costs.backward)):
+        room += costs.backward[layer]
+        if room >= need:
+            return layer
+    return None
 
 
 def hidden_plan(eligible: Sequence[bool], costs: StepCosts, resident_groups: int) -> CompiledPlan:
@@ -199,7 +219,8 @@ def hidden_plan(eligible: Sequence[bool], costs: StepCosts, resident_groups: int
         candidate = step_estimate(offload, costs, resident_groups, when_copied=True)
         if candidate.exposed <= EXPOSED_TOLERANCE * candidate.step:
             best, estimate = offload, candidate
-    plan = CompiledPlan(best, [False] * count, release_after=dict(estimate.release_after))
+    plan = CompiledPlan(best, [False] * count, release_after=dict(estimate.release_after),
+                        first_fetch_at=estimate.first_fetch_at)
     plan.notes.append(f"estimated: {sum(best)} of {len(order)} layers hide their copies under compute "
                       f"(step {estimate.step * 1e3:.1f} ms, copies exposed {estimate.exposed * 1e3:.2f} ms)")
     return plan

@@ -69,6 +69,8 @@ class RewriteOptions:
     # Per offloaded layer, the layer after whose end its group is let go (None: the forward's end),
     # auto mode's release points (plan.hidden_plan); None: the resident window's.
     release_after: Optional[Dict[int, Optional[int]]] = None
+    # The layer at whose backward's start the first group's copy back is issued (None: backward's start).
+    first_fetch_at: Optional[int] = None
 
 
 def _val(node) -> Optional[torch.Tensor]:
@@ -321,7 +323,7 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
     from the sums that do, and split sums add in another order on a GPU."""
     graph = bw.graph
     arrivals = _arrivals(graph, groups, _host_placeholders(graph, groups, hosts), layers)
-    start = next(n for n in graph.nodes if n.op != "placeholder")
+    start = _first_fetch_point(graph, layers, options.first_fetch_at, arrivals[0].at if arrivals else None)
     token = None
     for j, arrival in enumerate(arrivals):
         spec_args = tuple(flatten_specs(specs_of([n.meta["val"] for n in arrival.group.nodes]))) + (options.device,)
@@ -346,6 +348,18 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
             graph.erase_node(old)
     graph.lint()
     bw.recompile()
+
+
+def _first_fetch_point(graph: fx.Graph, layers: Dict[fx.Node, int], layer: Optional[int],
+                       arrival: Optional[fx.Node]) -> fx.Node:
+    """The node the first copy back is issued before: where `layer`'s backward starts, if that comes
+    before the first group's arrival; else backward's first node."""
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    at = _layer_starts(graph, layers).get(layer) if layer is not None else None
+    if at is None or arrival is None:
+        return first
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return at if order[at] < order[arrival] else first
 
 
 def _replay(graph: fx.Graph, value: fx.Node, chain: Sequence[fx.Node]) -> fx.Node:
