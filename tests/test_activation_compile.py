@@ -277,6 +277,19 @@ def inductor_deterministic(deterministic, monkeypatch):
         monkeypatch.setattr(inductor_config, "deterministic", True)
 
 
+def _device_blocks_compiled_without_offload():
+    """The GPU tests' model and input, and its peak and gradients compiled without offload."""
+    torch.manual_seed(0)
+    with torch.device(_device.current_device()):
+        base = Blocks(d=1024, n=6)
+        x = torch.randn(8192, 1024)
+    reference = copy.deepcopy(base)
+    torch._dynamo.reset()
+    reference.compile()
+    peak, _, grads = _peak_and_grads(reference, x)
+    return base, x, peak, grads
+
+
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_compile_blocks_on_the_device_bitwise_with_a_lower_peak(inductor_deterministic):
@@ -289,15 +302,7 @@ def test_compile_blocks_on_the_device_bitwise_with_a_lower_peak(inductor_determi
     Why the bound is eager's: the host runs ahead of the copies by many groups in a compiled step (nothing
     blocks it), so a restored group the core held until the host saw its copy done kept every group of the
     step on the device at once, a peak close to the model's without offload."""
-    torch.manual_seed(0)
-    with torch.device(_device.current_device()):
-        base = Blocks(d=1024, n=6)
-        x = torch.randn(8192, 1024)
-    reference = copy.deepcopy(base)
-    torch._dynamo.reset()
-    reference.compile()
-    ref_peak, _, expected = _peak_and_grads(reference, x)
-    del reference
+    base, x, ref_peak, expected = _device_blocks_compiled_without_offload()
     eager = copy.deepcopy(base)
     eager_handle = offload.enable_activation_offload(eager, "async", min_tensor_bytes=1 << 20)
     eager_peak, _, _ = _peak_and_grads(eager, x)
@@ -573,15 +578,7 @@ def test_compile_auto_on_the_device_plans_from_the_graph_and_stays_bitwise(induc
     """On the GPU, auto mode's plan for a model compiled whole comes from the graphs' estimated compute
     and the measured bus (its note says what it estimated), offloads only a prefix of the layers
     (earliest first), and the gradients are those of the model compiled without offload."""
-    torch.manual_seed(0)
-    with torch.device(_device.current_device()):
-        base = Blocks(d=1024, n=6)
-        x = torch.randn(8192, 1024)
-    reference = copy.deepcopy(base)
-    torch._dynamo.reset()
-    reference.compile()
-    _, _, expected = _peak_and_grads(reference, x)
-    del reference
+    base, x, _, expected = _device_blocks_compiled_without_offload()
     model = copy.deepcopy(base)
     torch._dynamo.reset()
     handle = offload.enable_activation_offload(model, "auto", min_tensor_bytes=1 << 20)
