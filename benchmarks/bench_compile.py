@@ -189,7 +189,7 @@ def _rows(ctx, label: str, results: dict, bandwidth) -> list:
               f"alternated ({ratio:.3f}x, {paired['layers_offloaded']} layers offloaded)", flush=True)
         rows.append(row(SECTION, f"{label} auto step, alternated", offload=paired["auto_ms"],
                         baseline=paired["compiled_ms"], unit="ms", baseline_name=BASELINE, higher_is_better=False,
-                        layers_offloaded=paired["layers_offloaded"], target=f"<= {AUTO_TARGET:.2f}x",
+                        variant="auto_alternated", layers_offloaded=paired["layers_offloaded"], target=f"<= {AUTO_TARGET:.2f}x",
                         target_met=ratio <= AUTO_TARGET))
     bound = _bus_bound_ms(base, results["async"], bandwidth) if "async" in results else None
     if bound:
