@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 from torch._dynamo.utils import counters
 
 import offload
@@ -648,3 +648,22 @@ def test_compile_attention_views_bitwise_and_copied_once():
     assert stats["groups_offloaded"] == 2 and stats["d2h_bytes"] < 2 * (3 * qkv_bytes)
     _assert_same_grads(expected, model)
     handle.disable()
+
+
+def test_compile_first_fetch_point_is_where_the_planned_layers_backward_starts():
+    """The first copy back stands before the first node of the planned layer's backward (one the
+    gradients reach), if that comes before the group's arrival; else at backward's first node."""
+    from offload.activation.compiled.rewrite import _first_fetch_point
+
+    graph = fx.Graph()
+    tangent = graph.placeholder("tangents_1")
+    weight_t = graph.call_function(torch.ops.aten.t.default, (graph.placeholder("w"),))  # reached by no gradient
+    layer2 = graph.call_function(torch.ops.aten.mul.Tensor, (tangent, 2.0))
+    layer1 = graph.call_function(torch.ops.aten.mul.Tensor, (layer2, 3.0))
+    layer0 = graph.call_function(torch.ops.aten.mm.default, (layer1, weight_t))
+    graph.output((layer0,))
+    layers = {weight_t: 2, layer2: 2, layer1: 1, layer0: 0}
+    assert _first_fetch_point(graph, layers, 2, arrival=layer0) is layer2  # not the transpose, placed earlier
+    assert _first_fetch_point(graph, layers, 1, arrival=layer0) is layer1
+    assert _first_fetch_point(graph, layers, 1, arrival=layer2) is weight_t  # after its arrival: backward's start
+    assert _first_fetch_point(graph, layers, None, arrival=layer0) is weight_t
