@@ -76,14 +76,17 @@ def pip_install(packages, optional: bool) -> bool:
     command = [sys.executable, "-m", "pip", "install", "--quiet", *packages]
     if optional:
         command[4:4] = ["--retries", "1", "--timeout", "15"]
+    start = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         last = [line for line in (result.stderr or result.stdout).strip().splitlines() if line.strip()]
         packages_said = " ".join(packages)
         reason = last[-1].strip() if last else f"pip exited with {result.returncode}"
         if optional:
-            say(f"note: {packages_said} is not installed and could not be installed ({reason}); "
-                "the parts that need it are skipped")
+            # The time said: on a host without a registry, this try is what each run pays until the
+            # package is installed.
+            say(f"note: {packages_said} is not installed and could not be installed ({reason}; tried for "
+                f"{time.monotonic() - start:.0f} s); the parts that need it are skipped")
         else:
             say(f"error: could not install {packages_said} ({reason})")
         return False
@@ -210,9 +213,11 @@ def _target_hint() -> str:
 
 
 def build() -> int:
+    checked = time.monotonic()
     current = stamp()
     if up_to_date(current):
-        say("offload is built and installed for this torch; sources unchanged, nothing to rebuild")
+        say(f"offload is built and installed for this torch; sources unchanged, nothing to rebuild (checked in "
+            f"{time.monotonic() - checked:.0f} s)")
         return 0
     jobs = int(os.environ.get("MAX_JOBS") or default_max_jobs())
     target = _target_hint()
