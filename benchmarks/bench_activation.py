@@ -34,7 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import gbps, host_memory, row, time_and_peak, time_ms
+from common import bus_bound_ms, gbps, host_memory, row, time_and_peak, time_ms
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -317,8 +317,7 @@ def _report(ctx, name, results, forward_ms, bandwidth, headline=False):
             exposed = stats["exposed_seconds"] * 1e3
             offloaded = stats["d2h_bytes"]
             if d2h_bw and h2d_bw:
-                bound = max(forward_ms, offloaded / (d2h_bw * 1e9) * 1e3) + \
-                    max(backward_ms, stats["h2d_bytes"] / (h2d_bw * 1e9) * 1e3)
+                bound = bus_bound_ms(forward_ms, backward_ms, offloaded, stats["h2d_bytes"], d2h_bw, h2d_bw)
         lines.append(
             f"  {column:18} {ms:9.1f} {ms / none_ms:7.2f} {peak / GiB:9.2f} "
             f"{'-' if exposed is None else f'{exposed:.1f}':>11} "

@@ -103,11 +103,7 @@ def _measure(ctx, name: str, base, loss_of, min_tensor_bytes: int) -> dict:
                                            iters=3 if ctx.quick else 10)["median_ms"]
         return result
     finally:
-        if handle is not None:
-            handle.disable()
-        torch._dynamo.reset()
-        gc.collect()
-        _device.empty_cache()
+        _release(handle)
 
 
 def _alternated_auto(ctx, base, loss_of, min_tensor_bytes: int) -> dict:
@@ -116,8 +112,6 @@ def _alternated_auto(ctx, base, loss_of, min_tensor_bytes: int) -> dict:
     by more than the 3% sought on a step of a few milliseconds."""
     import offload
     from common import compare_ms
-
-    from offload.core import _device
 
     torch._dynamo.reset()
     plain, auto = copy.deepcopy(base), copy.deepcopy(base)
@@ -137,10 +131,18 @@ def _alternated_auto(ctx, base, loss_of, min_tensor_bytes: int) -> dict:
         return {"auto_ms": ours["median_ms"], "compiled_ms": theirs["median_ms"],
                 "layers_offloaded": sum(plan.get("offload", []))}
     finally:
+        _release(handle)
+
+
+def _release(handle) -> None:
+    """After a variant: its handle disabled, its compiled code and memory let go for the next one."""
+    from offload.core import _device
+
+    if handle is not None:
         handle.disable()
-        torch._dynamo.reset()
-        gc.collect()
-        _device.empty_cache()
+    torch._dynamo.reset()
+    gc.collect()
+    _device.empty_cache()
 
 
 def _print_variant(label: str, name: str, r: dict) -> None:
@@ -151,14 +153,15 @@ def _print_variant(label: str, name: str, r: dict) -> None:
 
 
 def _bus_bound_ms(base: dict, r: dict, bandwidth) -> Optional[float]:
-    """The step's floor where its copies do not hide (bench_activation's bound): per pass, the
-    larger of the compiled pass's time and its bytes over the bus; None without a measured bus."""
+    """`common.bus_bound_ms` of variant `r`, the compiled step `base` timing its passes; None without
+    a measured bus."""
+    from common import bus_bound_ms
+
     d2h_bw, h2d_bw = bandwidth
     if not d2h_bw or not h2d_bw or "forward_ms" not in base:
         return None
     forward_ms = base["forward_ms"]
-    backward_ms = max(base["ms"] - forward_ms, 0.0)
-    return max(forward_ms, r["offloaded"] / (d2h_bw * 1e9) * 1e3) + max(backward_ms, r["fetched"] / (h2d_bw * 1e9) * 1e3)
+    return bus_bound_ms(forward_ms, max(base["ms"] - forward_ms, 0.0), r["offloaded"], r["fetched"], d2h_bw, h2d_bw)
 
 
 def _rows(ctx, label: str, results: dict, bandwidth) -> list:

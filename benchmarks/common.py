@@ -169,6 +169,13 @@ def summarize(samples_ms) -> dict:
     }
 
 
+def bus_bound_ms(forward_ms: float, backward_ms: float, d2h_bytes: int, h2d_bytes: int, d2h_gbps: float,
+                 h2d_gbps: float) -> float:
+    """A step's floor where its copies do not hide under compute: per pass, the larger of the pass's
+    time without offload and the bytes it copies over the measured bus."""
+    return max(forward_ms, d2h_bytes / (d2h_gbps * 1e9) * 1e3) + max(backward_ms, h2d_bytes / (h2d_gbps * 1e9) * 1e3)
+
+
 def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("inf")
 

@@ -653,7 +653,7 @@ def test_compile_attention_views_bitwise_and_copied_once():
 def test_compile_first_fetch_point_is_where_the_planned_layers_backward_starts():
     """The first copy back stands before the first node of the planned layer's backward (one the
     gradients reach), if that comes before the group's arrival; else at backward's first node."""
-    from offload.activation.compiled.rewrite import _first_fetch_point
+    from offload.activation.compiled.rewrite import _first_fetch_point, _layer_starts
 
     graph = fx.Graph()
     tangent = graph.placeholder("tangents_1")
@@ -663,7 +663,12 @@ def test_compile_first_fetch_point_is_where_the_planned_layers_backward_starts()
     layer0 = graph.call_function(torch.ops.aten.mm.default, (layer1, weight_t))
     graph.output((layer0,))
     layers = {weight_t: 2, layer2: 2, layer1: 1, layer0: 0}
-    assert _first_fetch_point(graph, layers, 2, arrival=layer0) is layer2  # not the transpose, placed earlier
-    assert _first_fetch_point(graph, layers, 1, arrival=layer0) is layer1
-    assert _first_fetch_point(graph, layers, 1, arrival=layer2) is weight_t  # after its arrival: backward's start
-    assert _first_fetch_point(graph, layers, None, arrival=layer0) is weight_t
+    starts, order = _layer_starts(graph, layers), {n: i for i, n in enumerate(graph.nodes)}
+
+    def point(layer, arrival):
+        return _first_fetch_point(graph, starts, order, layer, arrival)
+
+    assert point(2, arrival=layer0) is layer2  # not the transpose, placed earlier
+    assert point(1, arrival=layer0) is layer1
+    assert point(1, arrival=layer2) is weight_t  # after its arrival: backward's start
+    assert point(None, arrival=layer0) is weight_t

@@ -5,9 +5,9 @@ A compiled step runs no Python per layer, so auto mode cannot measure it as it m
 eager step (copy times against layer times). Its plan comes from the graph instead:
 - modes 'async' and 'sync': every layer not kept (keep_first/keep_last) is offloaded;
 - 'auto' without a budget: the earliest layers whose copies hide under compute
-  (`hidden_plan`), on a model of the compiled step (`step_estimate`: the rewrite's window, its
-  release at the forward's end and its fetch one group ahead) fed by each layer's estimated
-  compute and the measured bus (costs.py);
+  (`hidden_plan`), on a model of the compiled step as the rewrite places its ops
+  (`step_estimate`: copies out in order, release points, fetches one group ahead) fed by each
+  layer's estimated compute and the measured bus (costs.py);
 - 'auto' with `memory_budget_bytes`: as few layers as meet the budget, earliest first (the
   eager budget plan's order: an early layer's copy has the most compute to hide under);
   where offloading every layer that may go is not enough, layers are recomputed, earliest
@@ -162,12 +162,14 @@ def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: in
         if offload[i]:
             d2h_free = max(t, d2h_free) + costs.nbytes[i] / d2h
             copying.append((i, d2h_free))
-        while copying and when_copied and copying[0][1] <= t:  # done by this layer's end: let go here
-            release_after[copying.pop(0)[0]] = i
-        while not when_copied and offload[i] and len(copying) >= resident_groups:
-            layer, done = copying.pop(0)
-            wait(done)
-            release_after[layer] = i
+        if when_copied:
+            while copying and copying[0][1] <= t:  # done by this layer's end: let go here
+                release_after[copying.pop(0)[0]] = i
+        elif offload[i]:
+            while len(copying) >= resident_groups:  # the window is full: the oldest is waited for
+                layer, done = copying.pop(0)
+                wait(done)
+                release_after[layer] = i
     t += costs.forward_rest
     if copying:
         wait(copying[-1][1])  # the copies end in order: the last one done means all are

@@ -131,14 +131,14 @@ def _span_bytes(val: torch.Tensor) -> int:
 def _group(layer: int, saved: List[fx.Node], options: RewriteOptions) -> SavedGroup:
     """The group of `saved` (one layer's, in forward order): each tensor copied on its own, except
     views of one buffer that span at least its bytes (Note [views of one buffer])."""
+    chains = {node: _view_chain(node) for node in saved}
     by_base: Dict[fx.Node, List[fx.Node]] = {}
-    for node in saved:
-        chain = _view_chain(node)
+    for node, chain in chains.items():
         if chain:
             by_base.setdefault(chain[0].args[0], []).append(node)
     shared = {}
     for base, views in by_base.items():
-        if base in saved:
+        if base in chains:  # saved itself too
             views = views + [base]
         if len(views) > 1 and _copyable(_val(base), options) \
                 and sum(_span_bytes(_val(v)) for v in views) >= _span_bytes(_val(base)):
@@ -151,7 +151,7 @@ def _group(layer: int, saved: List[fx.Node], options: RewriteOptions) -> SavedGr
             members[member] = len(group.nodes)
             group.nodes.append(member)
             group.nbytes += _span_bytes(_val(member))
-        group.saved[node] = Restored(members[member], tuple(_view_chain(node)) if member is not node else ())
+        group.saved[node] = Restored(members[member], tuple(chains[node]) if member is not node else ())
     return group
 
 
@@ -207,9 +207,10 @@ def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[Saved
             last_of_layer[layer] = node
     # Read before offload's ops are in the graph: their reads are no layer's output.
     outputs = _layer_outputs(graph, layers) if options.release_after is not None else {}
-    hosts = []
+    hosts, afters = [], []
     for group in groups:
-        after = after_of(group, order, last_of_layer)
+        after = _after_of(group, order, last_of_layer)
+        afters.append(after)
         with graph.inserting_after(after):
             host = graph.create_node("call_function", ops.group_out, (list(group.nodes), options.runtime, group.layer),
                                      name=f"{HOST_PREFIX}{group.layer}")
@@ -217,13 +218,13 @@ def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[Saved
         hosts.append(host)
     output = graph.output_node()
     window = max(1, options.resident_groups)
-    for k, (group, host) in enumerate(zip(groups, hosts)):
+    for k, (group, host, after) in enumerate(zip(groups, hosts, afters)):
         if options.release_after is None:
             due = k + window - 1  # released once the group `window - 1` later has closed
             anchor = hosts[due] if due < len(hosts) else None
         else:  # after the end of the layer the plan names: the layer's output, a data edge to it
             anchor = outputs.get(options.release_after.get(group.layer))
-            if anchor is not None and order.get(anchor, -1) <= order[after_of(group, order, last_of_layer)]:
+            if anchor is not None and order.get(anchor, -1) <= order[after]:
                 anchor = host  # a layer that ends before the group's copy is issued: at once
         where = graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(output)
         with where:
@@ -235,7 +236,7 @@ def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[Saved
     return hosts
 
 
-def after_of(group: SavedGroup, order: Dict[fx.Node, int], last_of_layer: Dict[int, fx.Node]) -> fx.Node:
+def _after_of(group: SavedGroup, order: Dict[fx.Node, int], last_of_layer: Dict[int, fx.Node]) -> fx.Node:
     """The node a group's `group_out` follows: its layer's last, or its last saved tensor if later."""
     return max([last_of_layer.get(group.layer, group.nodes[0])] + group.nodes, key=order.__getitem__)
 
@@ -322,8 +323,11 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
     at the first use splits, for instance, a bias gradient's sum that does not read the group
     from the sums that do, and split sums add in another order on a GPU."""
     graph = bw.graph
-    arrivals = _arrivals(graph, groups, _host_placeholders(graph, groups, hosts), layers)
-    start = _first_fetch_point(graph, layers, options.first_fetch_at, arrivals[0].at if arrivals else None)
+    host_phs = _host_placeholders(graph, groups, hosts)
+    order = {n: i for i, n in enumerate(graph.nodes)}  # before offload's ops go in
+    starts = _layer_starts(graph, layers)
+    arrivals = _arrivals(graph, groups, host_phs, layers, starts, order)
+    start = _first_fetch_point(graph, starts, order, options.first_fetch_at, arrivals[0].at if arrivals else None)
     token = None
     for j, arrival in enumerate(arrivals):
         spec_args = tuple(flatten_specs(specs_of([n.meta["val"] for n in arrival.group.nodes]))) + (options.device,)
@@ -350,15 +354,14 @@ def rewrite_backward(bw: fx.GraphModule, groups: List[SavedGroup], hosts: List[f
     bw.recompile()
 
 
-def _first_fetch_point(graph: fx.Graph, layers: Dict[fx.Node, int], layer: Optional[int],
-                       arrival: Optional[fx.Node]) -> fx.Node:
-    """The node the first copy back is issued before: where `layer`'s backward starts, if that comes
-    before the first group's arrival; else backward's first node."""
+def _first_fetch_point(graph: fx.Graph, starts: Dict[int, fx.Node], order: Dict[fx.Node, int],
+                       layer: Optional[int], arrival: Optional[fx.Node]) -> fx.Node:
+    """The node the first copy back is issued before: where `layer`'s backward starts (`starts`,
+    `_layer_starts`), if that comes before the first group's arrival; else backward's first node."""
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    at = _layer_starts(graph, layers).get(layer) if layer is not None else None
+    at = starts.get(layer) if layer is not None else None
     if at is None or arrival is None:
         return first
-    order = {n: i for i, n in enumerate(graph.nodes)}
     return at if order[at] < order[arrival] else first
 
 
@@ -396,14 +399,13 @@ def _host_placeholders(graph: fx.Graph, groups: List[SavedGroup], hosts: List[fx
     return host_phs
 
 
-def _arrivals(graph: fx.Graph, groups: List[SavedGroup], host_phs: List[fx.Node],
-              layers: Dict[fx.Node, int]) -> List[_GroupArrival]:
+def _arrivals(graph: fx.Graph, groups: List[SavedGroup], host_phs: List[fx.Node], layers: Dict[fx.Node, int],
+              starts: Dict[int, fx.Node], order: Dict[fx.Node, int]) -> List[_GroupArrival]:
     """Each group's arrival, in the order backward needs them: at the start of the backward of
     the layer that reads the group first (the layer after the group's, whose input the
-    group's layer made, or the group's own), else at its first use."""
+    group's layer made, or the group's own), else at its first use. `starts`: `_layer_starts`;
+    `order`: each node's place in the graph."""
     by_name = {p.name: p for p in graph.find_nodes(op="placeholder")}
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    starts = _layer_starts(graph, layers)
     arrivals = []
     for group, ph in zip(groups, host_phs):
         olds = [by_name[n.name] for n in group.saved]
