@@ -16,6 +16,7 @@ only the sections it names. The exit status is 0 unless a section failed.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -199,6 +200,17 @@ def metadata(device, quick: bool, full: bool, argv, notes: dict) -> dict:
 
 def run_section(name, module, ctx):
     """(status dict, rows) of one section; a failure is recorded, not raised."""
+    try:
+        return _run_section(name, module, ctx)
+    finally:
+        # What the section allocated goes back to the device: a section that spawns processes
+        # on the same device (colocated) would otherwise find this process's cached blocks
+        # of the last section's model in its way.
+        gc.collect()
+        _device.empty_cache()
+
+
+def _run_section(name, module, ctx):
     before = len(ctx.skipped)
     start = time.perf_counter()
     try:

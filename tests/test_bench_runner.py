@@ -445,3 +445,14 @@ def test_bench_report_on_a_cpu_points_to_the_gpu_results():
     text = report.markdown(_long_rows(), {}, meta, figure_notes=["activation_memory_time.png not drawn: why"])
     assert "functional check" in text and "benchmarks/RESULTS.md" in text
     assert "- activation_memory_time.png not drawn: why" in text
+
+
+def test_bench_runner_gives_the_device_cache_back_after_every_section(fake_sections, tmp_path, monkeypatch):
+    # A section that spawns processes on the same device (colocated) must not find the last
+    # section's cached blocks in this process; a failed section gives its memory back too.
+    from offload.core import _device
+
+    emptied = []
+    monkeypatch.setattr(_device, "empty_cache", lambda: emptied.append(True))
+    runner.main(["--out", str(tmp_path / "out"), "--only", "good", "broken"], folder=fake_sections)
+    assert len(emptied) == 2

@@ -26,6 +26,8 @@ from .engine import DEFAULT_MIN_TENSOR_BYTES, ActivationEngine, check_options
 from .groups import ActivationEvent  # noqa: F401 (the listeners' record, exported by offload.activation)
 from .saved_tensors import input_tensors, other_hooks_active
 
+_is_compiling = torch.compiler.is_compiling  # read once: the model's forward asks it every step
+
 # Note [recompute]: a layer auto mode's budget plan recomputes runs its (unwrapped) forward
 # under torch's non-reentrant checkpoint, inside the layer's group: the checkpoint saves the
 # layer's inputs through the hooks below its own (so they are offloaded with the group) and
@@ -179,16 +181,18 @@ class ActivationOffload:
         engine = self.engine
 
         def forward(*args, **kwargs):
-            if _compiling():  # traced whole (Note [torch.compile]); the checks below read as dynamo guards
+            # A disabled or paused handle's step pays this one test (traced or not: under a
+            # compile it reads as a dynamo guard).
+            if self._paused or not self._enabled:
+                return original(*args, **kwargs)
+            if _is_compiling():  # traced whole (Note [torch.compile]); the checks below read as dynamo guards
                 model = self._model()
-                if self._enabled and not self._paused and torch.is_grad_enabled() and model is not None:
+                if torch.is_grad_enabled() and model is not None:
                     return self._compiled.traced_forward(model, original, args, kwargs)
                 return original(*args, **kwargs)
             model = self._model()
             if (
-                not self._enabled
-                or self._paused
-                or not torch.is_grad_enabled()
+                not torch.is_grad_enabled()
                 or torch.is_inference_mode_enabled()
                 or not model.training
                 or torch._C._current_graph_task_id() != -1
@@ -364,9 +368,6 @@ def _input_bytes(args, kwargs) -> int:
     return total
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
 
 
 def _bind_compiled(handle, classes, memory_budget_bytes):

@@ -83,10 +83,17 @@ def max_tuning_steps(layers: int) -> int:
 
 
 def _shape_key(args, kwargs):
-    """The shapes and dtypes of the tensors in a forward's inputs, nested ones included."""
+    """The shapes and dtypes of the tensors in a forward's inputs, nested ones included (a
+    torch.Size hashes and compares as the tuple of its sizes)."""
+    if not kwargs:
+        # The common call, model(batch): read every step of a settled plan, so the walk below
+        # (which makes the same key) is skipped where every input is a plain tensor.
+        key = [(a.shape, a.dtype) for a in args if type(a) is torch.Tensor]
+        if len(key) == len(args):
+            return tuple(key)
     leaves: list = []
     tensor_leaves(list(args) + [kwargs[k] for k in sorted(kwargs)], leaves)
-    return tuple((tuple(t.shape), str(t.dtype)) for t in leaves)
+    return tuple([(t.shape, t.dtype) for t in leaves])
 
 
 def probe_bandwidth(device, nbytes: int = 64 << 20):
