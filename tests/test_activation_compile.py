@@ -142,7 +142,8 @@ def test_compile_blocks_enabled_before_compile(blocks_case):
         model.zero_grad()
         _blocks_step(model, x)
     assert _graph_breaks() == breaks
-    _check_offloaded(handle, expected, model, groups=3)  # keep_last=1: three of four layers
+    # keep_last=1 and the window's tail (Note [window tail]): two of four layers
+    _check_offloaded(handle, expected, model, groups=2)
     assert handle.stats()["compiled_steps"] == 2
     handle.disable()
 
@@ -156,7 +157,41 @@ def test_compile_blocks_enabled_after_compile(blocks_case):
     compiled = torch.compile(model)
     handle = offload.enable_activation_offload(compiled, min_tensor_bytes=0, mode="async")
     assert handle.layers == ["layers.0", "layers.1", "layers.2", "layers.3"]  # the user's names, not _orig_mod's
-    _step_offloads(lambda: _blocks_step(compiled, x), handle, expected, model, groups=3)
+    _step_offloads(lambda: _blocks_step(compiled, x), handle, expected, model, groups=2)
+
+
+@pytest.mark.slow
+@cpu_model
+@pytest.mark.parametrize("resident_groups", [1, 2, 3])
+def test_compile_window_tail_stays_on_the_device(blocks_case, resident_groups):
+    """With the resident window's releases, the last `resident_groups - 1` offloaded layers stay
+    on the device (Note [window tail]); the plan and its note say which; gradients bitwise."""
+    base, x, expected = blocks_case
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=0, resident_groups=resident_groups)
+    model.compile()
+    with torch._inductor.config.patch(force_disable_caches=True):  # partitioned here: the plan's notes
+        _blocks_step(model, x)
+    copied = 3 - (resident_groups - 1)  # keep_last=1: three of four layers may go
+    plan = handle.stats()["compiled_plan"]
+    assert plan["offload"] == [i < copied for i in range(4)]
+    staying = [f"layers.{i}" for i in range(copied, 3)]
+    assert any(note.startswith(", ".join(staying) + " stay on the device") for note in plan["notes"]) == bool(staying)
+    _check_offloaded(handle, expected, model, groups=copied)
+    handle.disable()
+
+
+def test_compile_window_tail_only_with_the_windows_releases():
+    from offload.activation.compiled.rewrite import RewriteOptions, SavedGroup, window_tail
+
+    groups = [SavedGroup(layer, [], 0) for layer in range(4)]
+    options = RewriteOptions(runtime=1, resident_groups=3, min_tensor_bytes=0, device=torch.device("cpu"))
+    copied, staying = window_tail(groups, options)
+    assert [g.layer for g in copied] == [0, 1] and [g.layer for g in staying] == [2, 3]
+    planned = RewriteOptions(1, 3, 0, torch.device("cpu"), release_after={0: 1, 1: 2, 2: None, 3: None})
+    assert window_tail(groups, planned) == (groups, [])  # auto mode's plan places every release itself
+    assert window_tail(groups[:1], options) == ([], groups[:1])
 
 
 @pytest.mark.slow
@@ -213,7 +248,7 @@ def test_compile_llama(llama_case, when):
     else:
         model.compile()
         handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
-    _step_offloads(lambda: _llama_step(model, ids), handle, expected, model, groups=2)
+    _step_offloads(lambda: _llama_step(model, ids), handle, expected, model, groups=1)
 
 
 def _peak_and_grads(model, x):
@@ -260,7 +295,7 @@ def test_compile_kernels_are_those_of_the_model_compiled_without_offload(blocks)
     model = copy.deepcopy(base)
     handle = offload.enable_activation_offload(model, min_tensor_bytes=0)
     kernels, code = _generated_kernels(model, x)
-    assert handle.stats()["groups_fetched"] == 2  # keep_last=1: two of three layers
+    assert handle.stats()["groups_fetched"] == 1  # keep_last=1 and the window's tail: one of three layers
     assert kernels == expected
     assert "group_in.default) is assumed to be not aligned" not in code
     handle.disable()
@@ -542,6 +577,37 @@ def test_compile_rewrite_releases_after_the_planned_layers_output():
     assert releases[1].args[2] is None and nodes.index(releases[1]) == len(nodes) - 2  # just before the output
 
 
+def test_compile_rewrite_window_release_at_the_staying_layers_end():
+    """With the resident window (2) and the last group staying on the device (Note [window tail]),
+    the group before it is let go where the staying layer ends (its output the anchor), not at the
+    forward's end, and the staying layer's tensor is still saved as it is."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from offload.activation.compiled import ops
+    from offload.activation.compiled.rewrite import RewriteOptions, choose_groups, rewrite_forward, window_tail
+
+    def three_layers(x, w):
+        a0 = torch.relu(torch.mm(x, w))
+        a1 = torch.relu(torch.mm(a0, w))
+        a2 = torch.relu(torch.mm(a1, w))
+        return a2.sum(), a0, a1, a2
+
+    gm = make_fx(three_layers, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
+    computed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.ops.aten.mm.default,
+                                                                                    torch.ops.aten.relu.default)]
+    layers = {node: i // 2 for i, node in enumerate(computed)}
+    options = RewriteOptions(runtime=0, resident_groups=2, min_tensor_bytes=0, device=torch.device("cpu"))
+    groups, staying = window_tail(choose_groups(gm, 1, layers, [True, True, False], options), options)
+    assert [g.layer for g in groups] == [0] and [g.layer for g in staying] == [1]
+    hosts = rewrite_forward(gm, 1, groups, layers, options, staying)
+    nodes = list(gm.graph.nodes)
+    [release] = [n for n in nodes if n.target is ops.group_release]
+    relu_1 = computed[3]
+    assert release.args[0] is hosts[0] and release.args[2] is relu_1
+    assert nodes.index(release) == nodes.index(relu_1) + 1
+    assert relu_1 in gm.graph.output_node().args[0]  # layer 1's saved tensor stays a saved output
+
+
 def test_compile_node_flops_counts_matmuls_only():
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -643,9 +709,9 @@ def test_compile_attention_views_bitwise_and_copied_once():
     assert _graph_breaks() == breaks
     stats = handle.stats()
     qkv_bytes = 2 * 16 * 3 * 32 * 4
-    # Two offloaded layers (keep_last=1), each its q/k/v buffer once beside its other saved tensors:
-    # three views copied apart would move about three times that buffer.
-    assert stats["groups_offloaded"] == 2 and stats["d2h_bytes"] < 2 * (3 * qkv_bytes)
+    # One offloaded layer (keep_last=1 and the window's tail), its q/k/v buffer once beside its
+    # other saved tensors: three views copied apart would move about three times that buffer.
+    assert stats["groups_offloaded"] == 1 and stats["d2h_bytes"] < 3 * qkv_bytes
     _assert_same_grads(expected, model)
     handle.disable()
 

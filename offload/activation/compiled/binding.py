@@ -21,7 +21,8 @@ from ...core import _device
 from . import costs, ops, partitioner, support
 from .layer_map import LayerMatcher, map_layers
 from .plan import CompiledPlan, SavedBytes, StepCosts, budget_plan, hidden_plan
-from .rewrite import RewriteOptions, choose_groups, rewrite_backward, rewrite_forward, saved_tensors
+from .rewrite import (RewriteOptions, choose_groups, rewrite_backward, rewrite_forward, saved_tensors,
+                      window_tail)
 from .transport import GroupTransport
 
 
@@ -97,9 +98,12 @@ class CompiledBinding:
         if plan.release_after is not None:
             rewrite = dataclasses.replace(rewrite, release_after=plan.release_after, first_fetch_at=plan.first_fetch_at)
         layers = map_layers(fw.graph, matcher)
-        groups = choose_groups(fw, num_fwd_outputs, layers, plan.offload, rewrite)
+        groups, staying = window_tail(choose_groups(fw, num_fwd_outputs, layers, plan.offload, rewrite), rewrite)
+        if staying:
+            plan.notes.append(f"{', '.join(names[g.layer] for g in staying)} stay on the device: the resident window "
+                              "would let them go at the forward's end and bring them back as backward starts")
         if groups:
-            hosts = rewrite_forward(fw, num_fwd_outputs, groups, layers, rewrite)
+            hosts = rewrite_forward(fw, num_fwd_outputs, groups, layers, rewrite, staying)
             rewrite_backward(bw, groups, hosts, rewrite, map_layers(bw.graph, matcher, backward=True))
         marker = partitioner.marker_of(fw.graph)
         if marker is not None:

@@ -60,6 +60,19 @@ class Restored:
 # without offload has it.
 
 
+# Note [window tail]: with the resident window's release points, the last `resident_groups - 1`
+# offloaded groups of a forward would be let go at the forward's end, after the compute stream
+# waited for their copies out, and backward's first fetch would bring the last of them back at
+# once: the bus moves them twice while compute waits, and the device holds them at backward's
+# start either way (the eager engine serves them from its held tensors, Note [resident window]
+# in engine.py; the budget plan counts them as on the device, plan.left_on_device). So they stay:
+# `window_tail` takes them out of the groups copied, and the release points of the groups before
+# them stay where those groups' closes put them (the end of each staying group's layer). Backward
+# fetches the last group still copied from its start, while the staying groups' layers run.
+# Auto mode's planned release points (`release_after`) place every release and the first fetch
+# themselves: there nothing stays.
+
+
 @dataclass(frozen=True)
 class RewriteOptions:
     runtime: int  # the handle's transport id, baked into the ops' arguments
@@ -115,6 +128,16 @@ def choose_groups(fw: fx.GraphModule, num_fwd_outputs: int, layers: Dict[fx.Node
             continue
         by_layer.setdefault(layer, []).append(node)
     return [_group(layer, by_layer[layer], options) for layer in sorted(by_layer)]
+
+
+def window_tail(groups: List[SavedGroup], options: RewriteOptions) -> Tuple[List[SavedGroup], List[SavedGroup]]:
+    """(groups copied, groups that stay on the device): the last `resident_groups - 1` groups
+    stay where the resident window places the releases (Note [window tail])."""
+    tail = options.resident_groups - 1
+    if options.release_after is not None or tail <= 0:
+        return groups, []
+    cut = max(0, len(groups) - tail)
+    return groups[:cut], groups[cut:]
 
 
 def _copyable(val: Optional[torch.Tensor], options: RewriteOptions) -> bool:
@@ -196,9 +219,11 @@ def _set_val(node: fx.Node, op, *args) -> None:
 
 
 def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[SavedGroup], layers: Dict[fx.Node, int],
-                    options: RewriteOptions) -> List[fx.Node]:
+                    options: RewriteOptions, staying: Sequence[SavedGroup] = ()) -> List[fx.Node]:
     """Insert each group's `group_out` after its layer's last node and its `group_release` at its
-    release point; return the host block nodes (one per group, in `groups` order)."""
+    release point; return the host block nodes (one per group, in `groups` order). `staying`: the
+    groups after them that stay on the device (`window_tail`), whose layers' ends are release
+    points still."""
     graph = fw.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_of_layer: Dict[int, fx.Node] = {}
@@ -206,7 +231,7 @@ def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[Saved
         if node in order and (layer not in last_of_layer or order[node] > order[last_of_layer[layer]]):
             last_of_layer[layer] = node
     # Read before offload's ops are in the graph: their reads are no layer's output.
-    outputs = _layer_outputs(graph, layers) if options.release_after is not None else {}
+    outputs = _layer_outputs(graph, layers) if options.release_after is not None or staying else {}
     hosts, afters = [], []
     for group in groups:
         after = _after_of(group, order, last_of_layer)
@@ -221,7 +246,13 @@ def rewrite_forward(fw: fx.GraphModule, num_fwd_outputs: int, groups: List[Saved
     for k, (group, host, after) in enumerate(zip(groups, hosts, afters)):
         if options.release_after is None:
             due = k + window - 1  # released once the group `window - 1` later has closed
-            anchor = hosts[due] if due < len(hosts) else None
+            if due < len(hosts):
+                anchor = hosts[due]
+            elif due - len(hosts) < len(staying):  # a group that stays: where its layer ends
+                ends = staying[due - len(hosts)]
+                anchor = outputs.get(ends.layer, ends.nodes[-1])
+            else:
+                anchor = None
         else:  # after the end of the layer the plan names: the layer's output, a data edge to it
             anchor = outputs.get(options.release_after.get(group.layer))
             if anchor is not None and order.get(anchor, -1) <= order[after]:
