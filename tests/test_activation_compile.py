@@ -608,6 +608,16 @@ def test_compile_rewrite_window_release_at_the_staying_layers_end():
     assert relu_1 in gm.graph.output_node().args[0]  # layer 1's saved tensor stays a saved output
 
 
+def test_compile_group_in_without_its_copy_back_says_why():
+    """A backward graph that asks for a group nobody fetched (run again for one forward, or traced
+    again by compiled autograd) gets an error that says so, not a bare KeyError."""
+    from offload.activation.compiled.transport import GroupTransport
+
+    transport = GroupTransport(None, timing=False)
+    with pytest.raises(RuntimeError, match=r"copy back was never issued \(serial 7\): each group comes back once"):
+        transport.group_in(7, [])
+
+
 def test_compile_node_flops_counts_matmuls_only():
     from torch.fx.experimental.proxy_tensor import make_fx
 

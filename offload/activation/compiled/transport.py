@@ -167,7 +167,10 @@ class GroupTransport:
 
     def group_in(self, serial: int, specs: List[TensorSpec]) -> List[torch.Tensor]:
         """The restored tensors of the group `serial` names, ready on the compute stream."""
-        back = self._back.pop(serial)
+        back = self._back.pop(serial, None)
+        if back is None:
+            raise RuntimeError(f"offload: the compiled backward asked for a group whose copy back was never issued "
+                               f"(serial {serial}): {_why_not_issued()}")
         if back.owner is None:
             back.handle.synchronize()
         else:
@@ -178,6 +181,18 @@ class GroupTransport:
                 back.handle.wait_stream(stream)
         self.counters.groups_fetched += 1
         return [raw.view(spec.dtype).as_strided(spec.size, spec.stride, 0) for raw, spec in zip(back.out, specs)]
+
+
+def _why_not_issued() -> str:
+    """What most likely made a backward graph ask for a group nobody fetched."""
+    from torch._dynamo import compiled_autograd
+
+    if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
+        return ("compiled autograd (torch._dynamo.config.compiled_autograd) traces the backward graph again, and "
+                "offload's ops under a whole-model compile do not support that; turn compiled autograd off, or "
+                "offload layers compiled one by one (layer.compile())")
+    return ("each group comes back once per forward, so a backward graph run again for the same forward finds "
+            "it gone; run one backward per forward, or pause offload (handle.paused()) for such steps")
 
 
 @dataclass
