@@ -546,14 +546,10 @@ def test_compile_hidden_plan_offloads_the_earliest_layers_that_hide():
     assert not any(plan.recompute) and "estimated" in plan.notes[0]
 
 
-def test_compile_rewrite_releases_after_the_planned_layers_output():
-    """With auto mode's release points, a group is let go right after the output of the layer the plan
-    names, that output its anchor (a data edge), and a group planned for the forward's end just before
-    the graph's output."""
+def _three_layer_forward():
+    """A forward graph of three mm + relu layers that returns each layer's output for backward:
+    (the graph, its mm and relu nodes in order, each of those nodes' layer)."""
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    from offload.activation.compiled import ops
-    from offload.activation.compiled.rewrite import RewriteOptions, choose_groups, rewrite_forward
 
     def three_layers(x, w):
         a0 = torch.relu(torch.mm(x, w))
@@ -564,7 +560,17 @@ def test_compile_rewrite_releases_after_the_planned_layers_output():
     gm = make_fx(three_layers, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
     computed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.ops.aten.mm.default,
                                                                                     torch.ops.aten.relu.default)]
-    layers = {node: i // 2 for i, node in enumerate(computed)}  # mm, relu per layer
+    return gm, computed, {node: i // 2 for i, node in enumerate(computed)}  # mm, relu per layer
+
+
+def test_compile_rewrite_releases_after_the_planned_layers_output():
+    """With auto mode's release points, a group is let go right after the output of the layer the plan
+    names, that output its anchor (a data edge), and a group planned for the forward's end just before
+    the graph's output."""
+    from offload.activation.compiled import ops
+    from offload.activation.compiled.rewrite import RewriteOptions, choose_groups, rewrite_forward
+
+    gm, computed, layers = _three_layer_forward()
     options = RewriteOptions(runtime=0, resident_groups=2, min_tensor_bytes=0, device=torch.device("cpu"),
                              release_after={0: 1, 1: None})
     groups = choose_groups(gm, 1, layers, [True, True, False], options)
@@ -581,21 +587,10 @@ def test_compile_rewrite_window_release_at_the_staying_layers_end():
     """With the resident window (2) and the last group staying on the device (Note [window tail]),
     the group before it is let go where the staying layer ends (its output the anchor), not at the
     forward's end, and the staying layer's tensor is still saved as it is."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from offload.activation.compiled import ops
     from offload.activation.compiled.rewrite import RewriteOptions, choose_groups, rewrite_forward, window_tail
 
-    def three_layers(x, w):
-        a0 = torch.relu(torch.mm(x, w))
-        a1 = torch.relu(torch.mm(a0, w))
-        a2 = torch.relu(torch.mm(a1, w))
-        return a2.sum(), a0, a1, a2
-
-    gm = make_fx(three_layers, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
-    computed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.ops.aten.mm.default,
-                                                                                    torch.ops.aten.relu.default)]
-    layers = {node: i // 2 for i, node in enumerate(computed)}
+    gm, computed, layers = _three_layer_forward()
     options = RewriteOptions(runtime=0, resident_groups=2, min_tensor_bytes=0, device=torch.device("cpu"))
     groups, staying = window_tail(choose_groups(gm, 1, layers, [True, True, False], options), options)
     assert [g.layer for g in groups] == [0] and [g.layer for g in staying] == [1]
