@@ -368,8 +368,6 @@ def _input_bytes(args, kwargs) -> int:
     return total
 
 
-
-
 def _bind_compiled(handle, classes, memory_budget_bytes):
     from .compiled import bind
 

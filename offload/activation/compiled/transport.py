@@ -187,7 +187,8 @@ def _why_not_issued() -> str:
     """What most likely made a backward graph ask for a group nobody fetched."""
     from torch._dynamo import compiled_autograd
 
-    if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
+    if getattr(compiled_autograd, "compiled_autograd_enabled", False) \
+            or getattr(compiled_autograd, "in_compiled_autograd_region", False):
         return ("compiled autograd (torch._dynamo.config.compiled_autograd) traces the backward graph again, and "
                 "offload's ops under a whole-model compile do not support that; turn compiled autograd off, or "
                 "offload layers compiled one by one (layer.compile())")
