@@ -234,6 +234,29 @@ def mem_get_info(device=None):
     return _module(device.type).mem_get_info(device)
 
 
+def record_memory_history(device, enabled: bool, max_entries: int = 400_000) -> None:
+    """Start (with each allocation's Python stack) or stop the allocator's record of allocations
+    and frees on `device`'s kind of accelerator, which `memory_snapshot` returns. A diagnostic's
+    tool: recording costs host time per allocation."""
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        raise RuntimeError(f"offload: record_memory_history needs an accelerator, got device {device}")
+    memory = _module(device.type).memory
+    if enabled:
+        memory._record_memory_history(max_entries=max_entries, stacks="python")
+    else:
+        memory._record_memory_history(enabled=None)
+
+
+def memory_snapshot(device) -> dict:
+    """The allocator's snapshot of `device`'s kind (its `device_traces` hold what
+    `record_memory_history` recorded)."""
+    device = normalize_device(device)
+    if not is_accelerator(device):
+        raise RuntimeError(f"offload: memory_snapshot needs an accelerator, got device {device}")
+    return _module(device.type).memory._snapshot()
+
+
 def empty_cache() -> None:
     kind = accelerator_type()
     if kind is not None:
