@@ -143,7 +143,10 @@ def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: in
     or, `when_copied`, as late as its copy still ends in time (the start of the latest layer's
     backward that leaves it enough, so that it is not on the device through the backward's
     start, its peak); each next one as the one before it arrives. Copies are taken slower than
-    measured alone, by the auto schedule's margins."""
+    measured alone, by the auto schedule's margins. Without `when_copied` every offloaded group is
+    copied, the window's last ones too: the async rewrite keeps those on the device instead
+    (Note [window tail] in rewrite.py), which this does not model; the plans made from this
+    estimate, auto mode's, all release when copied."""
     n = len(offload)
     d2h = costs.d2h_bps / (1 + COPY_MARGIN)
     h2d = costs.h2d_bps / (1 + FETCH_MARGIN)
