@@ -15,8 +15,9 @@ Timing is wall clock on the host (what the training loop sees), with the device
 synchronized before each save so one save's copy does not spill into the next.
 
 torch 2.11's DefaultStager raises KeyError on its second stage(); where reusing
-one fails, the baseline is measured again with a fresh DefaultStager per save
-and its name says so (each save then allocates its host buffers again).
+one fails, the baseline goes on with a fresh DefaultStager per save (the failed
+run's first save counts as the first) and its name says so (each save then
+allocates its host buffers again).
 
 The training loop runs steps back to back, as training does, and divides the
 time of a run of steps by their number: the host queues a step's work while the
@@ -31,6 +32,8 @@ from __future__ import annotations
 import statistics
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 from common import gbps, row, summarize, time_host_ms
@@ -98,13 +101,24 @@ def _stagers(device, full: bool):
     return out
 
 
-def _run_saves(make, state, device, fresh_each: bool = False, saves: int = SAVES):
-    """Ten saves; returns (blocked ms per save, staging ms per save) or an error string.
+@dataclass
+class Saves:
+    """What a run of saves measured: per save the caller-blocked and staging ms, and the error
+    that ended the run early (`None` when every save ran)."""
+
+    blocked: List[float] = field(default_factory=list)
+    staged: List[float] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+def _run_saves(make, state, device, fresh_each: bool = False, saves: int = SAVES, into: Optional[Saves] = None) -> Saves:
+    """`saves` saves (appended to `into`'s where given); a failing save ends the run with its
+    error recorded and the saves before it kept.
 
     fresh_each: a new stager per save (closed after it), for stagers that cannot be reused.
     """
+    out = into if into is not None else Saves()
     stager = make()
-    blocked, staged_ms = [], []
     try:
         for save in range(saves):
             if fresh_each and save:
@@ -114,32 +128,36 @@ def _run_saves(make, state, device, fresh_each: bool = False, saves: int = SAVES
                 t.add_(1)  # the training step between saves
             _device.synchronize(device)
             t0 = time.perf_counter()
-            out = stager.stage(state)
+            staged = stager.stage(state)
             t1 = time.perf_counter()
-            if isinstance(out, Future):
-                out = out.result()
+            if isinstance(staged, Future):
+                staged = staged.result()
             if hasattr(stager, "synchronize_staging") and not isinstance(stager, offload.AsyncStager):
                 stager.synchronize_staging()
             t2 = time.perf_counter()
-            blocked.append((t1 - t0) * 1e3)
-            staged_ms.append((t2 - t0) * 1e3)
-            del out  # the upload finished: its buffers may be reused
+            out.blocked.append((t1 - t0) * 1e3)
+            out.staged.append((t2 - t0) * 1e3)
+            del staged  # the upload finished: its buffers may be reused
     except Exception as error:  # DefaultStager on torch 2.11 fails its second stage()
-        return f"{type(error).__name__}: {error}"[:120]
+        out.error = f"{type(error).__name__}: {error}"[:120]
     finally:
         stager.close()
-    return blocked, staged_ms
+    return out
 
 
 def _baseline_saves(name, make, state, device):
-    """(name as reported, result): a stager that fails when reused is measured fresh per save."""
+    """(name as reported, Saves): a stager that fails when reused is measured fresh per save.
+
+    Its saves before the failure were each a fresh stager's first save too (one stager, not
+    yet reused), so they count, and the fresh ones only add the rest."""
     result = _run_saves(make, state, device, saves=SLOW_SAVES if make is _Naive else SAVES)
-    if not isinstance(result, str) or not name.startswith("DefaultStager"):
+    if result.error is None or not name.startswith("DefaultStager"):
         return name, result
-    fresh = _run_saves(make, state, device, fresh_each=True, saves=SLOW_SAVES)
-    if isinstance(fresh, str):
+    fresh = Saves(result.blocked[:1], result.staged[:1])
+    _run_saves(make, state, device, fresh_each=True, saves=SLOW_SAVES - len(fresh.staged), into=fresh)
+    if fresh.error is not None:
         return name, result
-    return f"{name} fresh per save (reuse raised {result.split(':')[0]})", fresh
+    return f"{name} fresh per save (reuse raised {result.error.split(':')[0]})", fresh
 
 
 def _later_saves(ours: int, theirs: int) -> str:
@@ -179,9 +197,9 @@ def _staging_rows(ctx) -> list:
                 shown, result = _baseline_saves(name, make, state, device)
                 results[shown] = result
         ours = results.pop("offload.AsyncStager")
-        if isinstance(ours, str):
-            raise RuntimeError(f"offload.AsyncStager failed: {ours}")
-        o_blocked, o_staged = ours
+        if ours.error is not None:
+            raise RuntimeError(f"offload.AsyncStager failed: {ours.error}")
+        o_blocked, o_staged = ours.blocked, ours.staged
         o_first, o_steady = o_staged[0], statistics.median(o_staged[1:])
         stagers = [name for name in results if name.startswith("DefaultStager")]
         # The headline's baseline: DefaultStager()'s defaults where this device has them, else the
@@ -190,11 +208,11 @@ def _staging_rows(ctx) -> list:
         drawn = {".cpu()"} | ({stagers[0], stagers[-1]} if stagers else set())
         for name, result in results.items():
             common = {"size_bytes": nbytes, "tensors": count, "offload_saves": len(o_staged)}
-            if isinstance(result, str):
+            if result.error is not None:
                 rows.append(row(SECTION, f"{label}: staging, saves 2-{len(o_staged)}", offload=gbps(nbytes, o_steady),
-                                baseline=None, unit="GB/s", baseline_name=f"{name} failed: {result}", **common))
+                                baseline=None, unit="GB/s", baseline_name=f"{name} failed: {result.error}", **common))
                 continue
-            b_blocked, b_staged = result
+            b_blocked, b_staged = result.blocked, result.staged
             common["baseline_saves"] = len(b_staged)  # medians over its saves 2-n
             saves = _later_saves(len(o_staged), len(b_staged))
             lead = case_index == 0 and name == headline

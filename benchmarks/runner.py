@@ -55,21 +55,22 @@ class Estimate:
     gpus: int = 1  # a section that needs more skips itself within seconds where there are fewer
 
 
-# From a default run on one H200, section by section, and from what --full's parts took
-# there; the CPU column from quick runs on a 2-core host. The frontier's and train_fsdp2's are rougher.
+# From a default run on one H100 (a fresh machine, the first run there: cold caches cost some
+# sections a few seconds), section by section, and from what --full's parts took there; the
+# CPU column from quick runs on a 2-core host. The frontier's and train_fsdp2's are rougher.
 ESTIMATES = {
-    "activation": Estimate(50, 12, 50, "the Llama model at seq 2048 and 8192"),
-    "buckets": Estimate(7, 5),
-    "colocated": Estimate(23, 0),
-    "compile": Estimate(240, 100),
-    "copy": Estimate(25, 17),
+    "activation": Estimate(48, 12, 50, "the Llama model at seq 2048 and 8192"),
+    "buckets": Estimate(10, 5),
+    "colocated": Estimate(21, 0),
+    "compile": Estimate(270, 100),
+    "copy": Estimate(22, 17),
     "frontier": Estimate(600, 60),
-    "host": Estimate(36, 1, 36, "the GPU measure's Llama at seq 8192"),
-    "param_offload": Estimate(12, 1, 50, "16 GiB instead of 4, three rounds of the module.to baseline instead of one"),
+    "host": Estimate(37, 1, 36, "the GPU measure's Llama at seq 8192"),
+    "param_offload": Estimate(8, 1, 50, "16 GiB instead of 4, three rounds of the module.to baseline instead of one"),
     "staging": Estimate(58, 13, 52, "two more DefaultStager option sets, five rounds of its training loop"),
     "train_fsdp2": Estimate(420, 0, gpus=2),
-    "trainer": Estimate(24, 8, 7, "a third round"),
-    "weight_sync": Estimate(34, 31, 8, "12 snapshot steps instead of 8; on 2 GPUs also a bucket-size sweep"),
+    "trainer": Estimate(31, 8, 7, "a third round"),
+    "weight_sync": Estimate(45, 31, 8, "12 snapshot steps instead of 8; on 2 GPUs also a bucket-size sweep"),
 }
 
 
