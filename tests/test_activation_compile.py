@@ -546,16 +546,20 @@ def test_compile_hidden_plan_offloads_the_earliest_layers_that_hide():
     assert not any(plan.recompute) and "estimated" in plan.notes[0]
 
 
-def _three_layer_forward():
-    """A forward graph of three mm + relu layers that returns each layer's output for backward:
+def _three_layer_forward(saves_outputs: bool = False):
+    """A forward graph of three mm + relu layers that returns for backward each layer's product
+    (read only in its layer), or with `saves_outputs` each layer's output (read by the next):
     (the graph, its mm and relu nodes in order, each of those nodes' layer)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def three_layers(x, w):
-        a0 = torch.relu(torch.mm(x, w))
-        a1 = torch.relu(torch.mm(a0, w))
-        a2 = torch.relu(torch.mm(a1, w))
-        return a2.sum(), a0, a1, a2
+        m0 = torch.mm(x, w)
+        a0 = torch.relu(m0)
+        m1 = torch.mm(a0, w)
+        a1 = torch.relu(m1)
+        m2 = torch.mm(a1, w)
+        a2 = torch.relu(m2)
+        return (a2.sum(), a0, a1, a2) if saves_outputs else (a2.sum(), m0, m1, m2)
 
     gm = make_fx(three_layers, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
     computed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.ops.aten.mm.default,
@@ -600,7 +604,23 @@ def test_compile_rewrite_window_release_at_the_staying_layers_end():
     relu_1 = computed[3]
     assert release.args[0] is hosts[0] and release.args[2] is relu_1
     assert nodes.index(release) == nodes.index(relu_1) + 1
-    assert relu_1 in gm.graph.output_node().args[0]  # layer 1's saved tensor stays a saved output
+    assert computed[2] in gm.graph.output_node().args[0]  # layer 1's saved tensor stays a saved output
+
+
+def test_compile_saved_layer_output_goes_with_the_layer_that_reads_it():
+    """Note [group by reader]: a layer's output saved for the next layer's backward is in the next
+    layer's group (in the one that made it, it would bring that group back a layer early); the
+    last layer's output, read by no later layer, stays in its own, and a tensor read by a layer
+    that is not offloaded is not copied."""
+    from offload.activation.compiled.rewrite import RewriteOptions, choose_groups
+
+    gm, computed, layers = _three_layer_forward(saves_outputs=True)
+    relu_0, relu_1, relu_2 = computed[1], computed[3], computed[5]
+    options = RewriteOptions(runtime=0, resident_groups=2, min_tensor_bytes=0, device=torch.device("cpu"))
+    groups = choose_groups(gm, 1, layers, [True, True, True], options)
+    assert {g.layer: list(g.saved) for g in groups} == {1: [relu_0], 2: [relu_1, relu_2]}
+    groups = choose_groups(gm, 1, layers, [True, True, False], options)
+    assert {g.layer: list(g.saved) for g in groups} == {1: [relu_0]}
 
 
 def test_compile_group_in_without_its_copy_back_says_why():

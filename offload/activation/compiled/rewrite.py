@@ -110,15 +110,15 @@ def saved_tensors(fw: fx.GraphModule, num_fwd_outputs: int) -> List[fx.Node]:
 
 def choose_groups(fw: fx.GraphModule, num_fwd_outputs: int, layers: Dict[fx.Node, int], offload: Sequence[bool],
                   options: RewriteOptions) -> List[SavedGroup]:
-    """The saved tensors to offload, grouped by layer: made in an offloaded layer, on the
-    handle's device, at least `min_tensor_bytes`, of static size, not a user output, not a
-    view of a graph input (a parameter or the forward's input: alive anyway, so a copy frees
-    nothing, as Note [what stays] in engine.py has it)."""
+    """The saved tensors to offload, grouped by the layer that reads them last in forward (Note
+    [group by reader]): that layer offloaded, on the handle's device, at least `min_tensor_bytes`,
+    of static size, not a user output, not a view of a graph input (a parameter or the forward's
+    input: alive anyway, so a copy frees nothing, as Note [what stays] in engine.py has it)."""
     outs = fw.graph.output_node().args[0]
     user_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
     by_layer: Dict[int, List[fx.Node]] = {}
     for node in saved_tensors(fw, num_fwd_outputs):
-        layer = layers.get(node)
+        layer = _reading_layer(node, layers)
         if layer is None or not offload[layer] or node in user_outputs or node.op != "call_function":
             continue
         if node.meta.get("saved_tensor_with_no_vc_check", False) or not _copyable(_val(node), options):
@@ -128,6 +128,25 @@ def choose_groups(fw: fx.GraphModule, num_fwd_outputs: int, layers: Dict[fx.Node
             continue
         by_layer.setdefault(layer, []).append(node)
     return [_group(layer, by_layer[layer], options) for layer in sorted(by_layer)]
+
+
+# Note [group by reader]: a saved tensor goes in the group of the last layer whose forward reads
+# it, where that is later than the layer that made it: a decoder layer's output, saved for the
+# next layer's norm, belongs to the next layer, as in eager, where the next layer's forward saves
+# it. In the group of the layer that made it, it would bring that whole group back one layer
+# early (a group comes back where its first reader's backward starts), so three groups would be
+# on the device at once where two suffice: the one backward reads and the next, coming back.
+
+
+def _reading_layer(node: fx.Node, layers: Dict[fx.Node, int]) -> Optional[int]:
+    """The layer whose group a saved tensor joins (Note [group by reader]): the last layer whose
+    forward reads it, if later than the one that made it; else the one that made it (None: made
+    outside every layer)."""
+    made = layers.get(node)
+    if made is None:
+        return None
+    readers = [layers[u] for u in node.users if u in layers]
+    return max([made] + readers)
 
 
 def window_tail(groups: List[SavedGroup], options: RewriteOptions) -> Tuple[List[SavedGroup], List[SavedGroup]]:
