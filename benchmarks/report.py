@@ -24,17 +24,22 @@ def value(number, unit: str) -> str:
     return f"{shown} {unit}"
 
 
-def _times(x: float) -> str:
+def _times(x: float, fine: bool = False) -> str:
+    """`fine`: three decimals below 10x, for a ratio read against a target (1.253x against
+    <= 1.25x would round to the target's own figure)."""
+    if fine and x < 10:
+        return f"{x:.3f}x"
     return f"{x:.2f}x" if x < 1 else f"{x:.1f}x" if x < 10 else f"{x:,.0f}x"
 
 
 def _ratio_words(row: dict) -> str:
     if row.get("ratio") is None:
         return "-"
+    fine = "target_met" in row
     if row["unit"] in MEMORY_UNITS:
-        return f"{_times(row['offload'] / row['baseline'])} the memory"
+        return f"{_times(row['offload'] / row['baseline'], fine)} the memory"
     ratio = row["ratio"]  # > 1: offload is better (common.row)
-    return f"{_times(ratio)} faster" if ratio >= 1 else f"{_times(1 / ratio)} slower"
+    return f"{_times(ratio, fine)} faster" if ratio >= 1 else f"{_times(1 / ratio, fine)} slower"
 
 
 def ratio_text(row: dict) -> str:

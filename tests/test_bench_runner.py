@@ -387,14 +387,17 @@ def test_bench_report_shows_a_missed_target(fake_sections, tmp_path):
             return [row(SECTION, "step time", offload=8.2, baseline=1.0, unit="ms", baseline_name="without",
                         higher_is_better=False, target_ratio=1.05, target_met=False),
                     row(SECTION, "paused step", offload=1.0, baseline=1.0, unit="ms", baseline_name="without",
-                        higher_is_better=False, target="<= 1.01x", target_met=True)]
+                        higher_is_better=False, target="<= 1.01x", target_met=True),
+                    row(SECTION, "async step", offload=1.2534, baseline=1.0, unit="ms", baseline_name="without",
+                        higher_is_better=False, target="<= 1.25x", target_met=False)]
     '''})
     out = tmp_path / "out"
     runner.main(["--only", "targets", "--out", str(out)], folder=fake_sections)
     text = (out / "report.md").read_text()
-    assert "- **MISSED** targets: step time: 8.2x slower, target <= 1.05x the baseline" in text
-    assert "8.2x slower; MISSED (target <= 1.05x the baseline)" in text  # in the section's table too
-    assert "1.0x faster; target met" in text and "paused step: 1.0x" not in text.split("## targets")[0]
+    assert "- **MISSED** targets: step time: 8.200x slower, target <= 1.05x the baseline" in text
+    assert "8.200x slower; MISSED (target <= 1.05x the baseline)" in text  # in the section's table too
+    assert "1.000x faster; target met" in text and "paused step: 1.0" not in text.split("## targets")[0]
+    assert "async step: 1.253x slower, target <= 1.25x" in text  # not rounded onto the target's figure
 
 
 def test_bench_runner_and_figures_import_no_circle():
