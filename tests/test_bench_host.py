@@ -2,27 +2,14 @@
 say what they measure against the no-handle baseline, with positive times. Its speed is not
 judged here: the figures come from `python -m benchmarks --only host`."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "benchmarks"
+from _bench_helpers import load_section
 
 
 @pytest.fixture
 def bench_host(monkeypatch):
-    # The sections import their helpers by plain name (`from common import row`), as the runner lets them.
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "common", raising=False)
-    spec = importlib.util.spec_from_file_location("bench_host", BENCH / "bench_host.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_host", module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_section(monkeypatch, "bench_host")
 
 
 def test_bench_host_alternates_the_variants_round_by_round(bench_host):
