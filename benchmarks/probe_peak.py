@@ -14,7 +14,10 @@ prints, at the step's peak:
 
 Where a compiled step's peak stands above eager's, this says what holds it: restored groups
 (offload's transport), the compiled backward's outputs (each parameter's gradient, alive until
-its graph returns), or inductor's own buffers.
+its graph returns), or inductor's own buffers. A block is named by the site that allocated it:
+inductor's generated code hands a dead buffer's memory to a later buffer of the same size
+(`reinterpret_tensor(...)  # reuse`), so a restored group's block may hold a gradient by the
+peak and still count under `group_prefetch`; read the sizes beside the sites.
 """
 
 from __future__ import annotations
