@@ -495,17 +495,15 @@ def _step_costs(nbytes, forward, backward, bus=1e9, rest=(0.0, 0.0)):
 
 def test_compile_step_estimate_follows_the_rewrite():
     """Two layers, 1 s forward and 2 s backward each, 1.5 s copies: layer 0 offloaded waits 0.5 s at
-    the forward's end (its release) and 1.5 s where layer 1's backward starts (fetched as backward
-    starts, it needs layer 0's output); nothing offloaded waits for nothing."""
+    the forward's end (its copy is not done by then, so it is let go there) and 1.5 s where layer 1's
+    backward starts (no layer after it to fetch under: fetched as backward starts, it needs layer
+    0's output); nothing offloaded waits for nothing."""
     costs = _step_costs([1.5e9, 1.5e9], [1.0, 1.0], [2.0, 2.0])
-    none = step_estimate([False, False], costs, resident_groups=2)
+    none = step_estimate([False, False], costs)
     assert (none.exposed, none.step, none.release_after) == (0.0, 6.0, {})
-    one = step_estimate([True, False], costs, resident_groups=2)
+    one = step_estimate([True, False], costs)
     assert (round(one.exposed, 9), round(one.step, 9), one.release_after) == (2.0, 8.0, {0: None})
-    # One resident group: each copy out is waited for whole as its layer closes (1.5 s twice), and
-    # both groups are needed where layer 1's backward starts, the second fetched as the first arrives.
-    both = step_estimate([True, True], costs, resident_groups=1)
-    assert (round(both.exposed, 9), round(both.step, 9), both.release_after) == (6.0, 12.0, {0: 0, 1: 1})
+    assert one.first_fetch_at is None
 
 
 def test_compile_step_estimate_lets_groups_go_where_their_copies_are_done():
@@ -513,7 +511,7 @@ def test_compile_step_estimate_lets_groups_go_where_their_copies_are_done():
     so its group goes there, without a wait; layer 1's (done at 3 s) goes at the last layer's end (3 s).
     The one wait is backward's first: layer 2's backward needs layer 1's group, fetched as it starts."""
     costs = _step_costs([1e9, 1e9, 0], [1.0, 1.0, 1.0], [3.0, 3.0, 3.0])
-    estimate = step_estimate([True, True, False], costs, resident_groups=2, when_copied=True)
+    estimate = step_estimate([True, True, False], costs)
     assert estimate.release_after == {0: 1, 1: 2} and estimate.exposed == 1.0
 
 
@@ -523,26 +521,25 @@ def test_compile_step_estimate_fetches_the_first_group_as_late_as_its_copy_allow
     issued where layer 3's backward starts, not at backward's start (where it would sit on the device
     through the backward's peak), and still arrives in time."""
     costs = _step_costs([1.5e9] + [0] * 5, [1.0] * 6, [1.0] * 6)
-    estimate = step_estimate([True] + [False] * 5, costs, resident_groups=2, when_copied=True)
+    estimate = step_estimate([True] + [False] * 5, costs)
     assert estimate.first_fetch_at == 3
     assert round(estimate.exposed, 9) == 0.0
-    assert step_estimate([True] + [False] * 5, costs, resident_groups=2).first_fetch_at is None  # async: at the start
 
 
 def test_compile_hidden_plan_offloads_the_earliest_layers_that_hide():
     """Copies of 1 s under layers of 1 s forward and 3 s backward: the first layers' copies hide under
     the layers after them, the last ones' would be waited for at the forward's end."""
     costs = _step_costs([1e9] * 6, [1.0] * 6, [3.0] * 6)
-    plan = hidden_plan([True] * 5 + [False], costs, resident_groups=2)
+    plan = hidden_plan([True] * 5 + [False], costs)
     chosen = [i for i, on in enumerate(plan.offload) if on]
     assert chosen and chosen == list(range(len(chosen))) and len(chosen) < 5
-    estimate = step_estimate(plan.offload, costs, 2, when_copied=True)
+    estimate = step_estimate(plan.offload, costs)
     assert estimate.exposed <= 0.01 * estimate.step and plan.release_after == estimate.release_after
     more = list(plan.offload)
     more[len(chosen)] = True
-    estimate = step_estimate(more, costs, 2, when_copied=True)
+    estimate = step_estimate(more, costs)
     assert estimate.exposed > 0.01 * estimate.step  # one layer more would not hide
-    assert not any(hidden_plan([True] * 6, _step_costs([1e12] * 6, [1.0] * 6, [1.0] * 6), 2).offload)
+    assert not any(hidden_plan([True] * 6, _step_costs([1e12] * 6, [1.0] * 6, [1.0] * 6)).offload)
     assert not any(plan.recompute) and "estimated" in plan.notes[0]
 
 

@@ -131,7 +131,7 @@ class CompiledBinding:
                          compute.forward_rest / rate, compute.backward_rest / rate, d2h_bps, h2d_bps)
         offloaded = self._offloaded()
         eligible = [offloaded[i] and not keep[i] for i in range(count)]
-        return hidden_plan(eligible, step, rewrite.resident_groups)
+        return hidden_plan(eligible, step)
 
     def _plan_dict(self) -> Optional[dict]:
         """The plan of the last compiled forward, as its graph carries it; the budget's estimate

@@ -132,21 +132,18 @@ class StepEstimate:
     first_fetch_at: Optional[int] = None  # the layer whose backward's start issues the first copy back
 
 
-def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: int,
-                  when_copied: bool = False) -> StepEstimate:
-    """The compiled step under `offload`, as the rewrite places its ops (rewrite.py). A group's copy
-    out starts when its layer ends, after the copies before it. It is let go (the compute stream
-    waits for its copy) when group k + resident_groups - 1 closes, or, `when_copied`, at the end of
-    the first layer that ends after its copy is done (auto mode's release points); the rest at the
-    forward's end. Backward needs group j where layer j + 1's backward starts (the last layer's own
-    group: where its own starts); the first group backward needs is fetched as backward starts,
-    or, `when_copied`, as late as its copy still ends in time (the start of the latest layer's
-    backward that leaves it enough, so that it is not on the device through the backward's
-    start, its peak); each next one as the one before it arrives. Copies are taken slower than
-    measured alone, by the auto schedule's margins. Without `when_copied` every offloaded group is
-    copied, the window's last ones too: the async rewrite keeps those on the device instead
-    (Note [window tail] in rewrite.py), which this does not model; the plans made from this
-    estimate, auto mode's, all release when copied."""
+def step_estimate(offload: Sequence[bool], costs: StepCosts) -> StepEstimate:
+    """The compiled step under `offload`, as the rewrite places auto mode's ops (rewrite.py, with
+    `release_after`). A group's copy out starts when its layer ends, after the copies before it.
+    It is let go at the end of the first layer that ends after its copy is done; the rest at the
+    forward's end, where the compute stream waits for them. Backward needs group j where layer
+    j + 1's backward starts (the last layer's own group: where its own starts); the first group
+    backward needs is fetched as late as its copy still ends in time (the start of the latest
+    layer's backward that leaves it enough, so that it is not on the device through the
+    backward's start, its peak), or as backward starts where none does; each next one as the one
+    before it arrives. Copies are taken slower than measured alone, by the auto schedule's
+    margins. (Async's resident window, Note [window tail] in rewrite.py, is not modelled: no plan
+    is made from it.)"""
     n = len(offload)
     d2h = costs.d2h_bps / (1 + COPY_MARGIN)
     h2d = costs.h2d_bps / (1 + FETCH_MARGIN)
@@ -165,21 +162,15 @@ def step_estimate(offload: Sequence[bool], costs: StepCosts, resident_groups: in
         if offload[i]:
             d2h_free = max(t, d2h_free) + costs.nbytes[i] / d2h
             copying.append((i, d2h_free))
-        if when_copied:
-            while copying and copying[0][1] <= t:  # done by this layer's end: let go here
-                release_after[copying.pop(0)[0]] = i
-        elif offload[i]:
-            while len(copying) >= resident_groups:  # the window is full: the oldest is waited for
-                layer, done = copying.pop(0)
-                wait(done)
-                release_after[layer] = i
+        while copying and copying[0][1] <= t:  # done by this layer's end: let go here
+            release_after[copying.pop(0)[0]] = i
     t += costs.forward_rest
     if copying:
         wait(copying[-1][1])  # the copies end in order: the last one done means all are
         release_after.update((layer, None) for layer, _ in copying)
     needed_at = {i: min(i + 1, n - 1) for i in range(n) if offload[i]}
     order = sorted(needed_at, key=lambda i: (-needed_at[i], -i))
-    first_fetch_at = _first_fetch_at(order[0], needed_at, costs, h2d) if order and when_copied else None
+    first_fetch_at = _first_fetch_at(order[0], needed_at, costs, h2d) if order else None
     ready, h2d_free = {}, t
     if order and first_fetch_at is None:  # fetched at backward's start, before the head's backward
         ready[order[0]] = h2d_free = t + costs.nbytes[order[0]] / h2d
@@ -210,18 +201,18 @@ def _first_fetch_at(first: int, needed_at: Dict[int, int], costs: StepCosts, h2d
     return None
 
 
-def hidden_plan(eligible: Sequence[bool], costs: StepCosts, resident_groups: int) -> CompiledPlan:
+def hidden_plan(eligible: Sequence[bool], costs: StepCosts) -> CompiledPlan:
     """Auto mode without a budget: the most eligible layers, earliest first (an early layer's copy has
     the most compute to hide under), whose copies `step_estimate` finds hidden (the compute stream
     waits at most EXPOSED_TOLERANCE of the step for them), each let go where its copy is done."""
     count = len(eligible)
     order = [i for i in range(count) if eligible[i] and costs.nbytes[i] > 0]
-    best, estimate = [False] * count, step_estimate([False] * count, costs, resident_groups, when_copied=True)
+    best, estimate = [False] * count, step_estimate([False] * count, costs)
     for k in range(1, len(order) + 1):
         offload = [False] * count
         for i in order[:k]:
             offload[i] = True
-        candidate = step_estimate(offload, costs, resident_groups, when_copied=True)
+        candidate = step_estimate(offload, costs)
         if candidate.exposed <= EXPOSED_TOLERANCE * candidate.step:
             best, estimate = offload, candidate
     plan = CompiledPlan(best, [False] * count, release_after=dict(estimate.release_after),
