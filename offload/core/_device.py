@@ -238,10 +238,7 @@ def record_memory_history(device, enabled: bool, max_entries: int = 400_000) -> 
     """Start (with each allocation's Python stack) or stop the allocator's record of allocations
     and frees on `device`'s kind of accelerator, which `memory_snapshot` returns. A diagnostic's
     tool: recording costs host time per allocation."""
-    device = normalize_device(device)
-    if not is_accelerator(device):
-        raise RuntimeError(f"offload: record_memory_history needs an accelerator, got device {device}")
-    memory = _module(device.type).memory
+    memory = _allocator_memory(device, "record_memory_history")
     if enabled:
         memory._record_memory_history(max_entries=max_entries, stacks="python")
     else:
@@ -251,10 +248,15 @@ def record_memory_history(device, enabled: bool, max_entries: int = 400_000) -> 
 def memory_snapshot(device) -> dict:
     """The allocator's snapshot of `device`'s kind (its `device_traces` hold what
     `record_memory_history` recorded)."""
+    return _allocator_memory(device, "memory_snapshot")._snapshot()
+
+
+def _allocator_memory(device, fn: str):
+    """The `memory` module of `device`'s accelerator kind; the host has no device allocator to record."""
     device = normalize_device(device)
     if not is_accelerator(device):
-        raise RuntimeError(f"offload: memory_snapshot needs an accelerator, got device {device}")
-    return _module(device.type).memory._snapshot()
+        raise RuntimeError(f"offload: {fn} needs an accelerator, got device {device}")
+    return _module(device.type).memory
 
 
 def empty_cache() -> None:
