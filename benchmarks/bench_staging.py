@@ -111,13 +111,13 @@ class Saves:
     error: Optional[str] = None
 
 
-def _run_saves(make, state, device, fresh_each: bool = False, saves: int = SAVES, into: Optional[Saves] = None) -> Saves:
-    """`saves` saves (appended to `into`'s where given); a failing save ends the run with its
-    error recorded and the saves before it kept.
+def _run_saves(make, state, device, fresh_each: bool = False, saves: int = SAVES) -> Saves:
+    """`saves` saves; a failing save ends the run with its error recorded and the saves before
+    it kept.
 
     fresh_each: a new stager per save (closed after it), for stagers that cannot be reused.
     """
-    out = into if into is not None else Saves()
+    out = Saves()
     stager = make()
     try:
         for save in range(saves):
@@ -148,15 +148,16 @@ def _run_saves(make, state, device, fresh_each: bool = False, saves: int = SAVES
 def _baseline_saves(name, make, state, device):
     """(name as reported, Saves): a stager that fails when reused is measured fresh per save.
 
-    Its saves before the failure were each a fresh stager's first save too (one stager, not
-    yet reused), so they count, and the fresh ones only add the rest."""
+    Its first save, made before the reuse failed, was a fresh stager's first save too, so it
+    counts, and the fresh ones only add the rest."""
     result = _run_saves(make, state, device, saves=SLOW_SAVES if make is _Naive else SAVES)
     if result.error is None or not name.startswith("DefaultStager"):
         return name, result
-    fresh = Saves(result.blocked[:1], result.staged[:1])
-    _run_saves(make, state, device, fresh_each=True, saves=SLOW_SAVES - len(fresh.staged), into=fresh)
-    if fresh.error is not None:
+    kept_blocked, kept_staged = result.blocked[:1], result.staged[:1]
+    rest = _run_saves(make, state, device, fresh_each=True, saves=SLOW_SAVES - len(kept_staged))
+    if rest.error is not None:
         return name, result
+    fresh = Saves(kept_blocked + rest.blocked, kept_staged + rest.staged)
     return f"{name} fresh per save (reuse raised {result.error.split(':')[0]})", fresh
 
 
