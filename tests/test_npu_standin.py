@@ -138,3 +138,51 @@ def test_npu_standin_finished_copies_let_go_of_their_sources():
     assert _device.memory_allocated(device) == before + (1 << 20)  # still held for the copy
     release_finished_copies()
     assert _device.memory_allocated(device) == before
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.relu(layer(x))
+        return x
+
+
+def _event_calls_per_group(layers, timing):
+    """The stand-in's event calls in one settled async step of a stack of `layers` layers, each
+    offloaded as a group of its own, divided by the step's groups."""
+    import npu_standin
+
+    torch.manual_seed(0)
+    model = _Stack(layers).to("npu")
+    x = torch.randn(4, 32, device="npu")
+    handle = offload.enable_activation_offload(model, "async", min_tensor_bytes=1, min_group_bytes=0, keep_last=0,
+                                               timing=timing, verbose=False)
+    try:
+        for _ in range(3):  # the pool and the event cache warm up
+            model(x).sum().backward()
+        before = npu_standin.event_calls()
+        model(x).sum().backward()
+        after = npu_standin.event_calls()
+        groups = handle.stats()["groups_offloaded"]
+    finally:
+        handle.disable()
+    assert groups == layers
+    return {name: (after[name] - before[name]) / groups for name in after}
+
+
+@pytest.mark.parametrize("timing", [False, True])
+def test_npu_standin_an_offloaded_group_makes_a_bounded_number_of_event_calls(timing):
+    # Each event call is a driver call on a real accelerator, host time a launch-bound step pays
+    # per offloaded layer: a group's copy out and back, their order after the compute stream and
+    # the reader's wait make a handful, the same for every group however many the step has (a
+    # registry or pool that queried everything it holds would grow with the groups in flight).
+    few, many = _event_calls_per_group(4, timing), _event_calls_per_group(12, timing)
+    assert few["created"] == many["created"] == 0  # settled steps recycle their events
+    assert many["recorded"] <= (14 if timing else 8)
+    assert many["waited"] <= 4
+    for name in ("recorded", "waited", "queried"):
+        assert many[name] <= few[name] + 1, (name, few, many)

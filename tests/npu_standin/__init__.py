@@ -199,6 +199,13 @@ def installed() -> bool:
     return "torch.npu" in sys.modules and getattr(sys.modules["torch.npu"], "native", None) is _native is not None
 
 
+def event_calls() -> dict:
+    """The stand-in's event calls so far: events created, recorded, waited on (a stream made to
+    wait), queried and destroyed. Each is a driver call on a real accelerator, so a test can bound
+    the calls a piece of offload's work makes."""
+    return dict(_load_native().event_calls())
+
+
 def install() -> types.ModuleType:
     """Build and load the stand-in, name it "npu" and register its `torch.npu`. Idempotent."""
     if installed():

@@ -19,7 +19,9 @@
 // engine, so nothing overlaps; tests that need either skip.
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -109,6 +111,21 @@ struct StandinEvent {
   std::chrono::steady_clock::time_point recorded_at;
 };
 
+// What the device's event calls cost the host on a real accelerator is a driver call
+// each: the stand-in counts them, so tests can bound the calls a piece of work makes.
+struct EventCalls {
+  std::atomic<int64_t> created{0};
+  std::atomic<int64_t> recorded{0};
+  std::atomic<int64_t> waited{0};  // a stream made to wait on an event (block)
+  std::atomic<int64_t> queried{0};
+  std::atomic<int64_t> destroyed{0};
+};
+
+EventCalls& event_calls() {
+  static EventCalls calls;
+  return calls;
+}
+
 struct StandinGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kType; }
   c10::Device exchangeDevice(c10::Device d) const override {
@@ -149,12 +166,22 @@ struct StandinGuardImpl final : c10::impl::DeviceGuardImplInterface {
               const c10::EventFlag /*flag*/) const override {
     TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "npu stand-in: event device index ",
                 int(device_index), " does not match the stream's ", int(stream.device_index()));
-    if (*event == nullptr) *event = new StandinEvent();
+    if (*event == nullptr) {
+      *event = new StandinEvent();
+      event_calls().created++;
+    }
+    event_calls().recorded++;
     static_cast<StandinEvent*>(*event)->recorded_at = std::chrono::steady_clock::now();
   }
-  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
-  bool queryEvent(void* /*event*/) const override { return true; }
+  void block(void* event, const c10::Stream& /*stream*/) const override {
+    if (event != nullptr) event_calls().waited++;
+  }
+  bool queryEvent(void* event) const override {
+    if (event != nullptr) event_calls().queried++;
+    return true;
+  }
   void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
+    if (event != nullptr) event_calls().destroyed++;
     delete static_cast<StandinEvent*>(event);
   }
   bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
@@ -323,6 +350,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_device", [](int index) {
     TORCH_CHECK_VALUE(index >= 0 && index < kDevices, "npu stand-in: invalid device index ", index);
     current_device = static_cast<c10::DeviceIndex>(index);
+  });
+  m.def("event_calls", [] {
+    const EventCalls& c = event_calls();
+    return std::map<std::string, int64_t>{{"created", c.created.load()}, {"recorded", c.recorded.load()},
+                                          {"waited", c.waited.load()}, {"queried", c.queried.load()},
+                                          {"destroyed", c.destroyed.load()}};
   });
   m.def("memory_allocated", [](int index) { return stats(index).allocated.load(); });
   m.def("max_memory_allocated", [](int index) { return stats(index).peak.load(); });
