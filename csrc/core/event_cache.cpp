@@ -1,9 +1,24 @@
 // Device events recycled across transfers (see event_cache.h for why).
 //
-// Holds: given-back events, oldest first, until a query finds them complete; then
-// completed events by (device type, device index, flag), handed out newest first.
-// Limits: kMaxPending given-back events and kMaxReadyPerDevice completed ones per
-// key; beyond them events are destroyed, as they would be without the cache.
+// Holds: given-back events that may not be recorded again yet, oldest first, until a
+// query finds them complete; events ready to be recorded again by (device type,
+// device index, flag), handed out newest first. Limits: kMaxPending of the first
+// and kMaxReadyPerDevice of the second per key; beyond them events are destroyed,
+// as they would be without the cache.
+//
+// Note [event reuse]
+// ~~~~~~~~~~~~~~~~~~
+// On CUDA a given-back event is ready at once, pending or not. Recording an event
+// again replaces what it captured: a stream already made to wait on it (its
+// cudaStreamWaitEvent) still waits for the work captured then, and only later
+// queries and synchronizations see the new record; a given-back event has no owner
+// left to make either. So no query is needed before its next record, and a group
+// of the activation engine takes about a dozen events a step (copies, their
+// timers, the waits), each of which would otherwise cost a driver query in a
+// launch-bound step. Other backends keep the wait for completion: their runtimes
+// (ACL on Ascend) do not promise these semantics for an event re-recorded while
+// waiters are outstanding, so an event is handed out again only once a query finds
+// it complete.
 #include "offload/event_cache.h"
 
 #include <deque>
@@ -55,6 +70,10 @@ class EventCache {
   void give_back(c10::Event&& event) {
     if (!event.was_marked_for_recording()) return;  // never recorded: no driver event behind it
     std::lock_guard<std::mutex> lock(mutex_);
+    if (event.device_type() == c10::DeviceType::CUDA) {  // Note [event reuse]
+      keep_ready_locked(std::move(event));
+      return;
+    }
     pending_.push_back(std::move(event));
     if (pending_.size() > kMaxPending) pending_.pop_front();  // destroyed here, as it would have been
   }

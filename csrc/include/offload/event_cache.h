@@ -4,10 +4,8 @@
 // completion, the in-flight registry's); created and destroyed per transfer, each
 // is a driver call, a visible part of what a small copy costs beyond a bare
 // copy_ (benchmarks/RESULTS.md). Events are taken from
-// here and given back when their owner is done with them; a given-back event is
-// handed out again only once it has completed, so its next record can never be
-// confused with the last one on any backend (CUDA, or ACL on Ascend, whose
-// semantics for re-recording an event with waiters outstanding we do not rely on).
+// here and given back when their owner is done with them (Note [event reuse] in
+// event_cache.cpp says when a given-back event may be handed out again).
 #pragma once
 
 #include <c10/core/Device.h>
@@ -23,9 +21,9 @@ namespace offload {
 // launch-bound step.
 c10::Event take_event(const c10::Device& device, c10::EventFlag flag = c10::EventFlag::PYTORCH_DEFAULT);
 
-// Returns an event its owner no longer uses (it may still be pending: it is
-// reused once a query finds it complete). Calls the driver only to destroy the
-// oldest event when the cache is full, as the event's own destructor would.
+// Returns an event its owner no longer uses (it may still be pending). Calls the
+// driver only to destroy an event the cache has no room for, as the event's own
+// destructor would.
 void give_back_event(c10::Event&& event);
 
 // Makes `waiter` wait, on the device, for the work queued on `producer` so far.
