@@ -16,6 +16,10 @@ copy of it), in the same process:
   (`handle.stats()`). Targets: async at most 1.25x the no-handle step, paused at most 1.01x.
   On a machine with an accelerator the engine offloads only tensors of the accelerator, so
   this measure runs in a subprocess that sees none.
+- the same tiny stack on the accelerator (cuda, npu), with the same variants: its kernels take
+  microseconds, so its step is the host's time, now with the engine's calls into the
+  accelerator's runtime (copies, events, stream waits) and its caching allocator; host time
+  per offloaded layer as above. A clock mark waits for the device, once per block of steps.
 - GPU (cuda, npu): the bench's Llama (d2048, 8 layers, bf16, batch 1, `transformers` built
   from a config) at seq 2048 (and 8192 with --full): no handle, `hooks`, `async`, paused,
   `auto` and `verify` (the library's defaults otherwise), blocks of 5 back-to-back steps timed
@@ -265,8 +269,25 @@ def _measure_variants(what, model, loss_fn, options, rounds, block, warmup, cloc
         verified.disable()
 
 
-def cpu_measure(quick: bool) -> Measure:
-    """The CPU measure, in this process (whose engine must see no accelerator), on one thread."""
+class _SyncedHostClock(_HostClock):
+    """Wall time between marks, each taken once the device has finished what was queued: a block
+    of steps then counts its device work too, which a host-bound step hides behind its host time."""
+
+    def __init__(self, device):
+        from offload.core import _device
+
+        self._device, self.device = _device, device
+
+    def mark(self):
+        self._device.synchronize(self.device)
+        return time.perf_counter()
+
+
+def tiny_measure(quick: bool, device=None) -> Measure:
+    """The CPU measure's model and variants on `device` (None: the CPU, in this process, whose
+    engine must then see no accelerator), on one host thread. On an accelerator its kernels take
+    a few microseconds each, so its step is the host's time too: what the engine's calls into the
+    accelerator's runtime (copies, events, stream waits) and the allocator cost per layer."""
     rounds, block, warmup = CPU_QUICK if quick else CPU_FULL
     threads = torch.get_num_threads()
     # One thread: these steps are microseconds of work, and spinning workers on a shared machine
@@ -274,16 +295,24 @@ def cpu_measure(quick: bool) -> Measure:
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        model = TinyStack(CPU_LAYERS, CPU_WIDTH)
-        x = torch.randn(*CPU_INPUT)
+        on = torch.device("cpu") if device is None else torch.device(device)
+        model = TinyStack(CPU_LAYERS, CPU_WIDTH).to(on)
+        x = torch.randn(*CPU_INPUT, device=on)
         every_layer = dict(min_tensor_bytes=1, min_group_bytes=0, keep_last=0)
-        what = (f"CPU 1 thread, {CPU_LAYERS} residual layers of 2 Linear({CPU_WIDTH}, {CPU_WIDTH}), "
+        where = "CPU 1 thread" if device is None else f"{on.type} (host 1 thread)"
+        what = (f"{where}, {CPU_LAYERS} residual layers of 2 Linear({CPU_WIDTH}, {CPU_WIDTH}), "
                 f"input {'x'.join(map(str, CPU_INPUT))} fp32")
+        clock = _HostClock() if device is None else _SyncedHostClock(on)
         return _measure_variants(what, model, lambda m: m(x).square().mean(),
                                  {"async": every_layer, "auto": dict(min_tensor_bytes=1)},
-                                 rounds, block, warmup, _HostClock(), copy.deepcopy)
+                                 rounds, block, warmup, clock, copy.deepcopy)
     finally:
         torch.set_num_threads(threads)
+
+
+def cpu_measure(quick: bool) -> Measure:
+    """The CPU measure, in this process (whose engine must see no accelerator), on one thread."""
+    return tiny_measure(quick)
 
 
 def _cpu_measure_elsewhere(quick: bool) -> Measure:
@@ -310,24 +339,37 @@ def _measure_from_json(text: str) -> Measure:
 
 
 def _cpu_rows(ctx) -> list:
-    from common import row
-
     from offload.core import _device
 
     ctx.progress("CPU measure: no handle, identity hooks, async, paused, auto, verify")
     measure = cpu_measure(ctx.quick) if _device.accelerator_type() is None else _cpu_measure_elsewhere(ctx.quick)
+    return _tiny_rows(measure, "CPU", "cpu", TARGETS)
+
+
+def _accelerator_tiny_rows(ctx) -> list:
+    """The CPU measure's model on the accelerator: the engine's host time per offloaded layer there."""
+    ctx.progress(f"tiny stack on {ctx.device.type}: no handle, identity hooks, async, paused, auto, verify")
+    measure = tiny_measure(ctx.quick, ctx.device)
+    return _tiny_rows(measure, f"{ctx.device.type.upper()} tiny stack", "accelerator_tiny", {})
+
+
+def _tiny_rows(measure: Measure, prefix: str, kind: str, targets: dict) -> list:
+    """Rows of a tiny-stack measure: each variant's step against the no-handle step, and the host
+    time async adds per step and per offloaded layer; `targets` (variant -> ratio) are judged."""
+    from common import row
+
     v = measure.variants
     none_us = v["none"].median_ms * 1e3
     layers = v["async"].layers_offloaded
     spreads = {f"{name}_round_medians_us": [m * 1e3 for m in t.round_medians_ms] for name, t in v.items()}
-    common = dict(measure="cpu", what=measure.what, steps_timed=v["none"].steps, **spreads)
+    common = dict(measure=kind, what=measure.what, steps_timed=v["none"].steps, **spreads)
     rows, lines = [], [f"{measure.what}: forward+backward step, median of {v['none'].steps} steps per variant",
                        f"  {'variant':8} {'step us':>9} {'x none':>7} {'paired x':>9} {'round spread':>13} "
                        f"{'layers off':>11}  target"]
     for name in VARIANTS:
         t = v[name]
         us = t.median_ms * 1e3
-        target = TARGETS.get(name)
+        target = targets.get(name)
         # Judged on the paired ratio, as the GPU rows are: the host's drift between rounds lands on
         # both sides of a round alike, not on the ratio of the medians.
         met = None if target is None else measure.paired_ratio(name) <= target
@@ -345,20 +387,20 @@ def _cpu_rows(ctx) -> list:
                      spread_pct=t.spread_pct, paired_ratio=measure.paired_ratio(name), **common)
         if target is not None:
             extra.update(target_ratio=target, target_met=met)
-        rows.append(row(SECTION, f"CPU step, {label}" + ("" if target is None else f" (target <= {target:.2f}x)"),
+        rows.append(row(SECTION, f"{prefix} step, {label}" + ("" if target is None else f" (target <= {target:.2f}x)"),
                         offload=us, baseline=none_us, unit="us", baseline_name=BASELINE, higher_is_better=False,
                         **extra))
     hooks_us = v["hooks"].median_ms * 1e3 - none_us
-    rows.append(row(SECTION, "CPU host time autograd's saved-tensor hooks alone add per step", offload=hooks_us,
+    rows.append(row(SECTION, f"{prefix} host time autograd's saved-tensor hooks alone add per step", offload=hooks_us,
                     baseline=None, unit="us", baseline_name="identity-hooks step - no-handle step", variant="hooks",
                     **common))
     async_us = v["async"].median_ms * 1e3
     per_step = async_us - none_us
     per_layer = per_step / layers if layers else None
-    rows.append(row(SECTION, f"CPU host time async adds per step ({layers} layers offloaded)", offload=per_step,
+    rows.append(row(SECTION, f"{prefix} host time async adds per step ({layers} layers offloaded)", offload=per_step,
                     baseline=None, unit="us", baseline_name="async step - no-handle step", variant="async",
                     layers_offloaded=layers, **common))
-    rows.append(row(SECTION, "CPU host time per offloaded layer per step, async", offload=per_layer, baseline=None,
+    rows.append(row(SECTION, f"{prefix} host time per offloaded layer per step, async", offload=per_layer, baseline=None,
                     unit="us", baseline_name=f"(async step - no-handle step) / {layers} layers",
                     variant="async", layers_offloaded=layers, **common))
     lines.append(f"  async adds {per_step:.1f} us per step, "
@@ -439,6 +481,7 @@ def run(ctx):
 
     rows = _cpu_rows(ctx)
     if _device.is_accelerator(ctx.device):
+        rows += _accelerator_tiny_rows(ctx)
         rows += _gpu_rows(ctx)
         if not ctx.full:
             ctx.skip(f"Llama seq {GPU_SEQS[1]} rows", "run with --full")
