@@ -179,7 +179,8 @@ def test_npu_standin_an_offloaded_group_makes_a_bounded_number_of_event_calls(ti
     # Each event call is a driver call on a real accelerator, host time a launch-bound step pays
     # per offloaded layer: a group's copy out and back, their order after the compute stream and
     # the reader's wait make a handful, the same for every group however many the step has (a
-    # registry or pool that queried everything it holds would grow with the groups in flight).
+    # pool that queried every block it holds, each group's host block among them until backward
+    # reads it, would grow with the step's groups).
     few, many = _event_calls_per_group(4, timing), _event_calls_per_group(12, timing)
     assert few["created"] == many["created"] == 0  # settled steps recycle their events
     assert many["recorded"] <= (14 if timing else 8)
