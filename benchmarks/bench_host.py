@@ -20,6 +20,10 @@ copy of it), in the same process:
   microseconds, so its step is the host's time, now with the engine's calls into the
   accelerator's runtime (copies, events, stream waits) and its caching allocator; host time
   per offloaded layer as above. A clock mark waits for the device, once per block of steps.
+- a group's copy out on the accelerator (native core only): the host time of one
+  `copy_spans_to_host` call of SPAN_COUNT spans, enqueued as one batched copy call (CUDA 12.8+'s
+  cudaMemcpyBatchAsync) against one copy call per span, alternated, the device drained between
+  calls (outside the clock): what a group's spans cost the host to enqueue.
 - GPU (cuda, npu): the bench's Llama (d2048, 8 layers, bf16, batch 1, `transformers` built
   from a config) at seq 2048 (and 8192 with --full): no handle, `hooks`, `async`, paused,
   `auto` and `verify` (the library's defaults otherwise), blocks of 5 back-to-back steps timed
@@ -66,6 +70,9 @@ CPU_LAYERS, CPU_WIDTH, CPU_INPUT = 8, 64, (4, 16, 64)
 # GPU measure: rounds of one block of GPU_BLOCK back-to-back steps per variant.
 GPU_ROUNDS, GPU_QUICK_ROUNDS, GPU_BLOCK, GPU_WARMUP = 8, 2, 5, 2
 GPU_SEQS = (2048, 8192)
+# A group's copy out: spans per call (a decoder layer saves about 20 tensors), their sizes, and
+# calls timed per way (alternated in rounds).
+SPAN_COUNT, SPAN_SIZES, SPAN_CALLS, SPAN_ROUNDS = 20, (16 << 10, 1 << 20), 50, 6
 # The variants, in the order of a round: hooks is the model with no handle under autograd's
 # saved-tensor hooks that return what they get (the floor any hook-based offload pays: autograd
 # calls a pack hook per saved tensor and an unpack hook per read); verify is async with
@@ -412,6 +419,56 @@ def _tiny_rows(measure: Measure, prefix: str, kind: str, targets: dict) -> list:
     return rows
 
 
+def _span_copy_rows(ctx) -> list:
+    """Host time of one group's copy out, its spans batched into one copy call against one call each."""
+    from common import row
+
+    import offload
+    from offload.core import _backend, _device
+    from offload.core.copy import copy_spans_to_host
+
+    if not _backend.native_available():
+        ctx.skip("span copy rows", f"needs the compiled core: {_backend.why_not()}")
+        return []
+    core = _backend.core()
+    ctx.progress(f"a group's copy out, {SPAN_COUNT} spans: one batched call against one call per span")
+    pool = offload.default_host_pool()
+    stream = _device.new_stream(ctx.device)
+    rows = []
+    for span_bytes in SPAN_SIZES:
+        source = torch.empty(SPAN_COUNT * span_bytes, dtype=torch.uint8, device=ctx.device)
+        starts = [i * span_bytes for i in range(SPAN_COUNT)]
+        sizes = [span_bytes] * SPAN_COUNT
+        block = pool.acquire(SPAN_COUNT * span_bytes)
+        sources = [source] * SPAN_COUNT
+        times = {True: [], False: []}
+        before = core._batched_copies()
+        try:
+            for round_ in range(SPAN_ROUNDS + 1):  # the first round warms up
+                for batched in ((True, False) if round_ % 2 else (False, True)):
+                    core._set_batched_copies(batched)
+                    for _ in range(SPAN_CALLS):
+                        start = time.perf_counter()
+                        handle = copy_spans_to_host(sources, starts, sizes, block, starts, pool=pool, stream=stream)
+                        elapsed = time.perf_counter() - start
+                        handle.wait()
+                        _device.synchronize(ctx.device)
+                        if round_:
+                            times[batched].append(elapsed * 1e6)
+        finally:
+            core._set_batched_copies(before)
+        batched_us, per_span_us = statistics.median(times[True]), statistics.median(times[False])
+        what = f"{SPAN_COUNT} spans of {span_bytes >> 10} KiB"
+        print(f"a group's copy out, {what}: {batched_us:.1f} us host time batched, {per_span_us:.1f} us one call "
+              f"per span (median of {len(times[True])} calls each)", flush=True)
+        rows.append(row(SECTION, f"a group's copy out ({what}), host time per call, one batched copy call",
+                        offload=batched_us, baseline=per_span_us, unit="us", baseline_name="one copy call per span",
+                        higher_is_better=False, measure="span_copy", spans=SPAN_COUNT, span_bytes=span_bytes,
+                        calls=len(times[True])))
+        del block, source, handle
+    return rows
+
+
 def _llama(device, seq):
     import transformers
 
@@ -482,6 +539,7 @@ def run(ctx):
     rows = _cpu_rows(ctx)
     if _device.is_accelerator(ctx.device):
         rows += _accelerator_tiny_rows(ctx)
+        rows += _span_copy_rows(ctx)
         rows += _gpu_rows(ctx)
         if not ctx.full:
             ctx.skip(f"Llama seq {GPU_SEQS[1]} rows", "run with --full")

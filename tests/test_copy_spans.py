@@ -35,6 +35,36 @@ def test_copy_spans_to_host_lands_each_span_at_its_offset(backend, device):
     assert torch.equal(out[12800 : 12800 + 512], torch.full((512,), 7, dtype=torch.uint8))  # gaps untouched
 
 
+def test_copy_spans_to_host_many_spans_of_odd_sizes_and_offsets(backend, device):
+    """A layer's worth of spans and more: odd starts, odd sizes, empty spans, unaligned
+    offsets, pieces of a chunk size that splits some of them. On CUDA they go as one
+    batched copy call, whose copies run in any order among themselves."""
+    from offload.core.copy import copy_spans_to_host
+
+    gen = torch.Generator().manual_seed(3)
+    source = random_tensor((1 << 16,), torch.uint8, device)
+    starts, sizes, offsets = [], [], []
+    at = 0
+    for i in range(300):
+        size = 0 if i % 37 == 0 else int(torch.randint(1, 3000, (1,), generator=gen))
+        start = int(torch.randint(0, source.numel() - size, (1,), generator=gen))
+        starts.append(start)
+        sizes.append(size)
+        offsets.append(at)
+        at += size + int(torch.randint(0, 7, (1,), generator=gen))
+    pool = offload.default_host_pool()
+    out = pool.acquire(at)
+    out.fill_(0)
+    handle = copy_spans_to_host([source] * len(sizes), starts, sizes, out, offsets, pool=pool, chunk_bytes=1000)
+    handle.wait()
+    assert handle.nbytes == sum(sizes)
+    host_source = source.cpu()
+    expected = torch.zeros(at, dtype=torch.uint8)
+    for lo, n, dst in zip(starts, sizes, offsets):
+        expected[dst : dst + n] = host_source[lo : lo + n]
+    assert torch.equal(out, expected)
+
+
 def test_copy_spans_to_host_into_a_block_it_acquires(backend, device):
     """out given as a byte count: the call takes the block from the pool itself; the
     handle's one tensor is that block, it returns to the pool with the handle, and a timed

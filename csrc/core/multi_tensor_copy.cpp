@@ -7,6 +7,7 @@
 #include "offload/multi_tensor_copy.h"
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
@@ -28,6 +29,18 @@ using BytesTable = std::array<CopyBytesFn, static_cast<size_t>(c10::DeviceType::
 BytesTable& bytes_impls() {
   static BytesTable table{};
   return table;
+}
+
+using RangesTable = std::array<CopyRangesFn, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>;
+
+RangesTable& ranges_impls() {
+  static RangesTable table{};
+  return table;
+}
+
+std::atomic<bool>& batching() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
 }
 
 void copy_on_cpu(const std::vector<ByteRange>& ranges) {
@@ -56,6 +69,23 @@ void set_multi_tensor_copy_impl(c10::DeviceType type, MultiTensorCopyFn fn) {
 }
 
 void set_copy_bytes_impl(c10::DeviceType type, CopyBytesFn fn) { bytes_impls()[static_cast<size_t>(type)] = fn; }
+
+void set_copy_ranges_impl(c10::DeviceType type, CopyRangesFn fn) { ranges_impls()[static_cast<size_t>(type)] = fn; }
+
+void set_batched_copies(bool enabled) { batching().store(enabled, std::memory_order_relaxed); }
+
+bool batched_copies() { return batching().load(std::memory_order_relaxed); }
+
+void copy_ranges_async(const std::vector<ByteRange>& ranges, bool dst_on_host, bool src_on_host,
+                       const c10::Device& device) {
+  if (ranges.empty()) return;
+  if (ranges.size() > 1 && !device.is_cpu() && batching().load(std::memory_order_relaxed)) {
+    if (CopyRangesFn fn = ranges_impls()[static_cast<size_t>(device.type())]) {
+      if (fn(ranges, device)) return;
+    }
+  }
+  for (const auto& r : ranges) copy_bytes_async(r.dst, dst_on_host, r.src, src_on_host, r.nbytes, device);
+}
 
 void copy_bytes_async(void* dst, bool dst_on_host, const void* src, bool src_on_host, int64_t nbytes,
                       const c10::Device& device) {

@@ -3,8 +3,8 @@
 //
 // Moves: span i, bytes [starts[i], starts[i] + sizes[i]) of tensors[i]'s storage,
 // to bytes [offsets[i], offsets[i] + sizes[i]) of one uint8 host block, by one DMA
-// per span (in chunk_bytes pieces) on the copy stream, after the caller's work so
-// far. Layout: raw storage bytes, whatever the tensors' dtypes and strides; no
+// per span (in chunk_bytes pieces, enqueued as one batch where the runtime has one)
+// on the copy stream, after the caller's work so far. Layout: raw storage bytes, whatever the tensors' dtypes and strides; no
 // per-span tensor is made. Limits: one device per call; the block is a HostPool
 // block (given, or acquired here), so the pool holds it back until the copies end.
 #include <chrono>
@@ -15,6 +15,7 @@
 #include "copy_engine.h"
 #include "offload/checks.h"
 #include "offload/event_cache.h"
+#include "offload/multi_tensor_copy.h"
 
 namespace offload {
 
@@ -64,10 +65,17 @@ std::shared_ptr<Transfer> CopyEngine::spans_to_host(const std::vector<at::Tensor
   result->event_of_.assign(1, -1);
   char* dst = static_cast<char*>(out.data_ptr());
   auto copy_all = [&] {
+    // One batch for the group (copy_ranges_async): the spans land in disjoint bytes of
+    // `out`, and the completion event below follows all of them.
+    std::vector<ByteRange> ranges;
+    ranges.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       const char* src = static_cast<const char*>(sources[i].storage().data()) + starts[i];
-      copy_chunked(dst + offsets[i], true, src, !on_device, sizes[i], options.chunk_bytes, device);
+      for (int64_t at = 0; at < sizes[i]; at += options.chunk_bytes) {
+        ranges.push_back({src + at, dst + offsets[i] + at, std::min(options.chunk_bytes, sizes[i] - at)});
+      }
     }
+    copy_ranges_async(ranges, /*dst_on_host=*/true, /*src_on_host=*/!on_device, device);
   };
   if (!on_device) {  // host to host: done on return
     const auto start = std::chrono::steady_clock::now();

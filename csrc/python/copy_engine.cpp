@@ -17,6 +17,7 @@
 
 #include "offload/bindings_registry.h"
 #include "offload/host_pool.h"
+#include "offload/multi_tensor_copy.h"
 #include "offload/prefetch.h"
 #include "offload/tensor_source.h"
 #include "offload/transfer.h"
@@ -200,6 +201,10 @@ void bind_copy_engine(py::module_& m) {
   // [in-flight registry]): otherwise the sources of a process's last copies stay
   // until its next copy or query.
   m.def("release_finished_copies", [] { collect_with_gil(); });
+  // Whether a group's spans go out in one batched copy call (where the runtime has one)
+  // or one call each: the host section compares the two.
+  m.def("_set_batched_copies", &set_batched_copies, py::arg("enabled"));
+  m.def("_batched_copies", &batched_copies);
   // out None: the core acquires a block of out_bytes from the pool.
   m.def("copy_spans_to_host",
         [make_options](const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& starts,

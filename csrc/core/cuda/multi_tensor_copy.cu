@@ -14,6 +14,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <vector>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -126,10 +128,63 @@ void copy_bytes_cuda(void* dst, const void* src, int64_t nbytes, const c10::Devi
   C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyDefault, stream));
 }
 
+// copy_ranges_async on CUDA: one cudaMemcpyBatchAsync for all the ranges. Each
+// cudaMemcpyAsync is a driver call of a few microseconds of host time; a group of
+// activations is tens of spans, so its copy out was tens of calls. The batch
+// reads its sources in stream order (the copy stream has waited for their
+// writers) and asks for copies that overlap compute, which is what an offload's
+// copies are for. A driver without the call (it says so once) leaves the copies
+// to copy_bytes_cuda, range by range.
+bool copy_ranges_cuda(const std::vector<ByteRange>& ranges, const c10::Device& device) {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+  static std::atomic<bool> unsupported{false};
+  if (unsupported.load(std::memory_order_relaxed)) return false;
+  // Reused per thread: a group's copy allocates nothing on the host.
+  thread_local std::vector<void*> dsts;
+  thread_local std::vector<const void*> srcs;
+  thread_local std::vector<size_t> sizes;
+  dsts.clear();
+  srcs.clear();
+  sizes.clear();
+  for (const auto& range : ranges) {
+    if (range.nbytes == 0) continue;
+    dsts.push_back(range.dst);
+    srcs.push_back(range.src);
+    sizes.push_back(static_cast<size_t>(range.nbytes));
+  }
+  if (sizes.empty()) return true;
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t first_copy = 0;  // the one set of attributes applies from copy 0 on
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+#if CUDART_VERSION >= 13000
+  cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attributes,
+                                            &first_copy, 1, stream);
+#else
+  size_t failed_copy = SIZE_MAX;
+  cudaError_t status = cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(), sizes.size(),
+                                            &attributes, &first_copy, 1, &failed_copy, stream);
+#endif
+  if (status == cudaErrorNotSupported || status == cudaErrorCallRequiresNewerDriver) {
+    (void)cudaGetLastError();  // clear it: the copies go one by one instead
+    unsupported.store(true, std::memory_order_relaxed);
+    return false;
+  }
+  C10_CUDA_CHECK(status);
+  return true;
+#else
+  (void)ranges;
+  (void)device;
+  return false;
+#endif
+}
+
 struct Register {
   Register() {
     set_multi_tensor_copy_impl(c10::DeviceType::CUDA, &multi_tensor_copy_cuda);
     set_copy_bytes_impl(c10::DeviceType::CUDA, &copy_bytes_cuda);
+    set_copy_ranges_impl(c10::DeviceType::CUDA, &copy_ranges_cuda);
   }
 } register_cuda_multi_tensor_copy;
 

@@ -35,4 +35,21 @@ void copy_bytes_async(void* dst, bool dst_on_host, const void* src, bool src_on_
 using CopyBytesFn = void (*)(void*, const void*, int64_t, const c10::Device&);
 void set_copy_bytes_impl(c10::DeviceType type, CopyBytesFn fn);
 
+// Many such copies, each of one range, in one direction, enqueued at once on the
+// device's current stream: complete, as a whole, in stream order, but in no order
+// among themselves, so the ranges must not overlap. On CUDA 12.8 and later one
+// cudaMemcpyBatchAsync (one driver call for a group's spans instead of one each,
+// the copy engines still doing the moving); elsewhere copy_bytes_async per range.
+void copy_ranges_async(const std::vector<ByteRange>& ranges, bool dst_on_host, bool src_on_host,
+                       const c10::Device& device);
+// Returns false where it enqueued nothing (the runtime or driver has no batch
+// call): copy_ranges_async then copies range by range.
+using CopyRangesFn = bool (*)(const std::vector<ByteRange>&, const c10::Device&);
+void set_copy_ranges_impl(c10::DeviceType type, CopyRangesFn fn);
+// Whether copy_ranges_async may batch (on by default). Off, it copies range by
+// range: the host section's side-by-side of the two, and a check that both land
+// the same bytes.
+void set_batched_copies(bool enabled);
+bool batched_copies();
+
 }  // namespace offload
