@@ -180,10 +180,12 @@ def test_npu_standin_an_offloaded_group_makes_a_bounded_number_of_event_calls(ti
     # per offloaded layer: a group's copy out and back, their order after the compute stream and
     # the reader's wait make a handful, the same for every group however many the step has (a
     # pool that queried every block it holds, each group's host block among them until backward
-    # reads it, would grow with the step's groups).
+    # reads it, would grow with the step's groups). A copy's one completion event serves its
+    # transfer, the pool's block, the in-flight entry and the timer's end (RecordedEvent in
+    # event_cache.h): with one event each, the counts below would be 8 and 14 records.
     few, many = _event_calls_per_group(4, timing), _event_calls_per_group(12, timing)
     assert few["created"] == many["created"] == 0  # settled steps recycle their events
-    assert many["recorded"] <= (14 if timing else 8)
-    assert many["waited"] <= 4
+    assert many["recorded"] <= (8 if timing else 4)
+    assert many["waited"] <= 4  # 3 where the copy back is seen done before its reader waits
     for name in ("recorded", "waited", "queried"):
         assert many[name] <= few[name] + 1, (name, few, many)

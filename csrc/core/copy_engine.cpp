@@ -95,15 +95,14 @@ void CopyEngine::copy_bytes(const at::Tensor& dst, const at::Tensor& src, int64_
                src.is_cpu(), tensor_nbytes(src), chunk_bytes, device);
 }
 
-void CopyEngine::record_timing(c10::optional<c10::Event>& event, const c10::Stream& stream) {
-  event.emplace(take_event(stream.device(), c10::EventFlag::BACKEND_DEFAULT));
-  event->record(stream);
+void CopyEngine::record_timing(SharedEvent& event, const c10::Stream& stream) {
+  event = record_event(stream, c10::EventFlag::BACKEND_DEFAULT);
 }
 
 void CopyEngine::hold_sources(Transfer& r, const std::vector<at::Tensor>& sources,
-                              const c10::optional<c10::Stream>& stream) {
+                              const c10::optional<c10::Stream>& stream, const SharedEvent& at) {
   r.keepalive_.insert(r.keepalive_.end(), sources.begin(), sources.end());
-  r.release_keepalive(stream);
+  r.release_keepalive(stream, /*drain=*/true, at);
 }
 
 void CopyEngine::hold_sources(Transfer& r, TensorSource& tensors, bool on_device,

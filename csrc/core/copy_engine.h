@@ -141,13 +141,15 @@ class CopyEngine {
   static bool needs_new_tensor(const at::Tensor& t);
 
   // A timing event from the cache, recorded on `stream`.
-  static void record_timing(c10::optional<c10::Event>& event, const c10::Stream& stream);
+  static void record_timing(SharedEvent& event, const c10::Stream& stream);
 
   // A device-to-host transfer holds its sources until its copies complete. They
   // are handed over once queued (or on failure, those converted so far), not
   // before, so the first copy does not wait for thousands of reference counts.
+  // `at`: the transfer's last completion, when nothing was queued after it, for the
+  // registry's entry to share (Transfer::release_keepalive).
   static void hold_sources(Transfer& r, const std::vector<at::Tensor>& sources,
-                           const c10::optional<c10::Stream>& stream);
+                           const c10::optional<c10::Stream>& stream, const SharedEvent& at = nullptr);
   static void hold_sources(Transfer& r, TensorSource& tensors, bool on_device,
                            const c10::optional<c10::Stream>& stream);
 };

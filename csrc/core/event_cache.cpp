@@ -102,6 +102,36 @@ c10::Event take_event(const c10::Device& device, c10::EventFlag flag) {
 
 void give_back_event(c10::Event&& event) { EventCache::instance().give_back(std::move(event)); }
 
+RecordedEvent::RecordedEvent(const c10::Stream& stream, c10::EventFlag flag)
+    : event_(take_event(stream.device(), flag)) {
+  event_.record(stream);
+}
+
+RecordedEvent::~RecordedEvent() { give_back_event(std::move(event_)); }
+
+bool RecordedEvent::query() const {
+  if (complete_.load(std::memory_order_acquire)) return true;
+  if (!event_.query()) return false;
+  complete_.store(true, std::memory_order_release);
+  return true;
+}
+
+void RecordedEvent::synchronize() const {
+  if (complete_.load(std::memory_order_acquire)) return;
+  event_.synchronize();
+  complete_.store(true, std::memory_order_release);
+}
+
+void RecordedEvent::block(const c10::Stream& waiter) const {
+  // A complete point needs no wait on the device: the stream's later work comes after it anyway.
+  if (complete_.load(std::memory_order_acquire)) return;
+  event_.block(waiter);
+}
+
+SharedEvent record_event(const c10::Stream& stream, c10::EventFlag flag) {
+  return std::make_shared<const RecordedEvent>(stream, flag);
+}
+
 void order_after(const c10::Stream& waiter, const c10::Stream& producer) {
   if (waiter == producer) return;  // one stream is already in order
   c10::Event event = take_event(producer.device());

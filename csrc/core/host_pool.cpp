@@ -217,8 +217,8 @@ void HostPool::process_pending_locked(bool wait) {
     Block* block = *it;
     bool done = true;
     for (auto& entry : block->events) {
-      if (wait) entry.second.synchronize();
-      if (!entry.second.query()) {
+      if (wait) entry.second->synchronize();
+      if (!entry.second->query()) {
         done = false;
         break;
       }
@@ -227,7 +227,6 @@ void HostPool::process_pending_locked(bool wait) {
       ++it;
       continue;
     }
-    for (auto& entry : block->events) give_back_event(std::move(entry.second));
     block->events.clear();
     block->pending = false;
     block->slab->live -= 1;
@@ -300,19 +299,19 @@ HostPool::Block* HostPool::block_of_locked(const void* ptr) const {
   return address < it->first + block->size ? block : nullptr;
 }
 
-bool HostPool::record_stream(const at::Tensor& tensor, const c10::Stream& stream) {
+bool HostPool::record_stream(const at::Tensor& tensor, const c10::Stream& stream, const SharedEvent& at) {
   if (stream.device_type() == c10::DeviceType::CPU) return owns(tensor);  // CPU work is synchronous
   std::lock_guard<std::mutex> lock(mutex_);
   Block* block = block_of_locked(tensor.storage().data());
   if (block == nullptr || !block->handed_out) return false;
+  SharedEvent now = at != nullptr ? at : record_event(stream);
   for (auto& entry : block->events) {
     if (entry.first == stream) {  // the same stream of the same device: later work implies earlier
-      entry.second.record(stream);
+      entry.second = std::move(now);
       return true;
     }
   }
-  block->events.emplace_back(stream, take_event(stream.device()));
-  block->events.back().second.record(stream);
+  block->events.emplace_back(stream, std::move(now));
   return true;
 }
 

@@ -14,13 +14,13 @@ InFlight& InFlight::instance() {
   return *registry;
 }
 
-uint64_t InFlight::add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors, bool drain) {
+uint64_t InFlight::add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors, bool drain,
+                       const SharedEvent& at) {
   std::deque<Entry> done;  // destroyed after the lock is released (see drain_locked)
   std::lock_guard<std::mutex> lock(mutex_);
   if (drain) drain_locked(done);
   if (tensors.empty()) return 0;
-  entries_.push_back(Entry{take_event(stream.device()), std::move(tensors), ++last_ticket_});
-  entries_.back().event.record(stream);
+  entries_.push_back(Entry{at != nullptr ? at : record_event(stream), std::move(tensors), ++last_ticket_});
   return last_ticket_;
 }
 
@@ -40,18 +40,14 @@ void InFlight::release_device_tensors(uint64_t ticket) {
     std::vector<at::Tensor> kept;
     for (auto& t : it->tensors) (t.is_cpu() ? kept : dropped).push_back(std::move(t));
     it->tensors = std::move(kept);
-    if (it->tensors.empty()) {
-      give_back_event(std::move(it->event));
-      entries_.erase(it);
-    }
+    if (it->tensors.empty()) entries_.erase(it);
     return;
   }
 }
 
 void InFlight::drain_locked(std::deque<Entry>& done) {
   for (auto it = entries_.begin(); it != entries_.end();) {
-    if (it->event.query()) {
-      give_back_event(std::move(it->event));
+    if (it->event->query()) {
       done.push_back(std::move(*it));
       it = entries_.erase(it);
     } else {

@@ -28,6 +28,8 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include "offload/event_cache.h"
+
 namespace offload {
 
 class InFlight {
@@ -35,7 +37,10 @@ class InFlight {
   static InFlight& instance();
   // Returns the entry's ticket for release_device_tensors(), or 0 when there was
   // nothing to hold. `drain` false: the copy worker, which must not drop tensors.
-  uint64_t add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors, bool drain = true);
+  // `at`: an event already recorded on `stream` after those copies, shared rather than
+  // recording another.
+  uint64_t add(const c10::Stream& stream, std::vector<at::Tensor>&& tensors, bool drain = true,
+               const SharedEvent& at = nullptr);
   void drain();
   // Drops the device tensors of one entry before its event completes: the caller
   // has ordered every later user of their memory after the copies
@@ -45,7 +50,7 @@ class InFlight {
 
  private:
   struct Entry {
-    c10::Event event;
+    SharedEvent event;
     std::vector<at::Tensor> tensors;
     uint64_t ticket;
   };

@@ -83,6 +83,7 @@ std::shared_ptr<Transfer> CopyEngine::spans_to_host(const std::vector<at::Tensor
     if (options.timing) result->timer_->stop_host_clock(start);
     return result;
   }
+  SharedEvent done;
   {
     // The copy stream waits for the caller's work so far (the values the spans
     // hold now); the pool holds `out` back until the copies complete, and the
@@ -92,11 +93,13 @@ std::shared_ptr<Transfer> CopyEngine::spans_to_host(const std::vector<at::Tensor
     c10::StreamGuard on_copy(*stream);
     if (options.timing) record_timing(result->timer_->start, *stream);  // after the wait: the copies only
     copy_all();
-    if (!pool.record_stream(out, *stream)) result->keepalive_.push_back(out);
-    result->mark_complete(*stream, {0});
-    if (options.timing) record_timing(result->timer_->end, *stream);
+    // One event after the copies serves the transfer, the pool's block, the timer's end
+    // and the in-flight entry of the sources (RecordedEvent): nothing is queued after it.
+    done = result->mark_complete(*stream, {0});
+    if (!pool.record_stream(out, *stream, done)) result->keepalive_.push_back(out);
+    if (options.timing) result->timer_->end = done;
   }
-  hold_sources(*result, sources, stream);
+  hold_sources(*result, sources, stream, done);
   return result;
 }
 

@@ -53,7 +53,13 @@ class CopyEngine::ToDevice {
     enqueue_all();
     if (options_.timing) {
       if (on_device_) {
-        record_timing(r_.timer_->end, *stream_);
+        // Nothing is queued after the last span's completion event (a timing event in a
+        // timed transfer): the timer ends on it.
+        if (r_.events_.empty()) {
+          record_timing(r_.timer_->end, *stream_);
+        } else {
+          r_.timer_->end = r_.events_.back();
+        }
       } else {
         r_.timer_->stop_host_clock(host_start);
       }
@@ -205,9 +211,10 @@ class CopyEngine::ToDevice {
       }
     }
     if (on_device_) {
-      // Pool blocks are held back by the pool's events; other host memory by a reference.
-      if (!pool_.record_stream(first, *stream_)) r_.keepalive_.push_back(first);
-      r_.mark_complete(*stream_, span.members);
+      // Pool blocks are held back by the pool's events (here the span's completion event
+      // itself); other host memory by a reference.
+      const SharedEvent& done = r_.mark_complete(*stream_, span.members);
+      if (!pool_.record_stream(first, *stream_, done)) r_.keepalive_.push_back(first);
     }
   }
 
@@ -253,7 +260,8 @@ std::shared_ptr<Transfer> CopyEngine::to_device(TensorSource& tensors, const std
     result->release_keepalive(stream);  // copies already queued keep their host sources
     throw;
   }
-  result->release_keepalive(stream);
+  // Nothing is queued after the last span's completion event: the registry's entry shares it.
+  result->release_keepalive(stream, /*drain=*/true, result->events_.empty() ? nullptr : result->events_.back());
   return result;
 }
 

@@ -384,7 +384,7 @@ void CopyEngine::ToHost::enqueue_packed(Transfer::Group& group) {
   sync_prepared_work();
   const int slot = packed_groups_ % kSlots;
   ensure_slot(slot, group.bytes, *pack_);
-  if (packed_groups_ >= kSlots) r_.events_[slot_events_[slot]].block(*pack_);  // the DMA that read it
+  if (packed_groups_ >= kSlots) r_.events_[slot_events_[slot]]->block(*pack_);  // the DMA that read it
   char* target = static_cast<char*>(slots_[slot].data_ptr());
   for (size_t k = 0; k < group.members.size(); ++k) {
     const Prepared& p = prepared_[group.members[k]];
@@ -421,8 +421,7 @@ void CopyEngine::ToHost::ensure_slot(int slot, int64_t bytes, const c10::Stream&
 
 void CopyEngine::ToHost::finish(const Transfer::Group& group) {
   if (!on_device_) return;
-  pool_.record_stream(group.host_block, *stream_);
-  r_.mark_complete(*stream_, group.members);
+  pool_.record_stream(group.host_block, *stream_, r_.mark_complete(*stream_, group.members));
 }
 
 void CopyEngine::ToHost::run_into(const std::vector<at::Tensor>& out) {

@@ -32,15 +32,10 @@ void Transfer::Deferred::publish(std::exception_ptr failure) {
   queued.notify_all();
 }
 
-CopyTimer::~CopyTimer() {
-  if (start) give_back_event(std::move(*start));
-  if (end) give_back_event(std::move(*end));
-}
-
 c10::optional<double> CopyTimer::seconds() const {
   if (host_seconds) return host_seconds;
   if (!start || !end || !end->query()) return c10::nullopt;
-  return start->elapsedTime(*end) / 1000.0;  // c10 reports milliseconds
+  return start->elapsed_ms(*end) / 1000.0;
 }
 
 namespace {
@@ -67,14 +62,14 @@ bool Transfer::query(bool drain) const {
   wait_enqueued();
   // The timing end event is recorded after the last completion event: done means
   // both, so copy_seconds() has its answer once a handle is seen done.
-  const bool done = (events_.empty() || events_.back().query()) && (!timer_ || timer_->done());
+  const bool done = (events_.empty() || events_.back()->query()) && (!timer_ || timer_->done());
   if (done && drain) InFlight::instance().drain();
   return done;
 }
 
-void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream, bool drain) {
+void Transfer::release_keepalive(const c10::optional<c10::Stream>& stream, bool drain, const SharedEvent& at) {
   if (stream && !keepalive_.empty()) {
-    const uint64_t ticket = InFlight::instance().add(*stream, std::move(keepalive_), drain);
+    const uint64_t ticket = InFlight::instance().add(*stream, std::move(keepalive_), drain, at);
     if (ticket != 0) inflight_tickets_.push_back(ticket);
   }
   keepalive_.clear();
@@ -88,24 +83,23 @@ void Transfer::release_sources(const c10::optional<c10::Stream>& stream) {
   inflight_tickets_.clear();
 }
 
-Transfer::~Transfer() {
-  for (auto& event : events_) give_back_event(std::move(event));
-}
+Transfer::~Transfer() = default;
 
-void Transfer::mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members) {
-  events_.push_back(take_event(stream.device()));
-  events_.back().record(stream);
+const SharedEvent& Transfer::mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members) {
+  events_.push_back(
+      record_event(stream, timer_ ? c10::EventFlag::BACKEND_DEFAULT : c10::EventFlag::PYTORCH_DEFAULT));
   for (int64_t i : members) event_of_[i] = static_cast<int32_t>(events_.size() - 1);
+  return events_.back();
 }
 
 void Transfer::synchronize(bool drain) const {
   try {
     wait_enqueued();
   } catch (...) {  // a failed deferred transfer: let what it queued finish, then say why
-    if (!events_.empty()) events_.back().synchronize();
+    if (!events_.empty()) events_.back()->synchronize();
     throw;
   }
-  if (!events_.empty()) events_.back().synchronize();
+  if (!events_.empty()) events_.back()->synchronize();
   if (timer_) timer_->synchronize();  // its end is recorded after the last event (see query)
   if (drain) InFlight::instance().drain();
 }
@@ -121,7 +115,7 @@ void Transfer::wait_stream(const c10::optional<c10::Stream>& stream) const {
   wait_enqueued();
   // Events are recorded in order on one copy stream: the last implies the rest.
   if (events_.empty()) return;
-  if (const auto waiter = consumer(stream)) events_.back().block(*waiter);
+  if (const auto waiter = consumer(stream)) events_.back()->block(*waiter);
 }
 
 void Transfer::wait_stream_for(int64_t index, const c10::optional<c10::Stream>& stream) const {
@@ -130,7 +124,7 @@ void Transfer::wait_stream_for(int64_t index, const c10::optional<c10::Stream>& 
   wait_enqueued();
   const int32_t event = event_of_[index];
   if (event < 0) return;
-  if (const auto waiter = consumer(stream)) events_[event].block(*waiter);
+  if (const auto waiter = consumer(stream)) events_[event]->block(*waiter);
 }
 
 void release_finished_copies() {

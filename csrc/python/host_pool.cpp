@@ -32,7 +32,8 @@ void bind_host_pool(pybind11::module_& m) {
            }),
            py::arg("device_type"), py::arg("limit_bytes"), py::arg("slab_bytes"), py::arg("touch_threads"))
       .def("allocate", &HostPool::allocate, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
-      .def("record_stream", &HostPool::record_stream, py::arg("tensor"), py::arg("stream"))
+      .def("record_stream", [](HostPool& p, const at::Tensor& t, const c10::Stream& s) { return p.record_stream(t, s); },
+           py::arg("tensor"), py::arg("stream"))
       .def("owns", &HostPool::owns, py::arg("tensor"))
       .def("reserve", &HostPool::reserve, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
       .def("begin_reserve", &HostPool::begin_reserve, py::arg("nbytes"), py::arg("largest_block"))

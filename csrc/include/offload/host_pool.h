@@ -23,6 +23,8 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include "offload/event_cache.h"
+
 namespace offload {
 
 struct HostPoolStats {
@@ -51,8 +53,10 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // A uint8 host tensor of `nbytes` bytes backed by a pooled block.
   at::Tensor allocate(size_t nbytes);
   // The block under `tensor` is not reused before `stream` reaches this point.
-  // Returns false when `tensor` is not from this pool.
-  bool record_stream(const at::Tensor& tensor, const c10::Stream& stream);
+  // Returns false when `tensor` is not from this pool. `at`: an event the caller
+  // recorded on `stream` at this point (a copy's completion), kept instead of
+  // recording another.
+  bool record_stream(const at::Tensor& tensor, const c10::Stream& stream, const SharedEvent& at = nullptr);
   bool owns(const at::Tensor& tensor) const;
   // Grows the pool so that `nbytes` more can be carved without growing later.
   void reserve(size_t nbytes);
@@ -87,9 +91,9 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     bool handed_out = false;
     bool pending = false;
     // One event per stream that used the block (the stream with its device: a
-    // stream id is unique only per device); re-recorded on reuse of the stream,
-    // because later work on one stream implies the earlier work.
-    std::vector<std::pair<c10::Stream, c10::Event>> events;
+    // stream id is unique only per device); replaced by the later one on reuse of the
+    // stream, because later work on one stream implies the earlier work.
+    std::vector<std::pair<c10::Stream, SharedEvent>> events;
   };
   struct Slab {
     char* base = nullptr;

@@ -64,6 +64,7 @@
 #include <c10/core/Stream.h>
 #include <c10/util/Optional.h>
 
+#include "offload/event_cache.h"
 #include "offload/host_pool.h"
 #include "offload/tensor_source.h"
 
@@ -76,11 +77,10 @@ namespace offload {
 // the copy's buffers alive until then.
 struct CopyTimer {
   CopyTimer() = default;
-  ~CopyTimer();  // gives its events back to the cache (event_cache.h)
   CopyTimer(const CopyTimer&) = delete;
   CopyTimer& operator=(const CopyTimer&) = delete;
-  c10::optional<c10::Event> start;
-  c10::optional<c10::Event> end;
+  SharedEvent start;
+  SharedEvent end;  // where it can, the transfer's last completion event itself
   c10::optional<double> host_seconds;
   // Seconds from the start event to the end event, or nullopt while the copies run;
   // never waits.
@@ -194,9 +194,12 @@ class Transfer {
   // Hands keepalive_ to the in-flight registry, which drops it once the copies
   // queued on `stream` so far have completed. `drain` false: leave finished
   // entries for another thread to drop (the copy worker must not drop tensors).
-  void release_keepalive(const c10::optional<c10::Stream>& stream, bool drain = true);
-  // Records the event after which `members` are complete on the copy `stream`.
-  void mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members);
+  // `at`: an event already recorded on `stream` after every copy queued so far
+  // (the last completion), which the entry shares instead of recording its own.
+  void release_keepalive(const c10::optional<c10::Stream>& stream, bool drain = true, const SharedEvent& at = nullptr);
+  // Records the event after which `members` are complete on the copy `stream`; a
+  // timed transfer's is a timing event, so that its timer may end on it.
+  const SharedEvent& mark_complete(const c10::Stream& stream, const std::vector<int64_t>& members);
   c10::optional<c10::Stream> consumer(const c10::optional<c10::Stream>& stream) const;
   using TensorList = std::vector<at::Tensor>;
   c10::Device device_;
@@ -210,7 +213,7 @@ class Transfer {
   std::vector<c10::optional<Strides>> restore_;
   std::vector<Group> groups_;
   std::shared_ptr<SourceKeys> source_keys_;  // device-to-host into pooled buffers (not out=<list>)
-  std::vector<c10::Event> events_;   // recorded on the copy stream, in order
+  std::vector<SharedEvent> events_;  // recorded on the copy stream, in order
   std::vector<int32_t> event_of_;    // per output: the event after which it is complete (-1: no event)
   int64_t nbytes_ = 0;
   // Tensors that must outlive the copies (a device-to-host transfer's sources,
