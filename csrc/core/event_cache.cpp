@@ -128,8 +128,13 @@ void RecordedEvent::block(const c10::Stream& waiter) const {
   event_.block(waiter);
 }
 
+void RecordedEvent::record_again(const c10::Stream& stream) {
+  complete_.store(false, std::memory_order_release);
+  event_.record(stream);
+}
+
 SharedEvent record_event(const c10::Stream& stream, c10::EventFlag flag) {
-  return std::make_shared<const RecordedEvent>(stream, flag);
+  return std::make_shared<RecordedEvent>(stream, flag);
 }
 
 void order_after(const c10::Stream& waiter, const c10::Stream& producer) {

@@ -304,14 +304,19 @@ bool HostPool::record_stream(const at::Tensor& tensor, const c10::Stream& stream
   std::lock_guard<std::mutex> lock(mutex_);
   Block* block = block_of_locked(tensor.storage().data());
   if (block == nullptr || !block->handed_out) return false;
-  SharedEvent now = at != nullptr ? at : record_event(stream);
   for (auto& entry : block->events) {
     if (entry.first == stream) {  // the same stream of the same device: later work implies earlier
-      entry.second = std::move(now);
+      if (at != nullptr) {
+        entry.second = at;
+      } else if (entry.second.use_count() == 1) {  // the pool's own: no one else reads its point
+        entry.second->record_again(stream);
+      } else {
+        entry.second = record_event(stream);
+      }
       return true;
     }
   }
-  block->events.emplace_back(stream, std::move(now));
+  block->events.emplace_back(stream, at != nullptr ? at : record_event(stream));
   return true;
 }
 

@@ -281,8 +281,9 @@ def copy_spans_to_host(tensors, starts, sizes, out, offsets, *, pool: Optional[H
     are held until it completes. `timing`: as `copy_to_host`'s (`handle.copy_seconds()`).
 
     The native core copies the spans in one call, with no tensor per span (the
-    activation engine's group of a layer); the pure-PyTorch path makes uint8 views of
-    the spans and of their places in the block and copies those.
+    activation engine's group of a layer), enqueued as one batched copy on CUDA 12.8
+    and later (one driver call for all the spans); the pure-PyTorch path makes uint8
+    views of the spans and of their places in the block and copies those.
     """
     fn = "offload.copy_spans_to_host"
     tensors = _as_list(fn, tensors)

@@ -270,6 +270,28 @@ OFFLOAD_TEST(block_is_not_reused_before_the_copies_recorded_on_it_complete) {
   REQUIRE_EQ(pool->stats().pending_blocks, size_t(0));
 }
 
+OFFLOAD_TEST(a_block_recorded_with_a_copys_completion_event_shares_it) {
+  // The copy engine hands the pool the event it recorded after a copy (RecordedEvent): the
+  // pool records none of its own, and still holds the block back until that event completes.
+  auto pool = make_scripted_pool();
+  at::Tensor a = pool->allocate(4096);
+  const void* where = address(a);
+  offload::SharedEvent done = offload::record_event(scripted::stream(0, 1));
+  const int created = scripted::log().created;
+  REQUIRE(pool->record_stream(a, scripted::stream(0, 1), done));
+  REQUIRE(pool->record_stream(a, scripted::stream(0, 1), done));  // the same stream: replaced, not added
+  REQUIRE_EQ(scripted::log().created, created);
+  REQUIRE_EQ(done.use_count(), long(2));  // the caller's and the pool's one entry
+  a.reset();
+  REQUIRE_EQ(pool->stats().pending_blocks, size_t(1));
+  at::Tensor b = pool->allocate(4096);
+  REQUIRE(address(b) != where);
+  b.reset();
+  scripted::log().complete_all();
+  REQUIRE_EQ(pool->stats().pending_blocks, size_t(0));
+  done.reset();
+}
+
 // A block used by copies on streams `one` and `two` stays held back until both complete.
 static void check_block_waits_for_both(const c10::Stream& one, const c10::Stream& two) {
   auto pool = make_scripted_pool();

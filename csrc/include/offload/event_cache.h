@@ -35,7 +35,8 @@ void give_back_event(c10::Event&& event);
 // of its sources (dropped then) and the copy's timer (its end): one record serves all of
 // them where each would otherwise record its own, a driver call each in a launch-bound
 // step. Once a query finds it complete, later queries of any owner ask no driver.
-// Never recorded again; its event goes back to the cache with its last owner.
+// Recorded again only by a sole owner (record_again); its event goes back to the cache
+// with its last owner.
 class RecordedEvent {
  public:
   RecordedEvent(const c10::Stream& stream, c10::EventFlag flag);
@@ -46,6 +47,10 @@ class RecordedEvent {
   void synchronize() const;
   // Makes `waiter` wait on the device for the recorded point.
   void block(const c10::Stream& waiter) const;
+  // Moves the recorded point to `stream`'s work so far. Only for an owner that holds the
+  // sole reference (the pool's event of a stream, re-recorded as later work on that stream
+  // uses the block): nobody else waits on the point it had.
+  void record_again(const c10::Stream& stream);
   // Milliseconds from this event to `end`; both made with timing (BACKEND_DEFAULT).
   double elapsed_ms(const RecordedEvent& end) const { return event_.elapsedTime(end.event_); }
 
@@ -53,7 +58,7 @@ class RecordedEvent {
   c10::Event event_;
   mutable std::atomic<bool> complete_{false};
 };
-using SharedEvent = std::shared_ptr<const RecordedEvent>;
+using SharedEvent = std::shared_ptr<RecordedEvent>;
 
 // An event from the cache, recorded on `stream` now.
 SharedEvent record_event(const c10::Stream& stream, c10::EventFlag flag = c10::EventFlag::PYTORCH_DEFAULT);
