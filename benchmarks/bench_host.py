@@ -27,7 +27,9 @@ copy of it), in the same process:
 - GPU (cuda, npu): the bench's Llama (d2048, 8 layers, bf16, batch 1, `transformers` built
   from a config) at seq 2048 (and 8192 with --full): no handle, `hooks`, `async`, paused,
   `auto` and `verify` (the library's defaults otherwise), blocks of 5 back-to-back steps timed
-  with device events, one block of each per round, the order reversed in every other round.
+  with device events, one block of each per round, the order reversed in every other round;
+  beside each variant's device time, its host time per step (the step call's wall time): where
+  it exceeds the device's, the host sets the step's pace once the device's queue runs dry.
 
 Per variant the median step of all rounds counts, its ratio to the no-handle median is the
 row's; the spread is that of the rounds' medians. The rounds alternate the variants so that
@@ -119,6 +121,9 @@ class Timed:
     steps: int
     layers_offloaded: Optional[int] = None  # per step, from handle.stats() (None: no handle)
     offloaded_bytes: Optional[int] = None  # per step, from handle.stats() (None: no handle)
+    # The host's own time per step (the call's wall time, median of every timed step): where the
+    # device runs ahead of it, the step's time; where it does not, what the device's queue hides.
+    host_median_ms: Optional[float] = None
 
     @property
     def spread_pct(self) -> float:
@@ -173,20 +178,24 @@ def alternate(variants: List[Variant], rounds: int, block: int, clock) -> Dict[s
     mark after it. The first step of a block follows another variant's step, as in a loop that
     switches models; the median over the rounds' steps counts."""
     marks = {v.name: [] for v in variants}  # per variant: one list of marks per round
+    host = {v.name: [] for v in variants}  # per variant: each step's wall time on the host, ms
     # An untimed step first: the first mark then finds the device busy, as every later block's does.
     variants[-1].step()
     for r in range(rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
             taken = [clock.mark()]
             for _ in range(block):
+                start = time.perf_counter()
                 v.step()
+                host[v.name].append((time.perf_counter() - start) * 1e3)
                 taken.append(clock.mark())
             marks[v.name].append(taken)
     out = {}
     for name, per_round in marks.items():
         spans = [clock.spans_ms(taken) for taken in per_round]
         every = [s for round_spans in spans for s in round_spans]
-        out[name] = Timed(statistics.median(every), [statistics.median(s) for s in spans], len(every))
+        out[name] = Timed(statistics.median(every), [statistics.median(s) for s in spans], len(every),
+                          host_median_ms=statistics.median(host[name]))
     return out
 
 
@@ -514,7 +523,8 @@ def _gpu_rows(ctx) -> list:
         for name in VARIANTS:
             t = v[name]
             print(f"  {name:8} {t.median_ms:9.2f} ms {t.median_ms / none_ms:7.3f}x none "
-                  f"(paired by round {measure.paired_ratio(name):.3f}x), round spread {t.spread_pct:.1f}%"
+                  f"(paired by round {measure.paired_ratio(name):.3f}x), round spread {t.spread_pct:.1f}%, "
+                  f"host {t.host_median_ms:.2f} ms a step"
                   + ("" if t.layers_offloaded is None else
                      f", {t.layers_offloaded} layers, {t.offloaded_bytes / 2**30:.2f} GiB offloaded"), flush=True)
             if name == "none":
@@ -529,7 +539,8 @@ def _gpu_rows(ctx) -> list:
                             variant=name, layers_offloaded=t.layers_offloaded, offloaded_bytes=t.offloaded_bytes,
                             spread_pct=t.spread_pct, paired_ratio=measure.paired_ratio(name),
                             round_medians_ms=t.round_medians_ms, baseline_round_medians_ms=v["none"].round_medians_ms,
-                            steps_timed=t.steps, auto_settled_after=measure.auto_settled_after))
+                            steps_timed=t.steps, auto_settled_after=measure.auto_settled_after,
+                            host_median_ms=t.host_median_ms, baseline_host_median_ms=v["none"].host_median_ms))
     return rows
 
 

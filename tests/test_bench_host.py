@@ -2,6 +2,8 @@
 say what they measure against the no-handle baseline, with positive times. Its speed is not
 judged here: the figures come from `python -m benchmarks --only host`."""
 
+import time
+
 import pytest
 import torch
 from _bench_helpers import load_section
@@ -26,19 +28,22 @@ def test_bench_host_alternates_the_variants_round_by_round(bench_host):
 
     clock = Clock()
 
-    def step_of(name, ms):
+    def step_of(name, ms, host_seconds=0.0):
         def step():
             ran.append(name)
             clock.now += ms
+            time.sleep(host_seconds)
 
         return step
 
-    variants = [bench_host.Variant("a", step_of("a", 1.0)), bench_host.Variant("b", step_of("b", 3.0))]
+    variants = [bench_host.Variant("a", step_of("a", 1.0)), bench_host.Variant("b", step_of("b", 3.0, 0.005))]
     timed = bench_host.alternate(variants, rounds=3, block=2, clock=clock)
     # one untimed step first, then blocks of 2 steps: a b, b a, a b
     assert ran == ["b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
     assert timed["a"].median_ms == 1.0 and timed["b"].median_ms == 3.0
     assert timed["a"].steps == 6 and timed["a"].round_medians_ms == [1.0, 1.0, 1.0]
+    # the host's own time per step, apart from the clock's: b's call sleeps 5 ms, a's does not
+    assert timed["b"].host_median_ms >= 5.0 > timed["a"].host_median_ms
 
 
 def test_bench_host_section_runs_on_the_cpu_in_quick_mode(bench_host, capsys):
