@@ -4,9 +4,10 @@
 // Moves: span i, bytes [starts[i], starts[i] + sizes[i]) of tensors[i]'s storage,
 // to bytes [offsets[i], offsets[i] + sizes[i]) of one uint8 host block, by one DMA
 // per span (in chunk_bytes pieces, enqueued as one batch where the runtime has one)
-// on the copy stream, after the caller's work so far. Layout: raw storage bytes, whatever the tensors' dtypes and strides; no
-// per-span tensor is made. Limits: one device per call; the block is a HostPool
-// block (given, or acquired here), so the pool holds it back until the copies end.
+// on the copy stream, after the caller's work so far. Layout: raw storage bytes,
+// whatever the tensors' dtypes and strides; no per-span tensor is made. Limits: one
+// device per call; the block is a HostPool block (given, or acquired here), so the
+// pool holds it back until the copies end.
 #include <chrono>
 
 #include <c10/core/DeviceGuard.h>
