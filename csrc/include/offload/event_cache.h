@@ -1,11 +1,12 @@
 // Device events, recycled across transfers.
 //
-// A transfer uses three events (the copy stream's wait for the caller, its
-// completion, the in-flight registry's); created and destroyed per transfer, each
-// is a driver call, a visible part of what a small copy costs beyond a bare
-// copy_ (benchmarks/RESULTS.md). Events are taken from
-// here and given back when their owner is done with them (Note [event reuse] in
-// event_cache.cpp says when a given-back event may be handed out again).
+// A transfer uses two events (the copy stream's wait for the caller, and its
+// completion, which the pool's block and the in-flight registry share: RecordedEvent
+// below); created and destroyed per transfer, each is a driver call, a visible part
+// of what a small copy costs beyond a bare copy_ (benchmarks/RESULTS.md). Events
+// are taken from here and given back when their owner is done with them (Note
+// [event reuse] in event_cache.cpp says when a given-back event may be handed out
+// again).
 #pragma once
 
 #include <atomic>
