@@ -29,7 +29,10 @@ copy of it), in the same process:
   `auto` and `verify` (the library's defaults otherwise), blocks of 5 back-to-back steps timed
   with device events, one block of each per round, the order reversed in every other round;
   beside each variant's device time, its host time per step (the step call's wall time): where
-  it exceeds the device's, the host sets the step's pace once the device's queue runs dry.
+  it exceeds the device's, the host sets the step's pace once the device's queue runs dry. Then,
+  per variant, 5 steps from an idle device timed on the host alone (`host_alone`): the host's
+  own time per step, the device's left out; a handle's over the no-handle step's is the
+  engine's host time per step.
 
 Per variant the median step of all rounds counts, its ratio to the no-handle median is the
 row's; the spread is that of the rounds' medians. The rounds alternate the variants so that
@@ -71,6 +74,9 @@ CPU_QUICK = (2, 5, 2)
 CPU_LAYERS, CPU_WIDTH, CPU_INPUT = 8, 64, (4, 16, 64)
 # GPU measure: rounds of one block of GPU_BLOCK back-to-back steps per variant.
 GPU_ROUNDS, GPU_QUICK_ROUNDS, GPU_BLOCK, GPU_WARMUP = 8, 2, 5, 2
+# Steps per variant timed on the host alone (host_alone), from an idle device: few enough that a
+# step's launches stay within the device's queue while the host runs ahead.
+HOST_ALONE_STEPS = 5
 GPU_SEQS = (2048, 8192)
 # A group's copy out: spans per call (a decoder layer saves about 20 tensors), their sizes, and
 # calls timed per way (alternated in rounds).
@@ -124,6 +130,8 @@ class Timed:
     # The host's own time per step (the call's wall time, median of every timed step): where the
     # device runs ahead of it, the step's time; where it does not, what the device's queue hides.
     host_median_ms: Optional[float] = None
+    # The same on an idle device (host_alone): the host's time alone, none of the device's in it.
+    host_alone_ms: Optional[float] = None
 
     @property
     def spread_pct(self) -> float:
@@ -171,6 +179,9 @@ class _EventClock:
         marks[-1].synchronize()
         return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
 
+    def synchronize(self):
+        self._device.synchronize(self.device)
+
 
 def alternate(variants: List[Variant], rounds: int, block: int, clock) -> Dict[str, Timed]:
     """Each round runs `block` steps of every variant, back to back, in the variants' order in
@@ -196,6 +207,24 @@ def alternate(variants: List[Variant], rounds: int, block: int, clock) -> Dict[s
         every = [s for round_spans in spans for s in round_spans]
         out[name] = Timed(statistics.median(every), [statistics.median(s) for s in spans], len(every),
                           host_median_ms=statistics.median(host[name]))
+    return out
+
+
+def host_alone(variants: List[Variant], steps: int, synchronize) -> Dict[str, float]:
+    """Per variant, the median wall time of `steps` steps run back to back from an idle device
+    (`synchronize` first): while the device's queue has room the host never waits for it, so
+    this is the host's own time per step, the device's left out. Alternated, a step the device
+    paces blocks the host at the full queue and its wall time is the device's."""
+    out = {}
+    for v in variants:
+        synchronize()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            v.step()
+            times.append((time.perf_counter() - start) * 1e3)
+        out[v.name] = statistics.median(times)
+    synchronize()
     return out
 
 
@@ -276,6 +305,10 @@ def _measure_variants(what, model, loss_fn, options, rounds, block, warmup, cloc
                      "paused": (0, 0), "verify": _offloaded(verified, steps["verify"])}
         variants = [Variant(name, steps[name]) for name in VARIANTS]
         timed = alternate(variants, rounds, block, clock)
+        if isinstance(clock, _EventClock):  # the device runs apart from the host: time the host alone
+            alone = host_alone(variants, HOST_ALONE_STEPS, clock.synchronize)
+            for name, ms in alone.items():
+                timed[name].host_alone_ms = ms
         for name, (layers, nbytes) in offloaded.items():
             timed[name].layers_offloaded, timed[name].offloaded_bytes = layers, nbytes
         return Measure(what, timed, settled_after)
@@ -524,7 +557,8 @@ def _gpu_rows(ctx) -> list:
             t = v[name]
             print(f"  {name:8} {t.median_ms:9.2f} ms {t.median_ms / none_ms:7.3f}x none "
                   f"(paired by round {measure.paired_ratio(name):.3f}x), round spread {t.spread_pct:.1f}%, "
-                  f"host {t.host_median_ms:.2f} ms a step"
+                  f"host {t.host_median_ms:.2f} ms a step, {t.host_alone_ms:.2f} ms alone "
+                  f"({t.host_alone_ms - v['none'].host_alone_ms:+.2f} ms)"
                   + ("" if t.layers_offloaded is None else
                      f", {t.layers_offloaded} layers, {t.offloaded_bytes / 2**30:.2f} GiB offloaded"), flush=True)
             if name == "none":
@@ -540,7 +574,8 @@ def _gpu_rows(ctx) -> list:
                             spread_pct=t.spread_pct, paired_ratio=measure.paired_ratio(name),
                             round_medians_ms=t.round_medians_ms, baseline_round_medians_ms=v["none"].round_medians_ms,
                             steps_timed=t.steps, auto_settled_after=measure.auto_settled_after,
-                            host_median_ms=t.host_median_ms, baseline_host_median_ms=v["none"].host_median_ms))
+                            host_median_ms=t.host_median_ms, baseline_host_median_ms=v["none"].host_median_ms,
+                            host_alone_ms=t.host_alone_ms, baseline_host_alone_ms=v["none"].host_alone_ms))
     return rows
 
 

@@ -46,6 +46,25 @@ def test_bench_host_alternates_the_variants_round_by_round(bench_host):
     assert timed["b"].host_median_ms >= 5.0 > timed["a"].host_median_ms
 
 
+def test_bench_host_times_each_variant_on_the_host_alone_from_an_idle_device(bench_host):
+    # host_alone: per variant, steps back to back after a device sync, each timed on the host; the
+    # device is synchronized before each variant's steps and once after the last.
+    events = []
+
+    def step_of(name, host_seconds):
+        def step():
+            events.append(name)
+            time.sleep(host_seconds)
+
+        return step
+
+    variants = [bench_host.Variant("a", step_of("a", 0.0)), bench_host.Variant("b", step_of("b", 0.004))]
+    alone = bench_host.host_alone(variants, steps=3, synchronize=lambda: events.append("sync"))
+    assert events == ["sync", "a", "a", "a", "sync", "b", "b", "b", "sync"]
+    assert set(alone) == {"a", "b"}
+    assert alone["b"] >= 4.0 > alone["a"]
+
+
 def test_bench_host_section_runs_on_the_cpu_in_quick_mode(bench_host, capsys):
     import common
 
