@@ -196,9 +196,7 @@ def alternate(variants: List[Variant], rounds: int, block: int, clock) -> Dict[s
         for v in (variants if r % 2 == 0 else variants[::-1]):
             taken = [clock.mark()]
             for _ in range(block):
-                start = time.perf_counter()
-                v.step()
-                host[v.name].append((time.perf_counter() - start) * 1e3)
+                host[v.name].append(_host_ms(v.step))
                 taken.append(clock.mark())
             marks[v.name].append(taken)
     out = {}
@@ -218,14 +216,16 @@ def host_alone(variants: List[Variant], steps: int, synchronize) -> Dict[str, fl
     out = {}
     for v in variants:
         synchronize()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            v.step()
-            times.append((time.perf_counter() - start) * 1e3)
-        out[v.name] = statistics.median(times)
+        out[v.name] = statistics.median(_host_ms(v.step) for _ in range(steps))
     synchronize()
     return out
+
+
+def _host_ms(step) -> float:
+    """The wall time of one call of `step` on the host, in ms."""
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1e3
 
 
 def _train_step(model, loss_fn):

@@ -139,7 +139,8 @@ bool copy_ranges_cuda(const std::vector<ByteRange>& ranges, const c10::Device& d
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
   static std::atomic<bool> unsupported{false};
   if (unsupported.load(std::memory_order_relaxed)) return false;
-  // Reused per thread: a group's copy allocates nothing on the host.
+  // The call takes separate arrays of destinations, sources and sizes: kept per thread, so
+  // filling them from the caller's ranges costs no allocation once they have grown.
   thread_local std::vector<void*> dsts;
   thread_local std::vector<const void*> srcs;
   thread_local std::vector<size_t> sizes;
