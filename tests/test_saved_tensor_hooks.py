@@ -117,7 +117,8 @@ _SAME_STATS = ("tensors_kept", "tensors_offloaded", "groups_offloaded", "layers_
 
 
 @pytest.mark.parametrize("mode,listen", [("async", "always"), ("sync", "always"), ("async", "never"),
-                                         ("async", "after_forward"), ("async", "scheduled")])
+                                         ("async", "after_forward"), ("async", "scheduled"),
+                                         ("async", "scheduled_pieces")])
 def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
     """An engine hooks through the core where it is loaded; the same steps on the pure-PyTorch
     path (what OFFLOAD_FORCE_FALLBACK=1 gives a user) hook through the Python methods, and give
@@ -125,8 +126,10 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
 
     Without a listener (mode async) the core also runs each group's cycle (group_cycle.h), under
     auto mode's schedule too (a cap, a layer in parts, release points, fetch points, a layer
-    fetched in pieces); with a listener added between a step's forward and its backward, the
-    Python backward takes up the groups the forward left."""
+    fetched in pieces), without calling the Python split or fetch once; with a listener added
+    between a step's forward and its backward, the Python backward takes up the groups the
+    forward left. `scheduled_pieces`: layers in several parts, one span past two part ends,
+    groups fetched in two and three pieces, the rest of one fetched on demand."""
     device = _device.current_device()
     x = torch.randn(8, 16, device=device)
     results = {}
@@ -150,7 +153,28 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
                 use_schedule(handle.engine, 4, caps=[None, 2048, None, None], release_at={0: [2, 3], 1: 4, 2: 5, 3: 5},
                              fetch_at={3: [2, 1], 2: [1, 0]}, fetch_at_start=[3], split_at={0: [512]},
                              fetch_share={(3, 1): 0.5})
-            assert handle.engine.native_cycle == (native and mode == "async" and listen != "always")
+            if listen == "scheduled_pieces":
+                # Layer 0's first span passes all its part ends; layers 3, 2 and 0 come back in
+                # pieces whose rest no point fetches: their first unpack fetches it.
+                use_schedule(handle.engine, 4, release_at={0: [1, 2, 2, 3], 1: [3, 4], 2: 5, 3: 5},
+                             fetch_at={3: [2, 1], 2: [1, 0], 1: [0]}, fetch_at_start=[3, 2],
+                             split_at={0: [512, 1024, 2048], 1: [2048]},
+                             fetch_share={(5, 3): 0.5, (5, 2): 0.3, (3, 2): 0.6, (3, 1): 0.25, (2, 0): 0.2,
+                                          (1, 0): 0.5})
+            python_calls = {"split": 0, "fetch": 0}
+            engine = handle.engine
+
+            def counted(key, call):
+                def count(*args):
+                    python_calls[key] += 1
+                    return call(*args)
+                return count
+
+            # What the hooks and the core call (the engine's attributes) and what the Python
+            # backward calls itself (its own method).
+            engine._split = counted("split", engine._split)
+            engine.backward.fetch = engine._fetch_group = counted("fetch", engine.backward.fetch)
+            assert engine.native_cycle == (native and mode == "async" and listen != "always")
             steps = []
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
@@ -165,6 +189,8 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
                 stats = handle.stats()
                 steps.append(([p.grad.clone() for p in model.parameters()], {k: stats[k] for k in _SAME_STATS}))
             assert all((getattr(pack, "func", None) is core.pack_saved_tensor) == native for pack in hooks)
+            if listen.startswith("scheduled"):  # parts and pieces: in the core's cycle, none in Python
+                assert (python_calls["split"] == 0) == native and (python_calls["fetch"] == 0) == native
             results[native] = (steps, events)
             handle.disable()
     (steps_n, events_n), (steps_p, events_p) = results[True], results[False]
@@ -172,7 +198,10 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
         assert stats_n == stats_p and stats_n["tensors_offloaded"] > 0 and stats_n["tensors_kept"] > 0
         assert stats_n["groups_fetched"] > 0 and stats_n["h2d_bytes"] > 0
         assert all(torch.equal(g, h) for g, h in zip(grads_n, grads_p))
-    assert events_n == events_p and (listen in ("never", "scheduled")) == (not events_n)
+        if listen == "scheduled_pieces":  # parts, and pieces whose rest came at an unpack
+            assert stats_n["groups_offloaded"] > stats_n["layers_offloaded"]
+            assert 0 < stats_n["groups_prefetched"] < stats_n["groups_fetched"]
+    assert events_n == events_p and (listen == "never" or listen.startswith("scheduled")) == (not events_n)
 
 
 def test_core_unpack_raises_for_a_kept_tensor_modified():

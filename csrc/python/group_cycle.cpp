@@ -100,16 +100,25 @@ void GroupCycle::timed_copy(py::handle engine, PyObject* kind, const Transfer& c
   timings_->copy(attr(engine, engine_names().counters), py::reinterpret_borrow<py::object>(kind), copy.timer());
 }
 
-// backward.py's `fetch` of a whole group (`upto` None): one copy back of its host block
-// into a device block laid out as it.
-void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) {
-  const EngineNames& n = engine_names();
-  const int64_t end = g.nbytes_aligned;
-  if (end <= g.fetched) return;
-  if (g.fetched != 0) {  // a piece was fetched (a plan's, Note [fetch in pieces]): the rest as Python does it
-    attr(engine, n.fetch_in_python)(group);
-    return;
+// Where the cycle is native, the fetch above; else the engine's Python fetch, which serves
+// listeners, nvtx ranges and the observer.
+void GroupCycle::fetch_any(py::handle engine, py::handle group, ActivationGroup& g, int64_t upto) {
+  if (native) {
+    fetch(engine, g, upto);
+  } else {
+    attr(engine, engine_names().fetch_in_python)(group, upto < 0 ? py::none() : py::object(py::int_(upto)));
   }
+}
+
+// backward.py's `fetch`: the group's host block copied back into a device block laid out as
+// it, all that is left of it (`upto` < 0) or its bytes up to `upto` (a piece of a plan's,
+// Note [fetch in pieces] in auto/schedule.py).
+void GroupCycle::fetch(py::handle engine, ActivationGroup& g, int64_t upto) {
+  const EngineNames& n = engine_names();
+  const int64_t end = upto < 0 ? g.nbytes_aligned
+                               : std::min(g.nbytes_aligned, (upto + kSpanAlign - 1) / kSpanAlign * kSpanAlign);
+  const int64_t start = g.fetched;
+  if (end <= start) return;
   read_copy_streams(engine);
   const std::shared_ptr<Transfer> source = g.d2h;
   TORCH_CHECK(source != nullptr, "offload: a group is fetched back before its copy out was issued");
@@ -123,26 +132,43 @@ void GroupCycle::fetch(py::handle engine, py::handle group, ActivationGroup& g) 
   options.small_bytes = small_bytes_;
   options.chunk_bytes = chunk_bytes_;
   options.timing = timings_ != nullptr;
-  const c10::optional<std::vector<at::Tensor>> out{std::vector<at::Tensor>{g.device_block}};
+  const bool whole = start == 0 && end == g.nbytes_aligned;
+  if (!whole && start == 0) {
+    // The first piece: the copy stream waits for the copy out (a group let go at a release
+    // point was seen complete on the device only); the pieces after it queue behind it on
+    // the same stream, so they wait too.
+    if (on_accel_) {
+      source->wait_stream(h2d_stream_);
+    } else {
+      synchronize(*source);
+    }
+  }
+  const c10::optional<std::vector<at::Tensor>> out{
+      std::vector<at::Tensor>{whole ? g.device_block : g.device_block.slice(0, start, end)}};
+  const std::vector<at::Tensor> piece =
+      whole ? std::vector<at::Tensor>{} : std::vector<at::Tensor>{source->tensors().at(0).slice(0, start, end)};
   release_finished_copies();  // what earlier copies left, dropped with the interpreter lock held
   std::shared_ptr<Transfer> back;
   {
     py::gil_scoped_release no_gil;
-    // From the copy out's transfer: the copy stream also waits for that copy (a group let
-    // go at a release point was seen complete on the device only), and times after both waits.
-    back = copy_to_device(source->tensors(), source, device_, *pool_, h2d_stream_, out, options);
+    // A whole group from the copy out's transfer: the copy stream also waits for that copy,
+    // and times after both waits. A piece from its slice of the host block.
+    back = whole ? copy_to_device(source->tensors(), source, device_, *pool_, h2d_stream_, out, options)
+                 : copy_to_device(piece, nullptr, device_, *pool_, h2d_stream_, out, options);
   }
+  // Pieces queue on one copy stream in order: the last one done means all are.
   g.h2d.push_back(back);
   timed_copy(engine, n.h2d_seconds, *back);
   g.fetched = end;
-  add_count(engine, n.h2d_bytes, std::min(end, g.nbytes));
-  add_count(engine, n.groups_fetched, 1);
+  // Counted in the group's bytes, not its block's padding.
+  add_count(engine, n.h2d_bytes, std::min(end, g.nbytes) - std::min(start, g.nbytes));
+  if (end == g.nbytes_aligned) add_count(engine, n.groups_fetched, 1);
 }
 
 // backward.py's `make_ready`.
 void GroupCycle::make_ready(py::handle engine, py::handle group, ActivationGroup& g) {
   const EngineNames& n = engine_names();
-  if (g.fetched < g.nbytes_aligned) fetch(engine, group, g);
+  if (g.fetched < g.nbytes_aligned) fetch_any(engine, group, g, -1);
   const c10::optional<c10::Stream> stream = current_stream();
   if (g.ready_on(stream)) return;
   TORCH_CHECK(!g.h2d.empty(), "offload: a group is read in backward before its copy back was issued");
@@ -179,7 +205,7 @@ void GroupCycle::prefetch(py::handle engine, py::handle group) {
     if (before.is_none()) return;
     ActivationGroup& b = before.cast<ActivationGroup&>();
     if (b.on_host_only()) {
-      fetch(engine, before, b);
+      fetch_any(engine, before, b, -1);
       if (b.fetched == b.nbytes_aligned) add_count(engine, n.groups_prefetched, 1);
     }
     if (!b.continued) return;
@@ -261,6 +287,40 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
   return next;
 }
 
+py::object GroupCycle::next_part(py::handle engine, ActivationGroup& g) {
+  const EngineNames& n = engine_names();
+  py::object next = py::cast(new ActivationGroup(g.name, g.layer, true, attr(engine, n.last_offloaded)),
+                             py::return_value_policy::take_ownership);
+  ActivationGroup& part = next.cast<ActivationGroup&>();
+  part.capped = g.capped;
+  part.split = g.split;
+  part.continued = true;
+  if (!g.auto_state.is_none()) {  // the layer's cap goes on; the measurements are the first part's
+    part.auto_state = auto_state_class()();
+    if (PyObject_SetAttr(part.auto_state.ptr(), n.cap, attr(g.auto_state, n.cap).ptr()) < 0) {
+      throw py::error_already_set();
+    }
+  }
+  part.new_spans = g.new_spans;
+  part.n_layers = 0;
+  // One span may pass several part ends: this group ends the last of them (its copy is
+  // planned complete by that part's point, not an earlier one).
+  const auto ends = g.split.cast<std::vector<int64_t>>();
+  auto index = static_cast<size_t>(g.part);
+  while (index < ends.size() && g.capped >= ends[index]) ++index;
+  g.part = static_cast<int64_t>(index) - 1;
+  part.part = static_cast<int64_t>(index);
+  const py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(next.ptr(), nullptr));
+  if (!ref) throw py::error_already_set();
+  if (PyObject_SetAttr(engine.ptr(), n.last_offloaded, ref.ptr()) < 0) throw py::error_already_set();
+  const py::object refs = dict_get(attr(engine, n.layer_groups), g.layer);
+  if (!PyList_Check(refs.ptr()) || PyList_Append(refs.ptr(), ref.ptr()) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "offload: a layer in parts has no list of its groups");
+    throw py::error_already_set();
+  }
+  return next;
+}
+
 void GroupCycle::close_left(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
                             const py::object& layer) {
   const EngineNames& n = engine_names();
@@ -329,11 +389,7 @@ void GroupCycle::fetch_groups(py::handle engine, const py::handle& refs, const p
     const int64_t upto = all ? 0 : static_cast<int64_t>(wanted);
     if (!whole) wanted = std::max(0.0, wanted - size);
     if (!g.on_host_only() || (!all && upto == 0)) continue;
-    if (native && all && g.fetched == 0) {
-      fetch(engine, group, g);
-    } else {
-      attr(engine, n.fetch_in_python)(group, all ? py::none() : py::object(py::int_(upto)));
-    }
+    fetch_any(engine, group, g, all ? -1 : upto);
     if (g.fetched == g.nbytes_aligned) add_count(engine, n.groups_prefetched, 1);
   }
 }

@@ -54,6 +54,10 @@ class GroupCycle {
   // otherwise, after the caller has let go of it.
   py::object next_group(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
                         bool offload, const py::object& layer, bool* joined);
+  // forward.py's `split` (Note [layer parts] in engine.py): the group to go on in after the
+  // layer's open group `group` (`g`, its core) passed a part end; the engine's bookkeeping
+  // of the layer's groups follows it. The caller opens it, then closes `group`.
+  py::object next_part(py::handle engine, ActivationGroup& g);
   // The open group of the plain configuration's boundary was let go of: close it (None: nothing),
   // then, under a schedule, release what is due at layer `layer`'s point and start counting the
   // tensors saved after the last layer.
@@ -65,9 +69,9 @@ class GroupCycle {
   void release_due(py::handle engine, const py::object& point);
   // backward.py's `fetch_groups`: fetch the groups of `refs` (weak references, or None) that
   // are on the host; with `share` (not None), the groups of one layer up to that share of
-  // their bytes, in the order given (Note [fetch in pieces] in auto/schedule.py). A whole
-  // group is fetched here where the cycle is native, a piece (or any fetch, where it is not)
-  // by the engine's Python `_fetch_group`, which serves listeners and nvtx.
+  // their bytes, in the order given (Note [fetch in pieces] in auto/schedule.py). Fetched
+  // here where the cycle is native, else by the engine's Python `_fetch_group`, which serves
+  // listeners and nvtx.
   void fetch_groups(py::handle engine, const py::handle& refs, const py::object& share);
   // forward.py's `hooks_follow_groups`, called only where it has something to switch.
   void follow_hooks(py::handle engine, bool group_open);
@@ -83,8 +87,11 @@ class GroupCycle {
   // reader on the current stream (the host, without one) wait for the copy back, once per
   // stream and backward.
   void make_ready(py::handle engine, py::handle group, ActivationGroup& g);
-  // backward.py's `fetch` of all of a group none of which was fetched yet.
-  void fetch(py::handle engine, py::handle group, ActivationGroup& g);
+  // backward.py's `fetch`: what is left of the group (`upto` < 0), or its bytes up to `upto`
+  // (a piece, Note [fetch in pieces] in auto/schedule.py), where the cycle is native.
+  void fetch(py::handle engine, ActivationGroup& g, int64_t upto);
+  // `fetch` where the cycle is native, else the engine's Python `_fetch_group`.
+  void fetch_any(py::handle engine, py::handle group, ActivationGroup& g, int64_t upto);
   // Backward reached `group`: fetch the group before it, and that group's earlier parts.
   void prefetch(py::handle engine, py::handle group);
   // Every handle of `group` was unpacked: its device copies go (the host copy stays).

@@ -341,6 +341,19 @@ class PackTable {
 
   py::object pack_new_span(py::handle engine, py::handle tensor, const at::Tensor& t, const Extent& extent);
 
+  // The open group passed a part end of its layer (Note [layer parts] in engine.py): the next
+  // part opens and the group closes, here where the cycle is native, else by forward.py's `split`.
+  void split_open_group(py::handle engine) {
+    if (!cycle_.native) {
+      call(engine, activation::engine_names().split, open_group_);
+      return;
+    }
+    const py::object group = open_group_;
+    ActivationGroup& g = *open_native_;
+    set_open_group(cycle_.next_part(engine, g));
+    cycle_.close(engine, group, g);
+  }
+
   // One parameter, buffer or input: its storage stays. A DTensor counts by its local shard; a
   // tensor without storage (meta, fake) and anything not a tensor (None) are skipped.
   void add_param(const py::handle& item) {
@@ -407,7 +420,7 @@ py::object PackTable::pack_new_span(py::handle engine, py::handle tensor, const 
   storages_.insert_or_assign(extent.ptr, StorageEntry{open_group_, open_native_, entry, storage.getWeakStorageImpl()});
   const int64_t slot = group.hold(py::reinterpret_borrow<py::object>(tensor), t._version());
   py::object packed = saved_activation(open_group_, open_native_, entry, slot, t, extent.first);
-  if (split) call(engine, n.split, open_group_);  // copy what the layer saved so far, go on in a new group
+  if (split) split_open_group(engine);  // copy what the layer saved so far, go on in a new group
   return packed;
 }
 
@@ -669,10 +682,14 @@ void bind(py::module_& m) {
           py::arg("group"))
       .def(
           "fetch_group",
-          [](PackTable& t, py::object group) {
-            t.cycle().fetch(t.engine_object(), group, core_group(group, "fetch_group"));
+          [](PackTable& t, py::object group, c10::optional<int64_t> upto) {
+            if (upto.has_value() && *upto < 0) {
+              throw py::value_error("offload._C.PackTable.fetch_group: expected upto >= 0 or None, got " +
+                                    std::to_string(*upto));
+            }
+            t.cycle().fetch(t.engine_object(), core_group(group, "fetch_group"), upto.value_or(-1));
           },
-          py::arg("group"))
+          py::arg("group"), py::arg("upto") = py::none())
       .def(
           "release_due", [](PackTable& t, const py::object& point) { t.cycle().release_due(t.engine_object(), point); },
           py::arg("point"))

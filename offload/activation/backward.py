@@ -212,8 +212,8 @@ class BackwardSide:
         """Copy the group's host block back, or its bytes up to `upto` (a piece, Note [fetch in
         pieces] in auto/schedule.py; None: all that is left)."""
         engine = self.engine
-        if upto is None and group.fetched == 0 and engine.native_cycle:
-            engine._fetch_native(group)  # the core's twin of this method (csrc/python/group_cycle.h)
+        if engine.native_cycle:
+            engine._fetch_native(group, upto)  # the core's twin of this method (csrc/python/group_cycle.h)
             return
         end = group.nbytes_aligned if upto is None else min(group.nbytes_aligned, -(-upto // SPAN_ALIGN) * SPAN_ALIGN)
         if end <= group.fetched:

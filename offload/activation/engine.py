@@ -191,7 +191,7 @@ class ActivationEngine:
     `observer.unpacked(group)`; and read `counters["tensors_kept"]` (incremented for a tensor
     that stays), `backward_seen`, `observer`. The core's cycle of a group (group_cycle.h)
     calls `_copy_streams()`, `_keep_on_device(group, exc)`, `_hooks_follow_groups()` and
-    `_fetch_group(group, upto)` (a piece, or the rest of a group a plan fetched in pieces),
+    `_fetch_group(group, upto)` (where the cycle is not native: a measured step's fetches),
     reads `schedule`, `_due` and the engine's group bookkeeping, and adds to `counters` (its
     timings go to the core's StepTimings, `_timings`). Every name the core reads or calls is
     listed in csrc/python/engine_interface.h.
@@ -255,7 +255,7 @@ class ActivationEngine:
             self._copy_pool = self.pool.native_pool
             pack, unpack = (functools.partial(core.pack_saved_tensor, self._table),
                             functools.partial(core.unpack_saved_tensor, self._table))
-            self._fetch_native = self._table.fetch_group  # the core's fetch of a whole group (group_cycle.h)
+            self._fetch_native = self._table.fetch_group  # the core's fetch of a group or piece (group_cycle.h)
             # Copy and wait timings not yet counted, in the core so its cycle adds to them directly
             # (csrc/python/step_timings.h); the Python path calls the same object.
             self._timings = core.StepTimings(self.device)
