@@ -373,20 +373,24 @@ def _wide_stack(ctx):
     return model, lambda: model(x)
 
 
-def _qwen2(ctx):
+QWEN2_SEQ = 4096  # the frontier's Qwen2 case: batch 2 of this many tokens
+
+
+def _qwen2(ctx, seq=None):
     """A Qwen2 model from a config (random weights): grouped-query attention (2 key/value heads),
-    biased q/k/v projections, another sequence and batch than the Llama."""
+    biased q/k/v projections, another sequence and batch than the Llama; `seq` tokens a
+    sequence (None: QWEN2_SEQ, or 32 with ctx.quick)."""
     import transformers
 
     if ctx.quick:
         config = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-        batch, seq = 2, 32
+        batch, seq = 2, seq or 32
     else:
         config = transformers.Qwen2Config(vocab_size=32000, hidden_size=1536, intermediate_size=8960,
                                           num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=2,
                                           max_position_embeddings=32768)
-        batch, seq = 2, 4096
+        batch, seq = 2, seq or QWEN2_SEQ
     config._attn_implementation = "sdpa"
     with torch.device(ctx.device):
         model = transformers.Qwen2ForCausalLM(config)

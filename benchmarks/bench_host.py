@@ -31,8 +31,18 @@ copy of it), in the same process:
   beside each variant's device time, its host time per step (the step call's wall time): where
   it exceeds the device's, the host sets the step's pace once the device's queue runs dry. Then,
   per variant, 5 steps from an idle device timed on the host alone (`host_alone`): the host's
-  own time per step, the device's left out; a handle's over the no-handle step's is the
-  engine's host time per step.
+  own time per step, the device's left out, wherever the device's step is the shorter (a
+  variant whose device step is the longer, async at the bus bound, fills the device's queue and
+  waits for it: its "alone" is then the device's time).
+- the engine's host time per step (cuda, npu; target at most 0.3 ms for 8 layers): the bench's
+  Llama and the frontier section's Qwen2 (d1536, 8 layers, batch 2), each at a sequence 8
+  times shorter than its own (256 and 512 tokens) with `min_tensor_bytes` 8 times smaller:
+  the same saved tensors offloaded in the same groups, with a device step shorter than the
+  host's. async on every layer (`keep_last=0`) against no handle (and identity saved-tensor
+  hooks, the floor of any hook-based offload), the host's time alone per
+  step (`host_alone`, 6 rounds, the order reversed in every other one); the difference is
+  the engine's host time per step (a longer sequence's copies are cut in more chunks, a few
+  microseconds each).
 
 Per variant the median step of all rounds counts, its ratio to the no-handle median is the
 row's; the spread is that of the rounds' medians. The rounds alternate the variants so that
@@ -78,6 +88,12 @@ GPU_ROUNDS, GPU_QUICK_ROUNDS, GPU_BLOCK, GPU_WARMUP = 8, 2, 5, 2
 # step's launches stay within the device's queue while the host runs ahead.
 HOST_ALONE_STEPS = 5
 GPU_SEQS = (2048, 8192)
+# The engine's host time per step (target: at most ENGINE_TARGET_MS for 8 layers): the bench's
+# Llama (seq 2048) and the frontier section's Qwen2 (seq 4096), each at a sequence ENGINE_SHRINK
+# times shorter with min_tensor_bytes as many times smaller, so that the same saved tensors are
+# offloaded in the same groups (the engine's work per step) while the device's step is shorter
+# than the host's: the host's wall time per step, from an idle device, is then its own.
+ENGINE_SHRINK, ENGINE_ROUNDS, ENGINE_TARGET_MS = 8, 6, 0.3
 # A group's copy out: spans per call (a decoder layer saves about 20 tensors), their sizes, and
 # calls timed per way (alternated in rounds).
 SPAN_COUNT, SPAN_SIZES, SPAN_CALLS, SPAN_ROUNDS = 20, (16 << 10, 1 << 20), 50, 6
@@ -579,6 +595,88 @@ def _gpu_rows(ctx) -> list:
     return rows
 
 
+def _engine_models(ctx):
+    """(description, builder of (model, loss of a model)) of the models the engine's host time is
+    read on (ImportError without transformers)."""
+    import bench_frontier
+    import transformers  # noqa: F401
+
+    llama_seq, qwen2_seq = GPU_SEQS[0] // ENGINE_SHRINK, bench_frontier.QWEN2_SEQ // ENGINE_SHRINK
+
+    def qwen2():
+        model, loss = bench_frontier._qwen2(ctx, qwen2_seq)
+        ids = torch.randint(0, model.config.vocab_size, (2, qwen2_seq), device=ctx.device)
+        return model, (lambda m: m(input_ids=ids, labels=ids).loss)
+
+    return [(f"Llama d2048 8 layers bf16, batch 1, seq {llama_seq}", lambda: _llama(ctx.device, llama_seq)),
+            (f"Qwen2 d1536 8 layers bf16, batch 2, seq {qwen2_seq}", qwen2)]
+
+
+def _engine_host_rows(ctx) -> list:
+    """The engine's host time per step with every layer offloaded (async, keep_last=0): the
+    host's own time per step (host_alone, rounds alternated) with the handle, over the same
+    model's with none; beside it, the same model's under identity saved-tensor hooks (what
+    autograd's hook calls alone cost, a floor of any hook-based offload)."""
+    from common import row
+
+    import offload
+    from offload.activation.engine import DEFAULT_MIN_TENSOR_BYTES
+    from offload.core import _device
+
+    try:
+        models = _engine_models(ctx)
+    except ImportError:
+        ctx.skip("engine host time rows", "needs transformers (not installed)")
+        return []
+    rows = []
+    clock = _EventClock(ctx.device)
+    for what, build in models:
+        ctx.progress(f"engine host time: {what}")
+        model, loss_fn = build()
+        offloaded = copy.deepcopy(model)
+        handle = offload.enable_activation_offload(offloaded, "async", verbose=False, keep_last=0,
+                                                   min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES // ENGINE_SHRINK)
+        try:
+            plain = _train_step(model, lambda: loss_fn(model))
+            variants = [Variant("none", plain), Variant("hooks", _under_identity_hooks(plain)),
+                        Variant("async", _train_step(offloaded, lambda: loss_fn(offloaded)))]
+            for v in variants:
+                for _ in range(GPU_WARMUP):
+                    v.step()
+            variants[-1].step()
+            stats = handle.stats()
+            alone = {v.name: [] for v in variants}
+            for r in range(ENGINE_ROUNDS):
+                for v, ms in host_alone(variants if r % 2 == 0 else variants[::-1], HOST_ALONE_STEPS,
+                                        clock.synchronize).items():
+                    alone[v].append(ms)
+        finally:
+            handle.disable()
+            del model, offloaded, loss_fn, handle
+            gc.collect()
+            _device.empty_cache()
+        none_ms, hooks_ms, async_ms = (statistics.median(alone[name]) for name in ("none", "hooks", "async"))
+        engine_ms = async_ms - none_ms
+        met = engine_ms <= ENGINE_TARGET_MS
+        print(f"{what}: host time alone per step, median of {ENGINE_ROUNDS} rounds of {HOST_ALONE_STEPS} steps: "
+              f"no handle {none_ms:.2f} ms, identity hooks {hooks_ms:.2f} ms, async {async_ms:.2f} ms "
+              f"({stats['layers_offloaded']} layers, {stats['groups_offloaded']} groups, "
+              f"{stats['tensors_offloaded']} tensors offloaded): the engine's {engine_ms:.3f} ms a step "
+              f"({hooks_ms - none_ms:.3f} ms of it autograd's hooks alone pay), target <= {ENGINE_TARGET_MS} ms "
+              f"{'met' if met else 'MISSED'}", flush=True)
+        rows.append(row(SECTION, f"{what.split(',')[0]} engine host time per step, async, "
+                                 f"{stats['layers_offloaded']} layers (target <= {ENGINE_TARGET_MS} ms)",
+                        offload=engine_ms, baseline=None, unit="ms",
+                        baseline_name="host time alone: async step - no-handle step", measure="engine_host",
+                        what=what, variant="async", layers_offloaded=stats["layers_offloaded"],
+                        groups_offloaded=stats["groups_offloaded"], tensors_offloaded=stats["tensors_offloaded"],
+                        host_alone_ms=async_ms, baseline_host_alone_ms=none_ms, hooks_host_alone_ms=hooks_ms,
+                        round_host_alone_ms=alone["async"], baseline_round_host_alone_ms=alone["none"],
+                        hooks_round_host_alone_ms=alone["hooks"],
+                        target=f"<= {ENGINE_TARGET_MS} ms", target_met=met))
+    return rows
+
+
 def run(ctx):
     from offload.core import _device
 
@@ -587,6 +685,7 @@ def run(ctx):
         rows += _accelerator_tiny_rows(ctx)
         rows += _span_copy_rows(ctx)
         rows += _gpu_rows(ctx)
+        rows += _engine_host_rows(ctx)
         if not ctx.full:
             ctx.skip(f"Llama seq {GPU_SEQS[1]} rows", "run with --full")
     return rows

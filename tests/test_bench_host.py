@@ -95,3 +95,32 @@ def test_bench_host_section_runs_on_the_cpu_in_quick_mode(bench_host, capsys):
     assert len(floor) == 1
     assert floor[0]["offload"] == pytest.approx(steps["hooks"]["offload"] - steps["hooks"]["baseline"])
     assert "target" in capsys.readouterr().out  # the printed table states the targets
+
+
+def test_bench_host_engine_rows_read_the_engine_host_time_on_the_host_alone(bench_host, monkeypatch, capsys):
+    # The engine's host time per step: async on every layer against the same model with no
+    # handle, each timed on the host alone in rounds of alternating order; the row is their
+    # medians' difference, judged against the target in ms. Here on the CPU (whose engine
+    # offloads CPU tensors), the tiny stack standing in for the Llama and the Qwen2.
+    import common
+
+    torch.manual_seed(0)
+    model = bench_host.TinyStack(bench_host.CPU_LAYERS, bench_host.CPU_WIDTH)
+    x = torch.randn(*bench_host.CPU_INPUT)
+    monkeypatch.setattr(bench_host, "_engine_models", lambda ctx: [("tiny, one thread", lambda: (
+        model, lambda m: m(x).square().mean()))])
+    monkeypatch.setattr(bench_host, "ENGINE_ROUNDS", 2)
+    ctx = common.Context(device=torch.device("cpu"), quick=True, progress=lambda message: None)
+    from offload.activation import engine
+
+    monkeypatch.setattr(engine, "DEFAULT_MIN_TENSOR_BYTES", bench_host.ENGINE_SHRINK)  # every tensor of the stack
+    rows = bench_host._engine_host_rows(ctx)
+    assert ctx.skipped == [] and len(rows) == 1
+    r = rows[0]
+    assert r["section"] == "host" and r["unit"] == "ms" and r["baseline"] is None
+    assert r["layers_offloaded"] == bench_host.CPU_LAYERS and r["tensors_offloaded"] > 0 and r["groups_offloaded"] > 0
+    assert len(r["round_host_alone_ms"]) == len(r["baseline_round_host_alone_ms"]) == 2
+    assert len(r["hooks_round_host_alone_ms"]) == 2 and r["hooks_host_alone_ms"] > 0
+    assert r["offload"] == pytest.approx(r["host_alone_ms"] - r["baseline_host_alone_ms"])
+    assert r["target_met"] == (r["offload"] <= bench_host.ENGINE_TARGET_MS) and "0.3 ms" in r["target"]
+    assert "the engine's" in capsys.readouterr().out
