@@ -7,7 +7,8 @@ of auto mode) next to the same step with the hooks in and nothing offloaded:
 
 - plans:   step time (median of 6), peak above the memory between steps, and the compute
            stream's device-side waits (release points in forward, copies back in backward);
-- host:    host time per step inside the engine's entry points and the copy calls;
+- host:    host time per step inside the engine's entry points (the hooks, the layer
+           boundaries, the capture) and the Python methods the core's cycle leaves;
 - profile: the compute stream's kernel time against its span (gaps: the device waiting for
            the host), and the kernels whose time changed;
 - lead:    per layer of steps run back to back, the host's time to queue its forward, the
@@ -31,6 +32,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_activation  # noqa: E402
@@ -115,18 +118,22 @@ def probe_host(ctx, model, loss_fn, handle, n):
                 calls[name] += 1
         return wrapper
 
-    # The engine's Python runs per group (the per-tensor work is the core's, or the Python twins'
-    # without it): time its per-group methods, the engine's and its forward and backward sides'.
-    # The hooks take the sides' methods through the engine's attributes set when it was made, so
-    # those are timed on the instance.
+    # The engine's entry points: the saved-tensor hooks (the core's, or the Python ones without
+    # it), the layer boundaries (where the core's cycle closes a group and issues its copy out),
+    # the capture's start and end and the step's timings; then the Python methods, which run where
+    # the core's cycle does not (csrc/python/group_cycle.h). The hooks take the sides' methods
+    # through the engine's attributes set when it was made, so those are timed on the instance.
     engine = handle.engine
-    for name in ("boundary", "_copy_back", "_walk_params"):
+    hooks = engine._hooks
+    engine._hooks = torch.autograd.graph.saved_tensors_hooks(timed("pack hook", hooks.pack_hook),
+                                                             timed("unpack hook", hooks.unpack_hook))
+    for name in ("boundary", "_copy_back", "_walk_params", "_enter", "_exit", "resolve_timing"):
         setattr(engine, name, timed(name, getattr(engine, name)))
     forward = engine.forward
     for name in ("close", "release_due", "mark_copied"):
         setattr(forward, name, timed(f"forward.{name}", getattr(forward, name)))
     side = engine.backward
-    for name in ("fetch", "fetch_groups", "starts"):
+    for name in ("fetch", "fetch_groups", "starts", "fetch_when_backward_reaches"):
         setattr(side, name, timed(f"backward.{name}", getattr(side, name)))
     for name, method in (("_make_ready", side.make_ready), ("_prefetch", side.prefetch), ("_release", side.release)):
         setattr(engine, name, timed(f"backward.{name.lstrip('_')}", method))
@@ -151,7 +158,7 @@ def probe_host(ctx, model, loss_fn, handle, n):
         print(f"{label}: host forward {statistics.median(forward):.2f} ms, backward call "
               f"{statistics.median(backward):.2f} ms", flush=True)
         print("   " + ", ".join(f"{k} {seconds[k] * 1e3 / steps:.3f} ms/{calls[k] // steps}"
-                                for k, _ in seconds.most_common(10)), flush=True)
+                                for k, _ in seconds.most_common(12)), flush=True)
 
     handle._offload = [False] * n
     run("hooks in, nothing offloaded")
