@@ -376,10 +376,16 @@ def _wide_stack(ctx):
 QWEN2_SEQ = 4096  # the frontier's Qwen2 case: batch 2 of this many tokens
 
 
-def _qwen2(ctx, seq=None):
+def _qwen2(ctx):
+    model, loss_of = qwen2_case(ctx)
+    return model, lambda: loss_of(model)
+
+
+def qwen2_case(ctx, seq=None):
     """A Qwen2 model from a config (random weights): grouped-query attention (2 key/value heads),
     biased q/k/v projections, another sequence and batch than the Llama; `seq` tokens a
-    sequence (None: QWEN2_SEQ, or 32 with ctx.quick)."""
+    sequence (None: QWEN2_SEQ, or 32 with ctx.quick). With its loss as a function of the module
+    that runs it (the model itself, or a copy of it)."""
     import transformers
 
     if ctx.quick:
@@ -396,7 +402,7 @@ def _qwen2(ctx, seq=None):
         model = transformers.Qwen2ForCausalLM(config)
     model = model.to(torch.bfloat16 if _device.is_accelerator(ctx.device) else torch.float32).train()
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=ctx.device)
-    return model, lambda: model(input_ids=ids, labels=ids).loss
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
 
 
 def run(ctx):

@@ -603,13 +603,9 @@ def _engine_models(ctx):
 
     llama_seq, qwen2_seq = GPU_SEQS[0] // ENGINE_SHRINK, bench_frontier.QWEN2_SEQ // ENGINE_SHRINK
 
-    def qwen2():
-        model, loss = bench_frontier._qwen2(ctx, qwen2_seq)
-        ids = torch.randint(0, model.config.vocab_size, (2, qwen2_seq), device=ctx.device)
-        return model, (lambda m: m(input_ids=ids, labels=ids).loss)
-
     return [(f"Llama d2048 8 layers bf16, batch 1, seq {llama_seq}", lambda: _llama(ctx.device, llama_seq)),
-            (f"Qwen2 d1536 8 layers bf16, batch 2, seq {qwen2_seq}", qwen2)]
+            (f"Qwen2 d1536 8 layers bf16, batch 2, seq {qwen2_seq}",
+             lambda: bench_frontier.qwen2_case(ctx, qwen2_seq))]
 
 
 def _engine_host_rows(ctx) -> list:
@@ -643,8 +639,7 @@ def _engine_host_rows(ctx) -> list:
             for v in variants:
                 for _ in range(GPU_WARMUP):
                     v.step()
-            variants[-1].step()
-            stats = handle.stats()
+            stats = handle.stats()  # of async's last warm-up step (the last variant's)
             alone = {v.name: [] for v in variants}
             for r in range(ENGINE_ROUNDS):
                 for v, ms in host_alone(variants if r % 2 == 0 else variants[::-1], HOST_ALONE_STEPS,

@@ -128,7 +128,7 @@ def test_engine_uses_the_core_hooks_and_counts_as_python(mode, listen):
     auto mode's schedule too (a cap, a layer in parts, release points, fetch points, a layer
     fetched in pieces), without calling the Python split or fetch once; with a listener added
     between a step's forward and its backward, the Python backward takes up the groups the
-    forward left. `scheduled_pieces`: layers in several parts, one span past two part ends,
+    forward left. `scheduled_pieces`: layers in several parts, one span past several part ends,
     groups fetched in two and three pieces, the rest of one fetched on demand."""
     device = _device.current_device()
     x = torch.randn(8, 16, device=device)

@@ -100,7 +100,7 @@ void GroupCycle::timed_copy(py::handle engine, PyObject* kind, const Transfer& c
   timings_->copy(attr(engine, engine_names().counters), py::reinterpret_borrow<py::object>(kind), copy.timer());
 }
 
-// Where the cycle is native, the fetch above; else the engine's Python fetch, which serves
+// Where the cycle is native, `fetch` below; else the engine's Python fetch, which serves
 // listeners, nvtx ranges and the observer.
 void GroupCycle::fetch_any(py::handle engine, py::handle group, ActivationGroup& g, int64_t upto) {
   if (native) {
