@@ -156,7 +156,7 @@ std::shared_ptr<Transfer> ActivationGroup::copy_out(HostPool& pool, const c10::o
     tensors.push_back(span.tensor);
     sizes.push_back(span.hi - span.lo);
     offsets_.push_back(at);
-    at += (span.hi - span.lo + kSpanAlign - 1) / kSpanAlign * kSpanAlign;
+    at += span_aligned(span.hi - span.lo);
   }
   nbytes_aligned = at;
   sizes_ = sizes;

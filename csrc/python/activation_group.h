@@ -53,6 +53,9 @@ enum GroupState : int { kOpen = 0, kCopying = 1, kHost = 2, kKept = 3 };
 // alignment, so a restored view has the original's address modulo 512.
 constexpr int64_t kSpanAlign = 512;
 
+// `bytes` rounded up to a multiple of kSpanAlign.
+constexpr int64_t span_aligned(int64_t bytes) { return (bytes + kSpanAlign - 1) / kSpanAlign * kSpanAlign; }
+
 // Bytes [lo, hi) of one storage that the group copies, read through `tensor`.
 struct SavedSpan {
   at::Tensor tensor;

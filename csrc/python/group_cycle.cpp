@@ -57,6 +57,15 @@ void synchronize(const Transfer& t) {
   drain_in_flight();
 }
 
+// A weak reference to `group`, made the engine's last offloaded group (`_last_offloaded`),
+// which the next group links back to.
+py::object link_as_last(py::handle engine, const py::object& group) {
+  py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(group.ptr(), nullptr));
+  if (!ref) throw py::error_already_set();
+  if (PyObject_SetAttr(engine.ptr(), engine_names().last_offloaded, ref.ptr()) < 0) throw py::error_already_set();
+  return ref;
+}
+
 }  // namespace
 
 void GroupCycle::configure(py::object pool_owner, py::object handle_class, int64_t small_bytes, int64_t chunk_bytes,
@@ -115,8 +124,7 @@ void GroupCycle::fetch_any(py::handle engine, py::handle group, ActivationGroup&
 // Note [fetch in pieces] in auto/schedule.py).
 void GroupCycle::fetch(py::handle engine, ActivationGroup& g, int64_t upto) {
   const EngineNames& n = engine_names();
-  const int64_t end = upto < 0 ? g.nbytes_aligned
-                               : std::min(g.nbytes_aligned, (upto + kSpanAlign - 1) / kSpanAlign * kSpanAlign);
+  const int64_t end = upto < 0 ? g.nbytes_aligned : std::min(g.nbytes_aligned, span_aligned(upto));
   const int64_t start = g.fetched;
   if (end <= start) return;
   read_copy_streams(engine);
@@ -252,9 +260,7 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
   const bool first = last.is_none();
   py::object next = py::cast(new ActivationGroup(name, layer, true, last), py::return_value_policy::take_ownership);
   ActivationGroup& made = next.cast<ActivationGroup&>();
-  const py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(next.ptr(), nullptr));
-  if (!ref) throw py::error_already_set();
-  if (PyObject_SetAttr(engine.ptr(), n.last_offloaded, ref.ptr()) < 0) throw py::error_already_set();
+  const py::object ref = link_as_last(engine, next);
   if (!layer.is_none()) {
     py::list refs;
     refs.append(ref);
@@ -287,7 +293,7 @@ py::object GroupCycle::next_group(py::handle engine, const py::object& group, Ac
   return next;
 }
 
-py::object GroupCycle::next_part(py::handle engine, ActivationGroup& g) {
+py::object GroupCycle::next_part(py::handle engine, ActivationGroup& g, const std::vector<int64_t>& ends) {
   const EngineNames& n = engine_names();
   py::object next = py::cast(new ActivationGroup(g.name, g.layer, true, attr(engine, n.last_offloaded)),
                              py::return_value_policy::take_ownership);
@@ -305,14 +311,11 @@ py::object GroupCycle::next_part(py::handle engine, ActivationGroup& g) {
   part.n_layers = 0;
   // One span may pass several part ends: this group ends the last of them (its copy is
   // planned complete by that part's point, not an earlier one).
-  const auto ends = g.split.cast<std::vector<int64_t>>();
   auto index = static_cast<size_t>(g.part);
   while (index < ends.size() && g.capped >= ends[index]) ++index;
   g.part = static_cast<int64_t>(index) - 1;
   part.part = static_cast<int64_t>(index);
-  const py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(next.ptr(), nullptr));
-  if (!ref) throw py::error_already_set();
-  if (PyObject_SetAttr(engine.ptr(), n.last_offloaded, ref.ptr()) < 0) throw py::error_already_set();
+  const py::object ref = link_as_last(engine, next);
   const py::object refs = dict_get(attr(engine, n.layer_groups), g.layer);
   if (!PyList_Check(refs.ptr()) || PyList_Append(refs.ptr(), ref.ptr()) < 0) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "offload: a layer in parts has no list of its groups");

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
@@ -55,9 +56,10 @@ class GroupCycle {
   py::object next_group(py::handle engine, const py::object& group, ActivationGroup* g, const py::object& name,
                         bool offload, const py::object& layer, bool* joined);
   // forward.py's `split` (Note [layer parts] in engine.py): the group to go on in after the
-  // layer's open group `group` (`g`, its core) passed a part end; the engine's bookkeeping
-  // of the layer's groups follows it. The caller opens it, then closes `group`.
-  py::object next_part(py::handle engine, ActivationGroup& g);
+  // layer's open group (`g`, its core) passed a part end of `ends` (the layer's part ends,
+  // `g.split` as the pack table holds them); the engine's bookkeeping of the layer's groups
+  // follows it. The caller opens it, then closes the group.
+  py::object next_part(py::handle engine, ActivationGroup& g, const std::vector<int64_t>& ends);
   // The open group of the plain configuration's boundary was let go of: close it (None: nothing),
   // then, under a schedule, release what is due at layer `layer`'s point and start counting the
   // tensors saved after the last layer.

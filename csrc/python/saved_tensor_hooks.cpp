@@ -350,7 +350,7 @@ class PackTable {
     }
     const py::object group = open_group_;
     ActivationGroup& g = *open_native_;
-    set_open_group(cycle_.next_part(engine, g));
+    set_open_group(cycle_.next_part(engine, g, split_ends_));  // read before the new group replaces them
     cycle_.close(engine, group, g);
   }
 
